@@ -1,0 +1,5 @@
+"""Module level: drop-in ``nn.Module`` replacements with transformers' parameter names (API.md)."""
+
+from tigon.nn.norm import RMSNorm
+
+__all__ = ["RMSNorm"]

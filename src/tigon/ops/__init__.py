@@ -1,0 +1,9 @@
+"""Functional level: every kernel as a plain function (API.md, ``tigon.ops``).
+
+Import this only after deciding on the interpreter: without a GPU, set ``TRITON_INTERPRET=1``
+before the first import, since Triton reads it when the kernels below are defined.
+"""
+
+from tigon.ops.rms_norm import add_rms_norm, rms_norm
+
+__all__ = ["add_rms_norm", "rms_norm"]

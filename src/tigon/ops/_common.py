@@ -1,0 +1,77 @@
+"""What every op shares: input checks that name the argument, row views, launch geometry.
+
+Kept small on purpose. Anything specific to one op (its block sizes, its kernels) lives in that
+op's file; this module only holds what several ops would otherwise each write again.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Programs a persistent kernel launches per multiprocessor. Two keep one program's loads in flight
+# while the other computes; more only grows the partial-sum buffers that deterministic reductions need.
+PROGRAMS_PER_SM = 2
+# The interpreter runs programs one after another at ~1 ms each: a handful is plenty.
+INTERPRETER_PROGRAMS = 4
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
+    """Raise TypeError/ValueError naming ``name`` when ``t`` cannot go to a kernel.
+
+    A kernel reads raw pointers, so a wrong device or dtype must be stopped here: past this point it
+    would be a CUDA fault or a silently wrong answer rather than an error message.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {allowed}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs on one device)")
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and interpreter_active():
+        return
+    if t.device.type == "meta":  # shape propagation (torch.compile, fake tensors)
+        return
+    raise ValueError(
+        f"{name} is on {t.device}: tigon kernels need CUDA tensors "
+        "(CPU tensors only under the Triton interpreter, TRITON_INTERPRET=1)"
+    )
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View ``t`` as ``(rows, last_dim)`` without copying where the strides allow it.
+
+    Kernels take a row stride and a column stride, so a non-contiguous row layout or a stride-0
+    (expanded) gradient is read in place; only layouts whose leading dims cannot be merged into one
+    stride are copied by ``reshape``.
+    """
+    return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device) -> int:
+    """How many programs a persistent (grid-stride) kernel launches on ``device``."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return PROGRAMS_PER_SM * _multiprocessors(index)

@@ -1,0 +1,1 @@
+"""The transformers integration (issue: data-driven patching engine); nothing shipped yet."""

@@ -1,0 +1,228 @@
+"""tigon.ops.rms_norm / add_rms_norm against the fp64 transformers-equivalent reference.
+
+Sizes sit on the kernel's regime boundaries (rms_norm.py's launch config): hidden 1 and 7 (tiles
+far wider than the row, many rows per program), 96 and 1000 (non-powers of two), 4096 (one tile,
+one row per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385
+(forward streamed too).
+"""
+
+import pytest
+import torch
+
+from tests.helpers import (
+    DEVICE,
+    DTYPES,
+    ON_GPU,
+    assert_close,
+    fp64_reference,
+    noncontiguous,
+    randn,
+    stride0_like,
+)
+from tigon.ops import add_rms_norm, rms_norm
+from tigon.ops.rms_norm import (
+    MAX_FUSED_HIDDEN_BWD,
+    MAX_FUSED_HIDDEN_FWD,
+    add_rms_norm_reference,
+    rms_norm_reference,
+)
+
+HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)
+
+
+def check_rms_norm(x, weight, dy, *, eps=1e-6, offset=0.0, casting="llama"):
+    dtype = x.dtype
+    y = rms_norm(x, weight, eps, offset=offset, casting=casting)
+    tensors = {"x": x, "weight": weight}
+    ref, ref_grads = fp64_reference(
+        rms_norm_reference, tensors, dy, eps=eps, offset=offset, casting=casting, io_dtype=dtype
+    )
+    expected_dtype = torch.promote_types(dtype, weight.dtype) if (casting == "llama" and weight is not None) else dtype
+    assert y.dtype == expected_dtype
+    assert_close(y, ref, dtype, "y")
+    grads = torch.autograd.grad(y, [t for t in (x, weight) if t is not None and t.requires_grad], dy)
+    names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+    for name, grad in zip(names, grads):
+        assert grad.dtype == tensors[name].dtype
+        assert_close(grad, ref_grads[name], dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("rows", (1, 37))
+def test_rms_norm_sizes(dtype, hidden, rows):
+    x = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    dy = randn(rows, hidden, dtype=dtype)
+    check_rms_norm(x, w, dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("casting", ("llama", "gemma"))
+@pytest.mark.parametrize("offset", (0.0, 1.0))
+@pytest.mark.parametrize("weight_kind", ("same", "fp32", "none"))
+def test_rms_norm_casting_modes(dtype, casting, offset, weight_kind):
+    x = randn(2, 9, 160, dtype=dtype, requires_grad=True)  # 3-D: leading dims flatten into rows
+    weight = {
+        "same": randn(160, dtype=dtype, requires_grad=True),
+        "fp32": randn(160, dtype=torch.float32, requires_grad=True),
+        "none": None,
+    }[weight_kind]
+    out_dtype = torch.promote_types(dtype, weight.dtype) if (weight is not None and casting == "llama") else dtype
+    dy = randn(2, 9, 160, dtype=out_dtype)
+    check_rms_norm(x, weight, dy, offset=offset if weight is not None else 0.0, casting=casting)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", (96, MAX_FUSED_HIDDEN_BWD + 1))
+def test_rms_norm_noncontiguous_input_and_stride0_grad(dtype, hidden):
+    x = noncontiguous(randn(5, hidden, dtype=dtype, requires_grad=True))
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    check_rms_norm(x, w, stride0_like(x))
+
+
+def test_rms_norm_sum_backward_uses_expanded_grad():
+    x = randn(4, 33, requires_grad=True)
+    w = randn(33, requires_grad=True)
+    rms_norm(x, w).sum().backward()
+    ref, grads = fp64_reference(rms_norm_reference, {"x": x, "weight": w}, torch.ones(4, 33, dtype=torch.float64))
+    assert_close(x.grad, grads["x"], torch.float32, "dx")
+    assert_close(w.grad, grads["weight"], torch.float32, "dw")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", (7, 1000, MAX_FUSED_HIDDEN_FWD + 1))
+@pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
+def test_add_rms_norm(dtype, hidden, casting, offset):
+    x = randn(3, hidden, dtype=dtype, requires_grad=True)
+    residual = randn(3, hidden, dtype=dtype, requires_grad=True)
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    dy, ds = randn(3, hidden, dtype=dtype), randn(3, hidden, dtype=dtype)
+    y, s = add_rms_norm(x, residual, w, offset=offset, casting=casting)
+    (ref_y, ref_s), grads = fp64_reference(
+        add_rms_norm_reference, {"x": x, "residual": residual, "weight": w}, (dy, ds),
+        offset=offset, casting=casting, io_dtype=dtype,
+    )
+    assert y.dtype == dtype and s.dtype == dtype
+    assert_close(s, ref_s, dtype, "s")
+    assert_close(y, ref_y, dtype, "y")
+    dx, dres, dw = torch.autograd.grad((y, s), (x, residual, w), (dy, ds))
+    assert_close(dx, grads["x"], dtype, "dx")
+    assert_close(dres, grads["residual"], dtype, "dresidual")
+    assert_close(dw, grads["weight"], dtype, "dw")
+
+
+def test_add_rms_norm_only_y_used():
+    """When the residual output gets no gradient, autograd passes None for it."""
+    x, r = randn(4, 64, requires_grad=True), randn(4, 64, requires_grad=True)
+    w = randn(64, requires_grad=True)
+    y, _ = add_rms_norm(x, r, w)
+    y.backward(randn(4, 64))
+    ref_y, grads = fp64_reference(
+        lambda **kw: add_rms_norm_reference(**kw)[0], {"x": x, "residual": r, "weight": w}, None
+    )
+    assert torch.equal(x.grad, r.grad)
+
+
+def test_rms_norm_deterministic():
+    x = randn(300, 512, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(512, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(300, 512, dtype=torch.bfloat16)
+    first = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    second = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_rms_norm_empty_rows():
+    x = randn(0, 64, requires_grad=True)
+    w = randn(64, requires_grad=True)
+    y = rms_norm(x, w)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: (torch.ones(4, 8, dtype=torch.int32, device=DEVICE), randn(8)), TypeError, "x has dtype"),
+        (lambda: (randn(4, 8), randn(7)), ValueError, "weight has shape"),
+        (lambda: (randn(4, 8), randn(8, dtype=torch.float64)), TypeError, "weight has dtype"),
+        (lambda: (randn(4, 8), torch.ones(8, device="meta")), ValueError, "weight is on meta"),
+        (lambda: ([1.0, 2.0], None), TypeError, "x must be a torch.Tensor"),
+    ],
+)
+def test_rms_norm_bad_inputs(make, error, match):
+    x, w = make()
+    before = x.clone() if isinstance(x, torch.Tensor) else None
+    with pytest.raises(error, match=match):
+        rms_norm(x, w)
+    if before is not None:
+        assert torch.equal(x, before)
+
+
+def test_rms_norm_bad_options():
+    x, w = randn(4, 8), randn(8)
+    with pytest.raises(ValueError, match="casting"):
+        rms_norm(x, w, casting="mistral")
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match="residual has shape"):
+        add_rms_norm(x, randn(4, 9), w)
+    with pytest.raises(TypeError, match="residual has dtype"):
+        add_rms_norm(x, randn(4, 8, dtype=torch.float16), w)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU, CPU tensors are simply the wrong device (checked above)")
+def test_rms_norm_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        rms_norm(randn(2, 8), randn(8))
+
+
+@pytest.mark.gpu
+def test_rms_norm_cpu_tensor_on_gpu_machine_rejected():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        rms_norm(torch.randn(2, 8), torch.randn(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
+def test_rms_norm_torch_compile_fullgraph(fn):
+    x = randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
+    r = randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(4096, dtype=torch.float32, requires_grad=True)
+
+    def f(x, r, w):
+        if fn == "rms_norm":
+            return rms_norm(x + r, w, casting="gemma", offset=1.0).float().square().sum()
+        y, s = add_rms_norm(x, r, w)
+        return (y.float().square().sum() + s.float().sum())
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(x, r, w)
+    grads = torch.autograd.grad(loss, (x, r, w))
+    ref_loss = f(x, r, w)
+    ref_grads = torch.autograd.grad(ref_loss, (x, r, w))
+    assert_close(loss, ref_loss, torch.float32, "loss")
+    for g, rg in zip(grads, ref_grads):
+        assert_close(g, rg, torch.bfloat16, "grad")
+
+
+@pytest.mark.gpu
+def test_rms_norm_int64_offsets():
+    """More than 2**31 elements: offsets computed in 64 bit, so the last rows are right."""
+    hidden = 4096
+    rows = (2**31 // hidden) + 64
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    y = rms_norm(x, w)
+    tail = slice(rows - 128, rows)
+    ref = rms_norm_reference(x[tail].detach().double(), w.detach().double(), io_dtype=torch.bfloat16)
+    assert_close(y[tail], ref, torch.bfloat16, "y tail")
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    xt = x[tail].detach().double().requires_grad_()
+    ref_t = rms_norm_reference(xt, w.detach().double(), io_dtype=torch.bfloat16)
+    (ref_dx,) = torch.autograd.grad(ref_t, (xt,), dy[tail].double())
+    assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
