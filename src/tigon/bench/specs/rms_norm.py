@@ -1,0 +1,95 @@
+"""RMSNorm and add_rms_norm: Llama-style casting at the table's hidden sizes and a sweep to 65536."""
+
+from __future__ import annotations
+
+import torch
+
+from tigon.bench.models import MODELS, TOKENS
+from tigon.bench.spec import Case, Spec
+from tigon.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+
+SWEEP = (1024, 2048, 8192, 16384, 32768, 65536)
+
+
+def _bytes(rows, hidden, elem, *, residual=False):
+    tensor, vector = rows * hidden * elem, hidden * elem
+    ins = 2 if residual else 1  # forward reads x (and residual), writes y (and s)
+    fwd = ins * tensor + vector + ins * tensor + 4 * rows
+    # backward reads dy (and ds), x or s, w, rstd; writes dx, dw
+    bwd = (ins + 1) * tensor + vector + 4 * rows + tensor + vector
+    return {"fwd": fwd, "bwd": bwd, "full": fwd + bwd}
+
+
+def _shapes():
+    shapes = [(m.name, TOKENS, m.hidden) for m in MODELS]
+    shapes += [(f"sweep N={n}", TOKENS * 4096 // n, n) for n in SWEEP]
+    seen, out = set(), []
+    for label, rows, hidden in shapes:
+        if (rows, hidden) not in seen:
+            seen.add((rows, hidden))
+            out.append((label, rows, hidden))
+    return out
+
+
+def _cases(residual=False):
+    cases = []
+    for label, rows, hidden in _shapes():
+
+        def make(device, dtype, rows=rows, hidden=hidden):
+            inputs = {
+                "x": torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True),
+                "weight": torch.randn(hidden, device=device, dtype=dtype, requires_grad=True),
+            }
+            if residual:
+                inputs["residual"] = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+            return inputs
+
+        cases.append(
+            Case(f"{label} M={rows} N={hidden}", {"M": rows, "N": hidden}, make, _bytes(rows, hidden, 2, residual=residual))
+        )
+    return cases
+
+
+def _check_case(residual=False):
+    def make(device, dtype):
+        inputs = {
+            "x": torch.randn(3, 5, 200, device=device, dtype=dtype, requires_grad=True),
+            "weight": torch.randn(200, device=device, dtype=dtype, requires_grad=True),
+        }
+        if residual:
+            inputs["residual"] = torch.randn(3, 5, 200, device=device, dtype=dtype, requires_grad=True)
+        return inputs
+
+    return Case("check B=3 T=5 N=200", {"M": 15, "N": 200}, make, _bytes(15, 200, 4, residual=residual))
+
+
+def _liger_rms_norm():
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return None
+    return lambda x, weight: LigerRMSNormFunction.apply(x, weight, 1e-6, 0.0, "llama")
+
+
+RMS_NORM = Spec(
+    name="rms_norm",
+    cases=_cases,
+    providers={
+        "eager": lambda x, weight: rms_norm_reference(x, weight),
+        "tigon": lambda x, weight: rms_norm(x, weight),
+    },
+    liger=_liger_rms_norm,
+    check_case=_check_case,
+)
+
+ADD_RMS_NORM = Spec(
+    name="add_rms_norm",
+    cases=lambda: _cases(residual=True),
+    providers={
+        "eager": lambda x, residual, weight: add_rms_norm_reference(x, residual, weight),
+        "tigon": lambda x, residual, weight: add_rms_norm(x, residual, weight),
+    },
+    check_case=lambda: _check_case(residual=True),
+)
+
+SPECS = (RMS_NORM, ADD_RMS_NORM)
