@@ -68,7 +68,7 @@ def _liger_rms_norm():
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except ImportError:
         return None
-    return lambda x, weight: LigerRMSNormFunction.apply(x, weight, 1e-6, 0.0, "llama")
+    return lambda x, weight: LigerRMSNormFunction.apply(x, weight, 1e-6, 0.0, "llama", False)
 
 
 RMS_NORM = Spec(

@@ -1,0 +1,252 @@
+"""Run benchmark specs on a GPU: median times, bandwidth against the copy bandwidth measured in the
+same run, peak memory; results as JSON, a markdown table and PNG plots.
+
+Every number comes from this run: the copy bandwidth that % of speed-of-light is taken against is
+measured first, on the same device, with the same timer.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from tigon.bench.spec import MODES, Case, Spec
+
+COPY_BYTES = 1 << 30  # 1 GiB source: far past L2, so the copy measures device memory
+WARMUP_MS = 25
+REP_MS = 100
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "transformers", "liger_kernel"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # not installed, or a broken install: report it as absent
+            out[name] = None
+    return out
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    del src, dst
+    return 2 * COPY_BYTES / (ms * 1e-3)
+
+
+def _outputs(out, spec: Spec):
+    outs = out if isinstance(out, tuple) else (out,)
+    if spec.grad_outputs is not None:
+        outs = tuple(outs[i] for i in spec.grad_outputs)
+    return tuple(o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad)
+
+
+def _grad_inputs(inputs: dict):
+    return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def make_step(fn, inputs: dict, spec: Spec, mode: str):
+    """A zero-argument callable doing one ``mode`` step of ``fn`` on ``inputs``."""
+    leaves = _grad_inputs(inputs)
+    if mode == "fwd":
+        return lambda: fn(**inputs)
+    if mode == "full":
+        # The random output gradient is drawn once, outside the timed region.
+        outs = _outputs(fn(**inputs), spec)
+        grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
+        del outs
+
+        def full():
+            torch.autograd.grad(_outputs(fn(**inputs), spec), leaves, grads, allow_unused=True)
+
+        return full
+    outs = _outputs(fn(**inputs), spec)
+    grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
+    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+
+
+def measure(step) -> tuple[float, float]:
+    """(median ms, peak MB allocated above what was allocated before one step)."""
+    import triton.testing
+
+    step()  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(step, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    return ms, peak
+
+
+def providers_of(spec: Spec) -> dict:
+    providers = dict(spec.providers)
+    providers["compile"] = torch.compile(spec.providers["eager"])
+    if spec.liger is not None:
+        liger = spec.liger()
+        if liger is not None:
+            providers["liger"] = liger
+    return providers
+
+
+def run_spec(spec: Spec, bandwidth: float, *, quick=False, log=print) -> list[dict]:
+    rows = []
+    cases = spec.cases()
+    if quick:
+        cases = cases[:2]
+    for case in cases:
+        for provider, fn in providers_of(spec).items():
+            for mode in spec.modes:
+                row = {"op": spec.name, "case": case.label, "params": case.params, "provider": provider, "mode": mode}
+                try:
+                    inputs = case.make_inputs(torch.device("cuda"), spec.dtype)
+                    ms, peak = measure(make_step(fn, inputs, spec, mode))
+                    row.update(ms=ms, peak_mb=peak)
+                    _add_rates(row, case, bandwidth)
+                except torch.OutOfMemoryError:
+                    row.update(error="out of memory")
+                except Exception as exc:  # one provider failing (e.g. a Liger API mismatch) is a result
+                    row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                finally:
+                    inputs = None
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                log(_row_line(row))
+    return rows
+
+
+def _add_rates(row: dict, case: Case, bandwidth: float) -> None:
+    sol = case.sol_bytes.get(row["mode"])
+    if sol:
+        row["gbps"] = sol / (row["ms"] * 1e-3) / 1e9
+        row["sol_ms"] = sol / bandwidth * 1e3
+        row["sol_pct"] = 100 * row["sol_ms"] / row["ms"]
+    flops = case.flops.get(row["mode"])
+    if flops:
+        row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+
+
+def _row_line(row: dict) -> str:
+    head = f"{row['op']:>14} {row['case'][:44]:<44} {row['provider']:>8} {row['mode']:>4}"
+    if "error" in row:
+        return f"{head}  ERROR {row['error']}"
+    sol = f" {row['sol_pct']:5.1f}% SOL" if "sol_pct" in row else ""
+    return f"{head} {row['ms']:9.3f} ms{sol} {row['peak_mb']:9.1f} MB"
+
+
+def markdown(result: dict) -> str:
+    """One table per op: rows = cases, columns = providers, cell = full-mode ms (% of SOL)."""
+    lines = [
+        f"# tigon benchmarks — {result['device']} — {result['date']}",
+        "",
+        f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}. "
+        f"Copy bandwidth measured in this run: {result['copy_bandwidth_gbps']:.0f} GB/s (read + write). "
+        "Cells: median ms of forward+backward (% of speed of light = minimal bytes / that bandwidth); "
+        "peak MB allocated beyond the inputs in brackets.",
+    ]
+    by_op: dict[str, list] = {}
+    for row in result["rows"]:
+        by_op.setdefault(row["op"], []).append(row)
+    for op, rows in by_op.items():
+        mode = "full" if any(r["mode"] == "full" for r in rows) else rows[0]["mode"]
+        providers = list(dict.fromkeys(r["provider"] for r in rows))
+        lines += ["", f"## {op} ({mode})", "", "| case | " + " | ".join(providers) + " |",
+                  "| --- |" + " --- |" * len(providers)]
+        for case in dict.fromkeys(r["case"] for r in rows):
+            cells = []
+            for p in providers:
+                match = [r for r in rows if r["case"] == case and r["provider"] == p and r["mode"] == mode]
+                cells.append(_cell(match[0]) if match else "—")
+            lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(row: dict) -> str:
+    if "error" in row:
+        return "error" if "memory" not in row["error"] else "OOM"
+    sol = f" ({row['sol_pct']:.0f}%)" if "sol_pct" in row else ""
+    tf = f" {row['tflops']:.0f} TF/s" if "tflops" in row else ""
+    return f"{row['ms']:.3f}{sol}{tf} [{row['peak_mb']:.0f}]"
+
+
+def plot(result: dict, path: Path) -> None:
+    """One bar chart per op (full mode), providers side by side per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        rows = [r for r in result["rows"] if r["op"] == op and r["mode"] == "full" and "ms" in r]
+        cases = list(dict.fromkeys(r["case"] for r in rows))
+        providers = list(dict.fromkeys(r["provider"] for r in rows))
+        width = 0.8 / max(1, len(providers))
+        for i, p in enumerate(providers):
+            xs, ys = [], []
+            for j, c in enumerate(cases):
+                match = [r["ms"] for r in rows if r["case"] == c and r["provider"] == p]
+                if match:
+                    xs.append(j + i * width)
+                    ys.append(match[0])
+            ax.bar(xs, ys, width, label=p)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels([c[:28] for c in cases], rotation=20, ha="right", fontsize=7)
+        ax.set_ylabel("ms (fwd+bwd)")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(names=None, *, out_dir: Path, quick=False, log=print) -> dict:
+    from tigon.bench.specs import load_specs
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("tigon bench needs a CUDA GPU; this machine has none")
+    specs = load_specs(names)
+    if names:
+        missing = set(names) - set(specs)
+        if missing:
+            raise ValueError(f"unknown benchmark(s) {sorted(missing)}; available: {sorted(load_specs())}")
+    bandwidth = copy_bandwidth()
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {device_name()}")
+    rows = []
+    for spec in specs.values():
+        rows += run_spec(spec, bandwidth, quick=quick, log=log)
+    date = _dt.date.today().isoformat()
+    result = {
+        "device": device_name(),
+        "date": date,
+        "versions": versions(),
+        "copy_bandwidth_gbps": bandwidth / 1e9,
+        "modes": list(MODES),
+        "rows": rows,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{device_name().replace(' ', '-')}-{date}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"{stem}.md").write_text(markdown(result))
+    try:
+        plot(result, out_dir / f"{stem}.png")
+    except ImportError:
+        log("matplotlib not installed: no plot written (pip install 'tigon[demo]')")
+    result["files"] = [str(out_dir / f"{stem}.{ext}") for ext in ("json", "md", "png")]
+    return result

@@ -1,0 +1,98 @@
+"""The ``tigon`` command: env, check, bench (and demo, once it exists).
+
+Nothing here imports ``tigon.ops`` at module level: ``check`` must decide on Triton's interpreter
+(``TRITON_INTERPRET=1`` on a machine without CUDA) before the first kernel is defined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def use_interpreter_without_gpu() -> bool:
+    """Turn on Triton's CPU interpreter when there is no GPU; True if it is on.
+
+    Must run before anything imports ``tigon.ops``: Triton reads the variable when a kernel is
+    defined, not when it runs.
+    """
+    if not _cuda_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cmd_env(_args) -> int:
+    import torch
+
+    from tigon import __version__
+    from tigon.bench.harness import versions
+
+    print(f"tigon {__version__}")
+    for name, version in versions().items():
+        print(f"{name:<13} {version or 'not installed'}")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        print(f"device        {props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)")
+        print(f"cuda          {torch.version.cuda}")
+    else:
+        print("device        no CUDA device: kernels can only run under the Triton interpreter")
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    print(f"interpreter   {'on (TRITON_INTERPRET=1)' if interp else 'off'}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    use_interpreter_without_gpu()
+    from tigon.check import run_checks
+
+    return 0 if run_checks(args.ops or None) else 1
+
+
+def cmd_bench(args) -> int:
+    if not _cuda_available():
+        print("tigon bench needs a CUDA GPU and this machine has none; run it on a GPU machine "
+              "(scripts/gpu-check.sh runs the tests and this benchmark in one go).", file=sys.stderr)
+        return 2
+    from tigon.bench.harness import markdown, run
+
+    result = run(args.ops or None, out_dir=Path(args.out), quick=args.quick, log=print)
+    print()
+    print(markdown(result))
+    print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tigon", description="Exact fused Triton kernels for LLM training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("env", help="print versions, device and interpreter mode")
+    p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("check", help="self-test: every op against its reference on this machine")
+    p.add_argument("ops", nargs="*", help="only these ops (default: all)")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("bench", help="benchmark ops against eager PyTorch, torch.compile and Liger (GPU)")
+    p.add_argument("ops", nargs="*", help="only these ops (default: all)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and plot")
+    p.add_argument("--quick", action="store_true", help="two cases per op only")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
