@@ -63,12 +63,16 @@ def _check_case(residual=False):
     return Case("check B=3 T=5 N=200", {"M": 15, "N": 200}, make, _bytes(15, 200, 4, residual=residual))
 
 
-def _liger_rms_norm():
+def _liger(name):
+    """Liger-Kernel's functional form, with its defaults (what its users get), or None."""
     try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.transformers import functional
     except ImportError:
         return None
-    return lambda x, weight: LigerRMSNormFunction.apply(x, weight, 1e-6, 0.0, "llama", False)
+    fn = getattr(functional, name)
+    if name == "liger_rms_norm":
+        return lambda x, weight: fn(x, weight, 1e-6)
+    return lambda x, residual, weight: fn(x, residual, weight, 1e-6)
 
 
 RMS_NORM = Spec(
@@ -78,7 +82,7 @@ RMS_NORM = Spec(
         "eager": lambda x, weight: rms_norm_reference(x, weight),
         "tigon": lambda x, weight: rms_norm(x, weight),
     },
-    liger=_liger_rms_norm,
+    liger=lambda: _liger("liger_rms_norm"),
     check_case=_check_case,
 )
 
@@ -89,6 +93,7 @@ ADD_RMS_NORM = Spec(
         "eager": lambda x, residual, weight: add_rms_norm_reference(x, residual, weight),
         "tigon": lambda x, residual, weight: add_rms_norm(x, residual, weight),
     },
+    liger=lambda: _liger("liger_fused_add_rms_norm"),
     check_case=lambda: _check_case(residual=True),
 )
 
