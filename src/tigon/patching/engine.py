@@ -1,0 +1,621 @@
+"""The one engine: apply a family row (families.py) to a model instance or to a ``model_type``.
+
+Instance patch, ``patch(model, **switches)``: plan every change first, validating the model against
+its row (class identity, norm weights and eps, MLP projections and activation, the attention forward's
+reference to ``apply_rotary_pos_emb``, a plain ``lm_head``); any mismatch raises ValueError with the
+model untouched. Then apply, and undo what was applied if anything fails midway. The changes:
+
+- norms: each RMSNorm/LayerNorm module is swapped for a ``tigon.nn`` module that adopts the *same*
+  weight (and bias) ``Parameter``; state-dict keys and optimizer state stay valid.
+- split MLPs: swapped for ``tigon.nn.SwiGLUMLP`` / ``GEGLUMLP`` that adopt the same
+  ``gate_proj``/``up_proj``/``down_proj`` child modules (so LoRA-wrapped projections keep working);
+  fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance.
+- rope: each attention module gets, on the instance, a copy of its class's forward whose globals map
+  ``apply_rotary_pos_emb`` to tigon's rope (``types.FunctionType`` with a new globals dict); the
+  transformers module's globals are never assigned.
+- loss: the CausalLM instance gets the generic forward of loss.py and ``lm_head`` learns to take a
+  target (fused linear cross-entropy), or the instance's ``loss_function`` becomes tigon's
+  cross-entropy.
+
+Class patch, ``patch("llama", **switches)``: the family's base model and CausalLM classes get a
+``post_init`` (the hook every transformers model runs at the end of ``__init__``) that applies the
+instance patch above to each model built afterwards; models built before are left alone. ``revert()``
+removes the hooks (models built meanwhile keep their patch).
+
+Every replacement is logged once at INFO and listed in ``Patch.replaced``; ``revert()`` undoes the
+changes in reverse order, handing each swapped-out module back the parameters its replacement holds.
+Patching what is already patched is a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import types
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tigon.patching import loss as loss_path
+from tigon.patching.families import FAMILIES, Family
+
+logger = logging.getLogger("tigon.patching")
+
+SWITCHES = {
+    "rope": True,
+    "rms_norm": True,
+    "layer_norm": True,
+    "mlp": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": True,
+}
+ROTARY_NAME = "apply_rotary_pos_emb"
+
+
+def supported_models() -> list[str]:
+    """The ``model_type`` strings ``tigon.patch`` accepts."""
+    return sorted(FAMILIES)
+
+
+# ------------------------------------------------------------------------------------------ changes
+
+
+class _SetAttr:
+    """Set ``obj.name`` (an instance or a class attribute); undo restores it or deletes it again."""
+
+    def __init__(self, obj, name, value):
+        self.obj, self.name, self.value = obj, name, value
+
+    def apply(self):
+        own = vars(self.obj)
+        self.had, self.old = self.name in own, own.get(self.name)
+        setattr(self.obj, self.name, self.value)
+
+    def undo(self):
+        if self.had:
+            setattr(self.obj, self.name, self.old)
+        else:
+            delattr(self.obj, self.name)
+
+
+class _SwapModule:
+    """Put ``new`` wherever ``old`` sits in the tree (every (parent, name) site)."""
+
+    def __init__(self, old, new, sites):
+        self.old, self.new, self.sites = old, new, sites
+
+    def apply(self):
+        for parent, name in self.sites:
+            setattr(parent, name, self.new)
+
+    def undo(self):
+        # Hand back what the replacement holds now: the same Parameter objects unless something
+        # (a checkpoint load with assign=True, a .to() that swaps tensors) replaced them meanwhile.
+        for name in list(self.old._parameters):
+            if name in self.new._parameters:
+                self.old._parameters[name] = self.new._parameters[name]
+        for name in list(self.old._modules):
+            if name in self.new._modules:
+                self.old._modules[name] = self.new._modules[name]
+        self.old.train(self.new.training)
+        for parent, name in self.sites:
+            setattr(parent, name, self.old)
+
+
+@dataclass
+class _Plan:
+    """Changes to apply, and the readable line (with a count) each one is reported under."""
+
+    changes: list = field(default_factory=list)
+    counts: dict = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, change, line):
+        self.changes.append(change)
+        self.counts[line] += 1
+
+    def lines(self):
+        return [line if n == 1 else f"{line} ({n} modules)" for line, n in self.counts.items()]
+
+
+class Patch:
+    """What one ``tigon.patch`` call changed; ``revert()`` restores exactly what was there before."""
+
+    def __init__(self, target: str, changes, replaced: list[str]):
+        self.target = target
+        self._changes = list(changes)
+        self.replaced = list(replaced)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._changes)
+
+    def revert(self) -> None:
+        """Undo every change, last first. Reverting twice is a no-op."""
+        for change in reversed(self._changes):
+            change.undo()
+        if self._changes:
+            logger.info("tigon: reverted the patch of %s", self.target)
+        self._changes = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.revert()
+
+    def __repr__(self):
+        state = "active" if self.active else "reverted or empty"
+        body = "".join(f"\n  {line}" for line in self.replaced)
+        return f"Patch({self.target}, {state}){body}"
+
+
+def _apply(plan: _Plan, target: str, log_level: int) -> Patch:
+    applied = []
+    try:
+        for change in plan.changes:
+            change.apply()
+            applied.append(change)
+    except BaseException:
+        for change in reversed(applied):
+            change.undo()
+        raise
+    replaced = plan.lines()
+    for line in replaced:
+        logger.log(log_level, "tigon: %s: %s", target, line)
+    return Patch(target, applied, replaced)
+
+
+# ----------------------------------------------------------------------------------------- switches
+
+
+def _check_switches(switches: dict) -> dict:
+    unknown = sorted(set(switches) - set(SWITCHES))
+    if unknown:
+        raise ValueError(f"unknown switch(es) {unknown}; supported: {sorted(SWITCHES)}")
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"switch {name} must be True or False, got {value!r}")
+    chosen = {**SWITCHES, **switches}
+    if chosen["cross_entropy"] and chosen["fused_linear_cross_entropy"]:
+        raise ValueError(
+            "cross_entropy and fused_linear_cross_entropy are exclusive: pass "
+            "fused_linear_cross_entropy=False to use cross_entropy (it is on by default)"
+        )
+    return chosen
+
+
+def _family_for(model_type) -> Family:
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported_models()}")
+    return FAMILIES[model_type]
+
+
+@dataclass(frozen=True)
+class _Classes:
+    """A row's class names resolved in the installed transformers."""
+
+    module: types.ModuleType
+    causal_lm: type
+    model: type
+    norm: type | None
+    layer_norm: type | None
+    mlp: type | None
+    attention: type | None
+
+
+def _lookup(module, dotted: str):
+    obj = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(
+                f"{module.__name__} has no {dotted}: this transformers version does not match tigon's table"
+            )
+    return obj
+
+
+def _resolve(family: Family) -> _Classes:
+    try:
+        module = importlib.import_module(family.module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import {family.module_name} ({family.model_type!r}): {err}") from err
+
+    def get(spec):
+        return None if spec is None else _lookup(module, spec if isinstance(spec, str) else spec.cls)
+
+    classes = _Classes(
+        module=module,
+        causal_lm=get(family.causal_lm),
+        model=get(family.model),
+        norm=get(family.norm),
+        layer_norm=get(family.layer_norm),
+        mlp=get(family.mlp),
+        attention=get(family.attention),
+    )
+    if classes.attention is not None:
+        code = classes.attention.forward.__code__
+        if ROTARY_NAME not in code.co_names or ROTARY_NAME not in classes.attention.forward.__globals__:
+            raise ValueError(
+                f"{classes.attention.__name__}.forward does not call the module-level {ROTARY_NAME}: "
+                "this transformers version does not match tigon's table"
+            )
+    if family.router_aux_loss is not None:
+        _lookup(module, family.router_aux_loss)
+    return classes
+
+
+# ------------------------------------------------------------------------------------- instance plan
+
+
+def _is_tigon(fn) -> bool:
+    return getattr(getattr(fn, "__func__", fn), "_tigon", False)
+
+
+def _own_forward(module):
+    """The forward set on the instance itself (None when it uses its class's)."""
+    return vars(module).get("forward")
+
+
+def _check_plain(module, cls, path):
+    """``module`` must run ``cls.forward`` unchanged: no subclass override, no forward on the instance."""
+    if type(module).forward is not cls.forward:
+        raise ValueError(
+            f"{path} is a {type(module).__name__} whose forward overrides {cls.__name__}.forward; "
+            "tigon patches only transformers' own modules"
+        )
+    if _own_forward(module) is not None:
+        raise ValueError(
+            f"{path} has a forward set on the instance (a hook wrapper?); patch the model before wrapping it"
+        )
+
+
+def _sites(root: nn.Module, cls: type):
+    """Every module of class ``cls`` under ``root`` with all the (parent, name, path) places it sits."""
+    paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    found: dict[int, tuple[nn.Module, list]] = {}
+    for parent in root.modules():
+        for name, child in parent._modules.items():
+            if isinstance(child, cls):
+                found.setdefault(id(child), (child, []))[1].append((parent, name))
+    return [(child, sites, paths.get(id(child), "?")) for child, sites in found.values()]
+
+
+def _on_meta(build):
+    """Construct a tigon module without allocating: its parameters are replaced by the adopted ones."""
+    with torch.device("meta"):
+        return build()
+
+
+def _norm_eps(module, path):
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(module, "eps", None)
+    if not isinstance(eps, (float, int)):
+        raise ValueError(f"{path} ({type(module).__name__}) has no float eps / variance_epsilon")
+    return float(eps)
+
+
+def _rms_norm_line(family, classes):
+    spec = family.norm
+    return f"{classes.norm.__name__} -> tigon.nn.RMSNorm(casting={spec.casting!r}, offset={spec.offset})"
+
+
+def _layer_norm_line(classes):
+    return f"{classes.layer_norm.__name__} -> tigon.nn.LayerNorm"
+
+
+def _rope_line(classes):
+    return f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope (instance forward)"
+
+
+def _loss_lines(classes, switches):
+    name = classes.causal_lm.__name__
+    if switches["fused_linear_cross_entropy"]:
+        return [
+            f"{name}.forward -> tigon generic forward (training loss: fused linear cross-entropy, no logits)",
+            "lm_head.forward -> nn.Linear, or tigon.ops.fused_linear_cross_entropy when given a target",
+        ]
+    if switches["cross_entropy"]:
+        return [f"{name}.loss_function -> tigon.ops.cross_entropy"]
+    return []
+
+
+def _plan_rms_norms(plan, root, family, classes):
+    from tigon.nn.norm import RMSNorm
+
+    spec = family.norm
+    line = _rms_norm_line(family, classes)
+    for old, sites, path in _sites(root, classes.norm):
+        _check_plain(old, classes.norm, path)
+        weight = old._parameters.get("weight")
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+            raise ValueError(f"{path} ({type(old).__name__}) has no 1-D weight Parameter")
+        eps = _norm_eps(old, path)
+        size = weight.shape[0]
+        new = _on_meta(lambda n=size, e=eps: RMSNorm(n, e, offset=spec.offset, casting=spec.casting))
+        new.weight = weight
+        new.train(old.training)
+        plan.add(_SwapModule(old, new, sites), line)
+
+
+def _plan_layer_norms(plan, root, family, classes):
+    from tigon.nn.norm import LayerNorm
+
+    line = _layer_norm_line(classes)
+    for old, sites, path in _sites(root, classes.layer_norm):
+        _check_plain(old, classes.layer_norm, path)
+        weight, bias = old._parameters.get("weight"), old._parameters.get("bias")
+        shape = getattr(old, "normalized_shape", None)
+        if weight is None or weight.dim() != 1 or (shape is not None and tuple(shape) != tuple(weight.shape)):
+            raise ValueError(f"{path} ({type(old).__name__}) is not an affine LayerNorm over the last dim")
+        eps = _norm_eps(old, path)
+        new = _on_meta(lambda w=weight, e=eps, b=bias: LayerNorm(w.shape[0], e, bias=b is not None))
+        new.weight = weight
+        if bias is not None:
+            new.bias = bias
+        new.train(old.training)
+        plan.add(_SwapModule(old, new, sites), line)
+
+
+def _glu_of(act):
+    """The GLU a gated MLP's activation makes: ("swiglu", {}) or ("geglu", {approximate}), else None."""
+    from transformers import activations
+
+    silu_types = tuple(t for t in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if t is not None)
+    if type(act) in silu_types:
+        return "swiglu", {}
+    if type(act) is nn.GELU and act.approximate in ("none", "tanh"):
+        return "geglu", {"approximate": act.approximate}
+    fn = getattr(act, "act", None)
+    if type(act) is getattr(activations, "GELUTanh", None) and isinstance(fn, functools.partial):
+        if fn.func is F.gelu and fn.keywords == {"approximate": "tanh"} and not fn.args:
+            return "geglu", {"approximate": "tanh"}
+    if type(act) is getattr(activations, "GELUActivation", None) and fn is F.gelu:
+        return "geglu", {"approximate": "none"}
+    return None
+
+
+def _mlp_activation(module, spec, path):
+    act = getattr(module, spec.act_attr, None)
+    glu = _glu_of(act)
+    if glu is None:
+        raise ValueError(
+            f"{path}.{spec.act_attr} is {type(act).__name__}: tigon has fused GLUs for silu, gelu and "
+            "gelu-tanh only (custom activation); pass mlp=False to patch the rest"
+        )
+    return glu
+
+
+def _plan_split_mlps(plan, root, family, classes):
+    from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP
+
+    spec = family.mlp
+    for old, sites, path in _sites(root, classes.mlp):
+        _check_plain(old, classes.mlp, path)
+        kind, kwargs = _mlp_activation(old, spec, path)
+        projections = [old._modules.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(p is None for p in projections):
+            raise ValueError(f"{path} ({type(old).__name__}) lacks gate_proj / up_proj / down_proj")
+        gate = projections[0]
+        hidden, inter = getattr(gate, "in_features", None), getattr(gate, "out_features", None)
+        if not (isinstance(hidden, int) and isinstance(inter, int)):
+            raise ValueError(f"{path}.gate_proj has no in_features / out_features")
+        module_cls = SwiGLUMLP if kind == "swiglu" else GEGLUMLP
+        new = _on_meta(lambda c=module_cls, h=hidden, i=inter, k=kwargs: c(h, i, **k))
+        for name, proj in zip(("gate_proj", "up_proj", "down_proj"), projections, strict=True):
+            setattr(new, name, proj)
+        new.train(old.training)
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        line = f"{classes.mlp.__name__} -> tigon.nn.{module_cls.__name__}({args})"
+        plan.add(_SwapModule(old, new, sites), line)
+
+
+def fused_gate_up_forward(glu):
+    """Forward for a ``gate_up_proj`` MLP (Phi-3): the first half of the projection is the gate."""
+
+    def forward(self, hidden_states):
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (..., I) each
+        return self.down_proj(glu(gate, up))
+
+    forward._tigon = True
+    return forward
+
+
+def _plan_fused_mlps(plan, root, family, classes):
+    from tigon.ops.glu import geglu, swiglu
+
+    spec = family.mlp
+    forwards = {}
+    for old, _, path in _sites(root, classes.mlp):
+        if _is_tigon(_own_forward(old)):
+            continue
+        _check_plain(old, classes.mlp, path)
+        kind, kwargs = _mlp_activation(old, spec, path)
+        if old._modules.get("gate_up_proj") is None or old._modules.get("down_proj") is None:
+            raise ValueError(f"{path} ({type(old).__name__}) lacks gate_up_proj / down_proj")
+        key = (kind, tuple(kwargs.items()))
+        if key not in forwards:
+            op = swiglu if kind == "swiglu" else functools.partial(geglu, **kwargs)
+            forwards[key] = fused_gate_up_forward(op)
+        line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} on gate_up_proj (instance forward)"
+        plan.add(_SetAttr(old, "forward", types.MethodType(forwards[key], old)), line)
+
+
+def tigon_rotary():
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` over ``tigon.ops.rope``."""
+    from tigon.ops.rope import rope
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def with_globals(fn, **names):
+    """A copy of ``fn`` that sees ``names`` in place of its module's globals of those names.
+
+    The copy gets a new globals dict (the module's, with the names replaced); the module itself, and
+    every other function reading its globals, are untouched.
+    """
+    new_globals = dict(fn.__globals__)
+    new_globals.update(names)
+    copy = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    copy.__dict__.update(fn.__dict__)
+    copy._tigon = True
+    return copy
+
+
+def _plan_rope(plan, root, family, classes):
+    forward = None
+    line = _rope_line(classes)
+    for old, _, path in _sites(root, classes.attention):
+        if _is_tigon(_own_forward(old)):
+            continue
+        _check_plain(old, classes.attention, path)
+        if forward is None:
+            forward = with_globals(classes.attention.forward, **{ROTARY_NAME: tigon_rotary()})
+        plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
+
+
+def _plan_loss(plan, model, family, classes, switches):
+    lines = _loss_lines(classes, switches)
+    own_forward = _own_forward(model)
+    own_loss = vars(model).get("_loss_function")
+    if switches["fused_linear_cross_entropy"]:
+        if _is_tigon(own_forward):
+            return
+        if _is_tigon(own_loss):
+            raise ValueError("the model is already patched with cross_entropy=True; revert that patch first")
+        _check_plain(model, classes.causal_lm, "the model")
+        lm_head = getattr(model, "lm_head", None)
+        if type(lm_head) is not nn.Linear or _own_forward(lm_head) is not None:
+            raise ValueError(
+                f"lm_head is {type(lm_head).__name__}, not a plain nn.Linear (LoRA on lm_head?); "
+                "pass fused_linear_cross_entropy=False (and cross_entropy=True) for this model"
+            )
+        if not isinstance(getattr(model, "model", None), classes.model):
+            raise ValueError(f"the model's .model is not a {classes.model.__name__}")
+        forward = loss_path.causal_lm_forward(family, classes.module, classes.causal_lm.forward)
+        plan.add(_SetAttr(model, "forward", types.MethodType(forward, model)), lines[0])
+        head_forward = types.MethodType(loss_path.linear_or_fused_loss, lm_head)
+        plan.add(_SetAttr(lm_head, "forward", head_forward), lines[1])
+    elif switches["cross_entropy"]:
+        if _is_tigon(own_loss):
+            return
+        if _is_tigon(own_forward):
+            raise ValueError(
+                "the model is already patched with fused_linear_cross_entropy=True; revert that patch first"
+            )
+        if own_loss is not None:
+            raise ValueError("the model has its own loss_function set; tigon will not replace it")
+        plan.add(_SetAttr(model, "_loss_function", loss_path.causal_lm_cross_entropy), lines[0])
+
+
+def _unwrap(obj):
+    """The transformers model inside a PEFT wrapper (``get_base_model``), or ``obj`` itself."""
+    from transformers import PreTrainedModel
+
+    seen = 0
+    while not isinstance(obj, PreTrainedModel) and hasattr(obj, "get_base_model") and seen < 4:
+        obj, seen = obj.get_base_model(), seen + 1
+    return obj
+
+
+def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
+    model = _unwrap(obj)
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise ValueError(f"expected a transformers model (or a model_type string), got {type(obj).__name__}")
+    family = _family_for(getattr(model.config, "model_type", None))
+    classes = _resolve(family)
+    own_module = type(model).__module__ == family.module_name
+    if not (own_module or isinstance(model, (classes.causal_lm, classes.model))):
+        raise ValueError(
+            f"{type(model).__module__}.{type(model).__name__} is not transformers' {family.model_type} "
+            f"implementation ({family.module_name}): remote code is not patched"
+        )
+    plan = _Plan()
+    if switches["rms_norm"] and classes.norm is not None:
+        _plan_rms_norms(plan, model, family, classes)
+    if switches["layer_norm"] and classes.layer_norm is not None:
+        _plan_layer_norms(plan, model, family, classes)
+    if switches["mlp"] and classes.mlp is not None:
+        if family.mlp.layout == "split":
+            _plan_split_mlps(plan, model, family, classes)
+        else:
+            _plan_fused_mlps(plan, model, family, classes)
+    if switches["rope"] and classes.attention is not None:
+        _plan_rope(plan, model, family, classes)
+    if isinstance(model, classes.causal_lm):
+        _plan_loss(plan, model, family, classes, switches)
+    target = f"{type(model).__name__} instance"
+    if not plan.changes:
+        logger.log(log_level, "tigon: %s: nothing to replace (already patched?)", target)
+    return _apply(plan, target, log_level)
+
+
+# ---------------------------------------------------------------------------------------- class plan
+
+
+def _patch_classes(model_type, switches) -> Patch:
+    family = _family_for(model_type)
+    classes = _resolve(family)
+    plan = _Plan()
+    for cls in (classes.model, classes.causal_lm):
+        current = vars(cls).get("post_init")
+        if _is_tigon(current):
+            if current._tigon_switches != switches:
+                raise ValueError(
+                    f"{cls.__name__} is patched with {current._tigon_switches} already; revert that first"
+                )
+            continue
+        plan.add(_SetAttr(cls, "post_init", _patching_post_init(cls.post_init, switches)),
+                 f"{cls.__name__}.post_init -> patch every {cls.__name__} built from now on")
+    if plan.changes:
+        for line in _class_parts(family, classes, switches):
+            plan.counts[line] = 1
+    return _apply(plan, f"model_type {model_type!r}", logging.INFO)
+
+
+def _patching_post_init(original, switches):
+    def post_init(self):
+        original(self)
+        _patch_instance(self, switches, log_level=logging.DEBUG)
+
+    post_init._tigon = True
+    post_init._tigon_switches = switches
+    return post_init
+
+
+def _class_parts(family, classes, switches):
+    """What the hooks will replace in each model, for ``Patch.replaced`` of a class patch."""
+    parts = []
+    if switches["rms_norm"] and classes.norm is not None:
+        parts.append(_rms_norm_line(family, classes))
+    if switches["layer_norm"] and classes.layer_norm is not None:
+        parts.append(_layer_norm_line(classes))
+    if switches["mlp"] and classes.mlp is not None:
+        parts.append(f"{classes.mlp.__name__} -> tigon GLU (activation read from each module)")
+    if switches["rope"] and classes.attention is not None:
+        parts.append(_rope_line(classes))
+    return parts + _loss_lines(classes, switches)
+
+
+# ------------------------------------------------------------------------------------------- entry
+
+
+def patch(target, **switches) -> Patch:
+    """Patch a transformers model instance, or the classes of a ``model_type``; returns a ``Patch``.
+
+    Switches (defaults): ``rope=True, rms_norm=True, layer_norm=True, mlp=True, cross_entropy=False,
+    fused_linear_cross_entropy=True``. A switch is a no-op where the family has no such part.
+    """
+    chosen = _check_switches(switches)
+    if isinstance(target, str):
+        return _patch_classes(target, chosen)
+    return _patch_instance(target, chosen)

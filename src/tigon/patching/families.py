@@ -1,0 +1,114 @@
+"""The model families ``tigon.patch`` knows, as data: one row per transformers ``model_type``.
+
+A row names, in the family's transformers modeling module, what the engine may replace and how:
+
+- ``norm``: the RMSNorm class and the tigon casting/offset that reproduces it exactly
+  (Llama rounds the normalised value before the weight multiply: casting "llama"; Gemma and OLMo-2
+  multiply in fp32 and round once: casting "gemma"; Gemma scales by ``1 + weight``: offset 1.0).
+- ``layer_norm``: a LayerNorm class whose forward is ``F.layer_norm`` over the last dim, if any.
+- ``mlp``: the gated MLP class and its projection layout ("split": ``gate_proj``/``up_proj``/
+  ``down_proj``; "fused": Phi-3's ``gate_up_proj`` whose first half is the gate). The activation is
+  read from the module itself (silu -> SwiGLU, gelu/gelu-tanh -> GEGLU) and checked at patch time.
+- ``attention``: the attention class whose forward calls the module-level rotate-half
+  ``apply_rotary_pos_emb`` (None where the family's rotary is not rotate-half, e.g. GLM-4's
+  interleaved pairs: it keeps its own).
+- the CausalLM and base model classes, and the loss quirks the generic forward must honour:
+  final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
+  MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
+
+Adding a family is one ``Family(...)`` line here. Everything is checked against the imported classes
+when a patch is planned (class names exist, forwards reference what the row says), so a transformers
+version that moved things raises ValueError instead of patching half a model.
+
+Checked against transformers 5.17 and 5.23. MoE experts (Mixtral, Qwen3-MoE) hold their weights as
+3-D tensors behind transformers' experts dispatch (eager loop / grouped_mm) and apply the activation
+inside it; there is no module boundary to swap there, so only Qwen3-MoE's dense ``Qwen3MoeMLP``
+layers (``mlp_only_layers``) get the fused GLU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm class and the tigon arguments that reproduce its forward."""
+
+    cls: str
+    casting: str = "llama"
+    offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """A gated MLP class: ``down(act(gate(x)) * up(x))``."""
+
+    cls: str
+    layout: str = "split"  # "split": gate_proj/up_proj/down_proj; "fused": gate_up_proj/down_proj
+    act_attr: str = "act_fn"
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    package: str  # transformers.models.<package>.modeling_<package>
+    causal_lm: str
+    model: str
+    norm: Norm | None
+    mlp: Mlp | None
+    attention: str | None  # its forward calls the rotate-half apply_rotary_pos_emb
+    layer_norm: Norm | None = None
+    final_logit_softcapping: bool = False
+    logits_scaling: bool = False
+    router_aux_loss: str | None = None  # name of the load-balancing loss function in the module
+
+    @property
+    def module_name(self) -> str:
+        return f"transformers.models.{self.package}.modeling_{self.package}"
+
+
+def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="act_fn", rope=True,
+            model=None, **quirks):
+    """One row with transformers' usual class names (``<prefix>RMSNorm``, ``<prefix>MLP``, ...)."""
+    return Family(
+        model_type=model_type,
+        package=package,
+        causal_lm=f"{prefix}ForCausalLM",
+        model=model or f"{prefix}Model",
+        norm=norm(f"{prefix}RMSNorm"),
+        mlp=Mlp(f"{prefix}MLP", mlp, act_attr) if mlp else None,
+        attention=f"{prefix}Attention" if rope else None,
+        **quirks,
+    )
+
+
+def _gemma_norm(cls):
+    return Norm(cls, casting="gemma", offset=1.0)
+
+
+def _olmo_norm(cls):
+    return Norm(cls, casting="gemma", offset=0.0)
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _family("llama", "llama", "Llama"),
+        _family("mistral", "mistral", "Mistral"),
+        _family("mixtral", "mixtral", "Mixtral", mlp=None, router_aux_loss="load_balancing_loss_func"),
+        _family("qwen2", "qwen2", "Qwen2"),
+        _family("qwen3", "qwen3", "Qwen3"),
+        _family("qwen3_moe", "qwen3_moe", "Qwen3Moe", router_aux_loss="load_balancing_loss_func"),
+        _family("gemma", "gemma", "Gemma", norm=_gemma_norm),
+        _family("gemma2", "gemma2", "Gemma2", norm=_gemma_norm, final_logit_softcapping=True),
+        _family("gemma3_text", "gemma3", "Gemma3", norm=_gemma_norm, model="Gemma3TextModel",
+                final_logit_softcapping=True),
+        _family("phi3", "phi3", "Phi3", mlp="fused", act_attr="activation_fn"),
+        _family("olmo2", "olmo2", "Olmo2", norm=_olmo_norm),
+        _family("olmo3", "olmo3", "Olmo3", norm=_olmo_norm),
+        _family("granite", "granite", "Granite", logits_scaling=True),
+        _family("smollm3", "smollm3", "SmolLM3"),
+        _family("glm4", "glm4", "Glm4", mlp="fused", act_attr="activation_fn", rope=False),
+    )
+}

@@ -1,0 +1,184 @@
+"""The loss path every patched CausalLM shares: one generic ``forward`` and one loss function.
+
+``causal_lm_forward(family, stock_forward)`` builds the forward bound to a patched model when
+``fused_linear_cross_entropy`` is on. In training mode with labels it runs the decoder, keeps the
+last hidden states (``logits_to_keep`` applied as stock does) and computes
+
+    loss = Σ_tokens CE(softcap(logit_scale · (h Wᵀ + b)), y) / (num_items_in_batch or #non-ignored)
+
+through ``tigon.ops.fused_linear_cross_entropy`` without building the ``[tokens, vocab]`` logits; it
+returns ``logits=None``. The projection runs *inside* ``lm_head``'s own call (its forward is taught
+to take a ``target``), so FSDP2 / ZeRO-3 hooks registered on ``lm_head`` gather its weight for the
+forward and again for the backward exactly as they would for the logits projection. In eval mode or
+without labels the model's stock forward runs unchanged (stock logits and stock loss).
+
+The family's quirks come from its table row: Gemma-2/3's ``final_logit_softcapping`` (``softcap``),
+Granite's ``logits / logits_scaling`` (``logit_scale = 1 / logits_scaling``), and the MoE router
+load-balancing loss (``loss += router_aux_loss_coef · aux`` when ``output_router_logits``), as the
+stock forwards do. Labels are shifted as transformers' ``ForCausalLMLoss`` does (or taken as given in
+``shift_labels``), and ``ignore_index`` / ``num_items_in_batch`` (gradient accumulation: a sum divided
+by the items of the whole accumulated batch) are honoured.
+
+``causal_lm_cross_entropy`` is the ``cross_entropy=True`` path: it replaces only the model's
+``loss_function`` (an instance attribute transformers provides for this), so the stock forward builds
+the logits (with its own softcapping and scaling) and tigon's cross-entropy reduces them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+try:  # transformers >= 5.22 names the slicing; older 5.x inline it in every forward
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # pragma: no cover - depends on the installed transformers
+
+    def slice_logits_to_keep(hidden_states, logits_to_keep):
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
+
+
+def shifted_targets(labels, shift_labels, ignore_index):
+    """Targets aligned with the positions that predict them, as ``ForCausalLMLoss`` makes them."""
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    return shift_labels
+
+
+def _reduction(num_items_in_batch):
+    return "mean" if num_items_in_batch is None else "sum"
+
+
+def _per_item(loss, num_items_in_batch):
+    """Divide a summed loss by the items of the whole (accumulated) batch, as transformers does."""
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def causal_lm_cross_entropy(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX, shift_labels=None, **_
+):
+    """``ForCausalLMLoss`` with ``tigon.ops.cross_entropy`` (fp32 math on the logits as they are)."""
+    from tigon.ops.cross_entropy import cross_entropy
+
+    target = shifted_targets(labels, shift_labels, ignore_index)
+    loss = cross_entropy(
+        logits.reshape(-1, vocab_size),  # (N, V)
+        target.reshape(-1).to(logits.device),  # (N,)
+        ignore_index=ignore_index,
+        reduction=_reduction(num_items_in_batch),
+    )
+    return _per_item(loss, num_items_in_batch)
+
+
+causal_lm_cross_entropy._tigon = True
+
+
+def linear_or_fused_loss(self, input, target=None, **loss_kwargs):
+    """``lm_head.forward``: the plain projection, or with ``target`` the fused projection + loss.
+
+    Bound to the ``nn.Linear`` instance; with no ``target`` it is exactly ``nn.Linear.forward``.
+    """
+    if target is None:
+        return nn.Linear.forward(self, input)
+    from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy(
+        input.reshape(-1, input.shape[-1]),  # (N, H)
+        self.weight,  # (V, H), read in this module's call so its hooks have gathered it
+        target.reshape(-1),  # (N,)
+        linear_bias=self.bias,
+        **loss_kwargs,
+    )
+
+
+linear_or_fused_loss._tigon = True
+
+
+def causal_lm_forward(family, modeling_module, stock_forward):
+    """The generic CausalLM forward for one family row (see the module docstring)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    load_balancing_loss = getattr(modeling_module, family.router_aux_loss) if family.router_aux_loss else None
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        *,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        if not (self.training and labels is not None):
+            return stock_forward(
+                self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
+                use_cache, logits_to_keep=logits_to_keep, **kwargs,
+            )
+        return_dict = kwargs.pop("return_dict", None)
+        if load_balancing_loss is not None:
+            output_router_logits = kwargs.pop("output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = self.config.output_router_logits
+            kwargs["output_router_logits"] = output_router_logits
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)  # (B, T', H)
+
+        ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+        num_items_in_batch = kwargs.get("num_items_in_batch")
+        target = shifted_targets(labels, kwargs.get("shift_labels"), ignore_index)  # (B, T')
+        softcap = self.config.final_logit_softcapping if family.final_logit_softcapping else None
+        logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
+        loss = self.lm_head(
+            hidden_states,
+            target=target.to(hidden_states.device),
+            ignore_index=ignore_index,
+            reduction=_reduction(num_items_in_batch),
+            softcap=softcap,
+            logit_scale=logit_scale,
+        )
+        loss = _per_item(loss, num_items_in_batch)
+
+        common = dict(
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        if load_balancing_loss is None:
+            out = CausalLMOutputWithPast(loss=loss, logits=None, **common)
+        else:
+            aux_loss = None
+            if output_router_logits:
+                aux_loss = load_balancing_loss(
+                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+                )
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            out = MoeCausalLMOutputWithPast(
+                loss=loss, aux_loss=aux_loss, logits=None, router_logits=outputs.router_logits, **common
+            )
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return out if return_dict else out.to_tuple()
+
+    forward._tigon = True
+    forward.__doc__ = f"tigon's generic CausalLM forward ({family.model_type}); see tigon.patching.loss."
+    return forward
