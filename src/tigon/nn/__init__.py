@@ -1,5 +1,5 @@
 """Module level: drop-in ``nn.Module`` replacements with transformers' parameter names (API.md)."""
 
-from tigon.nn.norm import RMSNorm
+from tigon.nn.norm import LayerNorm, RMSNorm
 
-__all__ = ["RMSNorm"]
+__all__ = ["LayerNorm", "RMSNorm"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import CASTINGS, rms_norm
 
 
@@ -30,7 +31,36 @@ class RMSNorm(nn.Module):
         return self.variance_epsilon
 
     def forward(self, hidden_states):
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting)
+        return rms_norm(
+            hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting
+        )
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting={self.casting!r}"
+        size, eps = self.weight.shape[0], self.variance_epsilon
+        return f"{size}, eps={eps}, offset={self.offset}, casting={self.casting!r}"
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm(hidden_size, eps, bias=bias)`` over the last dim.
+
+    Parameters ``weight`` (ones) and ``bias`` (zeros; registered as None when ``bias=False``), so
+    ``state_dict`` keys and initial values are torch's. ``normalized_shape``, ``eps`` and
+    ``elementwise_affine`` are kept as torch names them, for code that reads them.
+    """
+
+    def __init__(self, hidden_size, eps=1e-5, *, bias=True, device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = (int(hidden_size),)
+        self.eps = eps
+        self.elementwise_affine = True
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, hidden_states):
+        return layer_norm(hidden_states, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}"

@@ -4,6 +4,7 @@ Import this only after deciding on the interpreter: without a GPU, set ``TRITON_
 before the first import, since Triton reads it when the kernels below are defined.
 """
 
+from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
 
-__all__ = ["add_rms_norm", "rms_norm"]
+__all__ = ["add_rms_norm", "layer_norm", "rms_norm"]

@@ -1,0 +1,416 @@
+r"""LayerNorm over the last dim, forward and backward in Triton.
+
+Forward, per row :math:`x \in \mathbb{R}^N` (``N = hidden``)::
+
+    mean  = Σ x / N                                  one fp32 scalar per row, saved
+    var   = Σ (x − mean)² / N                        biased, as torch's layer_norm
+    rstd  = 1 / sqrt(var + eps)                      one fp32 scalar per row, saved
+    x̂     = (x − mean) · rstd
+    y     = r(x̂ · w + b)                             fp32 throughout, one rounding r at the store
+
+The variance is taken around the mean, never as E[x²] − mean² (which cancels catastrophically
+when |mean| ≫ std). A row that fits one tile is held in registers, so the mean is known before the
+squares are summed. A longer row is streamed in chunks: each chunk's own (count, mean, M2) is
+exact in registers and is merged into the running row statistics with Chan et al.'s parallel
+formula ``M2 += M2_c + δ²·n·n_c/(n + n_c)``, ``δ = mean_c − mean``, so the row is still read once
+for its statistics.
+
+Backward. With ``g = dy · w`` (``dy`` when there is no weight), and the final rounding treated as
+the identity::
+
+    ∂x̂/∂x   = rstd · (I − 1 1ᵀ/N − x̂ x̂ᵀ/N)
+    dx      = rstd · (g − x̂ · c1 − c2),     c1 = mean(g · x̂),  c2 = mean(g)     two row reductions
+    dw      = Σ_rows dy · x̂
+    db      = Σ_rows dy
+
+Only ``x``, ``mean`` and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` and ``db`` are reduced
+without atomics: each program of the persistent backward grid owns a fixed band of rows and writes
+its own fp32 partial rows; the partials are summed in a fixed order, so the same input gives bitwise
+the same gradients on every run. The launch geometry is RMSNorm's (:func:`norm_launch`): the same
+tile shapes and the same register limits hold for both norms.
+
+Output dtype. ``torch.nn.functional.layer_norm`` on CUDA requires weight and bias in x's dtype
+(fp32 weights with bf16 x raise "expected scalar type"); under ``torch.autocast`` it runs in fp32
+and returns fp32. Here mixed dtypes are accepted and the output dtype is the promotion of x, weight
+and bias (as RMSNorm's llama casting does), computed in fp32 with one rounding at the end: exactly
+what ``F.layer_norm`` under autocast returns. With matching dtypes it is x's dtype, as torch's.
+Gradients come back in each input's own dtype.
+
+Bytes (speed of light), M rows, element size b::
+
+    forward   read x M·N·b, w and b N·b each; write y M·N·b, mean and rstd 4M each
+    backward  read dy, x M·N·b each, w N·b, mean and rstd 4M each; write dx M·N·b, dw and db N·b each
+
+Reference: :func:`layer_norm_reference` (``torch.nn.functional.layer_norm`` in fp32 or fp64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from tigon.ops._common import as_rows, check_tensor, persistent_programs
+from tigon.ops.rms_norm import norm_launch
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _affine_store(
+    x_centered, rstd, weight_ptr, bias_ptr, y_ptr, rows, cols, mask, hidden,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """y = r(x̂·w + b) for one [BLOCK_M, BLOCK_N] tile, x̂ = (x − mean)·rstd."""
+    y = x_centered * rstd[:, None]
+    col_mask = cols < hidden
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y + b[None, :]
+    tl.store(y_ptr + rows[:, None] * hidden + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def layer_norm_fwd_kernel(
+    x_ptr, x_row_stride, x_col_stride,      # (M, N) input, any strides
+    weight_ptr,                             # (N,) scale                      [HAS_WEIGHT]
+    bias_ptr,                               # (N,) shift                      [HAS_BIAS]
+    y_ptr,                                  # (M, N) out, contiguous
+    mean_ptr, rstd_ptr,                     # (M,) out each, fp32
+    num_rows, hidden, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """One program normalises BLOCK_M rows.
+
+    SINGLE_PASS: the row fits one BLOCK_N tile and stays in registers (x read once). Otherwise the
+    row is streamed twice in BLOCK_N chunks: once for the statistics (Chan's merge, see the module
+    docstring), once for y; the second read comes from L2, where the first left the row.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_rows
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < hidden)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        mean = tl.sum(x, axis=1) / hidden
+        x_centered = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(x_centered * x_centered, axis=1) / hidden + eps)
+        _affine_store(
+            x_centered, rstd, weight_ptr, bias_ptr, y_ptr, rows, cols, mask, hidden, HAS_WEIGHT, HAS_BIAS
+        )
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < hidden)[None, :]
+            x = tl.load(
+                x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0
+            )
+            x = x.to(tl.float32)
+            # every earlier chunk was full, so `start` elements have been merged so far
+            seen = start * 1.0
+            chunk_count = tl.minimum(hidden - start, BLOCK_N).to(tl.float32)
+            chunk_mean = tl.sum(x, axis=1) / chunk_count
+            d = tl.where(mask, x - chunk_mean[:, None], 0.0)
+            chunk_m2 = tl.sum(d * d, axis=1)
+            total = seen + chunk_count
+            delta = chunk_mean - mean
+            mean += delta * (chunk_count / total)
+            m2 += chunk_m2 + delta * delta * (seen * chunk_count / total)
+        rstd = tl.rsqrt(m2 / hidden + eps)
+        for start in range(0, hidden, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < hidden)[None, :]
+            x = tl.load(
+                x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0
+            )
+            x_centered = x.to(tl.float32) - mean[:, None]
+            _affine_store(
+                x_centered, rstd, weight_ptr, bias_ptr, y_ptr, rows, cols, mask, hidden, HAS_WEIGHT, HAS_BIAS
+            )
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _grad_tile(
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+    rows, cols, mask, mean, rstd, hidden,
+    HAS_WEIGHT: tl.constexpr,
+):
+    """Load one tile of dy and x (fp32) and form x̂ = (x − mean)·rstd and g = dy·w.
+
+    Padding lanes load dy = 0, so g = 0 there and they add nothing to c1, c2, dw or db even though
+    their x̂ is not zero.
+    """
+    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+    dy = dy.to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    x_hat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        g = dy * w[None, :]
+    else:
+        g = dy
+    return dy, x_hat, g
+
+
+@triton.jit
+def layer_norm_bwd_kernel(
+    dy_ptr, dy_row_stride, dy_col_stride,   # (M, N) gradient of y, any strides (stride 0 too)
+    x_ptr, x_row_stride, x_col_stride,      # (M, N) the forward's input
+    weight_ptr,                             # (N,)                              [HAS_WEIGHT]
+    mean_ptr, rstd_ptr,                     # (M,) fp32 each, saved by the forward
+    dx_ptr,                                 # (M, N) out, contiguous
+    dw_partial_ptr,                         # (programs, N) out, fp32: this program's Σ dy·x̂   [HAS_WEIGHT]
+    db_partial_ptr,                         # (programs, N) out, fp32: this program's Σ dy      [HAS_BIAS]
+    num_rows, hidden, rows_per_program,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Persistent: program p owns rows [p·rows_per_program, (p+1)·rows_per_program).
+
+    SINGLE_PASS keeps the row tile, and the program's dw and db partials, in registers across all
+    its rows. Otherwise each row is streamed twice in BLOCK_N chunks (c1 and c2 first, then dx) and
+    the partials are accumulated in the program's own rows of the partial buffers (zeroed by the
+    launcher); the load and the store of one chunk use the same layout, so each element is read back
+    by the thread that wrote it.
+    """
+    pid = tl.program_id(0)
+    row_begin = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_begin + rows_per_program, num_rows)
+    dw_row_ptr = dw_partial_ptr + pid.to(tl.int64) * hidden
+    db_row_ptr = db_partial_ptr + pid.to(tl.int64) * hidden
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < hidden
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for row_start in range(row_begin, row_end, BLOCK_M):
+            rows = row_start + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            dy, x_hat, g = _grad_tile(
+                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                rows, cols, mask, mean, rstd, hidden, HAS_WEIGHT,
+            )
+            c1 = tl.sum(g * x_hat, axis=1) / hidden
+            c2 = tl.sum(g, axis=1) / hidden
+            dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            tl.store(
+                dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
+            )
+            if HAS_WEIGHT:
+                dw_acc += tl.sum(dy * x_hat, axis=0)
+            if HAS_BIAS:
+                db_acc += tl.sum(dy, axis=0)
+        if HAS_WEIGHT:
+            tl.store(dw_row_ptr + cols, dw_acc, mask=col_mask)
+        if HAS_BIAS:
+            tl.store(db_row_ptr + cols, db_acc, mask=col_mask)
+    else:
+        for row_start in range(row_begin, row_end, BLOCK_M):
+            rows = row_start + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start in range(0, hidden, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < hidden)[None, :]
+                dy, x_hat, g = _grad_tile(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    rows, cols, mask, mean, rstd, hidden, HAS_WEIGHT,
+                )
+                c1 += tl.sum(g * x_hat, axis=1)
+                c2 += tl.sum(g, axis=1)
+            c1 = c1 / hidden
+            c2 = c2 / hidden
+            for start in range(0, hidden, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < hidden
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, x_hat, g = _grad_tile(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    rows, cols, mask, mean, rstd, hidden, HAS_WEIGHT,
+                )
+                dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                tl.store(
+                    dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
+                )
+                if HAS_WEIGHT:
+                    dw = tl.load(dw_row_ptr + cols, mask=col_mask, other=0.0)
+                    tl.store(dw_row_ptr + cols, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
+                if HAS_BIAS:
+                    db = tl.load(db_row_ptr + cols, mask=col_mask, other=0.0)
+                    tl.store(db_row_ptr + cols, db + tl.sum(dy, axis=0), mask=col_mask)
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+
+def _output_dtype(x, weight, bias):
+    dtype = x.dtype
+    for param in (weight, bias):
+        if param is not None:
+            dtype = torch.promote_types(dtype, param.dtype)
+    return dtype
+
+
+def _forward(x, weight, bias, eps):
+    """Launch the forward on any-shaped x; returns (y shaped like x, mean, rstd)."""
+    hidden = x.shape[-1]
+    x2 = as_rows(x)
+    num_rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, bias), device=x.device)
+    mean = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    if num_rows == 0 or hidden == 0:
+        return y, mean, rstd
+    cfg = norm_launch(num_rows, hidden, backward=False)
+    grid = (triton.cdiv(num_rows, cfg.block_m),)
+    wrap_triton(layer_norm_fwd_kernel)[grid](
+        x2, x2.stride(0), x2.stride(1),
+        weight if weight is not None else x2,
+        bias if bias is not None else x2,
+        y, mean, rstd,
+        num_rows, hidden, eps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps,
+    )
+    return y, mean, rstd
+
+
+def _backward(dy, x, weight, bias, mean, rstd):
+    """Launch the backward; returns (dx, dw, db), dw/db empty tensors where there is no weight/bias."""
+    hidden = x.shape[-1]
+    x2, dy2 = as_rows(x), as_rows(dy)
+    num_rows = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    def no_param():  # a custom op's outputs may not alias each other: one empty tensor each
+        return torch.empty(0, dtype=x.dtype, device=x.device)
+
+    if num_rows == 0 or hidden == 0:
+        dw = torch.zeros_like(weight) if weight is not None else no_param()
+        db = torch.zeros_like(bias) if bias is not None else no_param()
+        return dx, dw, db
+    cfg = norm_launch(num_rows, hidden, backward=True)
+    programs = min(persistent_programs(x.device), triton.cdiv(num_rows, cfg.block_m))
+    rows_per_program = triton.cdiv(triton.cdiv(num_rows, programs), cfg.block_m) * cfg.block_m
+    programs = triton.cdiv(num_rows, rows_per_program)
+    # The streaming kernel accumulates into its partial rows, so only that path needs them zeroed.
+    # Without a weight (bias) the kernel never touches its partial pointer; dx stands in for it.
+    alloc = torch.empty if cfg.single_pass else torch.zeros
+    dw_partial = alloc((programs, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
+    db_partial = alloc((programs, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
+    wrap_triton(layer_norm_bwd_kernel)[(programs,)](
+        dy2, dy2.stride(0), dy2.stride(1),
+        x2, x2.stride(0), x2.stride(1),
+        weight if weight is not None else x2,
+        mean, rstd,
+        dx, dw_partial, db_partial,
+        num_rows, hidden, rows_per_program,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps,
+    )
+    dw = dw_partial.sum(dim=0).to(weight.dtype) if weight is not None else no_param()
+    db = db_partial.sum(dim=0).to(bias.dtype) if bias is not None else no_param()
+    return dx, dw, db
+
+
+# ------------------------------------------------------------------------------- torch ops + autograd
+
+
+@triton_op("tigon::layer_norm", mutates_args={})
+def _layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, bias, eps)
+
+
+@triton_op("tigon::layer_norm_backward", mutates_args={})
+def _layer_norm_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dy, x, weight, bias, mean, rstd)
+
+
+def _setup_layer_norm(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _layer_norm_grad(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.tigon.layer_norm_backward(dy, x, weight, bias, mean, rstd)
+    return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+
+
+_layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_setup_layer_norm)
+
+
+# ------------------------------------------------------------------------------------- public function
+
+
+def _check_args(x, weight, bias, eps):
+    check_tensor(x, "x")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None:
+            check_tensor(param, name, device=x.device)
+            if param.shape != (x.shape[-1],):
+                raise ValueError(f"{name} has shape {tuple(param.shape)}, expected ({x.shape[-1]},)")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """LayerNorm over the last dim of ``x`` (``F.layer_norm(x, (N,), weight, bias, eps)``).
+
+    ``weight`` and ``bias`` may each be None. Output dtype: the promotion of x, weight and bias
+    (x's dtype when they match, as torch; fp32 for bf16 x with fp32 weights, as torch under
+    autocast). See the module docstring for the math.
+    """
+    _check_args(x, weight, bias, eps)
+    y, _, _ = torch.ops.tigon.layer_norm(x, weight, bias, float(eps))
+    return y
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def layer_norm_reference(x, weight, bias, eps=1e-5):
+    """``F.layer_norm`` over the last dim, with :func:`layer_norm`'s output dtype.
+
+    With matching dtypes this is exactly ``F.layer_norm`` (which computes fp16/bf16 in fp32 and
+    rounds once). Mixed dtypes, which eager CUDA refuses, are computed in fp32 and rounded once to
+    the promoted dtype, as torch does under autocast. Tests pass fp64 tensors (the one rounding is
+    then applied by the comparison); benchmarks pass the io dtype.
+    """
+    out_dtype = _output_dtype(x, weight, bias)
+    if any(p is not None and p.dtype != x.dtype for p in (weight, bias)):
+        wide = torch.float64 if out_dtype == torch.float64 else torch.float32
+        x, weight, bias = (t.to(wide) if t is not None else None for t in (x, weight, bias))
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).to(out_dtype)
