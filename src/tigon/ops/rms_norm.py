@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from tigon.ops._common import as_rows, check_tensor, next_power_of_2, persistent_programs
+from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2, persistent_programs
 
 CASTINGS = ("llama", "gemma")
 
@@ -218,16 +218,35 @@ def rms_norm_bwd_kernel(
     dw_row_ptr = dw_partial_ptr + pid.to(tl.int64) * hidden
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < hidden
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Software prefetch: the next tile's dy and x loads are issued before this tile's reductions
+        # and stores, so that each program always has a tile of loads in flight (kept in the io dtype,
+        # half the registers of fp32, and upcast when they become the current tile).
+        rows = row_begin + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        dy_next = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+        x_next = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+        rstd_next = tl.load(rstd_ptr + rows, mask=rows < row_end, other=0.0)
         for row_start in range(row_begin, row_end, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            mask = row_mask[:, None] & (cols < hidden)[None, :]
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            dy, x_hat, g = _grad_tile(
-                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                rows, cols, mask, rstd, hidden, offset, HAS_WEIGHT,
+            mask = (rows < row_end)[:, None] & col_mask[None, :]
+            dy = dy_next.to(tl.float32)
+            rstd = rstd_next
+            x_hat = x_next.to(tl.float32) * rstd[:, None]
+            nxt = rows + BLOCK_M
+            nxt_mask = (nxt < row_end)[:, None] & col_mask[None, :]
+            dy_next = tl.load(
+                dy_ptr + nxt[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=nxt_mask, other=0.0
             )
+            x_next = tl.load(x_ptr + nxt[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=nxt_mask, other=0.0)
+            rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
             c = tl.sum(g * x_hat, axis=1) / hidden
             _dx_store(
                 g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
@@ -275,17 +294,34 @@ def rms_norm_bwd_kernel(
 
 # -------------------------------------------------------------------------------------- launch config
 
-# Rows longer than this are streamed in chunks instead of held in registers. The backward holds
-# about twice as many live fp32 values per element as the forward (dy, x̂, g, dw), hence its lower
-# limit; past either, a register tile would spill to local memory.
-MAX_FUSED_HIDDEN_FWD = 16384
-MAX_FUSED_HIDDEN_BWD = 8192
-# Chunk width when streaming, and the elements a program's tile aims at for short rows (several
-# rows per program, so that a hidden size of 96 still moves a useful amount per program).
-CHUNK_N = 4096
-TILE_ELEMENTS = 4096
-ELEMENTS_PER_WARP = 512
-MAX_WARPS = 16
+@dataclass(frozen=True)
+class NormTuning:
+    """The knobs of one direction's launch geometry (scripts/tune_norm.py sweeps them on a GPU).
+
+    max_fused_hidden: rows longer than this are streamed in chunks instead of held in registers.
+      The backward holds about twice as many live values per element as the forward (dy, x, their
+      prefetched successors, g, dw), hence its lower limit; past it a register tile would spill.
+    tile_elements: what a program's tile aims at for short rows (several rows per program, so that
+      a hidden size of 96 still moves a useful amount per program).
+    elements_per_warp / max_warps: warps = tile / elements_per_warp, capped.
+    programs_per_sm: persistent programs per multiprocessor (backward only).
+    """
+
+    max_fused_hidden: int
+    chunk: int
+    tile_elements: int
+    elements_per_warp: int
+    max_warps: int
+    programs_per_sm: int = 1
+
+
+FWD_TUNING = NormTuning(max_fused_hidden=16384, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16)
+BWD_TUNING = NormTuning(
+    max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16, programs_per_sm=2
+)
+# Kept as names of their own: tests pick sizes on both sides of these regime boundaries.
+MAX_FUSED_HIDDEN_FWD = FWD_TUNING.max_fused_hidden
+MAX_FUSED_HIDDEN_BWD = BWD_TUNING.max_fused_hidden
 
 
 @dataclass(frozen=True)
@@ -299,12 +335,13 @@ class NormLaunch:
 
 
 def norm_launch(num_rows: int, hidden: int, *, backward: bool) -> NormLaunch:
-    max_fused = MAX_FUSED_HIDDEN_BWD if backward else MAX_FUSED_HIDDEN_FWD
+    tuning = BWD_TUNING if backward else FWD_TUNING
     block_n = next_power_of_2(hidden)
-    if block_n > max_fused:
-        return NormLaunch(1, CHUNK_N, CHUNK_N // ELEMENTS_PER_WARP, False)
-    block_m = max(1, min(TILE_ELEMENTS // block_n, next_power_of_2(num_rows)))
-    num_warps = max(1, min(block_m * block_n // ELEMENTS_PER_WARP, MAX_WARPS))
+    if block_n > tuning.max_fused_hidden:
+        warps = max(1, min(tuning.chunk // tuning.elements_per_warp, tuning.max_warps))
+        return NormLaunch(1, tuning.chunk, warps, False)
+    block_m = max(1, min(tuning.tile_elements // block_n, next_power_of_2(num_rows)))
+    num_warps = max(1, min(block_m * block_n // tuning.elements_per_warp, tuning.max_warps))
     return NormLaunch(block_m, block_n, num_warps, True)
 
 
@@ -351,7 +388,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
     if num_rows == 0 or hidden == 0:
         return dx, (torch.zeros_like(weight) if weight is not None else dw)
     cfg = norm_launch(num_rows, hidden, backward=True)
-    programs = min(persistent_programs(x.device), triton.cdiv(num_rows, cfg.block_m))
+    programs = min(persistent_programs(x.device, BWD_TUNING.programs_per_sm), triton.cdiv(num_rows, cfg.block_m))
     rows_per_program = triton.cdiv(triton.cdiv(num_rows, programs), cfg.block_m) * cfg.block_m
     programs = triton.cdiv(num_rows, rows_per_program)
     # The streaming kernel accumulates into its partial row, so only that path needs it zeroed.
@@ -378,24 +415,22 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-@triton_op("tigon::rms_norm", mutates_args={})
-def _rms_norm_op(
+
+def _rms_norm_impl(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     y, _, rstd = _forward(x, None, weight, eps, offset, casting)
     return y, rstd
 
 
-@triton_op("tigon::add_rms_norm", mutates_args={})
-def _add_rms_norm_op(
+def _add_rms_norm_impl(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, s, rstd = _forward(x, residual, weight, eps, offset, casting)
     return y, s, rstd
 
 
-@triton_op("tigon::rms_norm_backward", mutates_args={})
-def _rms_norm_backward_op(
+def _rms_norm_backward_impl(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -408,6 +443,9 @@ def _rms_norm_backward_op(
     return _backward(dy, x, weight, rstd, dsum, eps, offset, casting)
 
 
+RMS_NORM_BACKWARD = TigonOp("rms_norm_backward", _rms_norm_backward_impl)
+
+
 def _setup_rms_norm(ctx, inputs, output):
     x, weight, eps, offset, casting = inputs
     _y, rstd = output
@@ -418,7 +456,7 @@ def _setup_rms_norm(ctx, inputs, output):
 
 def _rms_norm_grad(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.tigon.rms_norm_backward(dy, x, weight, rstd, None, ctx.eps, ctx.offset, ctx.casting)
+    dx, dw = RMS_NORM_BACKWARD(dy, x, weight, rstd, None, ctx.eps, ctx.offset, ctx.casting)
     return dx, (dw if weight is not None else None), None, None, None
 
 
@@ -432,12 +470,14 @@ def _setup_add_rms_norm(ctx, inputs, output):
 
 def _add_rms_norm_grad(ctx, dy, dsum, _drstd):
     s, weight, rstd = ctx.saved_tensors
-    ds, dw = torch.ops.tigon.rms_norm_backward(dy, s, weight, rstd, dsum, ctx.eps, ctx.offset, ctx.casting)
+    ds, dw = RMS_NORM_BACKWARD(dy, s, weight, rstd, dsum, ctx.eps, ctx.offset, ctx.casting)
     return ds, ds, (dw if weight is not None else None), None, None, None
 
 
-_rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_setup_rms_norm)
-_add_rms_norm_op.register_autograd(_add_rms_norm_grad, setup_context=_setup_add_rms_norm)
+RMS_NORM = TigonOp("rms_norm", _rms_norm_impl, setup_context=_setup_rms_norm, backward=_rms_norm_grad)
+ADD_RMS_NORM = TigonOp(
+    "add_rms_norm", _add_rms_norm_impl, setup_context=_setup_add_rms_norm, backward=_add_rms_norm_grad
+)
 
 
 # ------------------------------------------------------------------------------------ public functions
@@ -471,14 +511,14 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama"):
     give fp32, as transformers does); gemma casting returns x's dtype.
     """
     _check_args(x, weight, eps, casting)
-    y, _ = torch.ops.tigon.rms_norm(x, weight, float(eps), float(offset), casting)
+    y, _ = RMS_NORM(x, weight, float(eps), float(offset), casting)
     return y
 
 
 def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):
     """``s = x + residual; y = rms_norm(s, ...)`` in one pass; returns ``(y, s)``."""
     _check_args(x, weight, eps, casting, residual=residual)
-    y, s, _ = torch.ops.tigon.add_rms_norm(x, residual, weight, float(eps), float(offset), casting)
+    y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting)
     return y, s
 
 
