@@ -1,0 +1,336 @@
+r"""Gated linear units: SwiGLU and GeGLU in one kernel pair, the activation chosen at compile time.
+
+Forward, elementwise over gate g and up u (any shape, same shape)::
+
+    a  = r(act(g))            act = silu: g·σ(g)
+                              act = gelu (tanh): g·σ(2v), v = √(2/π)·(g + 0.044715·g³)
+                                                 (= ½g(1 + tanh v), written without the cancellation
+                                                  of 1 + tanh v at large negative g)
+                              act = gelu (erf):  ½g·(1 + erf(g/√2))
+    h  = a · u
+
+``r`` rounds to g's dtype, exactly where the eager ``act(gate) * up`` rounds, so the forward gives
+eager's values; everything else is fp32 with one rounding at the store.
+
+Backward, with dh the gradient of h (rounding taken as the identity, as autograd does)::
+
+    du = dh · a
+    dg = dh · u · act'(g)     silu:        σ(g)·(1 + g·(1 − σ(g)))
+                              gelu (tanh): s + 2g·s·(1 − s)·√(2/π)·(1 + 3·0.044715·g²),  s = σ(2v)
+                              gelu (erf):  ½(1 + erf(g/√2)) + g·exp(−g²/2)/√(2π)
+
+Nothing but g and u is saved: the backward recomputes a from g. It can also write h again
+(``store_h``), which the recomputing MLP (:mod:`tigon.nn.mlp`) uses for down_proj's weight gradient,
+so that one pass over g and u serves both.
+
+Layouts: contiguous operands are walked as one flat array (no row padding, every program full);
+anything else (a strided slice of a fused gate_up projection, a stride-0 gradient from ``.sum()``) is
+read in place through row and column strides. Outputs are contiguous.
+
+Bytes (speed of light), N elements, element size b::
+
+    forward   read g, u; write h                        3·N·b
+    backward  read dh, g, u; write dg, du               5·N·b     (+ N·b with store_h)
+
+Reference: :func:`glu_reference` (``act(gate) * up`` as transformers' MLPs compute it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from tigon.ops._common import as_rows, check_tensor, next_power_of_2
+
+# The activations the kernel knows, by the name the torch op takes.
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _sigmoid(x):
+    """σ(x) from e = exp(−|x|) ≤ 1: no overflow, and full relative precision for x ≪ 0 (σ ≈ e)."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """act(g) and act'(g) for fp32 g (formulas in the module docstring).
+
+    The forward kernel ignores act'(g); the compiler drops what is not used.
+    """
+    SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654
+    GELU_CUBIC: tl.constexpr = 0.044715
+    INV_SQRT_2: tl.constexpr = 0.7071067811865476
+    INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
+    if ACTIVATION == "silu":
+        sig = _sigmoid(g)
+        act = g * sig
+        dact = sig * (1.0 + g * (1.0 - sig))
+    elif ACTIVATION == "gelu_tanh":
+        v = SQRT_2_OVER_PI * (g + GELU_CUBIC * g * g * g)
+        s = _sigmoid(2.0 * v)
+        act = g * s
+        dact = s + 2.0 * g * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * g * g)
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(g * INV_SQRT_2))
+        act = g * cdf
+        dact = cdf + g * tl.exp(-0.5 * g * g) * INV_SQRT_2PI
+    return act, dact
+
+
+@triton.jit
+def _tile(pid, num_rows, num_cols, num_elements, col_blocks,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr):
+    """Rows (int64, (BLOCK_M, 1)), columns ((1, BLOCK_N)) and mask of this program's tile.
+
+    FLAT: every operand is contiguous, so the tensor is walked as rows of BLOCK_N elements regardless
+    of its real row length; row r, column c is then element r·BLOCK_N + c of every operand.
+    """
+    if FLAT:
+        rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = rows * BLOCK_N + cols < num_elements
+    else:
+        rows = (pid // col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        mask = (rows < num_rows) & (cols < num_cols)
+    return rows, cols, mask
+
+
+@triton.jit
+def glu_fwd_kernel(
+    gate_ptr, gate_row_stride, gate_col_stride,     # (M, N) gate, any strides
+    up_ptr, up_row_stride, up_col_stride,           # (M, N) up, any strides
+    h_ptr, h_row_stride,                            # (M, N) out, contiguous
+    num_rows, num_cols, num_elements, col_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, ACTIVATION: tl.constexpr,
+):
+    """h = r(act(g))·u over one tile. In FLAT mode the launcher passes row strides BLOCK_N, col 1."""
+    rows, cols, mask = _tile(
+        tl.program_id(0), num_rows, num_cols, num_elements, col_blocks, BLOCK_M, BLOCK_N, FLAT
+    )
+    g = tl.load(gate_ptr + rows * gate_row_stride + cols * gate_col_stride, mask=mask, other=0.0)
+    g = g.to(tl.float32)
+    u = tl.load(up_ptr + rows * up_row_stride + cols * up_col_stride, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _activation(g, ACTIVATION)
+    a = act.to(gate_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(h_ptr + rows * h_row_stride + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def glu_bwd_kernel(
+    dh_ptr, dh_row_stride, dh_col_stride,           # (M, N) gradient of h, any strides (stride 0 too)
+    gate_ptr, gate_row_stride, gate_col_stride,     # (M, N) gate
+    up_ptr, up_row_stride, up_col_stride,           # (M, N) up
+    dgate_ptr, dup_ptr, h_ptr, out_row_stride,      # (M, N) outs, contiguous; h only with STORE_H
+    num_rows, num_cols, num_elements, col_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, ACTIVATION: tl.constexpr,
+    STORE_H: tl.constexpr,
+):
+    """du = dh·a, dg = dh·u·act'(g) over one tile; STORE_H also writes h = a·u again."""
+    rows, cols, mask = _tile(
+        tl.program_id(0), num_rows, num_cols, num_elements, col_blocks, BLOCK_M, BLOCK_N, FLAT
+    )
+    dh = tl.load(dh_ptr + rows * dh_row_stride + cols * dh_col_stride, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + rows * gate_row_stride + cols * gate_col_stride, mask=mask, other=0.0)
+    g = g.to(tl.float32)
+    u = tl.load(up_ptr + rows * up_row_stride + cols * up_col_stride, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _activation(g, ACTIVATION)
+    a = act.to(gate_ptr.dtype.element_ty).to(tl.float32)
+    out = rows * out_row_stride + cols
+    tl.store(dgate_ptr + out, (dh * u * dact).to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + out, (dh * a).to(dup_ptr.dtype.element_ty), mask=mask)
+    if STORE_H:
+        tl.store(h_ptr + out, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+# -------------------------------------------------------------------------------------- launch config
+
+# Elements per program. 4096 bf16 values are 8 KB per operand; with 8 warps that is 16 values per
+# thread, two 16-byte vector accesses per operand, and at most 5 operands live: few registers, so
+# many programs stay resident per SM and the loads of one cover the stores of another.
+TILE_ELEMENTS = 4096
+ELEMENTS_PER_WARP = 512
+MAX_WARPS = 8
+# Strided layouts: the widest column block; shorter rows get several rows per program instead.
+MAX_BLOCK_N = 1024
+
+
+@dataclass(frozen=True)
+class GluLaunch:
+    """Tile geometry for one GLU kernel launch (forward and backward share it)."""
+
+    flat: bool
+    block_m: int
+    block_n: int
+    col_blocks: int
+    num_programs: int
+    num_warps: int
+
+
+def glu_launch(num_rows: int, num_cols: int, *, flat: bool) -> GluLaunch:
+    if flat:
+        num_elements = num_rows * num_cols
+        block_n = min(TILE_ELEMENTS, next_power_of_2(num_elements))
+        return GluLaunch(True, 1, block_n, 1, triton.cdiv(num_elements, block_n),
+                         max(1, min(block_n // ELEMENTS_PER_WARP, MAX_WARPS)))
+    block_n = min(next_power_of_2(num_cols), MAX_BLOCK_N)
+    block_m = max(1, min(TILE_ELEMENTS // block_n, next_power_of_2(num_rows)))
+    col_blocks = triton.cdiv(num_cols, block_n)
+    num_warps = max(1, min(block_m * block_n // ELEMENTS_PER_WARP, MAX_WARPS))
+    num_programs = triton.cdiv(num_rows, block_m) * col_blocks
+    return GluLaunch(False, block_m, block_n, col_blocks, num_programs, num_warps)
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+
+def _operand_strides(t2: torch.Tensor, cfg: GluLaunch) -> tuple[int, int]:
+    return (cfg.block_n, 1) if cfg.flat else (t2.stride(0), t2.stride(1))
+
+
+def _forward(gate, up, activation):
+    h = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    if gate.numel() == 0:
+        return h
+    g2, u2 = as_rows(gate), as_rows(up)
+    num_rows, num_cols = g2.shape
+    cfg = glu_launch(num_rows, num_cols, flat=g2.is_contiguous() and u2.is_contiguous())
+    wrap_triton(glu_fwd_kernel)[(cfg.num_programs,)](
+        g2, *_operand_strides(g2, cfg),
+        u2, *_operand_strides(u2, cfg),
+        h, cfg.block_n if cfg.flat else num_cols,
+        num_rows, num_cols, num_rows * num_cols, cfg.col_blocks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FLAT=cfg.flat, ACTIVATION=activation,
+        num_warps=cfg.num_warps,
+    )
+    return h
+
+
+def _backward(dh, gate, up, activation, store_h):
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    h_shape = gate.shape if store_h else (0,)
+    h = torch.empty(h_shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    if gate.numel() == 0:
+        return dgate, dup, h
+    d2, g2, u2 = as_rows(dh), as_rows(gate), as_rows(up)
+    num_rows, num_cols = g2.shape
+    flat = d2.is_contiguous() and g2.is_contiguous() and u2.is_contiguous()
+    cfg = glu_launch(num_rows, num_cols, flat=flat)
+    wrap_triton(glu_bwd_kernel)[(cfg.num_programs,)](
+        d2, *_operand_strides(d2, cfg),
+        g2, *_operand_strides(g2, cfg),
+        u2, *_operand_strides(u2, cfg),
+        dgate, dup, h if store_h else dgate, cfg.block_n if cfg.flat else num_cols,
+        num_rows, num_cols, num_rows * num_cols, cfg.col_blocks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FLAT=cfg.flat, ACTIVATION=activation, STORE_H=store_h,
+        num_warps=cfg.num_warps,
+    )
+    return dgate, dup, h
+
+
+# ------------------------------------------------------------------------------- torch ops + autograd
+
+
+@triton_op("tigon::glu", mutates_args={})
+def _glu_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return _forward(gate, up, activation)
+
+
+@triton_op("tigon::glu_backward", mutates_args={})
+def _glu_backward_op(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_h: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dgate, dup, h); h is recomputed only with ``store_h`` (else an empty tensor)."""
+    return _backward(dh, gate, up, activation, store_h)
+
+
+def _setup_glu(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _glu_grad(ctx, dh):
+    gate, up = ctx.saved_tensors
+    dgate, dup, _ = torch.ops.tigon.glu_backward(dh, gate, up, ctx.activation, False)
+    return dgate, dup, None
+
+
+_glu_op.register_autograd(_glu_grad, setup_context=_setup_glu)
+
+
+# ------------------------------------------------------------------------------------ public functions
+
+
+def _check_args(gate, up):
+    check_tensor(gate, "gate")
+    check_tensor(up, "up", device=gate.device)
+    if up.shape != gate.shape:
+        raise ValueError(f"up has shape {tuple(up.shape)}, expected gate's {tuple(gate.shape)}")
+    if gate.dim() == 0:
+        raise ValueError("gate must have at least one dimension")
+
+
+def glu(gate, up, activation):
+    """``act(gate) * up`` by the kernel's activation name ("silu", "gelu_tanh", "gelu")."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_args(gate, up)
+    return torch.ops.tigon.glu(gate, up, activation)
+
+
+def swiglu(gate, up):
+    """``silu(gate) * up``; output dtype is the promotion of the two. The backward recomputes silu."""
+    _check_args(gate, up)
+    return torch.ops.tigon.glu(gate, up, "silu")
+
+
+def gelu_activation_name(approximate: str) -> str:
+    """The kernel's activation name for ``F.gelu``'s ``approximate`` argument ("tanh" or "none")."""
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {tuple(GELU_APPROXIMATIONS)}, got {approximate!r}")
+    return GELU_APPROXIMATIONS[approximate]
+
+
+def geglu(gate, up, *, approximate="tanh"):
+    """``gelu(gate, approximate=approximate) * up`` with ``approximate`` in "tanh", "none"."""
+    activation = gelu_activation_name(approximate)
+    _check_args(gate, up)
+    return torch.ops.tigon.glu(gate, up, activation)
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def activation_reference(gate, activation):
+    """The eager activation by kernel name: F.silu, or F.gelu with the matching ``approximate``."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate)
+    return torch.nn.functional.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def glu_reference(gate, up, activation="silu", *, io_dtype=None, out_dtype=None):
+    """``act(gate) * up`` as the eager MLPs compute it.
+
+    For fp64 inputs in tests: ``io_dtype`` (gate's dtype under test) rounds ``act(gate)`` where eager
+    rounds it, and ``out_dtype`` (default io_dtype; the promotion of gate's and up's) rounds the product.
+    """
+    act = activation_reference(gate, activation)
+    if io_dtype is not None:
+        act = act.to(io_dtype).to(gate.dtype)
+    h = act * up
+    out_dtype = out_dtype or io_dtype
+    if out_dtype is not None:
+        h = h.to(out_dtype).to(gate.dtype)
+    return h

@@ -1,0 +1,412 @@
+r"""Rotary position embedding (rotate_half convention), q and k in one launch, forward and backward.
+
+Forward, per head vector :math:`x \in \mathbb{R}^D` at position t, with the first ``Dr`` dims rotated
+(``Dr = cos.shape[-1]``, even; ``half = Dr / 2``) and c, s the rows ``cos[b, t]``, ``sin[b, t]``::
+
+    x = [x1 | x2 | x_pass]                    x1 = x[:half], x2 = x[half:Dr], x_pass = x[Dr:]
+    rotate_half(x[:Dr]) = [-x2 | x1]
+    out1 = x1·c1 − x2·s1                      (c1, s1 = first halves of c, s; c2, s2 the second)
+    out2 = x2·c2 + x1·s2
+    out_pass = x_pass
+
+Backward. The map is linear in x, so the gradient is its transpose applied to g = d(out)::
+
+    dx1 = g1·c1 + g2·s2
+    dx2 = g2·c2 − g1·s1
+    dx_pass = g_pass
+
+For the usual cos/sin (``cat(freqs, freqs)``: c1 = c2, s1 = s2) this is the same rotation with sin
+negated; the form above stays exact for any cos/sin. One kernel serves both directions:
+``out1 = x1·c1 + x2·a``, ``out2 = x2·c2 + x1·b`` with (a, b) = (−s1, s2) forward, (s2, −s1) backward.
+cos/sin get no gradient.
+
+Layouts. q and k are read as logical ``[B, H, T, D]`` through four strides each, so the
+``unsqueeze_dim=2`` layout ``[B, T, H, D]`` and the transpose of a projection's output are the same
+kernel with the strides permuted; nothing is copied. Outputs are dense in q's and k's memory order
+(as eager elementwise ops allocate theirs), and the backward writes dq and dk in that order too, so
+the gradient flows back through ``view(...).transpose(1, 2)`` without a copy. cos/sin of shape
+``[T, Dr]`` or ``[1, T, Dr]`` are read with batch stride 0.
+
+Bytes (speed of light), element size b, N_q = B·Hq·T·D, N_k = B·Hk·T·D::
+
+    forward   read q, k; write q_out, k_out        2·(N_q + N_k)·b     (+ cos, sin: 2·B·T·Dr)
+    backward  read dq_out, dk_out; write dq, dk    2·(N_q + N_k)·b     (+ cos, sin)
+
+Reference: :func:`rope_reference` (transformers' ``apply_rotary_pos_emb``, with the partial-rotary
+split the transformers models use). Output dtypes follow its type promotion: fp32 cos/sin with bf16
+q give fp32 outputs; dq, dk have q's and k's dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from tigon.ops._common import check_tensor, next_power_of_2
+
+UNSQUEEZE_DIMS = (1, 2)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, x_stride_b, x_stride_h, x_stride_t, x_stride_d,     # (B, H, T, D) rotated input, any strides
+    out_ptr, out_stride_b, out_stride_h, out_stride_t, out_stride_d,    # (B, H, T, D) out
+    c1, c2, a, b,                                  # (BLOCK_T, BLOCK_HALF) fp32: out1 = x1·c1 + x2·a,
+                                                   #                         out2 = x2·c2 + x1·b
+    batch, head_start, num_heads, positions, position_mask, half_rot, rot_dim, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+):
+    """Rotate one (BLOCK_H heads, BLOCK_T positions, D) tile of one batch element.
+
+    Offsets are int64 per (head, position) row; columns add a small int32 offset, so tensors past
+    2**31 elements address correctly.
+    """
+    heads = head_start + tl.arange(0, BLOCK_H)
+    row_mask = (heads < num_heads)[:, None] & position_mask[None, :]                 # (BLOCK_H, BLOCK_T)
+    x_rows = x_ptr + batch * x_stride_b + (
+        heads[:, None].to(tl.int64) * x_stride_h + positions[None, :].to(tl.int64) * x_stride_t
+    )
+    out_rows = out_ptr + batch * out_stride_b + (
+        heads[:, None].to(tl.int64) * out_stride_h + positions[None, :].to(tl.int64) * out_stride_t
+    )
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
+    x1 = tl.load(x_rows[:, :, None] + (cols * x_stride_d)[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(
+        x_rows[:, :, None] + ((cols + half_rot) * x_stride_d)[None, None, :], mask=mask, other=0.0
+    ).to(tl.float32)
+    out1 = x1 * c1[None, :, :] + x2 * a[None, :, :]
+    out2 = x2 * c2[None, :, :] + x1 * b[None, :, :]
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_rows[:, :, None] + (cols * out_stride_d)[None, None, :], out1.to(out_dtype), mask=mask)
+    tl.store(
+        out_rows[:, :, None] + ((cols + half_rot) * out_stride_d)[None, None, :], out2.to(out_dtype),
+        mask=mask,
+    )
+    if HAS_PASS:
+        pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
+        pass_mask = row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :]
+        x_pass = tl.load(
+            x_rows[:, :, None] + (pass_cols * x_stride_d)[None, None, :], mask=pass_mask, other=0.0
+        )
+        tl.store(
+            out_rows[:, :, None] + (pass_cols * out_stride_d)[None, None, :],
+            x_pass.to(tl.float32).to(out_dtype),
+            mask=pass_mask,
+        )
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr, q_stride_b, q_stride_h, q_stride_t, q_stride_d,         # (B, Hq, T, D) q, or d(q_out) backward
+    k_ptr, k_stride_b, k_stride_h, k_stride_t, k_stride_d,         # (B, Hk, T, D) k, or d(k_out)
+    q_out_ptr, qo_stride_b, qo_stride_h, qo_stride_t, qo_stride_d,  # (B, Hq, T, D) out: q_out, or dq
+    k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t, ko_stride_d,  # (B, Hk, T, D) out: k_out, or dk
+    cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,             # (B, T, Dr) cos; batch stride 0 if shared
+    sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,             # (B, T, Dr) sin
+    seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim, q_head_blocks, head_blocks,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    """One program: BLOCK_H heads of q (or of k) × BLOCK_T positions of one batch element.
+
+    The flat grid runs over (batch, position block) × head block with the head block fastest, so the
+    programs that share a cos/sin tile run side by side and all but the first read it from L2.
+    """
+    pid = tl.program_id(0)
+    head_block = pid % head_blocks
+    batch_position_block = pid // head_blocks
+    position_blocks = tl.cdiv(seq_len, BLOCK_T)
+    batch = (batch_position_block // position_blocks).to(tl.int64)
+    positions = (batch_position_block % position_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    position_mask = positions < seq_len
+
+    cols = tl.arange(0, BLOCK_HALF)
+    cs_mask = position_mask[:, None] & (cols < half_rot)[None, :]
+    cos_rows = cos_ptr + batch * cos_stride_b + positions[:, None].to(tl.int64) * cos_stride_t
+    sin_rows = sin_ptr + batch * sin_stride_b + positions[:, None].to(tl.int64) * sin_stride_t
+    first = cols[None, :]
+    second = cols[None, :] + half_rot
+    c1 = tl.load(cos_rows + first * cos_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_rows + second * cos_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_rows + first * sin_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_rows + second * sin_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        a = s2
+        b = -s1
+    else:
+        a = -s1
+        b = s2
+
+    if head_block < q_head_blocks:
+        _rotate_heads(
+            q_ptr, q_stride_b, q_stride_h, q_stride_t, q_stride_d,
+            q_out_ptr, qo_stride_b, qo_stride_h, qo_stride_t, qo_stride_d,
+            c1, c2, a, b,
+            batch, head_block * BLOCK_H, num_q_heads, positions, position_mask, half_rot, rot_dim, head_dim,
+            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS,
+        )
+    else:
+        _rotate_heads(
+            k_ptr, k_stride_b, k_stride_h, k_stride_t, k_stride_d,
+            k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t, ko_stride_d,
+            c1, c2, a, b,
+            batch, (head_block - q_head_blocks) * BLOCK_H, num_k_heads, positions, position_mask,
+            half_rot, rot_dim, head_dim,
+            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS,
+        )
+
+
+# -------------------------------------------------------------------------------------- launch config
+
+# Elements (heads × positions × padded head dim) one program moves per tensor. 4096 bf16 values are
+# 8 KB read and 8 KB written per program; with 4 warps that is 32 values per thread, i.e. two 16-byte
+# vector loads per half-row, and enough programs resident per SM to keep the memory system busy.
+TILE_ELEMENTS = 4096
+ELEMENTS_PER_WARP = 1024
+MAX_WARPS = 8
+# Heads per program: the largest power of two dividing both head counts (so neither q's nor k's last
+# block is partly masked), at most this many; positions fill the rest of the tile.
+MAX_BLOCK_H = 16
+
+
+@dataclass(frozen=True)
+class RopeLaunch:
+    """Block geometry for one rope_kernel launch (forward and backward use the same)."""
+
+    block_h: int
+    block_t: int
+    block_half: int
+    block_pass: int
+    has_pass: bool
+    num_warps: int
+
+
+def _floor_power_of_2(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
+def rope_launch(seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, head_dim: int) -> RopeLaunch:
+    block_half = next_power_of_2(rot_dim // 2)
+    has_pass = head_dim > rot_dim
+    block_pass = next_power_of_2(head_dim - rot_dim) if has_pass else 1
+    row = 2 * block_half + (block_pass if has_pass else 0)
+    common = math.gcd(num_q_heads, num_k_heads) or max(num_q_heads, num_k_heads, 1)
+    block_h = min(common & -common, MAX_BLOCK_H, _floor_power_of_2(TILE_ELEMENTS // row))
+    block_t = min(_floor_power_of_2(TILE_ELEMENTS // (block_h * row)), next_power_of_2(seq_len))
+    num_warps = max(1, min(block_h * block_t * row // ELEMENTS_PER_WARP, MAX_WARPS))
+    return RopeLaunch(block_h, block_t, block_half, block_pass, has_pass, num_warps)
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+
+def _bhtd_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int, int]:
+    """Strides of a q/k-shaped tensor in (batch, head, position, dim) order."""
+    sb, s1, s2, sd = t.stride()
+    return (sb, s1, s2, sd) if unsqueeze_dim == 1 else (sb, s2, s1, sd)
+
+
+def _cos_sin_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, position, dim) strides of cos/sin; batch stride 0 for [T, Dr] and [1, T, Dr]."""
+    if t.dim() == 2:
+        return 0, t.stride(0), t.stride(1)
+    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
+
+
+def dim_order(t: torch.Tensor) -> list[int]:
+    """t's dims from outermost to innermost in memory (by stride; ties keep the logical order).
+
+    Outputs and gradients are allocated densely in this order, as eager elementwise ops allocate
+    theirs: the transpose of a [B, T, H, D] projection (even a strided slice of a fused qkv one)
+    gets [B, T, H, D]-ordered outputs, which flow back through the transpose without a copy.
+    """
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+def _empty_in_order(shape, order: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    inverse = [order.index(d) for d in range(len(order))]
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(inverse)
+
+
+def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
+    """Rotate x_q → out_q and x_k → out_k (all four shaped like q / k) in one launch."""
+    batch = x_q.shape[0]
+    seq_len, head_dim = x_q.shape[3 - unsqueeze_dim], x_q.shape[3]
+    num_q_heads, num_k_heads = x_q.shape[unsqueeze_dim], x_k.shape[unsqueeze_dim]
+    rot_dim = cos.shape[-1]
+    if batch == 0 or seq_len == 0 or head_dim == 0 or num_q_heads + num_k_heads == 0:
+        return
+    cfg = rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim)
+    q_head_blocks = triton.cdiv(num_q_heads, cfg.block_h)
+    head_blocks = q_head_blocks + triton.cdiv(num_k_heads, cfg.block_h)
+    grid = (batch * triton.cdiv(seq_len, cfg.block_t) * head_blocks,)
+    wrap_triton(rope_kernel)[grid](
+        x_q, *_bhtd_strides(x_q, unsqueeze_dim),
+        x_k, *_bhtd_strides(x_k, unsqueeze_dim),
+        out_q, *_bhtd_strides(out_q, unsqueeze_dim),
+        out_k, *_bhtd_strides(out_k, unsqueeze_dim),
+        cos, *_cos_sin_strides(cos),
+        sin, *_cos_sin_strides(sin),
+        seq_len, num_q_heads, num_k_heads, rot_dim // 2, rot_dim, head_dim, q_head_blocks, head_blocks,
+        BLOCK_H=cfg.block_h, BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, BLOCK_PASS=cfg.block_pass,
+        HAS_PASS=cfg.has_pass, BACKWARD=backward,
+        num_warps=cfg.num_warps,
+    )
+
+
+# ------------------------------------------------------------------------------- torch ops + autograd
+
+
+@triton_op("tigon::rope", mutates_args={})
+def _rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    trig_dtype = torch.promote_types(cos.dtype, sin.dtype)
+    q_out = _empty_in_order(q.shape, dim_order(q), torch.promote_types(q.dtype, trig_dtype), q.device)
+    k_out = _empty_in_order(k.shape, dim_order(k), torch.promote_types(k.dtype, trig_dtype), k.device)
+    _launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, False)
+    return q_out, k_out
+
+
+@triton_op("tigon::rope_backward", mutates_args={})
+def _rope_backward_op(
+    dq_out: torch.Tensor,
+    dk_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+    q_order: list[int],
+    k_order: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dk) in q's and k's dtypes and memory orders (``q_order``: :func:`dim_order` of q)."""
+    dq = _empty_in_order(dq_out.shape, q_order, q_dtype, dq_out.device)
+    dk = _empty_in_order(dk_out.shape, k_order, k_dtype, dk_out.device)
+    _launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, True)
+    return dq, dk
+
+
+def _setup_rope(ctx, inputs, output):
+    q, k, cos, sin, unsqueeze_dim = inputs
+    q_out, k_out = output
+    ctx.save_for_backward(cos, sin)
+    ctx.unsqueeze_dim = unsqueeze_dim
+    ctx.q_meta = (q.shape, q.dtype, dim_order(q), q_out.dtype)
+    ctx.k_meta = (k.shape, k.dtype, dim_order(k), k_out.dtype)
+
+
+def _rope_grad(ctx, dq_out, dk_out):
+    cos, sin = ctx.saved_tensors
+    q_shape, q_dtype, q_order, q_out_dtype = ctx.q_meta
+    k_shape, k_dtype, k_order, k_out_dtype = ctx.k_meta
+    # An output that got no gradient arrives as None: a stride-0 zero costs no memory.
+    if dq_out is None:
+        dq_out = torch.zeros((), dtype=q_out_dtype, device=cos.device).expand(q_shape)
+    if dk_out is None:
+        dk_out = torch.zeros((), dtype=k_out_dtype, device=cos.device).expand(k_shape)
+    dq, dk = torch.ops.tigon.rope_backward(
+        dq_out, dk_out, cos, sin, ctx.unsqueeze_dim, q_dtype, k_dtype, q_order, k_order
+    )
+    return dq, dk, None, None, None
+
+
+_rope_op.register_autograd(_rope_grad, setup_context=_setup_rope)
+
+
+# ------------------------------------------------------------------------------------ public function
+
+
+def _check_args(q, k, cos, sin, unsqueeze_dim):
+    check_tensor(q, "q")
+    check_tensor(k, "k", device=q.device)
+    check_tensor(cos, "cos", device=q.device)
+    check_tensor(sin, "sin", device=q.device)
+    if unsqueeze_dim not in UNSQUEEZE_DIMS:
+        raise ValueError(
+            f"unsqueeze_dim must be 1 (q, k as [B, H, T, D]) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}"
+        )
+    layout = "[B, H, T, D]" if unsqueeze_dim == 1 else "[B, T, H, D]"
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}, got shape {tuple(t.shape)}"
+            )
+    t_dim = 3 - unsqueeze_dim
+    batch, seq_len, head_dim = q.shape[0], q.shape[t_dim], q.shape[3]
+    if (k.shape[0], k.shape[t_dim], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(
+            f"k has shape {tuple(k.shape)}: batch, sequence length and head dim must match q's "
+            f"{tuple(q.shape)} ({layout})"
+        )
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin has shape {tuple(sin.shape)}, expected cos's {tuple(cos.shape)}")
+    if cos.dim() not in (2, 3):
+        raise ValueError(f"cos must be [B, T, Dr] or [T, Dr], got shape {tuple(cos.shape)}")
+    cos_batch = cos.shape[0] if cos.dim() == 3 else 1
+    if cos.shape[-2] != seq_len or cos_batch not in (1, batch):
+        raise ValueError(
+            f"cos has shape {tuple(cos.shape)}, expected [{batch}, {seq_len}, Dr], [1, {seq_len}, Dr] or "
+            f"[{seq_len}, Dr] for q of shape {tuple(q.shape)} ({layout})"
+        )
+    rot_dim = cos.shape[-1]
+    if rot_dim % 2 != 0 or not 0 < rot_dim <= head_dim:
+        raise ValueError(
+            f"the rotary dim (cos.shape[-1] = {rot_dim}) must be even and in [2, head_dim = {head_dim}]"
+        )
+
+
+def rope(q, k, cos, sin, *, unsqueeze_dim=1):
+    """Apply rotary position embedding to q and k; returns ``(q_out, k_out)``.
+
+    transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`` (rotate_half convention):
+    ``unsqueeze_dim=1`` takes q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]``; ``unsqueeze_dim=2`` takes
+    ``[B, T, H, D]``. ``cos``/``sin`` are ``[B, T, Dr]``, ``[1, T, Dr]`` or ``[T, Dr]``; with ``Dr < D``
+    only the first ``Dr`` dims of each head rotate and the rest pass through. Any strides (the
+    transpose of a ``[B, T, H, D]`` projection is read in place). Gradients flow to q and k only.
+    """
+    _check_args(q, k, cos, sin, unsqueeze_dim)
+    return torch.ops.tigon.rope(q, k, cos, sin, int(unsqueeze_dim))
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def rotate_half(x):
+    """transformers' rotate_half: ``[x1 | x2] -> [-x2 | x1]``."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_reference(q, k, cos, sin, *, unsqueeze_dim=1, io_dtype=None):
+    """transformers' ``apply_rotary_pos_emb`` in PyTorch, with partial rotary and ``[T, Dr]`` cos/sin.
+
+    With ``Dr < D`` the first ``Dr`` dims rotate and the rest are concatenated back, as the
+    partial-rotary transformers models do. ``io_dtype`` (for fp64 inputs in tests) rounds each
+    output once to that dtype.
+    """
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot_dim = cos.shape[-1]
+
+    def apply(x):
+        x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+        out = x_rot * cos + rotate_half(x_rot) * sin
+        if x_pass.shape[-1]:
+            out = torch.cat((out, x_pass), dim=-1)
+        if io_dtype is not None:
+            out = out.to(io_dtype).to(x.dtype)
+        return out
+
+    return apply(q), apply(k)
