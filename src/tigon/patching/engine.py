@@ -490,6 +490,7 @@ def _plan_loss(plan, model, family, classes, switches):
     if switches["fused_linear_cross_entropy"]:
         if _is_tigon(own_forward):
             return
+        importlib.import_module("tigon.ops.fused_linear_cross_entropy")  # fail here, not at the first step
         if _is_tigon(own_loss):
             raise ValueError("the model is already patched with cross_entropy=True; revert that patch first")
         _check_plain(model, classes.causal_lm, "the model")
@@ -508,6 +509,7 @@ def _plan_loss(plan, model, family, classes, switches):
     elif switches["cross_entropy"]:
         if _is_tigon(own_loss):
             return
+        importlib.import_module("tigon.ops.cross_entropy")
         if _is_tigon(own_forward):
             raise ValueError(
                 "the model is already patched with fused_linear_cross_entropy=True; revert that patch first"

@@ -26,6 +26,8 @@ the logits (with its own softcapping and scaling) and tigon's cross-entropy redu
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,6 +104,22 @@ def linear_or_fused_loss(self, input, target=None, **loss_kwargs):
 linear_or_fused_loss._tigon = True
 
 
+def _takes_target(lm_head) -> bool:
+    """Whether ``lm_head`` is still the module the patch taught to take a target.
+
+    It may have been replaced since (``resize_token_embeddings``, a PEFT ``modules_to_save`` wrapper);
+    the stock loss path is right for any head, so that is what runs then, with a warning.
+    """
+    if getattr(lm_head.forward, "__func__", None) is linear_or_fused_loss:
+        return True
+    warnings.warn(
+        f"tigon: lm_head is now a {type(lm_head).__name__} that the patch did not set up; computing the "
+        "loss from full logits (the stock path). Patch after resizing or wrapping the output layer.",
+        stacklevel=3,
+    )
+    return False
+
+
 def causal_lm_forward(family, modeling_module, stock_forward):
     """The generic CausalLM forward for one family row (see the module docstring)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
@@ -121,7 +139,7 @@ def causal_lm_forward(family, modeling_module, stock_forward):
         logits_to_keep=0,
         **kwargs,
     ):
-        if not (self.training and labels is not None):
+        if not (self.training and labels is not None) or not _takes_target(self.lm_head):
             return stock_forward(
                 self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
                 use_cache, logits_to_keep=logits_to_keep, **kwargs,

@@ -1,0 +1,124 @@
+"""Tiny random-init configs, one per family: 2 layers, hidden 32, vocab 160, seq 12.
+
+Weights are drawn with ``initializer_range=0.2`` (not transformers' 0.02) so that activations and
+logits are of order one: at 0.02 every norm, GLU and softcap sits in its near-linear range, and a
+kernel that got one of them wrong could still pass.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+
+import tigon
+from tests.helpers import DEVICE
+
+VOCAB = 160
+SEQ = 12
+BATCH = 2
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# model_type -> (config class, overrides of COMMON). Quirks are set so that they matter: a small
+# final-logit softcap, Granite's logits_scaling != 1, router losses on with a visible coefficient,
+# Qwen3-MoE with one dense layer (the MLP tigon patches there), Phi-3 with partial rotary.
+CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "output_router_logits": True, "router_aux_loss_coef": 0.05}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                     "mlp_only_layers": [0], "output_router_logits": True,
+                                     "router_aux_loss_coef": 0.05}),
+    "gemma": ("GemmaConfig", {"hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("Gemma2Config", {"final_logit_softcapping": 2.0, "attn_logit_softcapping": 5.0,
+                                "sliding_window": 8, "query_pre_attn_scalar": 8}),
+    "gemma3_text": ("Gemma3TextConfig", {"final_logit_softcapping": 2.0, "sliding_window": 8,
+                                         "query_pre_attn_scalar": 8}),
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5}),
+    "olmo2": ("Olmo2Config", {}),
+    "olmo3": ("Olmo3Config", {"sliding_window": 8}),
+    "granite": ("GraniteConfig", {"logits_scaling": 4.0, "embedding_multiplier": 2.0,
+                                  "residual_multiplier": 0.5, "attention_multiplier": 0.2}),
+    "smollm3": ("SmolLM3Config", {}),
+    "glm4": ("Glm4Config", {}),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    cls_name, extra = CONFIGS[model_type]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = "eager"
+    return config
+
+
+def tiny_model(model_type: str, **overrides):
+    """A tiny random model in train mode (fp32, CPU or the test device)."""
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).train()
+
+
+def batch(seed: int = 0, *, batch_size: int = BATCH, seq: int = SEQ, ignored: int = 3, device=None):
+    """Random token ids and labels (ids shifted by the model itself), a few labels set to -100."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch_size, seq), generator=gen)
+    labels = ids.clone()
+    flat = labels.view(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[:ignored]] = -100
+    return ids.to(device or DEVICE), labels.to(device or DEVICE)
+
+
+def stock_and_patched(model_type: str, *, config_overrides=None, **switches):
+    """A tiny model and a deep copy of it patched with ``switches``: same weights, same names."""
+    torch.manual_seed(0)
+    stock = tiny_model(model_type, **(config_overrides or {})).to(DEVICE)
+    patched = copy.deepcopy(stock)
+    handle = tigon.patch(patched, **switches)
+    return stock, patched, handle
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def grads(model) -> dict:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(patched, stock, tolerance=1e-4):
+    got, want = grads(patched), grads(stock)
+    assert got.keys() == want.keys(), f"parameters with gradients differ: {got.keys() ^ want.keys()}"
+    for name, g in want.items():
+        err = rel(got[name], g)
+        assert err <= tolerance, f"grad of {name}: relative error {err:.2e} > {tolerance:.0e}"
+
+
+def train(model, steps: int, *, lr: float = 1e-2, seed: int = 0):
+    """AdamW on a fresh batch per step; returns the per-step losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        ids, labels = batch(seed + step)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
