@@ -157,6 +157,22 @@ def test_rope_one_output_used():
     assert torch.equal(k.grad, torch.zeros_like(k))
 
 
+def test_rope_registered_op_autograd():
+    """The torch op (what torch.compile traces) differentiates like the eager path, including an
+    output that gets no gradient (None reaches the backward there, not zeros)."""
+    q = randn(2, 4, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+    k = randn(2, 2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = randn(3, 8), randn(3, 8)
+    q_out, k_out = torch.ops.tigon.rope(q, k, cos, sin, 1)
+    eager_q, eager_k = rope(q, k, cos, sin)
+    assert torch.equal(q_out, eager_q) and torch.equal(k_out, eager_k)
+    dq_out = randn(*q_out.shape)
+    dq, dk = torch.autograd.grad(q_out, (q, k), dq_out)
+    ref_dq, ref_dk = torch.autograd.grad((eager_q, eager_k), (q, k), (dq_out, torch.zeros_like(eager_k)))
+    assert torch.equal(dq, ref_dq) and torch.equal(dk, ref_dk)
+    assert not dk.any()
+
+
 def test_rope_no_grad_to_cos_sin():
     q, k = randn(1, 2, 3, 8, requires_grad=True), randn(1, 2, 3, 8, requires_grad=True)
     cos, sin = randn(3, 8, requires_grad=True), randn(3, 8, requires_grad=True)

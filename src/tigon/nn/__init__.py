@@ -1,5 +1,6 @@
 """Module level: drop-in ``nn.Module`` replacements with transformers' parameter names (API.md)."""
 
+from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP
 from tigon.nn.norm import LayerNorm, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["GEGLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]

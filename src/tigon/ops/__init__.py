@@ -4,7 +4,9 @@ Import this only after deciding on the interpreter: without a GPU, set ``TRITON_
 before the first import, since Triton reads it when the kernels below are defined.
 """
 
+from tigon.ops.glu import geglu, swiglu
 from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
+from tigon.ops.rope import rope
 
-__all__ = ["add_rms_norm", "layer_norm", "rms_norm"]
+__all__ = ["add_rms_norm", "geglu", "layer_norm", "rms_norm", "rope", "swiglu"]

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from tigon.ops._common import as_rows, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2
 
 # The activations the kernel knows, by the name the torch op takes.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -242,13 +242,11 @@ def _backward(dh, gate, up, activation, store_h):
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-@triton_op("tigon::glu", mutates_args={})
-def _glu_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     return _forward(gate, up, activation)
 
 
-@triton_op("tigon::glu_backward", mutates_args={})
-def _glu_backward_op(
+def _glu_backward_impl(
     dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_h: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dgate, dup, h); h is recomputed only with ``store_h`` (else an empty tensor)."""
@@ -263,11 +261,12 @@ def _setup_glu(ctx, inputs, output):
 
 def _glu_grad(ctx, dh):
     gate, up = ctx.saved_tensors
-    dgate, dup, _ = torch.ops.tigon.glu_backward(dh, gate, up, ctx.activation, False)
+    dgate, dup, _ = GLU_BACKWARD(dh, gate, up, ctx.activation, False)
     return dgate, dup, None
 
 
-_glu_op.register_autograd(_glu_grad, setup_context=_setup_glu)
+GLU_BACKWARD = TigonOp("glu_backward", _glu_backward_impl)
+GLU = TigonOp("glu", _glu_impl, setup_context=_setup_glu, backward=_glu_grad)
 
 
 # ------------------------------------------------------------------------------------ public functions
@@ -287,13 +286,13 @@ def glu(gate, up, activation):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     _check_args(gate, up)
-    return torch.ops.tigon.glu(gate, up, activation)
+    return GLU(gate, up, activation)
 
 
 def swiglu(gate, up):
     """``silu(gate) * up``; output dtype is the promotion of the two. The backward recomputes silu."""
     _check_args(gate, up)
-    return torch.ops.tigon.glu(gate, up, "silu")
+    return GLU(gate, up, "silu")
 
 
 def gelu_activation_name(approximate: str) -> str:
@@ -307,7 +306,7 @@ def geglu(gate, up, *, approximate="tanh"):
     """``gelu(gate, approximate=approximate) * up`` with ``approximate`` in "tanh", "none"."""
     activation = gelu_activation_name(approximate)
     _check_args(gate, up)
-    return torch.ops.tigon.glu(gate, up, activation)
+    return GLU(gate, up, activation)
 
 
 # ------------------------------------------------------------------------------------------ reference

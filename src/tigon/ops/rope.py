@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from tigon.ops._common import check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, check_tensor, next_power_of_2
 
 UNSQUEEZE_DIMS = (1, 2)
 
@@ -267,8 +267,7 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-@triton_op("tigon::rope", mutates_args={})
-def _rope_op(
+def _rope_impl(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     trig_dtype = torch.promote_types(cos.dtype, sin.dtype)
@@ -278,8 +277,7 @@ def _rope_op(
     return q_out, k_out
 
 
-@triton_op("tigon::rope_backward", mutates_args={})
-def _rope_backward_op(
+def _rope_backward_impl(
     dq_out: torch.Tensor,
     dk_out: torch.Tensor,
     cos: torch.Tensor,
@@ -315,13 +313,14 @@ def _rope_grad(ctx, dq_out, dk_out):
         dq_out = torch.zeros((), dtype=q_out_dtype, device=cos.device).expand(q_shape)
     if dk_out is None:
         dk_out = torch.zeros((), dtype=k_out_dtype, device=cos.device).expand(k_shape)
-    dq, dk = torch.ops.tigon.rope_backward(
+    dq, dk = ROPE_BACKWARD(
         dq_out, dk_out, cos, sin, ctx.unsqueeze_dim, q_dtype, k_dtype, q_order, k_order
     )
     return dq, dk, None, None, None
 
 
-_rope_op.register_autograd(_rope_grad, setup_context=_setup_rope)
+ROPE_BACKWARD = TigonOp("rope_backward", _rope_backward_impl)
+ROPE = TigonOp("rope", _rope_impl, setup_context=_setup_rope, backward=_rope_grad)
 
 
 # ------------------------------------------------------------------------------------ public function
@@ -376,7 +375,7 @@ def rope(q, k, cos, sin, *, unsqueeze_dim=1):
     transpose of a ``[B, T, H, D]`` projection is read in place). Gradients flow to q and k only.
     """
     _check_args(q, k, cos, sin, unsqueeze_dim)
-    return torch.ops.tigon.rope(q, k, cos, sin, int(unsqueeze_dim))
+    return ROPE(q, k, cos, sin, int(unsqueeze_dim))
 
 
 # ------------------------------------------------------------------------------------------ reference

@@ -1,0 +1,224 @@
+r"""Gated MLPs (SwiGLU, GeGLU) as one autograd node that recomputes instead of saving.
+
+Forward, x ``[..., H]``, weights as ``nn.Linear`` stores them::
+
+    gate = x Wgᵀ + bg        (M, I)     saved
+    up   = x Wuᵀ + bu        (M, I)     saved
+    h    = r(act(gate)) · up (M, I)     tigon.ops.glu kernel; freed at once
+    y    = h Wdᵀ + bd        (M, H)
+
+Backward, from dy::
+
+    dh          = dy Wd                      (M, I)
+    dgate, dup, h = glu_backward(dh, gate, up)   one pass over gate and up also writes h again
+    dWd = dyᵀ h,  dbd = Σ dy
+    dx  = dgate Wg + dup Wu
+    dWg = dgateᵀ x,  dWu = dupᵀ x,  dbg = Σ dgate,  dbu = Σ dup
+
+Saved per token: x (H) and gate, up (2·I). The stock ``LlamaMLP`` keeps x plus four intermediate-sized
+tensors (gate for the activation, act(gate) and up for the product, h for down_proj); a fused
+activation alone drops one of them. The price is one extra write of h in the backward (N·b bytes,
+against three GEMMs of 2·M·H·I flops each way).
+
+Autocast: as ``nn.Linear`` under ``torch.autocast``, x, weights and biases are cast to the autocast
+dtype before the node (the casts stay in the graph, so fp32 weights get fp32 gradients), and the
+node itself runs with autocast off.
+
+Reference: :func:`gated_mlp_reference` (``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers'
+``LlamaMLP`` / ``GemmaMLP``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tigon.ops._common import FLOAT_DTYPES, check_tensor
+from tigon.ops.glu import ACTIVATIONS, GLU, GLU_BACKWARD, activation_reference, gelu_activation_name, glu
+
+
+class _GatedMLPFunction(torch.autograd.Function):
+    """The whole MLP as one node; saves x, gate, up (and references to the weights)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation):
+        gate = F.linear(x, gate_weight, gate_bias)                  # (..., I)
+        up = F.linear(x, up_weight, up_bias)                        # (..., I)
+        h = GLU(gate, up, activation)                               # (..., I)
+        y = F.linear(h, down_weight, down_bias)                     # (..., H)
+        ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
+        (need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b, _) = (
+            ctx.needs_input_grad
+        )
+        x2 = x.reshape(-1, x.shape[-1])                             # (M, H)
+        dy2 = dy.reshape(-1, dy.shape[-1])                          # (M, H)
+        gate2 = gate.reshape(-1, gate.shape[-1])                    # (M, I)
+        up2 = up.reshape(-1, up.shape[-1])                          # (M, I)
+        dx = d_gate_w = d_gate_b = d_up_w = d_up_b = d_down_w = d_down_b = None
+
+        need_dgate_dup = need_x or need_gate_w or need_gate_b or need_up_w or need_up_b
+        if need_dgate_dup:
+            dh = dy2 @ down_weight                                  # (M, I)
+            dgate, dup, h = GLU_BACKWARD(dh, gate2, up2, ctx.activation, need_down_w)
+            del dh
+        elif need_down_w:
+            h = GLU(gate2, up2, ctx.activation)
+        if need_down_w:
+            d_down_w = dy2.t() @ h                                  # (H, I)
+            del h
+        if need_down_b:
+            d_down_b = dy2.sum(0)
+        if need_x:
+            dx = dgate @ gate_weight                                # (M, H)
+            dx.addmm_(dup, up_weight)
+            dx = dx.reshape(x.shape)
+        if need_gate_w:
+            d_gate_w = dgate.t() @ x2                               # (I, H)
+        if need_gate_b:
+            d_gate_b = dgate.sum(0)
+        if need_up_w:
+            d_up_w = dup.t() @ x2
+        if need_up_b:
+            d_up_b = dup.sum(0)
+        return dx, d_gate_w, d_gate_b, d_up_w, d_up_b, d_down_w, d_down_b, None
+
+
+def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_tensor(x, "x")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
+    hidden = x.shape[-1]
+    check_tensor(gate_weight, "gate_proj.weight", device=x.device)
+    intermediate = gate_weight.shape[0]
+    expected = {
+        "gate_proj.weight": (gate_weight, (intermediate, hidden)),
+        "up_proj.weight": (up_weight, (intermediate, hidden)),
+        "down_proj.weight": (down_weight, (hidden, intermediate)),
+        "gate_proj.bias": (gate_bias, (intermediate,)),
+        "up_proj.bias": (up_bias, (intermediate,)),
+        "down_proj.bias": (down_bias, (hidden,)),
+    }
+    for name, (t, shape) in expected.items():
+        if t is None:
+            continue
+        check_tensor(t, name, device=x.device)
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {shape} for x of shape {tuple(x.shape)}"
+            )
+
+
+def _to_autocast(t, dtype):
+    return t.to(dtype) if t is not None and t.dtype in FLOAT_DTYPES and t.dtype != dtype else t
+
+
+def gated_mlp(
+    x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None, *, activation="silu"
+):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` as one recomputing autograd node.
+
+    Weights and biases as ``nn.Linear`` holds them (gate/up ``[I, H]``, down ``[H, I]``).
+    ``activation``: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU). Respects ``torch.autocast``
+    as ``F.linear`` does; outside autocast every tensor must share x's dtype.
+    """
+    _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+    tensors = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    device_type = x.device.type
+    # cuda, or cpu under the interpreter: the devices tigon runs on (meta tensors have no autocast)
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        tensors = tuple(_to_autocast(t, dtype) for t in tensors)
+        with torch.autocast(device_type, enabled=False):
+            return _GatedMLPFunction.apply(*tensors, activation)
+    names = ("x", "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight",
+             "down_proj.bias")
+    for name, t in zip(names, tensors, strict=True):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}, expected x's {x.dtype} (mixed dtypes need torch.autocast, "
+                "as for nn.Linear)"
+            )
+    return _GatedMLPFunction.apply(*tensors, activation)
+
+
+class _GatedMLP(nn.Module):
+    """Shared body of SwiGLUMLP and GEGLUMLP: the three projections and the fused forward."""
+
+    def __init__(self, hidden_size, intermediate_size, activation, bias, device, dtype):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x):
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if all(type(p) is nn.Linear for p in projections):
+            return gated_mlp(
+                x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias, activation=self.activation,
+            )
+        # A projection was wrapped (a LoRA adapter, a quantised linear): its own forward must run, so
+        # only the activation is fused here.
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.activation))
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size} -> {self.intermediate_size}, activation={self.activation!r}"
+
+
+class SwiGLUMLP(_GatedMLP):
+    """Drop-in for transformers' ``LlamaMLP`` (``hidden_act="silu"``): ``down(silu(gate(x)) * up(x))``.
+
+    Parameters ``gate_proj``, ``up_proj``, ``down_proj`` (``nn.Linear``), so checkpoints load
+    unchanged. Saves x, gate and up only; the activation and down_proj's input are recomputed.
+    """
+
+    def __init__(self, hidden_size, intermediate_size, *, bias=False, device=None, dtype=None):
+        super().__init__(hidden_size, intermediate_size, "silu", bias, device, dtype)
+
+
+class GEGLUMLP(_GatedMLP):
+    """Drop-in for transformers' ``GemmaMLP``: ``down(gelu(gate(x), approximate) * up(x))``.
+
+    ``approximate="tanh"`` is ``gelu_pytorch_tanh`` (Gemma); ``"none"`` the erf GELU.
+    """
+
+    def __init__(
+        self, hidden_size, intermediate_size, *, approximate="tanh", bias=False, device=None, dtype=None
+    ):
+        activation = gelu_activation_name(approximate)
+        super().__init__(hidden_size, intermediate_size, activation, bias, device, dtype)
+        self.approximate = approximate
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def gated_mlp_reference(
+    x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None, *,
+    activation="silu", io_dtype=None,
+):
+    """The eager MLP (transformers' ``LlamaMLP`` / ``GemmaMLP`` forward) on raw weights.
+
+    ``io_dtype`` (tests pass fp64 tensors) rounds each intermediate (gate, up, act, h, y) where the
+    eager MLP in that dtype rounds.
+    """
+
+    def r(t):
+        return t if io_dtype is None else t.to(io_dtype).to(t.dtype)
+
+    gate = r(F.linear(x, gate_weight, gate_bias))
+    up = r(F.linear(x, up_weight, up_bias))
+    h = r(r(activation_reference(gate, activation)) * up)
+    return r(F.linear(h, down_weight, down_bias))

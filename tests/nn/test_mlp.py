@@ -1,0 +1,239 @@
+"""tigon.nn.SwiGLUMLP / GEGLUMLP: transformers' LlamaMLP / GemmaMLP values and gradients, one
+recomputing autograd node that saves only x, gate and up, autocast like nn.Linear."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import DEVICE, DTYPES, assert_close, fp64_reference, randn
+from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP, gated_mlp, gated_mlp_reference
+
+# (module class, constructor kwargs, kernel activation)
+VARIANTS = (
+    (SwiGLUMLP, {}, "silu"),
+    (GEGLUMLP, {}, "gelu_tanh"),
+    (GEGLUMLP, {"approximate": "none"}, "gelu"),
+)
+VARIANT_IDS = ("swiglu", "geglu-tanh", "geglu-erf")
+
+
+def make_mlp(cls, kwargs, hidden, intermediate, *, bias=False, dtype=torch.float32):
+    module = cls(hidden, intermediate, bias=bias, device=DEVICE, dtype=dtype, **kwargs)
+    with torch.no_grad():  # nn.Linear's init is tiny at these sizes; unit-scale weights test more
+        for p in module.parameters():
+            p.copy_(randn(*p.shape, dtype=dtype, scale=hidden**-0.5 if p.dim() == 2 else 0.5))
+    return module
+
+
+def weights(module):
+    return {
+        "gate_weight": module.gate_proj.weight, "up_weight": module.up_proj.weight,
+        "down_weight": module.down_proj.weight, "gate_bias": module.gate_proj.bias,
+        "up_bias": module.up_proj.bias, "down_bias": module.down_proj.bias,
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("bias", (False, True))
+def test_mlp_matches_reference(dtype, variant, bias):
+    cls, kwargs, activation = variant
+    hidden, intermediate = 48, 1000  # intermediate: not a multiple of any block
+    module = make_mlp(cls, kwargs, hidden, intermediate, bias=bias, dtype=dtype)
+    x = randn(2, 3, hidden, dtype=dtype, requires_grad=True)
+    y = module(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    dy = randn(*y.shape, dtype=dtype)
+    tensors = {"x": x, **weights(module)}
+    ref, grads = fp64_reference(gated_mlp_reference, tensors, dy, activation=activation, io_dtype=dtype)
+    assert_close(y, ref, dtype, "y")
+    names = [n for n, t in tensors.items() if t is not None]
+    got = torch.autograd.grad(y, [tensors[n] for n in names], dy)
+    for name, g in zip(names, got, strict=True):
+        assert g.dtype == dtype
+        assert_close(g, grads[name], dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_mlp_loads_transformers_checkpoint(variant):
+    """Same state_dict keys as LlamaMLP / GemmaMLP: load theirs, give their outputs and gradients."""
+    from transformers import GemmaConfig, LlamaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cls, kwargs, activation = variant
+    hidden, intermediate = 32, 72
+    if activation == "gelu_tanh":
+        act = "gelu_pytorch_tanh"
+        stock = GemmaMLP(GemmaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act=act))
+    else:  # Gemma maps a legacy "gelu" to the tanh form; LlamaMLP takes any ACT2FN name as it is
+        act = "silu" if activation == "silu" else "gelu"
+        stock = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act=act))
+    stock = stock.to(DEVICE)
+    module = cls(hidden, intermediate, device=DEVICE, **kwargs)
+    assert module.state_dict().keys() == stock.state_dict().keys()
+    module.load_state_dict(stock.state_dict())
+    x = randn(3, 5, hidden, requires_grad=True)
+    y, y_stock = module(x), stock(x)
+    assert_close(y, y_stock, torch.float32, "y")
+    dy = randn(*y.shape)
+    params = [x, *module.parameters()]
+    stock_params = [x, *stock.parameters()]
+    got = torch.autograd.grad(y, params, dy)
+    want = torch.autograd.grad(y_stock, stock_params, dy)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, torch.float32, "grad")
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=VARIANT_IDS[:2])
+def test_mlp_autocast_like_nn_linear(variant):
+    """Under autocast the linears run in bf16, fp32 parameters get fp32 gradients: as the eager MLP
+    of nn.Linear modules (the same weights) does under the same autocast."""
+    cls, kwargs, activation = variant
+    device_type = DEVICE.type
+    module = make_mlp(cls, kwargs, 40, 136, bias=True)
+    x = randn(2, 7, 40, requires_grad=True)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        y = module(x)
+        ref = gated_mlp_reference(x, **weights(module), activation=activation)
+    assert y.dtype == torch.bfloat16 == ref.dtype
+    assert_close(y, ref, torch.bfloat16, "y")
+    dy = randn(*y.shape, dtype=torch.bfloat16)
+    params = [x, *module.parameters()]
+    got = torch.autograd.grad(y, params, dy)
+    want = torch.autograd.grad(ref, params, dy)
+    for g, w, p in zip(got, want, params, strict=True):
+        assert g.dtype == p.dtype == torch.float32
+        assert_close(g, w, torch.bfloat16, "grad")
+
+
+@pytest.mark.parametrize("bias", (False, True))
+def test_mlp_saves_only_x_gate_up(bias):
+    """The node's saved activations: x (H per token) and gate, up (I each); no act(gate), no h."""
+    hidden, intermediate, tokens = 16, 40, 6
+    module = make_mlp(SwiGLUMLP, {}, hidden, intermediate, bias=bias)
+    x = randn(tokens, hidden, requires_grad=True)
+    params = {p.data_ptr() for p in module.parameters()}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = module(x)
+    activations = [t for t in saved if t.data_ptr() not in params]
+    per_tensor = sorted(t.numel() for t in activations)
+    assert per_tensor == [tokens * hidden, tokens * intermediate, tokens * intermediate]
+    y.sum().backward()  # the stride-0 gradient of .sum()
+    assert x.grad is not None and module.down_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("frozen", ("weights", "x", "gate_up", "down"))
+def test_mlp_partial_requires_grad(frozen):
+    """Frozen parts (LoRA-style frozen base weights, a frozen input) get no gradient; the rest is right."""
+    module = make_mlp(GEGLUMLP, {}, 24, 56, bias=True)
+    x = randn(5, 24, requires_grad=frozen != "x")
+    frozen_params = {
+        "weights": list(module.parameters()),
+        "x": [],
+        "gate_up": [*module.gate_proj.parameters(), *module.up_proj.parameters()],
+        "down": list(module.down_proj.parameters()),
+    }[frozen]
+    for p in frozen_params:
+        p.requires_grad_(False)
+    tensors = {"x": x, **weights(module)}
+    trainable = [n for n, t in tensors.items() if t.requires_grad]
+    y = module(x)
+    dy = randn(*y.shape)
+    got = torch.autograd.grad(y, [tensors[n] for n in trainable], dy)
+    _, grads = fp64_reference(gated_mlp_reference, tensors, dy, activation="gelu_tanh")
+    for name, g in zip(trainable, got, strict=True):
+        assert_close(g, grads[name], torch.float32, f"d{name}")
+
+
+def test_mlp_wrapped_projection_falls_back():
+    """A projection that is not a plain nn.Linear (LoRA adapter, quantised layer) keeps its forward."""
+
+    class ScaledLinear(nn.Linear):
+        def forward(self, x):
+            return 2.0 * super().forward(x)
+
+    module = make_mlp(SwiGLUMLP, {}, 16, 40)
+    wrapped = ScaledLinear(16, 40, bias=False, device=DEVICE)
+    wrapped.load_state_dict(module.up_proj.state_dict())
+    module.up_proj = wrapped
+    x = randn(3, 16, requires_grad=True)
+    y = module(x)
+    ref = gated_mlp_reference(x, **{**weights(module), "up_weight": 2.0 * module.up_proj.weight})
+    assert_close(y, ref, torch.float32, "y")
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    (ref_dx,) = torch.autograd.grad(ref, x, torch.ones_like(ref))
+    assert_close(dx, ref_dx, torch.float32, "dx")
+
+
+def test_mlp_module_api():
+    module = GEGLUMLP(8, 20, approximate="none", bias=True, device=DEVICE)
+    assert isinstance(module.gate_proj, nn.Linear) and module.gate_proj.bias is not None
+    assert module.down_proj.weight.shape == (8, 20)
+    assert module.hidden_size == 8 and module.intermediate_size == 20
+    assert "gelu" in repr(module)
+    with pytest.raises(ValueError, match="approximate"):
+        GEGLUMLP(8, 20, approximate="sigmoid")
+
+
+def test_mlp_bad_inputs():
+    module = make_mlp(SwiGLUMLP, {}, 16, 40)
+    with pytest.raises(ValueError, match="gate_proj.weight has shape"):
+        module(randn(3, 12))
+    with pytest.raises(TypeError, match="gate_proj.weight has dtype"):
+        module(randn(3, 16, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="x has dtype"):
+        module(torch.ones(3, 16, dtype=torch.int64, device=DEVICE))
+    w = randn(40, 16)
+    with pytest.raises(ValueError, match="down_proj.weight has shape"):
+        gated_mlp(randn(3, 16), w, w, randn(16, 41))
+    with pytest.raises(ValueError, match="activation"):
+        gated_mlp(randn(3, 16), w, w, randn(16, 40), activation="relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=VARIANT_IDS[:2])
+def test_mlp_torch_compile_fullgraph_autocast(variant):
+    cls, kwargs, activation = variant
+    module = make_mlp(cls, kwargs, 256, 704, bias=True)
+    x = randn(4, 64, 256, requires_grad=True)
+
+    def f(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return module(x).float().square().mean()
+
+    loss = torch.compile(f, fullgraph=True)(x)
+    params = [x, *module.parameters()]
+    grads = torch.autograd.grad(loss, params)
+    ref_loss = f(x)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    assert_close(loss, ref_loss, torch.bfloat16, "loss")
+    for g, rg in zip(grads, ref_grads, strict=True):
+        assert g.dtype == torch.float32
+        assert_close(g, rg, torch.bfloat16, "grad")
+
+
+@pytest.mark.gpu
+def test_mlp_saved_activation_memory_below_llama_mlp():
+    """At Llama-3-8B width the node keeps >= 40% less memory between forward and backward."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    hidden, intermediate, tokens = 4096, 14336, 2048
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate)
+    stock = LlamaMLP(config).to(DEVICE, torch.bfloat16)
+    module = SwiGLUMLP(hidden, intermediate, device=DEVICE, dtype=torch.bfloat16)
+    module.load_state_dict(stock.state_dict())
+    x = randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+
+    def held(mlp):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = mlp(x)
+        kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+        y.sum().backward()
+        return kept
+
+    stock_bytes, tigon_bytes = held(stock), held(module)
+    assert tigon_bytes <= 0.6 * stock_bytes, f"tigon keeps {tigon_bytes} bytes, LlamaMLP {stock_bytes}"
