@@ -85,7 +85,7 @@ def test_rms_norm_sum_backward_uses_expanded_grad():
     x = randn(4, 33, requires_grad=True)
     w = randn(33, requires_grad=True)
     rms_norm(x, w).sum().backward()
-    ref, grads = fp64_reference(rms_norm_reference, {"x": x, "weight": w}, torch.ones(4, 33, dtype=torch.float64))
+    ref, grads = fp64_reference(rms_norm_reference, {"x": x, "weight": w}, torch.ones(4, 33, device=DEVICE))
     assert_close(x.grad, grads["x"], torch.float32, "dx")
     assert_close(w.grad, grads["weight"], torch.float32, "dw")
 

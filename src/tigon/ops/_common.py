@@ -10,6 +10,7 @@ import os
 from functools import lru_cache
 
 import torch
+from torch._library.triton import set_wrap_triton_enabled
 from torch.library import triton_op
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -88,6 +89,11 @@ class TigonOp:
     Python per op on a CPU, more than the kernels themselves at many training sizes. In eager mode
     the same ``impl``, ``setup_context`` and ``backward`` run inside a plain autograd.Function instead;
     under ``torch.compile`` the registered op is used.
+
+    In eager mode ``wrap_triton`` is also switched off around ``impl``, as ``triton_op`` itself does
+    when it runs eagerly: otherwise every launch goes through the higher-order-op dispatch that
+    tracing needs, ~1 ms of host time per kernel (measured on the H100 host: 1.2 ms per RMSNorm
+    forward+backward, against ~0.1 ms of GPU work at 16K tokens).
     """
 
     def __init__(self, name, impl, *, setup_context=None, backward=None):
@@ -101,9 +107,15 @@ class TigonOp:
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self.op(*args)
-        if self.function is not None and torch.is_grad_enabled():
-            return self.function.apply(*args)
-        return self.impl(*args)
+        with _direct_launch():
+            if self.function is not None and torch.is_grad_enabled():
+                return self.function.apply(*args)
+            return self.impl(*args)
+
+
+def _direct_launch():
+    """Launch ``wrap_triton`` kernels directly (no tracing dispatch) inside this context."""
+    return set_wrap_triton_enabled(False)
 
 
 def _eager_function(name, impl, setup_context, backward):
