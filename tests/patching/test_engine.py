@@ -103,6 +103,7 @@ def test_unknown_switch_and_bad_values():
         ("llama", "fused_linear_cross_entropy", ["LlamaForCausalLM.forward -> tigon generic forward",
                                                  "lm_head.forward -> nn.Linear, or tigon.ops.fused_linear"]),
         ("glm4", "rope", []),  # interleaved rotary: not rotate-half, keeps its own
+        ("stablelm", "layer_norm", ["LayerNorm -> tigon.nn.LayerNorm"]),  # incl. per-head qk norms
         ("llama", "layer_norm", []),  # Llama has no LayerNorm
         ("mixtral", "mlp", []),  # experts only: no dense MLP module to swap
     ],

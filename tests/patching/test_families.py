@@ -8,6 +8,9 @@ to keep the suite inside its CI budget on the interpreter; the GPU suite runs th
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import pytest
 import torch
 
@@ -76,8 +79,11 @@ def test_patch_replaces_what_the_row_names_and_revert_restores(model_type):
     keys_before = list(patched.state_dict())
 
     # every module of the row's norm class is gone; rope where the row has it, none where not
-    names = {type(m).__name__ for m in patched.modules()}
-    assert family.norm.cls not in names
+    module = importlib.import_module(family.module_name)
+    for norm in (family.norm, family.layer_norm):
+        if norm is not None:
+            cls = functools.reduce(getattr, norm.cls.split("."), module)
+            assert not any(type(m) is cls for m in patched.modules()), f"a {norm.cls} is left"
     attention = [m for m in patched.modules() if type(m).__name__.endswith("Attention")]
     assert attention
     assert all(("forward" in vars(m)) == (family.attention is not None) for m in attention)

@@ -59,6 +59,7 @@ CONFIGS = {
                                   "residual_multiplier": 0.5, "attention_multiplier": 0.2}),
     "smollm3": ("SmolLM3Config", {}),
     "glm4": ("Glm4Config", {}),
+    "stablelm": ("StableLmConfig", {"qk_layernorm": True, "partial_rotary_factor": 0.5}),
 }
 
 

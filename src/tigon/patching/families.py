@@ -5,7 +5,8 @@ A row names, in the family's transformers modeling module, what the engine may r
 - ``norm``: the RMSNorm class and the tigon casting/offset that reproduces it exactly
   (Llama rounds the normalised value before the weight multiply: casting "llama"; Gemma and OLMo-2
   multiply in fp32 and round once: casting "gemma"; Gemma scales by ``1 + weight``: offset 1.0).
-- ``layer_norm``: a LayerNorm class whose forward is ``F.layer_norm`` over the last dim, if any.
+- ``layer_norm``: a LayerNorm class whose forward is ``F.layer_norm`` over the last dim, if any
+  (StableLM uses torch's own ``nn.LayerNorm``, named through the modeling module's ``nn``).
 - ``mlp``: the gated MLP class and its projection layout ("split": ``gate_proj``/``up_proj``/
   ``down_proj``; "fused": Phi-3's ``gate_up_proj`` whose first half is the gate). The activation is
   read from the module itself (silu -> SwiGLU, gelu/gelu-tanh -> GEGLU) and checked at patch time.
@@ -76,7 +77,7 @@ def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="ac
         package=package,
         causal_lm=f"{prefix}ForCausalLM",
         model=model or f"{prefix}Model",
-        norm=norm(f"{prefix}RMSNorm"),
+        norm=norm(f"{prefix}RMSNorm") if norm else None,
         mlp=Mlp(f"{prefix}MLP", mlp, act_attr) if mlp else None,
         attention=f"{prefix}Attention" if rope else None,
         **quirks,
@@ -110,5 +111,6 @@ FAMILIES: dict[str, Family] = {
         _family("granite", "granite", "Granite", logits_scaling=True),
         _family("smollm3", "smollm3", "SmolLM3"),
         _family("glm4", "glm4", "Glm4", mlp="fused", act_attr="activation_fn", rope=False),
+        _family("stablelm", "stablelm", "StableLm", norm=None, layer_norm=Norm("nn.LayerNorm")),
     )
 }
