@@ -1,0 +1,964 @@
+r"""Cross-entropy over the last dim: loss and gradient in one pass over the logits, in Triton.
+
+Per row (token) with logits l ∈ R^V, target y, class weights w (all 1 when ``weight=None``), label
+smoothing ε, z-loss coefficient c, logit scale σ and softcap κ; everything in fp32::
+
+    z_j  = σ·l_j                                   (softcap=None)
+    z_j  = κ·tanh(σ·l_j / κ)                       (softcap=κ)
+    lse  = log Σ_j exp(z_j)                        online: running max m and Σ exp(z − m) per block
+    p_j  = exp(z_j − lse)
+    ℓ    = (1−ε)·w_y·(lse − z_y) + (ε/V)·Σ_j w_j·(lse − z_j)       torch's rule for weight + smoothing
+         = (1−ε)·w_y·(lse − z_y) + (ε/V)·(W·lse − Σ_j w_j·z_j),     W = Σ_j w_j (all classes)
+    ζ    = c·lse²                                  z-loss: unweighted, 0 on ignored rows
+
+Reduction over the rows i whose target is not ``ignore_index`` (n of them)::
+
+    none   loss_i = ℓ_i + ζ_i                     (0 on ignored rows); shape (N,) = target.flatten()
+    sum    Σ_i ℓ_i + Σ_i ζ_i
+    mean   Σ_i ℓ_i / Σ_i w_{y_i}  +  Σ_i ζ_i / n
+
+``mean`` divides the cross-entropy by the summed target weights, as torch does (smoothing term
+included). The z-loss is unweighted, so "reduced like the loss" means its plain mean over the same
+non-ignored rows (divided by n, not by Σ w_y; the two agree without class weights; this is also
+Liger-Kernel's convention). When n = 0 the loss is 0 with a zero gradient (torch gives NaN).
+
+Gradient. With α, β the reduction factors (1/Σ w_y and 1/n for mean, 1 otherwise)::
+
+    ∂loss/∂z_j = (α·((1−ε)·w_y + ε·W/V) + β·2c·lse)·p_j  −  α·(1−ε)·w_y·[j = y]  −  α·(ε/V)·w_j
+    ∂z_j/∂l_j  = σ                     or   σ·(1 − tanh²(σ·l_j/κ))       (softcap)
+
+Everything on the right is known once lse is, so the forward computes the gradient too: pass 1
+streams the row for (m, Σ exp, Σ w·z), pass 2 streams it again and writes ∂loss/∂l. Rows up to
+``MAX_SINGLE_BLOCK_V`` classes are held in registers between the passes (one read). Longer rows are
+read twice; the persistent grid keeps only as many rows in flight as fit in L2 and pass 2 walks the
+row backwards, so its reads hit the blocks pass 1 touched last (still in L2).
+
+Bytes (speed of light), N rows, element size b: read logits N·V·b, write the gradient N·V·b (plus
+N targets and N fp32 losses). With ``reduction="none"`` nothing else; ``grad_output`` is applied
+lazily in the backward by a row-scaling kernel that skips every row whose factor is already
+applied (``grad_output == 1``, the usual case: one launch and no traffic).
+
+In-place. With ``inplace_backward=True`` the gradient overwrites the logits' storage (a
+``torch.autograd.Function`` around the mutating op ``tigon::cross_entropy_fwd_``), saving N·V·b of
+memory. It is only safe when nothing reads the logits afterwards (no metric, no returned logits, no
+other autograd node that saved them; the last is caught by autograd's version counter), so the
+caller has to ask for it; leaf tensors that require grad are refused. FusedLinearCrossEntropy uses
+the in-place op on its own logits chunks, which nothing else can see.
+
+Reference: :func:`cross_entropy_reference` (``torch.nn.functional.cross_entropy`` on
+``logits.float().flatten(0, -2)``, plus softcap, logit scale and z-loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from tigon.ops._common import as_rows, check_tensor, interpreter_active, next_power_of_2, persistent_programs
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tanh(u):
+    """tanh(u) = sign(u)·(1 − e)/(1 + e) with e = exp(−2|u|) ∈ (0, 1]: no overflow for any u."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP: tl.constexpr):
+    """z = σ·l, or κ·tanh(σ·l/κ) with softcap_scale = σ/κ."""
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(l * softcap_scale)
+    else:
+        z = l * logit_scale
+    return z
+
+
+@triton.jit
+def _stats_update(
+    z, mask, cols, weight_ptr, m, s, wz,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+):
+    """Fold one block of z into the running max m, Σ exp(z − m) and Σ w·z (smoothing only)."""
+    z_masked = tl.where(mask, z, float("-inf"))
+    m_new = tl.maximum(m, tl.max(z_masked, axis=0))
+    # A row that is -inf so far (masked vocabulary) keeps shift 0, so exp never sees -inf - -inf.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    s = s * tl.exp(m - shift) + tl.sum(tl.exp(z_masked - shift), axis=0)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            wz += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+        else:
+            wz += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    return m_new, s, wz
+
+
+@triton.jit
+def _target_terms(
+    row_in, in_col_stride, t, col0, width, vocab, weight_ptr, logit_scale, softcap, softcap_scale,
+    HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """(w_y, z_y, in_chunk) for target t; the logits row covers classes [col0, col0 + width).
+
+    A target outside [0, V) gets w_y = z_y = NaN (the row's loss and gradient become NaN); the loads
+    use a clamped index, so no address outside the row or the weight vector is ever formed.
+    """
+    in_range = (t >= 0) & (t < vocab)
+    t_safe = tl.where(in_range, t, 0).to(tl.int32)
+    if HAS_WEIGHT:
+        w_y = tl.load(weight_ptr + t_safe).to(tl.float32)
+    else:
+        w_y = 1.0
+    w_y = tl.where(in_range, w_y, float("nan"))
+    in_chunk = in_range & (t >= col0) & (t < col0 + width)
+    local = tl.where(in_chunk, t - col0, 0).to(tl.int32)
+    l_y = tl.load(row_in + local * in_col_stride).to(tl.float32)
+    z_y = _scaled_logits(l_y, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+    z_y = tl.where(in_range, z_y, float("nan"))
+    return w_y, z_y, in_chunk
+
+
+@triton.jit
+def _row_loss(
+    lse, z_y, w_y, wz, weight_sum, inv_vocab, label_smoothing, z_loss, ce_scale, z_scale,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    """α·ℓ + β·ζ for one row (see the module docstring)."""
+    ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
+    if HAS_SMOOTHING:
+        ce += label_smoothing * inv_vocab * (weight_sum * lse - wz)
+    loss = ce * ce_scale
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse * z_scale
+    return loss
+
+
+@triton.jit
+def _grad_coefficients(
+    lse, w_y, weight_sum, inv_vocab, label_smoothing, z_loss, ce_scale, z_scale, row_scale,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    """∂loss/∂z_j = p_coef·p_j − target_coef·[j = y] − smooth_coef·w_j (all times row_scale)."""
+    target_coef = (1.0 - label_smoothing) * w_y * ce_scale * row_scale
+    p_coef = (1.0 - label_smoothing) * w_y
+    if HAS_SMOOTHING:
+        p_coef += label_smoothing * weight_sum * inv_vocab
+    p_coef = p_coef * ce_scale
+    if HAS_Z_LOSS:
+        p_coef += 2.0 * z_loss * lse * z_scale
+    p_coef = p_coef * row_scale
+    smooth_coef = label_smoothing * inv_vocab * ce_scale * row_scale
+    return p_coef, target_coef, smooth_coef
+
+
+@triton.jit
+def _grad_block(
+    p, slope, cols, mask, t_local, weight_ptr, p_coef, target_coef, smooth_coef,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+):
+    """∂loss/∂l for one block, from p = softmax(z) and slope = ∂z/∂l."""
+    g = p * p_coef
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            g -= smooth_coef * w
+        else:
+            g -= smooth_coef
+    g = tl.where(cols == t_local, g - target_coef, g)
+    return g * slope
+
+
+@triton.jit
+def _load_scaled_with_slope(
+    row_in, in_col_stride, cols, mask, logit_scale, softcap, softcap_scale, HAS_SOFTCAP: tl.constexpr,
+):
+    """Load one block of logits (fp32 at once) and return z and ∂z/∂l."""
+    l = tl.load(row_in + cols * in_col_stride, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        t = _tanh(l * softcap_scale)
+        z = softcap * t
+        slope = logit_scale * (1.0 - t * t)
+    else:
+        z = l * logit_scale
+        slope = logit_scale
+    return z, slope
+
+
+@triton.jit
+def _store_zeros(row_out, out_col_stride, width, BLOCK_V: tl.constexpr):
+    for start in range(0, width, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(row_out.dtype.element_ty)
+        tl.store(row_out + cols * out_col_stride, zeros, mask=cols < width)
+
+
+@triton.jit
+def _stream_stats(
+    row_in, in_col_stride, width, weight_ptr, m, s, wz, logit_scale, softcap, softcap_scale,
+    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """Pass 1 over a row, first block first, folding each block into (m, s, wz).
+
+    The next block's load is issued before the current block is reduced (Triton does not pipeline
+    loads that feed no dot), so a program always has a block in flight while it computes.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    ahead = tl.load(row_in + cols * in_col_stride, mask=cols < width, other=0.0)
+    for start in range(0, width, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < width
+        l = ahead.to(tl.float32)
+        next_cols = cols + BLOCK_V
+        ahead = tl.load(row_in + next_cols * in_col_stride, mask=next_cols < width, other=0.0)
+        z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+        m, s, wz = _stats_update(z, mask, cols, weight_ptr, m, s, wz, HAS_WEIGHT, HAS_SMOOTHING)
+    return m, s, wz
+
+
+@triton.jit
+def _stream_grad(
+    row_in, in_col_stride, row_out, out_col_stride, width, t_local, weight_ptr, lse,
+    p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
+    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """Pass 2 over a row, last block first: the blocks pass 1 read last are the likeliest in L2.
+
+    Prefetches one block ahead like pass 1. Each element is loaded and stored by the same thread
+    (same layout), and a block is prefetched before the block after it is stored, so writing the
+    gradient over the logits in place is safe.
+    """
+    num_blocks = tl.cdiv(width, BLOCK_V)
+    cols = (num_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ahead = tl.load(row_in + cols * in_col_stride, mask=cols < width, other=0.0)
+    for i in range(0, num_blocks):
+        cols = (num_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < width
+        l = ahead.to(tl.float32)
+        next_cols = cols - BLOCK_V
+        ahead = tl.load(row_in + next_cols * in_col_stride, mask=next_cols >= 0, other=0.0)
+        if HAS_SOFTCAP:
+            t = _tanh(l * softcap_scale)
+            z = softcap * t
+            slope = logit_scale * (1.0 - t * t)
+        else:
+            z = l * logit_scale
+            slope = logit_scale
+        p = tl.exp(z - lse)
+        g = _grad_block(p, slope, cols, mask, t_local, weight_ptr, p_coef, target_coef, smooth_coef,
+                        HAS_WEIGHT, HAS_SMOOTHING)
+        tl.store(row_out + cols * out_col_stride, g.to(row_out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def cross_entropy_fwd_kernel(
+    logits_ptr, logits_row_stride, logits_col_stride,   # (N, V) logits, any strides
+    target_ptr, target_stride,                          # (N,) class indices, int32 or int64
+    weight_ptr,                                         # (V,) class weights                 [HAS_WEIGHT]
+    scales_ptr,                                         # fp32 (3,): α, β, W = Σ class weights
+    row_scale_ptr, row_scale_stride,                    # (N,) factor on each row's gradient [HAS_ROW_SCALE]
+    grad_ptr, grad_row_stride, grad_col_stride,         # (N, V) out: ∂loss/∂logits; may be logits itself
+    loss_ptr,                                           # (N,) out, fp32: each row's α·ℓ + β·ζ
+    num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
+    BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+):
+    """Persistent over rows: program p takes rows p, p + P, p + 2P, ...; loss and gradient per row.
+
+    The target logit is loaded before pass 1: the block reductions of pass 1 are barriers, so that
+    load is ordered before any gradient store of pass 2 (which may overwrite it, in place).
+    """
+    ce_scale = tl.load(scales_ptr)
+    z_scale = tl.load(scales_ptr + 1)
+    weight_sum = tl.load(scales_ptr + 2)
+    inv_vocab = 1.0 / vocab
+    for row64 in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):
+        row_in = logits_ptr + row64 * logits_row_stride
+        row_out = grad_ptr + row64 * grad_row_stride
+        t = tl.load(target_ptr + row64 * target_stride).to(tl.int64)
+        if t == ignore_index:
+            tl.store(loss_ptr + row64, 0.0)
+            if COMPUTE_GRAD:
+                _store_zeros(row_out, grad_col_stride, vocab, BLOCK_V)
+        else:
+            w_y, z_y, _ = _target_terms(
+                row_in, logits_col_stride, t, 0, vocab, vocab, weight_ptr, logit_scale, softcap,
+                softcap_scale, HAS_WEIGHT, HAS_SOFTCAP,
+            )
+            if HAS_ROW_SCALE:
+                row_scale = tl.load(row_scale_ptr + row64 * row_scale_stride).to(tl.float32)
+            else:
+                row_scale = 1.0
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            wz = tl.zeros((), tl.float32)
+            if SINGLE_BLOCK:
+                # The whole row stays in registers: one read, and p = exp(z − shift)/s with no second exp.
+                cols = tl.arange(0, BLOCK_V)
+                mask = cols < vocab
+                z, slope = _load_scaled_with_slope(
+                    row_in, logits_col_stride, cols, mask, logit_scale, softcap, softcap_scale, HAS_SOFTCAP
+                )
+                z_masked = tl.where(mask, z, float("-inf"))
+                m = tl.max(z_masked, axis=0)
+                shift = tl.where(m == float("-inf"), 0.0, m)
+                e = tl.exp(z_masked - shift)
+                s = tl.sum(e, axis=0)
+                if HAS_SMOOTHING:
+                    if HAS_WEIGHT:
+                        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        wz = tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+                    else:
+                        wz = tl.sum(tl.where(mask, z, 0.0), axis=0)
+                lse = shift + tl.log(s)
+                loss = _row_loss(lse, z_y, w_y, wz, weight_sum, inv_vocab, label_smoothing, z_loss,
+                                 ce_scale, z_scale, HAS_SMOOTHING, HAS_Z_LOSS)
+                tl.store(loss_ptr + row64, loss)
+                if COMPUTE_GRAD:
+                    p_coef, target_coef, smooth_coef = _grad_coefficients(
+                        lse, w_y, weight_sum, inv_vocab, label_smoothing, z_loss, ce_scale, z_scale,
+                        row_scale, HAS_SMOOTHING, HAS_Z_LOSS,
+                    )
+                    p = e * (1.0 / s)
+                    g = _grad_block(p, slope, cols, mask, t, weight_ptr, p_coef, target_coef, smooth_coef,
+                                    HAS_WEIGHT, HAS_SMOOTHING)
+                    tl.store(row_out + cols * grad_col_stride, g.to(row_out.dtype.element_ty), mask=mask)
+            else:
+                m, s, wz = _stream_stats(
+                    row_in, logits_col_stride, vocab, weight_ptr, m, s, wz, logit_scale, softcap,
+                    softcap_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                )
+                lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+                loss = _row_loss(lse, z_y, w_y, wz, weight_sum, inv_vocab, label_smoothing, z_loss,
+                                 ce_scale, z_scale, HAS_SMOOTHING, HAS_Z_LOSS)
+                tl.store(loss_ptr + row64, loss)
+                if COMPUTE_GRAD:
+                    p_coef, target_coef, smooth_coef = _grad_coefficients(
+                        lse, w_y, weight_sum, inv_vocab, label_smoothing, z_loss, ce_scale, z_scale,
+                        row_scale, HAS_SMOOTHING, HAS_Z_LOSS,
+                    )
+                    _stream_grad(
+                        row_in, logits_col_stride, row_out, grad_col_stride, vocab, t, weight_ptr, lse,
+                        p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
+                        BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                    )
+
+
+@triton.jit
+def cross_entropy_chunk_stats_kernel(
+    chunk_ptr, chunk_row_stride,            # (N, width) logits of classes [col0, col0 + width), unit stride
+    target_ptr, target_stride,              # (N,) class indices
+    weight_ptr,                             # (V,) class weights (whole vocabulary)   [HAS_WEIGHT]
+    scales_ptr,                             # fp32 (3,): α, β, W
+    state_ptr,                              # (4, N) fp32 in/out: running max, Σ exp(z − max), Σ w·z, z_y
+    loss_ptr, lse_ptr,                      # (N,) out, fp32, written on the last chunk   [IS_LAST]
+    num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
+    BLOCK_V: tl.constexpr, IS_LAST: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """Vocabulary-chunked pass 1 (fused linear CE): fold one chunk of classes into each row's state.
+
+    Ignored rows are skipped (never read). On the last chunk the row's lse and loss are written.
+    """
+    for row64 in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):
+        t = tl.load(target_ptr + row64 * target_stride).to(tl.int64)
+        if t == ignore_index:
+            if IS_LAST:
+                tl.store(loss_ptr + row64, 0.0)
+                tl.store(lse_ptr + row64, 0.0)
+        else:
+            row_in = chunk_ptr + row64 * chunk_row_stride
+            m = tl.load(state_ptr + row64)
+            s = tl.load(state_ptr + num_rows + row64)
+            wz = tl.load(state_ptr + 2 * num_rows + row64)
+            m, s, wz = _stream_stats(
+                row_in, 1, width, weight_ptr + col0, m, s, wz, logit_scale, softcap, softcap_scale,
+                BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+            )
+            w_y, z_y, in_chunk = _target_terms(
+                row_in, 1, t, col0, width, vocab, weight_ptr, logit_scale, softcap, softcap_scale,
+                HAS_WEIGHT, HAS_SOFTCAP,
+            )
+            # z_y starts as NaN in the state: a target outside [0, V) never lands in a chunk.
+            z_y = tl.where(in_chunk, z_y, tl.load(state_ptr + 3 * num_rows + row64))
+            if IS_LAST:
+                ce_scale = tl.load(scales_ptr)
+                z_scale = tl.load(scales_ptr + 1)
+                weight_sum = tl.load(scales_ptr + 2)
+                lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+                loss = _row_loss(lse, z_y, w_y, wz, weight_sum, 1.0 / vocab, label_smoothing, z_loss,
+                                 ce_scale, z_scale, HAS_SMOOTHING, HAS_Z_LOSS)
+                tl.store(loss_ptr + row64, loss)
+                tl.store(lse_ptr + row64, lse)
+            else:
+                tl.store(state_ptr + row64, m)
+                tl.store(state_ptr + num_rows + row64, s)
+                tl.store(state_ptr + 2 * num_rows + row64, wz)
+                tl.store(state_ptr + 3 * num_rows + row64, z_y)
+
+
+@triton.jit
+def cross_entropy_chunk_grad_kernel(
+    chunk_ptr, chunk_row_stride,            # (N, width) in/out: logits of classes [col0, +width) -> gradient
+    target_ptr, target_stride,              # (N,) class indices
+    weight_ptr,                             # (V,) class weights (whole vocabulary)   [HAS_WEIGHT]
+    scales_ptr,                             # fp32 (3,): α, β, W
+    row_scale_ptr, row_scale_stride,        # (N,) factor on each row's gradient   [HAS_ROW_SCALE]
+    lse_ptr,                                # (N,) fp32 logsumexp from the stats pass
+    num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
+    BLOCK_V: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+):
+    """Vocabulary-chunked pass 2 (fused linear CE): overwrite one chunk of logits with the gradient."""
+    ce_scale = tl.load(scales_ptr)
+    z_scale = tl.load(scales_ptr + 1)
+    weight_sum = tl.load(scales_ptr + 2)
+    for row64 in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):
+        row_ptr = chunk_ptr + row64 * chunk_row_stride
+        t = tl.load(target_ptr + row64 * target_stride).to(tl.int64)
+        if t == ignore_index:
+            _store_zeros(row_ptr, 1, width, BLOCK_V)
+        else:
+            in_range = (t >= 0) & (t < vocab)
+            if HAS_WEIGHT:
+                w_y = tl.load(weight_ptr + tl.where(in_range, t, 0).to(tl.int32)).to(tl.float32)
+            else:
+                w_y = 1.0
+            w_y = tl.where(in_range, w_y, float("nan"))
+            if HAS_ROW_SCALE:
+                row_scale = tl.load(row_scale_ptr + row64 * row_scale_stride).to(tl.float32)
+            else:
+                row_scale = 1.0
+            lse = tl.load(lse_ptr + row64)
+            p_coef, target_coef, smooth_coef = _grad_coefficients(
+                lse, w_y, weight_sum, 1.0 / vocab, label_smoothing, z_loss, ce_scale, z_scale, row_scale,
+                HAS_SMOOTHING, HAS_Z_LOSS,
+            )
+            # t − col0 is outside [0, width) when the target is in another chunk: no column matches.
+            t_local = tl.where(in_range, t - col0, -1)
+            _stream_grad(
+                row_ptr, 1, row_ptr, 1, width, t_local, weight_ptr + col0, lse,
+                p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
+                BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+            )
+
+
+@triton.jit
+def scale_rows_kernel(
+    rows_ptr, row_stride, col_stride,       # (R, C) in/out: a gradient computed for grad_output = applied
+    grad_output_ptr, grad_output_stride,    # (R,) the factor each row should carry (stride 0: one scalar)
+    applied_ptr,                            # (R,) fp32 in/out: the factor each row carries now (starts at 1)
+    num_cols,
+    BLOCK: tl.constexpr,
+):
+    """Row r becomes rows[r]·g/applied, so a backward run twice (retain_graph) stays right.
+
+    A row whose factor is already applied is left alone: with grad_output == 1 the kernel reads two
+    scalars per row and writes nothing. A row zeroed by an earlier g = 0 cannot be rescaled and
+    becomes NaN rather than silently wrong.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.load(grad_output_ptr + row * grad_output_stride).to(tl.float32)
+    applied = tl.load(applied_ptr + row)
+    if g != applied:
+        factor = tl.where(applied == 0.0, float("nan"), g / applied)
+        row_ptr = rows_ptr + row * row_stride
+        for start in range(0, num_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < num_cols
+            x = tl.load(row_ptr + cols * col_stride, mask=mask, other=0.0).to(tl.float32)
+            tl.store(row_ptr + cols * col_stride, (x * factor).to(rows_ptr.dtype.element_ty), mask=mask)
+        tl.store(applied_ptr + row, g)
+
+
+# -------------------------------------------------------------------------------------- launch config
+
+# Rows up to this many classes are held in registers between the statistics and the gradient (read
+# once): 16 warps at 16 fp32 values per thread, no spills for any option set (checked with ptxas).
+MAX_SINGLE_BLOCK_V = 8192
+ELEMENTS_PER_WARP = 512
+MAX_WARPS = 16
+# Longer rows are streamed in blocks of this width by 16 warps, one block prefetched ahead: 32 KB of
+# bf16 in flight per program while the previous block is reduced, ~110 registers per thread, so one
+# program per SM. That is what saturates HBM with one program per SM.
+STREAM_BLOCK_V = 8192
+STREAM_WARPS = 16
+# Streaming reads each row twice and wants the second read from L2. One program per SM keeps
+# SMs × row bytes in flight: 34 MB at V = 128256 in bf16, inside the H100's 50 MB L2; at V = 256000 it
+# is more than L2, and pass 2 walking the row backwards still finds the most recently read blocks.
+STREAM_PROGRAMS_PER_SM = 1
+# Short rows need no L2 planning; a persistent grid of this many programs per SM amortises the launch.
+SHORT_ROW_PROGRAMS_PER_SM = 4
+# The row-scaling kernel: one program per row, this many elements per load round.
+SCALE_BLOCK = 4096
+SCALE_WARPS = 8
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """Block geometry for the row kernels: one place decides it for all of them."""
+
+    block_v: int
+    num_warps: int
+    single_block: bool
+    programs: int
+
+
+@cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def row_launch(num_rows: int, width: int, device: torch.device) -> RowLaunch:
+    """Geometry for rows of ``width`` classes (a whole vocabulary, or one chunk of it)."""
+    single = next_power_of_2(width) <= MAX_SINGLE_BLOCK_V
+    if single:
+        block_v = next_power_of_2(width)
+        num_warps = max(1, min(block_v // ELEMENTS_PER_WARP, MAX_WARPS))
+    else:
+        block_v, num_warps = STREAM_BLOCK_V, STREAM_WARPS
+    if device.type != "cuda" or interpreter_active():
+        programs = persistent_programs(device)
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        per_sm = SHORT_ROW_PROGRAMS_PER_SM if single else STREAM_PROGRAMS_PER_SM
+        programs = per_sm * _multiprocessors(index)
+    return RowLaunch(block_v, num_warps, single, max(1, min(num_rows, programs)))
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+
+def _option_flags(weight, label_smoothing, z_loss, softcap):
+    return dict(
+        HAS_WEIGHT=weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_Z_LOSS=z_loss != 0.0,
+        HAS_SOFTCAP=softcap is not None,
+    )
+
+
+def _softcap_args(softcap, logit_scale):
+    """(softcap, σ/κ) for the kernels; zeros when there is no softcap (the kernels ignore them)."""
+    if softcap is None:
+        return 0.0, 0.0
+    return float(softcap), float(logit_scale) / float(softcap)
+
+
+def launch_cross_entropy_rows(
+    logits, target, weight, scales, row_scale, grad, loss_rows,
+    ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+):
+    """Loss (and, when ``grad`` is given, the gradient) of every row of 2-D ``logits``.
+
+    ``grad`` may be ``logits`` itself (in place). ``row_scale`` (N,) multiplies each row's gradient.
+    """
+    num_rows, vocab = logits.shape
+    if num_rows == 0:
+        return
+    cfg = row_launch(num_rows, vocab, logits.device)
+    out = grad if grad is not None else logits
+    softcap_value, softcap_scale = _softcap_args(softcap, logit_scale)
+    wrap_triton(cross_entropy_fwd_kernel)[(cfg.programs,)](
+        logits, logits.stride(0), logits.stride(1),
+        target, target.stride(0),
+        weight if weight is not None else scales,
+        scales,
+        row_scale if row_scale is not None else scales, row_scale.stride(0) if row_scale is not None else 0,
+        out, out.stride(0), out.stride(1),
+        loss_rows,
+        num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
+        BLOCK_V=cfg.block_v, SINGLE_BLOCK=cfg.single_block, COMPUTE_GRAD=grad is not None,
+        HAS_ROW_SCALE=row_scale is not None, **_option_flags(weight, label_smoothing, z_loss, softcap),
+        num_warps=cfg.num_warps,
+    )
+
+
+def launch_chunk_stats(
+    chunk, target, weight, scales, state, loss_rows, lse, col0, vocab, is_last,
+    ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+):
+    num_rows, width = chunk.shape
+    if num_rows == 0:
+        return
+    cfg = row_launch(num_rows, width, chunk.device)
+    softcap_value, softcap_scale = _softcap_args(softcap, logit_scale)
+    wrap_triton(cross_entropy_chunk_stats_kernel)[(cfg.programs,)](
+        chunk, chunk.stride(0),
+        target, target.stride(0),
+        weight if weight is not None else scales,
+        scales, state, loss_rows, lse,
+        num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale,
+        softcap_value, softcap_scale,
+        BLOCK_V=cfg.block_v, IS_LAST=is_last,
+        **_option_flags(weight, label_smoothing, z_loss, softcap),
+        num_warps=cfg.num_warps,
+    )
+
+
+def launch_chunk_grad(
+    chunk, target, weight, scales, row_scale, lse, col0, vocab,
+    ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+):
+    num_rows, width = chunk.shape
+    if num_rows == 0:
+        return
+    cfg = row_launch(num_rows, width, chunk.device)
+    softcap_value, softcap_scale = _softcap_args(softcap, logit_scale)
+    wrap_triton(cross_entropy_chunk_grad_kernel)[(cfg.programs,)](
+        chunk, chunk.stride(0),
+        target, target.stride(0),
+        weight if weight is not None else scales,
+        scales,
+        row_scale if row_scale is not None else scales, row_scale.stride(0) if row_scale is not None else 0,
+        lse,
+        num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale,
+        softcap_value, softcap_scale,
+        BLOCK_V=cfg.block_v, HAS_ROW_SCALE=row_scale is not None,
+        **_option_flags(weight, label_smoothing, z_loss, softcap),
+        num_warps=cfg.num_warps,
+    )
+
+
+def launch_scale_rows(rows, grad_output, applied):
+    num_rows, num_cols = rows.shape
+    if num_rows == 0 or num_cols == 0:
+        return
+    block = min(SCALE_BLOCK, next_power_of_2(num_cols))
+    wrap_triton(scale_rows_kernel)[(num_rows,)](
+        rows, rows.stride(0), rows.stride(1),
+        grad_output, grad_output.stride(0),
+        applied, num_cols,
+        BLOCK=block, num_warps=max(1, min(SCALE_WARPS, block // 512)),
+    )
+
+
+def reduction_scales(target, weight, ignore_index: int, reduction: str, vocab: int) -> torch.Tensor:
+    """fp32 (3,) on the device: α (cross-entropy factor), β (z-loss factor), W = Σ class weights.
+
+    mean: α = 1/Σ w_y and β = 1/n over the non-ignored rows, both 0 when n = 0 (loss 0, not NaN);
+    otherwise 1. Computed with tensor ops on the (N,) targets, so no device-to-host sync.
+    """
+    device = target.device
+    weight_sum = weight.float().sum() if weight is not None else torch.tensor(float(vocab), device=device)
+    if reduction != "mean":
+        return torch.stack([torch.ones((), device=device), torch.ones((), device=device), weight_sum])
+    valid = target != ignore_index
+    count = valid.sum().float()
+    if weight is None:
+        target_weight = count
+    else:
+        # Out-of-range targets (possible under torch.compile only) read class 0; their loss is NaN anyway.
+        in_range = valid & (target >= 0) & (target < vocab)
+        safe = torch.where(in_range, target, torch.zeros_like(target))
+        target_weight = (weight.float()[safe] * in_range).sum()
+    any_valid = count > 0
+    ce_scale = torch.where(any_valid, 1.0 / target_weight, torch.zeros_like(count))
+    z_scale = torch.where(any_valid, 1.0 / torch.clamp(count, min=1.0), torch.zeros_like(count))
+    return torch.stack([ce_scale, z_scale, weight_sum])
+
+
+# ------------------------------------------------------------------------------- torch ops + autograd
+
+
+@triton_op("tigon::cross_entropy_fwd", mutates_args={})
+def _cross_entropy_fwd_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    logit_scale: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (per-row losses, gradient into a new (N, V) buffer, or an empty tensor)."""
+    loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    shape = logits.shape if compute_grad else (0,)
+    grad = torch.empty(shape, dtype=logits.dtype, device=logits.device)
+    launch_cross_entropy_rows(
+        logits, target, weight, scales, None, grad if compute_grad else None, loss_rows,
+        ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+    )
+    return loss_rows, grad
+
+
+@triton_op("tigon::cross_entropy_fwd_", mutates_args={"logits"})
+def _cross_entropy_fwd_inplace_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    logit_scale: float,
+) -> torch.Tensor:
+    """Per-row losses; the gradient (times row_scale) overwrites ``logits``."""
+    loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    launch_cross_entropy_rows(
+        logits, target, weight, scales, row_scale, logits, loss_rows,
+        ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+    )
+    return loss_rows
+
+
+@triton_op("tigon::cross_entropy_chunk_stats_", mutates_args={"state", "loss_rows", "lse"})
+def _chunk_stats_op(
+    chunk: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    state: torch.Tensor,
+    loss_rows: torch.Tensor,
+    lse: torch.Tensor,
+    col0: int,
+    vocab: int,
+    is_last: bool,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    logit_scale: float,
+) -> None:
+    launch_chunk_stats(
+        chunk, target, weight, scales, state, loss_rows, lse, col0, vocab, is_last,
+        ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+    )
+
+
+@triton_op("tigon::cross_entropy_chunk_grad_", mutates_args={"chunk"})
+def _chunk_grad_op(
+    chunk: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    lse: torch.Tensor,
+    col0: int,
+    vocab: int,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    logit_scale: float,
+) -> None:
+    launch_chunk_grad(
+        chunk, target, weight, scales, row_scale, lse, col0, vocab,
+        ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+    )
+
+
+@triton_op("tigon::scale_rows_", mutates_args={"rows", "applied"})
+def _scale_rows_op(rows: torch.Tensor, grad_output: torch.Tensor, applied: torch.Tensor) -> None:
+    launch_scale_rows(rows, grad_output, applied)
+
+
+def scale_lazily(grad: torch.Tensor, grad_output: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
+    """Bring a gradient saved for grad_output = ``applied`` to ``grad_output``, in place; returns it.
+
+    ``grad`` is viewed as (R, C) rows with ``applied`` (R,); ``grad_output`` is a scalar (one factor
+    for every row) or (R,) per row, any stride.
+    """
+    rows = grad.reshape(applied.shape[0], -1) if grad.dim() != 2 else grad
+    factor = grad_output.reshape(-1).expand(applied.shape[0]) if grad_output.numel() == 1 else grad_output
+    torch.ops.tigon.scale_rows_(rows, factor, applied)
+    return grad
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Loss and gradient in the forward; the backward only applies grad_output (lazily)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, z_loss, softcap,
+                logit_scale, compute_grad, inplace):
+        scales = reduction_scales(target, weight, ignore_index, reduction, logits.shape[1])
+        if compute_grad and inplace:
+            loss_rows = torch.ops.tigon.cross_entropy_fwd_(
+                logits, target, weight, scales, None, ignore_index, label_smoothing, z_loss, softcap,
+                logit_scale,
+            )
+            grad = logits
+        else:
+            loss_rows, grad = torch.ops.tigon.cross_entropy_fwd(
+                logits, target, weight, scales, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                compute_grad,
+            )
+        if compute_grad:
+            applied = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+            ctx.save_for_backward(grad, applied)
+        ctx.compute_grad = compute_grad
+        return loss_rows if reduction == "none" else loss_rows.sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if not ctx.compute_grad:
+            return (None,) * 11
+        grad, applied = ctx.saved_tensors
+        return (scale_lazily(grad, grad_loss, applied),) + (None,) * 10
+
+
+# ------------------------------------------------------------------------------------ public functions
+
+
+def check_loss_options(
+    weight, vocab, device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
+):
+    """Argument checks shared with fused_linear_cross_entropy; each error names the argument."""
+    if weight is not None:
+        check_tensor(weight, "weight", device=device)
+        if weight.shape != (vocab,):
+            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({vocab},) (one per class)")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (z_loss >= 0.0 and z_loss != float("inf")):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if softcap is not None and not (softcap > 0.0 and softcap != float("inf")):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+    if not (abs(logit_scale) != float("inf") and logit_scale == logit_scale):
+        raise ValueError(f"logit_scale must be a finite number, got {logit_scale}")
+
+
+def check_target(target, expected_shape, vocab, ignore_index, device):
+    """Shape and dtype checks, and in eager mode the range check (one device-to-host sync).
+
+    Under torch.compile a data-dependent check cannot raise, so it is skipped there: the kernels
+    turn an out-of-range target into a NaN loss without reading out of bounds.
+    """
+    check_tensor(target, "target", dtypes=TARGET_DTYPES, device=device)
+    if tuple(target.shape) != tuple(expected_shape):
+        raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(expected_shape)}")
+    if torch.compiler.is_compiling() or target.numel() == 0:
+        return
+    flat = target.reshape(-1)
+    bad = ((flat < 0) | (flat >= vocab)) & (flat != ignore_index)
+    first = torch.argmax(bad.to(torch.int8))
+    any_bad, value = torch.stack([bad.any().to(flat.dtype), flat[first]]).tolist()
+    if any_bad:
+        raise ValueError(
+            f"target holds class index {value}, outside [0, {vocab}) and not ignore_index={ignore_index}"
+        )
+
+
+def cross_entropy(
+    logits,
+    target,
+    *,
+    weight=None,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    reduction="mean",
+    z_loss=0.0,
+    softcap=None,
+    logit_scale=1.0,
+    inplace_backward=False,
+):
+    """Cross-entropy of ``logits`` ``[..., V]`` against ``target`` ``[...]``; see the module docstring.
+
+    Matches ``torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
+    weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)``
+    after ``logit_scale`` and ``softcap`` are applied to the logits, plus the z-loss. Returns fp32:
+    a scalar, or ``(N,)`` per token (N = target.numel(), flattened like the reference) for
+    ``reduction="none"``. A ``reduction="mean"`` over only ignored targets is 0 with zero gradient.
+
+    The gradient is computed during the forward. ``inplace_backward=True`` lets it overwrite the
+    logits' storage (their values are gone after the call): only safe when nothing reads the logits
+    afterwards. It is refused for a leaf tensor that requires grad, and ignored when the logits
+    cannot be viewed as rows without a copy.
+    """
+    check_tensor(logits, "logits")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(
+            f"logits must have a non-empty class dimension (the last), got shape {tuple(logits.shape)}"
+        )
+    vocab = logits.shape[-1]
+    check_loss_options(
+        weight, vocab, logits.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
+    )
+    check_target(target, logits.shape[:-1], vocab, ignore_index, logits.device)
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    inplace = bool(inplace_backward) and compute_grad
+    if inplace and logits.is_leaf:
+        raise ValueError(
+            "inplace_backward=True would overwrite logits, a leaf tensor that requires grad; "
+            "pass the logits of a computation (e.g. the output of the lm head) instead"
+        )
+    rows = as_rows(logits)
+    if inplace and rows.data_ptr() != logits.data_ptr():
+        inplace = False
+    return CrossEntropyFunction.apply(
+        rows, target.reshape(-1), weight, int(ignore_index), float(label_smoothing), reduction, float(z_loss),
+        None if softcap is None else float(softcap), float(logit_scale), compute_grad, inplace,
+    )
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def cross_entropy_reference(
+    logits,
+    target,
+    *,
+    weight=None,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    reduction="mean",
+    z_loss=0.0,
+    softcap=None,
+    logit_scale=1.0,
+):
+    """The contract in PyTorch: F.cross_entropy on the scaled, softcapped logits, plus the z-loss.
+
+    Computes in fp32 (fp64 when logits are fp64, as tests pass them). ``mean`` is taken as torch
+    does (Σ over rows / Σ target weights, smoothing included), written as sum / Σ w_y so that a batch
+    of only ignored targets gives 0 with a zero gradient instead of torch's NaN.
+    """
+    vocab = logits.shape[-1]
+    wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(wide).reshape(-1, vocab) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    t = target.reshape(-1)
+    w = weight.to(wide) if weight is not None else None
+    per_row = torch.nn.functional.cross_entropy(
+        z, t, weight=w, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    )
+    valid = t != ignore_index
+    if z_loss:
+        zeta = z_loss * torch.logsumexp(z, dim=-1).square() * valid
+    else:
+        zeta = torch.zeros_like(per_row)
+    if reduction == "none":
+        return per_row + zeta
+    if reduction == "sum":
+        return per_row.sum() + zeta.sum()
+    count = valid.sum()
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    target_weight = (w[safe_t] * valid).sum() if w is not None else count.to(wide)
+    if count == 0:
+        return per_row.sum() * 0.0
+    return per_row.sum() / target_weight + zeta.sum() / count
