@@ -155,3 +155,22 @@ def test_replaced_lm_head_falls_back_to_the_stock_loss():
     with pytest.warns(UserWarning, match="lm_head"):
         got = patched(input_ids=ids, labels=labels)
     assert rel(got.loss, stock(input_ids=ids, labels=labels).loss) <= LOSS_TOLERANCE
+
+
+def test_generate_matches_stock():
+    stock, patched, _ = stock_and_patched("qwen3")
+    stock.eval()
+    patched.eval()
+    ids, _ = batch(8, batch_size=1, seq=5)
+    with torch.no_grad():
+        want = stock.generate(ids, max_new_tokens=4, do_sample=False)
+        got = patched.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_gradient_checkpointing():
+    stock, patched, _ = stock_and_patched("gemma")
+    for model in (stock, patched):
+        model.gradient_checkpointing_enable()
+    ids, labels = batch(9)
+    _both(stock, patched, input_ids=ids, labels=labels)
