@@ -16,6 +16,7 @@ from tigon.ops.glu import (
     TILE_ELEMENTS,
     geglu,
     glu,
+    glu_backward_into,
     glu_reference,
     swiglu,
 )
@@ -115,15 +116,19 @@ def test_glu_extreme_gates_are_finite():
         torch.testing.assert_close(h.double(), ref, rtol=1e-5, atol=1e-30)
 
 
-def test_glu_backward_recomputes_h():
-    """glu_backward with store_h writes the forward's h again (the MLP's down_proj input)."""
+def test_glu_backward_into_matches_functional_backward():
+    """The in-place variant (dgate over dh, dup into a given buffer) writes the functional op's values,
+    through the eager path and through the registered mutating op."""
     gate, up = randn(5, 300, dtype=torch.bfloat16, scale=3.0), randn(5, 300, dtype=torch.bfloat16)
     dh = randn(5, 300, dtype=torch.bfloat16)
     for activation in ACTIVATIONS:
-        dgate, dup, h = torch.ops.tigon.glu_backward(dh, gate, up, activation, True)
-        assert torch.equal(h, glu(gate, up, activation))
-        ref_dgate, ref_dup, empty = torch.ops.tigon.glu_backward(dh, gate, up, activation, False)
-        assert torch.equal(dgate, ref_dgate) and torch.equal(dup, ref_dup) and empty.numel() == 0
+        want_dgate, want_dup = torch.ops.tigon.glu_backward(dh, gate, up, activation)
+        for call in (glu_backward_into, torch.ops.tigon.glu_backward_into):
+            dgate, dup = dh.clone(), torch.empty_like(up)
+            call(dgate, gate, up, dup, activation)
+            assert torch.equal(dgate, want_dgate) and torch.equal(dup, want_dup)
+    with pytest.raises(ValueError, match="dh must be contiguous"):
+        glu_backward_into(dh.t().contiguous().t(), gate, up, torch.empty_like(up), "silu")
 
 
 def test_glu_saves_only_gate_and_up():

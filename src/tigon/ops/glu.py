@@ -19,9 +19,9 @@ Backward, with dh the gradient of h (rounding taken as the identity, as autograd
                               gelu (tanh): s + 2g·s·(1 − s)·√(2/π)·(1 + 3·0.044715·g²),  s = σ(2v)
                               gelu (erf):  ½(1 + erf(g/√2)) + g·exp(−g²/2)/√(2π)
 
-Nothing but g and u is saved: the backward recomputes a from g. It can also write h again
-(``store_h``), which the recomputing MLP (:mod:`tigon.nn.mlp`) uses for down_proj's weight gradient,
-so that one pass over g and u serves both.
+Nothing but g and u is saved: the backward recomputes a from g. :func:`glu_backward_into` writes
+dg over dh and du into a given buffer, so that the recomputing MLP (:mod:`tigon.nn.mlp`) needs no
+new intermediate-sized tensor in its backward.
 
 Layouts: contiguous operands are walked as one flat array (no row padding, every program full);
 anything else (a strided slice of a fused gate_up projection, a stride-0 gradient from ``.sum()``) is
@@ -30,7 +30,7 @@ read in place through row and column strides. Outputs are contiguous.
 Bytes (speed of light), N elements, element size b::
 
     forward   read g, u; write h                        3·N·b
-    backward  read dh, g, u; write dg, du               5·N·b     (+ N·b with store_h)
+    backward  read dh, g, u; write dg, du               5·N·b
 
 Reference: :func:`glu_reference` (``act(gate) * up`` as transformers' MLPs compute it).
 """
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from torch.library import triton_op, wrap_triton
 
 from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2
 
@@ -131,12 +131,15 @@ def glu_bwd_kernel(
     dh_ptr, dh_row_stride, dh_col_stride,           # (M, N) gradient of h, any strides (stride 0 too)
     gate_ptr, gate_row_stride, gate_col_stride,     # (M, N) gate
     up_ptr, up_row_stride, up_col_stride,           # (M, N) up
-    dgate_ptr, dup_ptr, h_ptr, out_row_stride,      # (M, N) outs, contiguous; h only with STORE_H
+    dgate_ptr, dup_ptr, out_row_stride,             # (M, N) outs, contiguous; dgate may be dh itself
     num_rows, num_cols, num_elements, col_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, ACTIVATION: tl.constexpr,
-    STORE_H: tl.constexpr,
 ):
-    """du = dh·a, dg = dh·u·act'(g) over one tile; STORE_H also writes h = a·u again."""
+    """du = dh·a, dg = dh·u·act'(g) over one tile.
+
+    Each element of dh is loaded before the same thread stores dg there, so dgate_ptr may alias a
+    contiguous dh (the in-place variant).
+    """
     rows, cols, mask = _tile(
         tl.program_id(0), num_rows, num_cols, num_elements, col_blocks, BLOCK_M, BLOCK_N, FLAT
     )
@@ -149,8 +152,6 @@ def glu_bwd_kernel(
     out = rows * out_row_stride + cols
     tl.store(dgate_ptr + out, (dh * u * dact).to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + out, (dh * a).to(dup_ptr.dtype.element_ty), mask=mask)
-    if STORE_H:
-        tl.store(h_ptr + out, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # -------------------------------------------------------------------------------------- launch config
@@ -216,13 +217,10 @@ def _forward(gate, up, activation):
     return h
 
 
-def _backward(dh, gate, up, activation, store_h):
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    h_shape = gate.shape if store_h else (0,)
-    h = torch.empty(h_shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+def _backward(dh, gate, up, activation, dgate, dup):
+    """Write dgate and dup (contiguous, gate's shape) from dh, gate, up."""
     if gate.numel() == 0:
-        return dgate, dup, h
+        return
     d2, g2, u2 = as_rows(dh), as_rows(gate), as_rows(up)
     num_rows, num_cols = g2.shape
     flat = d2.is_contiguous() and g2.is_contiguous() and u2.is_contiguous()
@@ -231,12 +229,11 @@ def _backward(dh, gate, up, activation, store_h):
         d2, *_operand_strides(d2, cfg),
         g2, *_operand_strides(g2, cfg),
         u2, *_operand_strides(u2, cfg),
-        dgate, dup, h if store_h else dgate, cfg.block_n if cfg.flat else num_cols,
+        dgate, dup, cfg.block_n if cfg.flat else num_cols,
         num_rows, num_cols, num_rows * num_cols, cfg.col_blocks,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FLAT=cfg.flat, ACTIVATION=activation, STORE_H=store_h,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FLAT=cfg.flat, ACTIVATION=activation,
         num_warps=cfg.num_warps,
     )
-    return dgate, dup, h
 
 
 # ------------------------------------------------------------------------------- torch ops + autograd
@@ -247,10 +244,39 @@ def _glu_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
 
 
 def _glu_backward_impl(
-    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, store_h: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dgate, dup, h); h is recomputed only with ``store_h`` (else an empty tensor)."""
-    return _backward(dh, gate, up, activation, store_h)
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    _backward(dh, gate, up, activation, dgate, dup)
+    return dgate, dup
+
+
+def _glu_backward_into_impl(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dup: torch.Tensor, activation: str
+) -> None:
+    _backward(dh, gate, up, activation, dh, dup)
+
+
+# Mutating, so registered with triton_op directly (a TigonOp is functional); see glu_backward_into.
+_GLU_BACKWARD_INTO = triton_op(
+    "tigon::glu_backward_into", _glu_backward_into_impl, mutates_args={"dh", "dup"}
+)
+
+
+def glu_backward_into(dh, gate, up, dup, activation):
+    """The GLU backward in place: dh (contiguous) is overwritten with dgate, dup (contiguous) receives dup.
+
+    For callers that own dh and a spare buffer, such as the recomputing MLP's backward; dh must have
+    gate's dtype and dup up's. Under torch.compile the registered mutating op is traced.
+    """
+    for name, t, like in (("dh", dh, gate), ("dup", dup, up)):
+        if not t.is_contiguous() or t.shape != gate.shape or t.dtype != like.dtype:
+            raise ValueError(f"{name} must be contiguous with gate's shape and {like.dtype}")
+    if torch.compiler.is_compiling():
+        _GLU_BACKWARD_INTO(dh, gate, up, dup, activation)
+    else:
+        _glu_backward_into_impl(dh, gate, up, dup, activation)
 
 
 def _setup_glu(ctx, inputs, output):
@@ -261,7 +287,7 @@ def _setup_glu(ctx, inputs, output):
 
 def _glu_grad(ctx, dh):
     gate, up = ctx.saved_tensors
-    dgate, dup, _ = GLU_BACKWARD(dh, gate, up, ctx.activation, False)
+    dgate, dup = GLU_BACKWARD(dh, gate, up, ctx.activation)
     return dgate, dup, None
 
 
