@@ -4,9 +4,14 @@ Import this only after deciding on the interpreter: without a GPU, set ``TRITON_
 before the first import, since Triton reads it when the kernels below are defined.
 """
 
+from tigon.ops.fused_linear_jsd import fused_linear_jsd
 from tigon.ops.glu import geglu, swiglu
+from tigon.ops.jsd import jsd
+from tigon.ops.kl_div import kl_div
 from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 
-__all__ = ["add_rms_norm", "geglu", "layer_norm", "rms_norm", "rope", "swiglu"]
+__all__ = [
+    "add_rms_norm", "fused_linear_jsd", "geglu", "jsd", "kl_div", "layer_norm", "rms_norm", "rope", "swiglu",
+]
