@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 from torch._library.triton import set_wrap_triton_enabled
 from torch.library import triton_op
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -105,12 +106,25 @@ class TigonOp:
             self.function = _eager_function(name, impl, setup_context, backward)
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
+        if _tracing(args):
             return self.op(*args)
         with _direct_launch():
             if self.function is not None and torch.is_grad_enabled():
                 return self.function.apply(*args)
             return self.impl(*args)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tracing(args) -> bool:
+    """True when the call is being traced rather than run: Dynamo (torch.compile's front end), or
+    AOTAutograd / make_fx tracing a backward, which is not Dynamo but runs under a dispatch mode
+    with fake or functional tensors. Those need the registered op; real tensors take the direct path.
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS for a in args)
 
 
 def _direct_launch():
