@@ -95,11 +95,18 @@ class TigonOp:
     when it runs eagerly: otherwise every launch goes through the higher-order-op dispatch that
     tracing needs, ~1 ms of host time per kernel (measured on the H100 host: 1.2 ms per RMSNorm
     forward+backward, against ~0.1 ms of GPU work at 16K tokens).
+
+    ``mutates_args`` names the arguments ``impl`` writes in place (e.g. a gradient written into the
+    logits' storage); such an op has no ``backward`` of its own.
     """
 
-    def __init__(self, name, impl, *, setup_context=None, backward=None):
+    def __init__(self, name, impl, *, setup_context=None, backward=None, mutates_args=()):
+        if mutates_args and backward is not None:
+            # register_autograd refuses mutating ops: differentiate them through an
+            # autograd.Function that calls this op (as cross_entropy does).
+            raise ValueError(f"tigon::{name} mutates {mutates_args}: it cannot take a backward")
         self.impl = impl
-        self.op = triton_op(f"tigon::{name}", impl, mutates_args={})
+        self.op = triton_op(f"tigon::{name}", impl, mutates_args=set(mutates_args))
         self.function = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
