@@ -6,12 +6,16 @@ by shrinking LOGITS_CHUNK_ELEMENTS, so the ∂W accumulation over chunks (and an
 exercised at test sizes; vocab sizes cover one BLOCK_V chunk per row and several.
 """
 
+import importlib
+
 import pytest
 import torch
 
-import tigon.ops.fused_linear_jsd as fljsd_module
 from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn
 from tigon.ops.fused_linear_jsd import BLOCK_V, fused_linear_jsd, fused_linear_jsd_reference
+
+# the module itself: tigon.ops re-exports the function under the module's name
+fljsd_module = importlib.import_module("tigon.ops.fused_linear_jsd")
 
 pytestmark = [
     # the interpreter evaluates both sides of a tl.where in numpy: 0·inf in padding lanes

@@ -140,7 +140,7 @@ def chunk_rows(num_rows: int, vocab: int) -> int:
 # ------------------------------------------------------------------------------------------ launcher
 
 
-@triton_op("tigon::fused_linear_jsd_rows_", mutates_args={"student_logits"})
+@triton_op("tigon::fused_linear_jsd_rows", mutates_args={"student_logits"})
 def _jsd_rows_op(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -185,7 +185,7 @@ def _forward(student_input, student_weight, teacher_input, teacher_weight, label
         logits_t = torch.matmul(x_t[start:end], teacher_weight.t())         # (C, V)
         chunk_labels = labels_1d[start:end] if labels_1d is not None else None
         row_losses.append(
-            torch.ops.tigon.fused_linear_jsd_rows_(
+            torch.ops.tigon.fused_linear_jsd_rows(
                 logits_s, logits_t, chunk_labels, scale, 1.0 / temperature, beta, ignore_index
             )
         )
