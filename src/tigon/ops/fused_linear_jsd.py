@@ -133,8 +133,8 @@ ROW_WARPS = 8
 def chunk_rows(num_rows: int, vocab: int) -> int:
     """Rows per chunk: as many as the budget allows, split evenly (no small tail chunk)."""
     most = max(1, LOGITS_CHUNK_ELEMENTS // max(vocab, 1))
-    chunks = triton.cdiv(num_rows, most)
-    return triton.cdiv(num_rows, max(chunks, 1))
+    chunks = max(triton.cdiv(num_rows, most), 1)
+    return max(triton.cdiv(num_rows, chunks), 1)
 
 
 # ------------------------------------------------------------------------------------------ launcher
