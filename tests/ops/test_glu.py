@@ -188,16 +188,14 @@ def test_glu_torch_compile_fullgraph(activation):
 
 
 @pytest.mark.gpu
-def test_glu_bf16_forward_bitwise_equals_eager():
-    """The forward rounds act(gate) where eager does, so on the GPU it gives eager's exact bits
-    (up to the last-ulp differences of exp/erf/tanh implementations)."""
+def test_swiglu_bf16_forward_matches_eager_bits():
+    """The forward rounds silu(gate) where eager does, so on the GPU it gives eager's bits up to the
+    last-ulp differences of the two exp implementations (a rounding boundary hit now and then).
+    GeGLU is not held to this: its x·σ(2v) form avoids the cancellation in eager's 1 + tanh(v)."""
     gate = randn(512, 4096, dtype=torch.bfloat16, scale=3.0)
     up = randn(512, 4096, dtype=torch.bfloat16)
-    for activation in ACTIVATIONS:
-        h = glu(gate, up, activation)
-        ref = glu_reference(gate, up, activation)
-        mismatch = (h != ref).float().mean().item()
-        assert mismatch < 1e-3, f"{activation}: {mismatch:.2%} of elements differ from eager"
+    mismatch = (swiglu(gate, up) != glu_reference(gate, up, "silu")).float().mean().item()
+    assert mismatch < 1e-3, f"{mismatch:.3%} of elements differ from eager"
 
 
 @pytest.mark.gpu

@@ -115,6 +115,14 @@ def test_rope_noncontiguous_inputs_and_stride0_grads(dtype):
     check_rope(q, k, cos, sin, dq_out, dk_out)
 
 
+def test_rope_broadcast_input():
+    """q expanded over the batch (stride 0): outputs and gradients come out dense, D innermost."""
+    q = randn(1, 3, 4, 16).expand(2, 3, 4, 16).detach().requires_grad_()
+    k = randn(2, 1, 4, 16, requires_grad=True)
+    q_out, _, dq, _ = check_rope(q, k, randn(4, 16), randn(4, 16))
+    assert q_out.is_contiguous() and dq.is_contiguous()
+
+
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 def test_rope_fp32_cos_sin_promote(dtype):
     """fp32 cos/sin with half q (autocast-style): outputs fp32 as transformers', gradients in q's dtype."""

@@ -56,18 +56,36 @@ UNSQUEEZE_DIMS = (1, 2)
 
 
 @triton.jit
+def _load_trig(
+    ptr, stride_b, stride_t, stride_d, batch, positions, cols, mask,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """One (BLOCK_H, BLOCK_T, BLOCK_HALF) fp32 tile of cos or sin, the same row for every head.
+
+    Loaded at the full tile shape (head stride 0) rather than as (BLOCK_T, BLOCK_HALF) and broadcast:
+    then it gets the layout of the q/k tile, and the broadcast costs no shared-memory layout
+    conversion; the repeated addresses are L1 hits.
+    """
+    rows = ptr + batch * stride_b + positions.to(tl.int64) * stride_t                 # (BLOCK_T,)
+    tile = rows[None, :, None] + (cols * stride_d)[None, None, :]
+    tile = tl.broadcast_to(tile, (BLOCK_H, BLOCK_T, BLOCK_HALF))
+    return tl.load(tile, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, x_stride_b, x_stride_h, x_stride_t, x_stride_d,     # (B, H, T, D) rotated input, any strides
     out_ptr, out_stride_b, out_stride_h, out_stride_t, out_stride_d,    # (B, H, T, D) out
-    c1, c2, a, b,                                  # (BLOCK_T, BLOCK_HALF) fp32: out1 = x1·c1 + x2·a,
-                                                   #                         out2 = x2·c2 + x1·b
+    cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,         # (B, T, Dr); batch stride 0 if shared
+    sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
     batch, head_start, num_heads, positions, position_mask, half_rot, rot_dim, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     """Rotate one (BLOCK_H heads, BLOCK_T positions, D) tile of one batch element.
 
-    Offsets are int64 per (head, position) row; columns add a small int32 offset, so tensors past
-    2**31 elements address correctly.
+    out1 = x1·c1 + x2·a, out2 = x2·c2 + x1·b with (a, b) = (−s1, s2) forward, (s2, −s1) backward.
+    Offsets are int64 per (head, position) row, so tensors past 2**31 elements address correctly.
     """
     heads = head_start + tl.arange(0, BLOCK_H)
     row_mask = (heads < num_heads)[:, None] & position_mask[None, :]                 # (BLOCK_H, BLOCK_T)
@@ -83,8 +101,20 @@ def _rotate_heads(
     x2 = tl.load(
         x_rows[:, :, None] + ((cols + half_rot) * x_stride_d)[None, None, :], mask=mask, other=0.0
     ).to(tl.float32)
-    out1 = x1 * c1[None, :, :] + x2 * a[None, :, :]
-    out2 = x2 * c2[None, :, :] + x1 * b[None, :, :]
+    c1 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols, mask,
+                    BLOCK_H, BLOCK_T, BLOCK_HALF)
+    c2 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols + half_rot,
+                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF)
+    s1 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols, mask,
+                    BLOCK_H, BLOCK_T, BLOCK_HALF)
+    s2 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols + half_rot,
+                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF)
+    if BACKWARD:
+        out1 = x1 * c1 + x2 * s2
+        out2 = x2 * c2 - x1 * s1
+    else:
+        out1 = x1 * c1 - x2 * s1
+        out2 = x2 * c2 + x1 * s2
     out_dtype = out_ptr.dtype.element_ty
     tl.store(out_rows[:, :, None] + (cols * out_stride_d)[None, None, :], out1.to(out_dtype), mask=mask)
     tl.store(
@@ -128,40 +158,24 @@ def rope_kernel(
     batch = (batch_position_block // position_blocks).to(tl.int64)
     positions = (batch_position_block % position_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
     position_mask = positions < seq_len
-
-    cols = tl.arange(0, BLOCK_HALF)
-    cs_mask = position_mask[:, None] & (cols < half_rot)[None, :]
-    cos_rows = cos_ptr + batch * cos_stride_b + positions[:, None].to(tl.int64) * cos_stride_t
-    sin_rows = sin_ptr + batch * sin_stride_b + positions[:, None].to(tl.int64) * sin_stride_t
-    first = cols[None, :]
-    second = cols[None, :] + half_rot
-    c1 = tl.load(cos_rows + first * cos_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_rows + second * cos_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_rows + first * sin_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_rows + second * sin_stride_d, mask=cs_mask, other=0.0).to(tl.float32)
-    if BACKWARD:
-        a = s2
-        b = -s1
-    else:
-        a = -s1
-        b = s2
-
     if head_block < q_head_blocks:
         _rotate_heads(
             q_ptr, q_stride_b, q_stride_h, q_stride_t, q_stride_d,
             q_out_ptr, qo_stride_b, qo_stride_h, qo_stride_t, qo_stride_d,
-            c1, c2, a, b,
+            cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
+            sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, head_block * BLOCK_H, num_q_heads, positions, position_mask, half_rot, rot_dim, head_dim,
-            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD,
         )
     else:
         _rotate_heads(
             k_ptr, k_stride_b, k_stride_h, k_stride_t, k_stride_d,
             k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t, ko_stride_d,
-            c1, c2, a, b,
+            cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
+            sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, (head_block - q_head_blocks) * BLOCK_H, num_k_heads, positions, position_mask,
             half_rot, rot_dim, head_dim,
-            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD,
         )
 
 
@@ -229,8 +243,13 @@ def dim_order(t: torch.Tensor) -> list[int]:
     Outputs and gradients are allocated densely in this order, as eager elementwise ops allocate
     theirs: the transpose of a [B, T, H, D] projection (even a strided slice of a fused qkv one)
     gets [B, T, H, D]-ordered outputs, which flow back through the transpose without a copy.
+    Broadcast (stride 0) and size-1 dims say nothing about memory order and go outermost.
     """
-    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+    def outer_first(d):
+        return -t.stride(d) if t.stride(d) != 0 and t.shape[d] != 1 else -math.inf
+
+    return sorted(range(t.dim()), key=outer_first)
 
 
 def _empty_in_order(shape, order: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
