@@ -4,6 +4,8 @@ Import this only after deciding on the interpreter: without a GPU, set ``TRITON_
 before the first import, since Triton reads it when the kernels below are defined.
 """
 
+from tigon.ops.cross_entropy import cross_entropy
+from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from tigon.ops.fused_linear_jsd import fused_linear_jsd
 from tigon.ops.glu import geglu, swiglu
 from tigon.ops.jsd import jsd
@@ -13,5 +15,6 @@ from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 
 __all__ = [
-    "add_rms_norm", "fused_linear_jsd", "geglu", "jsd", "kl_div", "layer_norm", "rms_norm", "rope", "swiglu",
+    "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd", "geglu", "jsd",
+    "kl_div", "layer_norm", "rms_norm", "rope", "swiglu",
 ]

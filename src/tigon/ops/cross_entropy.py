@@ -59,7 +59,15 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from tigon.ops._common import as_rows, check_tensor, interpreter_active, next_power_of_2, persistent_programs
+from tigon.ops._common import (
+    TigonOp,
+    _direct_launch,
+    as_rows,
+    check_tensor,
+    interpreter_active,
+    next_power_of_2,
+    persistent_programs,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -676,8 +684,26 @@ def reduction_scales(target, weight, ignore_index: int, reduction: str, vocab: i
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-@triton_op("tigon::cross_entropy_fwd", mutates_args={})
-def _cross_entropy_fwd_op(
+class MutatingOp:
+    """A launcher that writes into some of its arguments, registered as ``tigon::<name>``.
+
+    Like :class:`tigon.ops._common.TigonOp` (which registers functional ops only): under
+    torch.compile the registered op is traced (functionalised, then re-inplaced by inductor); in
+    eager mode ``impl`` runs directly with ``wrap_triton``'s tracing dispatch switched off.
+    """
+
+    def __init__(self, name, impl, mutates_args):
+        self.impl = impl
+        self.op = triton_op(f"tigon::{name}", impl, mutates_args=mutates_args)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        with _direct_launch():
+            return self.impl(*args)
+
+
+def _cross_entropy_fwd_impl(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
@@ -700,8 +726,7 @@ def _cross_entropy_fwd_op(
     return loss_rows, grad
 
 
-@triton_op("tigon::cross_entropy_fwd_", mutates_args={"logits"})
-def _cross_entropy_fwd_inplace_op(
+def _cross_entropy_fwd_inplace_impl(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
@@ -722,8 +747,7 @@ def _cross_entropy_fwd_inplace_op(
     return loss_rows
 
 
-@triton_op("tigon::cross_entropy_chunk_stats_", mutates_args={"state", "loss_rows", "lse"})
-def _chunk_stats_op(
+def _chunk_stats_impl(
     chunk: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
@@ -746,8 +770,7 @@ def _chunk_stats_op(
     )
 
 
-@triton_op("tigon::cross_entropy_chunk_grad_", mutates_args={"chunk"})
-def _chunk_grad_op(
+def _chunk_grad_impl(
     chunk: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
@@ -768,9 +791,15 @@ def _chunk_grad_op(
     )
 
 
-@triton_op("tigon::scale_rows_", mutates_args={"rows", "applied"})
-def _scale_rows_op(rows: torch.Tensor, grad_output: torch.Tensor, applied: torch.Tensor) -> None:
+def _scale_rows_impl(rows: torch.Tensor, grad_output: torch.Tensor, applied: torch.Tensor) -> None:
     launch_scale_rows(rows, grad_output, applied)
+
+
+CROSS_ENTROPY_FWD = TigonOp("cross_entropy_fwd", _cross_entropy_fwd_impl)
+CROSS_ENTROPY_FWD_INPLACE = MutatingOp("cross_entropy_fwd_", _cross_entropy_fwd_inplace_impl, {"logits"})
+CHUNK_STATS = MutatingOp("cross_entropy_chunk_stats_", _chunk_stats_impl, {"state", "loss_rows", "lse"})
+CHUNK_GRAD = MutatingOp("cross_entropy_chunk_grad_", _chunk_grad_impl, {"chunk"})
+SCALE_ROWS = MutatingOp("scale_rows_", _scale_rows_impl, {"rows", "applied"})
 
 
 def scale_lazily(grad: torch.Tensor, grad_output: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
@@ -781,7 +810,7 @@ def scale_lazily(grad: torch.Tensor, grad_output: torch.Tensor, applied: torch.T
     """
     rows = grad.reshape(applied.shape[0], -1) if grad.dim() != 2 else grad
     factor = grad_output.reshape(-1).expand(applied.shape[0]) if grad_output.numel() == 1 else grad_output
-    torch.ops.tigon.scale_rows_(rows, factor, applied)
+    SCALE_ROWS(rows, factor, applied)
     return grad
 
 
@@ -793,13 +822,13 @@ class CrossEntropyFunction(torch.autograd.Function):
                 logit_scale, compute_grad, inplace):
         scales = reduction_scales(target, weight, ignore_index, reduction, logits.shape[1])
         if compute_grad and inplace:
-            loss_rows = torch.ops.tigon.cross_entropy_fwd_(
+            loss_rows = CROSS_ENTROPY_FWD_INPLACE(
                 logits, target, weight, scales, None, ignore_index, label_smoothing, z_loss, softcap,
                 logit_scale,
             )
             grad = logits
         else:
-            loss_rows, grad = torch.ops.tigon.cross_entropy_fwd(
+            loss_rows, grad = CROSS_ENTROPY_FWD(
                 logits, target, weight, scales, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
                 compute_grad,
             )

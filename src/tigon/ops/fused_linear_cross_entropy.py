@@ -1,0 +1,419 @@
+r"""Fused linear + cross-entropy: the loss of ``input @ linear_weight.T + linear_bias`` without its logits.
+
+With X (N, H) the tokens, W (V, H) the head, b (V,) its bias and L = X·Wᵀ + b the logits::
+
+    loss = cross_entropy(L, target, ...)               every option of tigon.ops.cross_entropy
+    dL   = ∂loss/∂L                                     (N, V), from the one-pass CE kernel
+    dX   = dL·W          dW = dLᵀ·X          db = Σ_rows dL
+
+L is never held whole: it is produced one chunk at a time by cuBLAS (``torch.mm`` on chunks big
+enough to run near the tensor-core peak), turned into dL in place by the CE kernel (bf16 in, bf16
+out), and consumed by the two gradient matmuls before the next chunk is made. All gradients are
+computed in the forward; the backward only applies ``grad_output`` (a row-scaling kernel that
+skips factors of 1, see cross_entropy.py), except for ``reduction="none"``, whose per-token
+grad_output must weigh each token's dL before it is summed into dW: that backward recomputes.
+
+Two chunkings, chosen by :func:`chunk_plan` from the sizes alone:
+
+* by tokens (C rows of L at a time): 3 matmuls in all (6·N·H·V flops), but W is read twice and
+  dW read and written once per chunk, and dW is summed over N/C chunks in the weight's dtype.
+  Summing k bf16 partials drifts: measured relative error of dW against fp64 with random data is
+  1.7e-3 for k = 1, 3.5e-3 for k = 8, 4.7e-3 for k = 16, 6.5e-3 for k = 32 (the final rounding
+  alone gives 1.7e-3). So by-tokens is used only when the chunk allowed by the memory budget gives
+  k ≤ MAX_TOKEN_CHUNKS (12, ≈ 4.2e-3 < the 5e-3 target).
+* by classes (all N tokens × Vc classes at a time): pass 1 makes every chunk once for the row
+  statistics (lse), pass 2 makes each again (the last one is still there) and writes dL, then
+  dW[chunk] = dLᵀ·X in one matmul over all tokens (one rounding) and dX += dL·W[chunk] in fp32.
+  4 matmuls (8·N·H·V flops) but exact to one rounding and with large matmuls (K = N for dW, M = N
+  for the others) even when H is small. Used when by-tokens would need too many chunks: small H
+  makes the gradients small, hence the memory budget and C small (H = 896, V = 151936: C ≈ 280).
+
+Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized to
+WORKSPACE_FRACTION of the gradient bytes (at least MIN_WORKSPACE_BYTES), plus fp32 per-token
+state and, by classes, an fp32 dX accumulator. At N = 8192 in bf16: H = 4096, V = 128256 → 7 token
+chunks of 1280, peak ≈ 1.12 GB of gradients + 0.33 GB; H = 2304, V = 256000 → 12 token chunks of
+704; H = 896, V = 151936 → class chunks of 2560, peak ≈ 1.3× the 0.29 GB of gradients.
+
+Under ``torch.autocast`` input, weight and bias are cast to the autocast dtype, as F.linear does;
+the loss math is fp32 regardless. Gradients come back in each argument's own dtype (an fp32 master
+weight gets an fp32 dW; by tokens it is accumulated from per-chunk partials in fp32).
+
+Reference: :func:`fused_linear_cross_entropy_reference` (F.linear, then cross_entropy_reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tigon.ops._common import check_tensor
+from tigon.ops.cross_entropy import (
+    CHUNK_GRAD,
+    CHUNK_STATS,
+    CROSS_ENTROPY_FWD,
+    CROSS_ENTROPY_FWD_INPLACE,
+    check_loss_options,
+    check_target,
+    cross_entropy_reference,
+    reduction_scales,
+    scale_lazily,
+)
+
+# -------------------------------------------------------------------------------------- chunk planning
+
+# One chunk of logits may take this fraction of the bytes of the gradients the op returns (the
+# issue's budget is a peak of 1.35× the gradients; the rest covers per-token state and rounding).
+WORKSPACE_FRACTION = 0.3
+# Below this, chunks are never made smaller: small problems run as one chunk.
+MIN_WORKSPACE_BYTES = 64 << 20
+# By tokens, dW is a sum of this many partials at most in the weight's dtype (accuracy, see above).
+MAX_TOKEN_CHUNKS = 12
+# Chunk sizes are multiples of these (whole matmul tiles; column blocks of the CE kernel).
+TOKEN_ALIGN = 64
+CLASS_ALIGN = 256
+# By classes: bytes per token·hidden of the fp32 dX accumulator and one partial in the io dtype.
+DX_ACCUMULATOR_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How the logits are cut: ``size`` tokens per chunk (by_tokens) or ``size`` classes per chunk."""
+
+    by_tokens: bool
+    size: int
+
+
+def chunk_plan(num_tokens: int, vocab: int, hidden: int, elem_size: int) -> ChunkPlan:
+    """Chunking for N tokens, V classes, H hidden, logits of ``elem_size`` bytes (see module docs)."""
+    gradient_bytes = (num_tokens + vocab) * hidden * elem_size
+    workspace = max(WORKSPACE_FRACTION * gradient_bytes, MIN_WORKSPACE_BYTES)
+    tokens_fit = int(workspace // (vocab * elem_size))
+    if tokens_fit >= num_tokens:
+        return ChunkPlan(True, max(num_tokens, 1))
+    tokens_fit = tokens_fit // TOKEN_ALIGN * TOKEN_ALIGN
+    if tokens_fit > 0 and -(-num_tokens // tokens_fit) <= MAX_TOKEN_CHUNKS:
+        chunks = -(-num_tokens // tokens_fit)
+        size = -(-num_tokens // chunks)
+        return ChunkPlan(True, min(tokens_fit, -(-size // TOKEN_ALIGN) * TOKEN_ALIGN))
+    accumulator = num_tokens * hidden * (DX_ACCUMULATOR_BYTES + elem_size)
+    classes_fit = int((workspace - accumulator) // (num_tokens * elem_size))
+    return ChunkPlan(False, min(vocab, max(CLASS_ALIGN, classes_fit // CLASS_ALIGN * CLASS_ALIGN)))
+
+
+# ------------------------------------------------------------------------------------ chunked passes
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float | None
+    logit_scale: float
+
+    def args(self):
+        return (self.ignore_index, self.label_smoothing, self.z_loss, self.softcap, self.logit_scale)
+
+
+def _linear(x, w, b, out):
+    """x·wᵀ + b, into ``out`` (a reused chunk buffer) in eager mode; under torch.compile a plain
+    matmul whose buffer inductor plans itself."""
+    if torch.compiler.is_compiling() or out is None:
+        return torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
+    if b is not None:
+        return torch.addmm(b, x, w.t(), out=out)
+    return torch.mm(x, w.t(), out=out)
+
+
+def _mm_into(out, a, b):
+    """out[...] = a @ b; written by the matmul itself when the dtypes allow it (eager mode)."""
+    if out.dtype == a.dtype and not torch.compiler.is_compiling():
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(a @ b)
+
+
+def _chunk_buffer(numel, dtype, device):
+    if torch.compiler.is_compiling():
+        return None
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _view(buffer, rows, cols):
+    return None if buffer is None else buffer[: rows * cols].view(rows, cols)
+
+
+def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, chunk, grad_dtypes):
+    """Loss rows and (dx, dw, db) with the logits made C = ``chunk`` tokens at a time."""
+    need_dx, need_dw, need_db = need
+    num_tokens, vocab = x.shape[0], w.shape[0]
+    any_grad = need_dx or need_dw or need_db
+    dx_dtype, dw_dtype, db_dtype = grad_dtypes
+    dx = torch.empty(x.shape, dtype=dx_dtype, device=x.device) if need_dx else None
+    dw = torch.empty(w.shape, dtype=dw_dtype, device=x.device) if need_dw else None
+    db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
+    buffer = _chunk_buffer(min(chunk, num_tokens) * vocab, x.dtype, x.device)
+    losses = []
+    for c0 in range(0, num_tokens, chunk):
+        c1 = min(num_tokens, c0 + chunk)
+        x_c = x[c0:c1]
+        logits = _linear(x_c, w, b, _view(buffer, c1 - c0, vocab))       # (C, V)
+        if not any_grad:
+            loss_c, _ = CROSS_ENTROPY_FWD(logits, target[c0:c1], class_weight, scales, *opts.args(), False)
+            losses.append(loss_c)
+            continue
+        row_scale_c = row_scale[c0:c1] if row_scale is not None else None
+        losses.append(CROSS_ENTROPY_FWD_INPLACE(
+            logits, target[c0:c1], class_weight, scales, row_scale_c, *opts.args()
+        ))
+        dlogits = logits                                                   # (C, V), overwritten in place
+        if need_dx:
+            _mm_into(dx[c0:c1], dlogits, w)                                # (C, H)
+        if need_dw:
+            first = c0 == 0
+            if dw.dtype == dlogits.dtype:
+                dw.addmm_(dlogits.t(), x_c, beta=0.0 if first else 1.0)    # (V, H), rounded once per chunk
+            elif first:
+                dw.copy_(dlogits.t() @ x_c)                                # fp32 master weight: fp32 sum
+            else:
+                dw += dlogits.t() @ x_c
+        if need_db:
+            db += dlogits.sum(0, dtype=torch.float32)
+    loss_rows = torch.cat(losses) if len(losses) > 1 else losses[0]
+    return loss_rows, dx, dw, (db.to(db_dtype) if need_db else None)
+
+
+def _class_chunks(vocab, chunk):
+    return [(c0, min(vocab, c0 + chunk)) for c0 in range(0, vocab, chunk)]
+
+
+def _lse_by_classes(x, w, b, target, class_weight, scales, opts, chunk, buffer):
+    """Pass 1 by classes: per-row losses and lse; returns them and the last chunk's logits."""
+    num_tokens, vocab = x.shape[0], w.shape[0]
+    state = torch.empty(4, num_tokens, dtype=torch.float32, device=x.device)
+    state[0] = float("-inf")     # running max
+    state[1] = 0.0               # Σ exp(z − max)
+    state[2] = 0.0               # Σ w·z (label smoothing)
+    state[3] = float("nan")      # z of the target: stays NaN for a target outside [0, V)
+    loss_rows = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
+    lse = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
+    chunks = _class_chunks(vocab, chunk)
+    logits = None
+    for i, (c0, c1) in enumerate(chunks):
+        logits = _linear(x, w[c0:c1], b[c0:c1] if b is not None else None, _view(buffer, num_tokens, c1 - c0))
+        is_last = i == len(chunks) - 1
+        CHUNK_STATS(
+            logits, target, class_weight, scales, state, loss_rows, lse, c0, vocab, is_last, *opts.args()
+        )
+    return loss_rows, lse, logits
+
+
+def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, chunk, grad_dtypes, lse=None):
+    """Loss rows and (dx, dw, db) with the logits made ``chunk`` classes (all tokens) at a time.
+
+    ``lse`` (from an earlier pass 1) skips pass 1: the backward of reduction="none" recomputes only
+    the gradient pass.
+    """
+    need_dx, need_dw, need_db = need
+    num_tokens, vocab = x.shape[0], w.shape[0]
+    dx_dtype, dw_dtype, db_dtype = grad_dtypes
+    buffer = _chunk_buffer(num_tokens * min(chunk, vocab), x.dtype, x.device)
+    chunks = _class_chunks(vocab, chunk)
+    logits = None
+    loss_rows = None
+    if lse is None:
+        loss_rows, lse, logits = _lse_by_classes(x, w, b, target, class_weight, scales, opts, chunk, buffer)
+    if not (need_dx or need_dw or need_db):
+        return loss_rows, lse, None, None, None
+    dx32 = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
+    dw = torch.empty(w.shape, dtype=dw_dtype, device=x.device) if need_dw else None
+    db = torch.empty(vocab, dtype=db_dtype, device=x.device) if need_db else None
+    # Last chunk first: pass 1 left its logits in the buffer, so it needs no second matmul.
+    for c0, c1 in reversed(chunks):
+        w_c = w[c0:c1]
+        if logits is None:
+            logits = _linear(x, w_c, b[c0:c1] if b is not None else None, _view(buffer, num_tokens, c1 - c0))
+        CHUNK_GRAD(logits, target, class_weight, scales, row_scale, lse, c0, vocab, *opts.args())
+        dlogits = logits                                                   # (N, Vc), overwritten in place
+        if need_dw:
+            _mm_into(dw[c0:c1], dlogits.t(), x)                            # (Vc, H): one matmul, K = N
+        if need_dx:
+            dx32 += dlogits @ w_c                                          # (N, H), fp32 sum over chunks
+        if need_db:
+            db[c0:c1] = dlogits.sum(0, dtype=torch.float32)
+        logits = None
+    return loss_rows, lse, (dx32.to(dx_dtype) if need_dx else None), dw, db
+
+
+# ------------------------------------------------------------------------------------------- autograd
+
+
+def _compute_operands(input, linear_weight, linear_bias, compute_dtype):
+    """(x (N, H), w, b) in the compute dtype: the autocast dtype if any, else the inputs' own."""
+    x = input.reshape(-1, input.shape[-1]).to(compute_dtype)
+    w = linear_weight.to(compute_dtype)
+    b = linear_bias.to(compute_dtype) if linear_bias is not None else None
+    return x, w, b
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Gradients in the forward (chunked); the backward applies grad_output lazily."""
+
+    @staticmethod
+    def forward(
+        ctx, input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing, reduction,
+        z_loss, softcap, logit_scale, compute_dtype, need_input, need_weight, need_bias,
+    ):
+        opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, logit_scale)
+        with torch.autocast(input.device.type, enabled=False):
+            return FusedLinearCrossEntropyFunction._forward(
+                ctx, input, linear_weight, linear_bias, target, weight, reduction, opts, compute_dtype,
+                (need_input, need_weight, need_bias),
+            )
+
+    @staticmethod
+    def _forward(ctx, input, linear_weight, linear_bias, target, weight, reduction, opts, compute_dtype,
+                 need):
+        """The forward with autocast off: operands are cast to the compute dtype explicitly."""
+        x, w, b = _compute_operands(input, linear_weight, linear_bias, compute_dtype)
+        t = target.reshape(-1)
+        num_tokens, vocab = x.shape[0], w.shape[0]
+        scales = reduction_scales(t, weight, opts.ignore_index, reduction, vocab)
+        plan = chunk_plan(num_tokens, vocab, x.shape[1], x.element_size())
+        bias_dtype = linear_bias.dtype if linear_bias is not None else None
+        grad_dtypes = (input.dtype, linear_weight.dtype, bias_dtype)
+        grads_now = any(need) and reduction != "none"
+        now = need if grads_now else (False, False, False)
+        if plan.by_tokens:
+            loss_rows, dx, dw, db = _by_tokens(
+                x, w, b, t, weight, scales, None, now, opts, plan.size, grad_dtypes
+            )
+            lse = None
+        else:
+            loss_rows, lse, dx, dw, db = _by_classes(
+                x, w, b, t, weight, scales, None, now, opts, plan.size, grad_dtypes
+            )
+        ctx.reduction, ctx.opts, ctx.plan, ctx.need = reduction, opts, plan, need
+        ctx.compute_dtype, ctx.grad_dtypes, ctx.input_shape = compute_dtype, grad_dtypes, input.shape
+        if grads_now:
+            applied = [
+                torch.ones(rows, dtype=torch.float32, device=x.device) for rows in (num_tokens, vocab, 1)
+            ]
+            ctx.save_for_backward(dx, dw, db, *applied)
+        elif any(need):
+            # reduction="none": each token's grad_output weighs its dL before dW sums over tokens, so
+            # the backward recomputes the gradient pass (by classes it reuses lse).
+            ctx.save_for_backward(input, linear_weight, linear_bias, target, weight, scales, lse)
+        return loss_rows if reduction == "none" else loss_rows.sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        with torch.autocast(grad_loss.device.type, enabled=False):
+            return FusedLinearCrossEntropyFunction._backward(ctx, grad_loss)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
+        if ctx.reduction != "none":
+            dx, dw, db, applied_x, applied_w, applied_b = ctx.saved_tensors
+            dx = scale_lazily(dx, grad_loss, applied_x).view(ctx.input_shape) if dx is not None else None
+            dw = scale_lazily(dw, grad_loss, applied_w) if dw is not None else None
+            db = scale_lazily(db, grad_loss, applied_b) if db is not None else None
+            return (dx, dw, db) + (None,) * 12
+        input, linear_weight, linear_bias, target, weight, scales, lse = ctx.saved_tensors
+        x, w, b = _compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)
+        t = target.reshape(-1)
+        row_scale = grad_loss.reshape(-1)
+        if ctx.plan.by_tokens:
+            _, dx, dw, db = _by_tokens(
+                x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts, ctx.plan.size, ctx.grad_dtypes
+            )
+        else:
+            _, _, dx, dw, db = _by_classes(x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts,
+                                           ctx.plan.size, ctx.grad_dtypes, lse=lse)
+        dx = dx.view(ctx.input_shape) if dx is not None else None
+        return (dx, dw, db) + (None,) * 12
+
+
+# ------------------------------------------------------------------------------------ public function
+
+
+def _compute_dtype(input, linear_weight, linear_bias):
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
+        if t is not None and t.dtype != input.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}, expected input's {input.dtype} (or run under torch.autocast)"
+            )
+    return input.dtype
+
+
+def fused_linear_cross_entropy(
+    input,
+    linear_weight,
+    target,
+    *,
+    linear_bias=None,
+    weight=None,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    reduction="mean",
+    z_loss=0.0,
+    softcap=None,
+    logit_scale=1.0,
+):
+    """``cross_entropy(input @ linear_weight.T + linear_bias, target, ...)`` without the full logits.
+
+    ``input`` is ``[..., H]``, ``linear_weight`` ``(V, H)``, ``linear_bias`` ``(V,)`` or None,
+    ``target`` ``input.shape[:-1]``; ``weight`` (V,) are class weights. Options and their semantics
+    are those of :func:`tigon.ops.cross_entropy.cross_entropy` (``reduction="none"`` returns (N,)).
+    Gradients flow to input, linear_weight and linear_bias. With ``reduction="sum"`` divided by the
+    caller's ``num_items_in_batch`` it gives transformers' gradient-accumulation loss.
+    """
+    check_tensor(input, "input")
+    if input.dim() == 0:
+        raise ValueError("input must have at least one dimension (the hidden dimension is the last)")
+    check_tensor(linear_weight, "linear_weight", device=input.device)
+    if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1] or linear_weight.shape[0] == 0:
+        raise ValueError(
+            f"linear_weight has shape {tuple(linear_weight.shape)}, "
+            f"expected (V, {input.shape[-1]}) with V > 0"
+        )
+    vocab = linear_weight.shape[0]
+    if linear_bias is not None:
+        check_tensor(linear_bias, "linear_bias", device=input.device)
+        if linear_bias.shape != (vocab,):
+            raise ValueError(f"linear_bias has shape {tuple(linear_bias.shape)}, expected ({vocab},)")
+    compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
+    check_loss_options(
+        weight, vocab, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
+    )
+    check_target(target, input.shape[:-1], vocab, ignore_index, input.device)
+    grad_on = torch.is_grad_enabled()
+    return FusedLinearCrossEntropyFunction.apply(
+        input, linear_weight, linear_bias, target, weight, int(ignore_index), float(label_smoothing),
+        reduction, float(z_loss), None if softcap is None else float(softcap), float(logit_scale),
+        compute_dtype,
+        grad_on and input.requires_grad, grad_on and linear_weight.requires_grad,
+        grad_on and linear_bias is not None and linear_bias.requires_grad,
+    )
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def fused_linear_cross_entropy_reference(
+    input, linear_weight, target, *, linear_bias=None, io_dtype=None, **kwargs
+):
+    """F.linear then :func:`cross_entropy_reference` (same keyword options).
+
+    With fp64 tensors and ``io_dtype`` set, the logits are rounded to ``io_dtype`` as the op's
+    matmul output is: the same roundings, nothing else lost.
+    """
+    logits = torch.nn.functional.linear(input, linear_weight, linear_bias)
+    if io_dtype is not None and logits.dtype == torch.float64:
+        logits = logits.to(io_dtype).to(torch.float64)
+    return cross_entropy_reference(logits, target, **kwargs)
