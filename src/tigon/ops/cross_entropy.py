@@ -971,7 +971,7 @@ def cross_entropy_reference(
     z = logits.to(wide).reshape(-1, vocab) * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    t = target.reshape(-1)
+    t = target.reshape(-1).long()
     w = weight.to(wide) if weight is not None else None
     per_row = torch.nn.functional.cross_entropy(
         z, t, weight=w, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"

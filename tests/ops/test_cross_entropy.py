@@ -1,0 +1,415 @@
+"""tigon.ops.cross_entropy against the fp64 reference (torch's F.cross_entropy plus softcap, scale, z-loss).
+
+Regimes (cross_entropy.py's launch config): a row of V ≤ MAX_SINGLE_BLOCK_V classes is held in
+registers (read once); a longer one is streamed twice, block by block (V = MAX_SINGLE_BLOCK_V + 1
+has a one-element second block, V > 65536 several). Options switch kernel branches (HAS_WEIGHT,
+HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers their full product at a small V and
+the size test runs every branch at once in both regimes.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from tests.helpers import (
+    DEVICE,
+    DTYPES,
+    LOSS_TOLERANCE,
+    ON_GPU,
+    assert_close,
+    fp64_reference,
+    noncontiguous,
+    randn,
+    stride0_like,
+)
+from tigon.ops.cross_entropy import MAX_SINGLE_BLOCK_V, cross_entropy, cross_entropy_reference
+
+TRANSFORMS = {
+    "plain": {},
+    "z_loss": dict(z_loss=1e-2),
+    "softcap": dict(softcap=4.0),
+    "scale": dict(logit_scale=0.5),
+    "z_loss+softcap": dict(z_loss=1e-2, softcap=4.0),
+    "z_loss+scale": dict(z_loss=1e-2, logit_scale=2.0),
+    "softcap+scale": dict(softcap=4.0, logit_scale=2.0),
+    "all": dict(z_loss=1e-2, softcap=4.0, logit_scale=0.5),
+}
+ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=0.7)
+
+
+def make_target(shape, vocab, *, ignore_index=-100, ignored=1):
+    """Random classes with the first ``ignored`` positions set to ignore_index."""
+    target = torch.randint(0, vocab, shape, device=DEVICE)
+    target.view(-1)[:ignored] = ignore_index
+    return target
+
+
+def class_weight(vocab):
+    return torch.rand(vocab, device=DEVICE) + 0.1
+
+
+def grad_for(loss, kind="random"):
+    """A grad_output for ``loss``: random, exactly one, or (reduction="none") expanded/strided."""
+    if kind == "one":
+        return torch.ones_like(loss)
+    if kind == "stride0":
+        return stride0_like(loss)
+    if kind == "strided":
+        return noncontiguous(randn(*loss.shape, 1)).squeeze(-1) if loss.dim() else randn(1).squeeze()
+    return randn(*loss.shape) if loss.dim() else randn(1).squeeze()
+
+
+def check_cross_entropy(logits, target, grad_output="random", **options):
+    """Loss and dlogits against the fp64 reference; returns the loss."""
+    dtype = logits.dtype
+    loss = cross_entropy(logits, target, **options)
+    g = grad_for(loss, grad_output)
+    weight = options.pop("weight", None)
+    ref, grads = fp64_reference(
+        cross_entropy_reference, {"logits": logits, "weight": weight}, g, target=target, **options
+    )
+    assert loss.dtype == torch.float32
+    assert loss.shape == ref.shape
+    # Loss math is fp32 from exact inputs whatever the input dtype: the fp32 loss tolerance holds.
+    assert_close(loss, ref, torch.float32, "loss", tolerance=LOSS_TOLERANCE)
+    if logits.requires_grad:
+        (dlogits,) = torch.autograd.grad(loss, logits, g)
+        assert dlogits.dtype == dtype and dlogits.shape == logits.shape
+        assert_close(dlogits, grads["logits"], dtype, "dlogits")
+    return loss
+
+
+def test_reference_matches_torch_weighted_smoothed_mean():
+    """The reference's mean (sum / Σ w_y) is torch's own weighted, label-smoothed mean."""
+    logits = randn(9, 13, dtype=torch.float64)
+    target = make_target((9,), 13, ignored=2)
+    w = class_weight(13).double()
+    ours = cross_entropy_reference(logits, target, weight=w, label_smoothing=0.3)
+    torch_mean = torch.nn.functional.cross_entropy(logits, target, weight=w, label_smoothing=0.3)
+    assert torch.allclose(ours, torch_mean, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+@pytest.mark.parametrize("smoothing", (0.0, 0.2))
+@pytest.mark.parametrize("weighted", (False, True), ids=("unweighted", "weighted"))
+def test_cross_entropy_options_fp32(weighted, smoothing, reduction, transform):
+    vocab = 37
+    logits = randn(5, vocab, scale=3.0, requires_grad=True)
+    target = make_target((5,), vocab)
+    check_cross_entropy(
+        logits, target, weight=class_weight(vocab) if weighted else None, label_smoothing=smoothing,
+        reduction=reduction, **TRANSFORMS[transform],
+    )
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+@pytest.mark.parametrize("weighted,smoothing", ((False, 0.0), (True, 0.0), (False, 0.2), (True, 0.2)))
+def test_cross_entropy_options_low_precision(dtype, weighted, smoothing, reduction):
+    vocab = 37
+    logits = randn(5, vocab, scale=3.0, dtype=dtype, requires_grad=True)
+    target = make_target((5,), vocab)
+    check_cross_entropy(
+        logits, target, weight=class_weight(vocab) if weighted else None, label_smoothing=smoothing,
+        reduction=reduction, **TRANSFORMS["all"],
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", (1, 37, MAX_SINGLE_BLOCK_V, MAX_SINGLE_BLOCK_V + 1, 70001))
+@pytest.mark.parametrize("options", ("plain", "all"))
+def test_cross_entropy_sizes(dtype, vocab, options):
+    """Both regimes, V not a power of two, V > 65536 (few rows: the interpreter is slow per element)."""
+    rows = 3 if vocab < 65536 else 2
+    logits = randn(rows, vocab, scale=2.0, dtype=dtype, requires_grad=True)
+    target = make_target((rows,), vocab, ignored=0)
+    target[-1] = vocab - 1  # the last class, in the last (partial) block
+    kwargs = dict(ALL_OPTIONS, weight=class_weight(vocab)) if options == "all" else {}
+    check_cross_entropy(logits, target, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_entropy_one_token(dtype):
+    logits = randn(1, 50, dtype=dtype, requires_grad=True)
+    check_cross_entropy(logits, make_target((1,), 50, ignored=0), reduction="none")
+    unbatched = randn(50, dtype=dtype, requires_grad=True)  # (V,) logits with a 0-d target
+    loss = check_cross_entropy(unbatched, torch.tensor(7, device=DEVICE))
+    assert loss.shape == ()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+def test_cross_entropy_3d(dtype, reduction):
+    logits = randn(2, 3, 40, dtype=dtype, requires_grad=True)
+    loss = check_cross_entropy(logits, make_target((2, 3), 40, ignored=2), reduction=reduction, **ALL_OPTIONS)
+    assert loss.shape == ((6,) if reduction == "none" else ())
+
+
+@pytest.mark.parametrize("grad_output", ("one", "stride0", "strided"))
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+def test_cross_entropy_grad_output_layouts(grad_output, reduction):
+    logits = randn(6, 33, dtype=torch.bfloat16, requires_grad=True)
+    check_cross_entropy(logits, make_target((6,), 33), grad_output, reduction=reduction)
+
+
+def test_cross_entropy_sum_backward():
+    """``loss.sum().backward()`` after reduction="none" hands the kernel a stride-0 grad_output."""
+    logits = randn(4, 29, requires_grad=True)
+    target = make_target((4,), 29)
+    cross_entropy(logits, target, reduction="none", z_loss=1e-3).sum().backward()
+    _, grads = fp64_reference(cross_entropy_reference, {"logits": logits}, torch.ones(4, dtype=torch.float64),
+                              target=target, reduction="none", z_loss=1e-3)
+    assert_close(logits.grad, grads["logits"], torch.float32, "dlogits")
+
+
+@pytest.mark.parametrize("layout", ("noncontiguous", "transposed", "expanded"))
+def test_cross_entropy_input_layouts(layout):
+    base = randn(5, 31, requires_grad=True)
+    if layout == "noncontiguous":
+        logits = noncontiguous(base.detach()).requires_grad_()
+    elif layout == "transposed":
+        logits = base.detach().t().contiguous().t().requires_grad_()
+    else:
+        logits = base[:1].expand(5, 31)
+    check_cross_entropy(logits, make_target((5,), 31), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("ignore_index", (-1, 3))
+def test_cross_entropy_ignore_index(ignore_index):
+    logits = randn(6, 20, requires_grad=True)
+    target = make_target((6,), 20, ignore_index=ignore_index, ignored=2)
+    target[3] = 5  # an ordinary class next to the ignored ones
+    check_cross_entropy(
+        logits, target, ignore_index=ignore_index, label_smoothing=0.1, weight=class_weight(20)
+    )
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("vocab", (64, MAX_SINGLE_BLOCK_V + 100))
+def test_cross_entropy_huge_logits(dtype, vocab):
+    logits = (torch.randn(3, vocab, device=DEVICE).sign() * 1e4).to(dtype)
+    logits[:, : vocab // 2] = randn(3, vocab // 2, scale=1e4).to(dtype)
+    logits.requires_grad_()
+    loss = check_cross_entropy(logits, make_target((3,), vocab, ignored=0), reduction="none", z_loss=1e-4)
+    assert torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_cross_entropy_all_ignored(reduction):
+    logits = randn(4, 25, requires_grad=True)
+    target = torch.full((4,), -100, device=DEVICE)
+    loss = cross_entropy(logits, target, reduction=reduction, weight=class_weight(25), label_smoothing=0.1,
+                         z_loss=1e-3)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+    assert torch.equal(dlogits, torch.zeros_like(dlogits))
+
+
+def test_cross_entropy_empty():
+    logits = randn(0, 10, requires_grad=True)
+    target = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    assert cross_entropy(logits, target).item() == 0.0
+    assert cross_entropy(logits, target, reduction="none").shape == (0,)
+
+
+@pytest.mark.parametrize("bad", (25, -1, 10**12))
+def test_cross_entropy_out_of_range_target_raises(bad):
+    logits = randn(4, 25, requires_grad=True)
+    before = logits.detach().clone()
+    target = make_target((4,), 25)
+    target[2] = bad
+    with pytest.raises(ValueError, match=f"class index {bad}, outside"):
+        cross_entropy(logits, target, inplace_backward=False)
+    assert torch.equal(logits.detach(), before)
+    assert logits.grad is None
+
+
+def test_cross_entropy_inplace_backward():
+    x = randn(5, 40, requires_grad=True)
+    target = make_target((5,), 40)
+    logits = x * 1.5
+    loss = cross_entropy(logits, target, inplace_backward=True, label_smoothing=0.1)
+    _, grads = fp64_reference(lambda x, **kw: cross_entropy_reference(x * 1.5, target, **kw), {"x": x},
+                              torch.tensor(0.5, dtype=torch.float64), label_smoothing=0.1)
+    (loss * 0.5).backward()
+    assert_close(x.grad, grads["x"], torch.float32, "dx")
+    with pytest.raises(ValueError, match="leaf"):
+        cross_entropy(x, target, inplace_backward=True)
+
+
+def test_cross_entropy_backward_twice():
+    """retain_graph: a second backward with another grad_output rescales the stored gradient."""
+    logits = randn(4, 30, requires_grad=True)
+    target = make_target((4,), 30)
+    loss = cross_entropy(logits, target, reduction="none")
+    for g in (randn(4), randn(4), torch.ones(4, device=DEVICE)):
+        (dlogits,) = torch.autograd.grad(loss, logits, g, retain_graph=True)
+        _, grads = fp64_reference(
+            cross_entropy_reference, {"logits": logits}, g, target=target, reduction="none"
+        )
+        assert_close(dlogits, grads["logits"], torch.float32, "dlogits")
+
+
+def test_cross_entropy_no_grad():
+    logits = randn(3, 21, requires_grad=True)
+    target = make_target((3,), 21)
+    with torch.no_grad():
+        loss = cross_entropy(logits, target)
+    assert not loss.requires_grad
+    assert_close(loss, cross_entropy_reference(logits.detach().double(), target), torch.float32, "loss")
+
+
+def test_cross_entropy_int32_target():
+    logits = randn(4, 17, requires_grad=True)
+    check_cross_entropy(logits, make_target((4,), 17).to(torch.int32))
+
+
+def test_cross_entropy_deterministic():
+    logits = randn(16, 300, dtype=torch.bfloat16, requires_grad=True)
+    target = make_target((16,), 300)
+    runs = [torch.autograd.grad(cross_entropy(logits, target, z_loss=1e-3), logits)[0] for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: (torch.ones(4, 8, dtype=torch.int32, device=DEVICE), make_target((4,), 8), {}), TypeError,
+         "logits has dtype"),
+        (lambda: (randn(4, 8), make_target((4,), 8).float(), {}), TypeError, "target has dtype"),
+        (lambda: (randn(4, 8), make_target((5,), 8), {}), ValueError, "target has shape"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"weight": randn(7)}), ValueError, "weight has shape"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"weight": randn(8, dtype=torch.float64)}), TypeError,
+         "weight has dtype"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"weight": torch.ones(8, device="meta")}), ValueError,
+         "weight is on meta"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"reduction": "avg"}), ValueError, "reduction"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"label_smoothing": 1.5}), ValueError, "smoothing"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"z_loss": -1.0}), ValueError, "z_loss"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"softcap": 0.0}), ValueError, "softcap"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"logit_scale": float("inf")}), ValueError, "scale"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"ignore_index": 1.5}), TypeError, "ignore_index"),
+        (lambda: (torch.tensor(1.0, device=DEVICE), make_target((), 8), {}), ValueError, "class dimension"),
+        (lambda: ([1.0, 2.0], make_target((1,), 2), {}), TypeError, "logits must be a torch.Tensor"),
+    ],
+)
+def test_cross_entropy_bad_inputs(make, error, match):
+    logits, target, options = make()
+    before = logits.clone() if isinstance(logits, torch.Tensor) else None
+    with pytest.raises(error, match=match):
+        cross_entropy(logits, target, **options)
+    if before is not None:
+        assert torch.equal(logits, before)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU, CPU tensors are simply the wrong device")
+def test_cross_entropy_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        cross_entropy(randn(2, 8), make_target((2,), 8))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+def test_cross_entropy_cpu_tensor_on_gpu_machine_rejected():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        cross_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_cross_entropy_torch_compile_fullgraph(reduction):
+    logits = randn(64, 32000, dtype=torch.bfloat16, requires_grad=True)
+    target = make_target((64,), 32000, ignored=5)
+    w = class_weight(32000)
+
+    def f(logits, target):
+        loss = cross_entropy(logits * 1.0, target, weight=w, reduction=reduction, **ALL_OPTIONS)
+        return loss.sum() * 0.5 if reduction == "none" else loss * 0.5
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(logits, target)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_loss = f(logits, target)
+    (ref_grad,) = torch.autograd.grad(ref_loss, logits)
+    assert_close(loss, ref_loss, torch.float32, "loss")
+    assert_close(grad, ref_grad, torch.bfloat16, "dlogits")
+
+
+@pytest.mark.gpu
+def test_cross_entropy_out_of_range_target_is_nan_under_compile():
+    logits = randn(8, 1000, dtype=torch.bfloat16, requires_grad=True)
+    target = make_target((8,), 1000, ignored=0)
+    target[3] = 1000
+    target[5] = -7
+    compiled = torch.compile(lambda x, t: cross_entropy(x, t, reduction="none"), fullgraph=True)
+    loss = compiled(logits, target)
+    torch.cuda.synchronize()
+    assert torch.isnan(loss[3]) and torch.isnan(loss[5])
+    assert torch.isfinite(loss[[0, 1, 2, 4, 6, 7]]).all()
+    mean = torch.compile(lambda x, t: cross_entropy(x, t), fullgraph=True)(logits, target)
+    assert torch.isnan(mean)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab,softcap", ((32000, None), (128256, None), (151936, None), (256000, 30.0)))
+def test_cross_entropy_benchmark_vocabularies(vocab, softcap):
+    logits = randn(64, vocab, scale=3.0, dtype=torch.bfloat16, requires_grad=True)
+    check_cross_entropy(logits, make_target((64,), vocab, ignored=3), softcap=softcap, label_smoothing=0.05)
+
+
+@pytest.mark.gpu
+def test_cross_entropy_int64_offsets():
+    """More than 2**31 logits: row offsets are 64-bit, so the last rows are right."""
+    vocab = 256000
+    rows = 2**31 // vocab + 16
+    logits = torch.randn(rows, vocab, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    target = make_target((rows,), vocab, ignored=0)
+    loss = cross_entropy(logits, target, reduction="none")
+    (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+    tail = slice(rows - 8, rows)
+    x_tail = logits[tail].detach().double().requires_grad_()
+    ref = cross_entropy_reference(x_tail, target[tail], reduction="none")
+    (ref_grad,) = torch.autograd.grad(ref.sum(), x_tail)
+    assert_close(loss[tail], ref, torch.float32, "loss tail", tolerance=LOSS_TOLERANCE)
+    assert_close(dlogits[tail], ref_grad, torch.bfloat16, "dlogits tail")
+
+
+@pytest.mark.gpu
+def test_cross_entropy_memory():
+    """Extra memory in logits' worth: the gradient buffer (none in place) and the upstream gradient."""
+    logits_src = randn(1024, 32000, dtype=torch.bfloat16, requires_grad=True)
+    target = make_target((1024,), 32000)
+    extra = {}
+    for inplace in (False, True):
+        logits = logits_src * 1.0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        cross_entropy(logits, target, inplace_backward=inplace).backward()
+        extra[inplace] = (torch.cuda.max_memory_allocated() - start) / logits.numel() / logits.element_size()
+        logits_src.grad = None
+        del logits
+    assert extra[False] <= 2.05, extra
+    assert extra[True] <= 1.05, extra
+
+
+def _all_option_sets():
+    """Every combination of the boolean-ish options, for the interpreter-free GPU sweep."""
+    yield from itertools.product((False, True), (0.0, 0.1), ("mean", "sum", "none"), TRANSFORMS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_entropy_all_options_streaming(dtype):
+    vocab = 3 * MAX_SINGLE_BLOCK_V + 5
+    for weighted, smoothing, reduction, transform in _all_option_sets():
+        logits = randn(16, vocab, scale=3.0, dtype=dtype, requires_grad=True)
+        check_cross_entropy(
+            logits, make_target((16,), vocab), weight=class_weight(vocab) if weighted else None,
+            label_smoothing=smoothing, reduction=reduction, **TRANSFORMS[transform],
+        )
