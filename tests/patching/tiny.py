@@ -103,23 +103,29 @@ def grads(model) -> dict:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same_grads(patched, stock, tolerance=1e-4):
-    got, want = grads(patched), grads(stock)
+def assert_grads_close(got: dict, want: dict, tolerance=1e-4):
     assert got.keys() == want.keys(), f"parameters with gradients differ: {got.keys() ^ want.keys()}"
     for name, g in want.items():
         err = rel(got[name], g)
         assert err <= tolerance, f"grad of {name}: relative error {err:.2e} > {tolerance:.0e}"
 
 
+def assert_same_grads(patched, stock, tolerance=1e-4):
+    assert_grads_close(grads(patched), grads(stock), tolerance)
+
+
 def train(model, steps: int, *, lr: float = 1e-2, seed: int = 0):
-    """AdamW on a fresh batch per step; returns the per-step losses."""
+    """AdamW on a fresh batch per step; returns the per-step losses and the first step's gradients
+    (taken before the optimizer moved anything)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
+    losses, first_grads = [], None
     for step in range(steps):
         ids, labels = batch(seed + step)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
+        if step == 0:
+            first_grads = grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses
+    return losses, first_grads
