@@ -1,4 +1,4 @@
-"""The ``tigon`` command: env, check, bench (and demo, once it exists).
+"""The ``tigon`` command: env, check, bench, demo.
 
 Nothing here imports ``tigon.ops`` at module level: ``check`` must decide on Triton's interpreter
 (``TRITON_INTERPRET=1`` on a machine without CUDA) before the first kernel is defined.
@@ -70,6 +70,14 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    use_interpreter_without_gpu()
+    from tigon.demo import run_demo
+
+    return run_demo(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
+                    seed=args.seed, data=args.data, out=args.out, tiny=args.tiny)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tigon", description="Exact fused Triton kernels for LLM training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and plot")
     p.add_argument("--quick", action="store_true", help="two cases per op only")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="train a model twice, stock vs tigon.patch: speed, memory, same loss")
+    p.add_argument("--model", help="model_type of any supported family (default: llama)")
+    p.add_argument("--batch", type=int, help="sequences per step (GPU default 4, CPU 4)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (GPU default 2048, CPU 64)")
+    p.add_argument("--steps", type=int, help="training steps per run (GPU default 50, CPU 16)")
+    p.add_argument("--lr", type=float, help="peak AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic corpus")
+    p.add_argument("--data", help="a local text file to train on (byte-level tokens; default: synthetic)")
+    p.add_argument("--tiny", action="store_true", help="the tiny config even on a GPU")
+    p.add_argument("--out", default="tigon-demo", help="folder for demo.png and demo.json")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 
