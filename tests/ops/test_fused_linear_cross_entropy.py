@@ -1,0 +1,327 @@
+"""tigon.ops.fused_linear_cross_entropy against F.linear + the fp64 cross-entropy reference.
+
+Chunkings (chunk_plan in fused_linear_cross_entropy.py): one token chunk (small problems), several
+token chunks (dW summed over chunks, the last chunk shorter), several class chunks (two passes, dX
+summed in fp32, the last chunk narrower). Tests force each plan at small sizes by replacing
+chunk_plan, and check the plan chosen at the benchmark shapes. The cross-entropy options are those
+of tigon.ops.cross_entropy (whose tests sweep them all); here each reaches the loss through every
+chunking, with and without a bias.
+"""
+
+import importlib
+
+import pytest
+import torch
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn, rel_err
+from tigon.ops.fused_linear_cross_entropy import (
+    MAX_TOKEN_CHUNKS,
+    ChunkPlan,
+    chunk_plan,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+
+# The package exports the function under the module's name, so reach the module itself this way.
+flce_module = importlib.import_module("tigon.ops.fused_linear_cross_entropy")
+
+ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=0.7)
+PLANS = {"tokens": ChunkPlan(True, 4), "classes": ChunkPlan(False, 128)}
+
+
+def make_target(shape, vocab, *, ignored=1):
+    target = torch.randint(0, vocab, shape, device=DEVICE)
+    target.view(-1)[:ignored] = -100
+    return target
+
+
+def make_inputs(tokens_shape, hidden, vocab, dtype, *, bias=False):
+    x = randn(*tokens_shape, hidden, dtype=dtype, requires_grad=True)
+    w = randn(vocab, hidden, scale=hidden**-0.5 * 2, dtype=dtype, requires_grad=True)
+    b = randn(vocab, dtype=dtype, requires_grad=True) if bias else None
+    return x, w, b
+
+
+def check_flce(x, w, target, bias=None, *, io_dtype=None, **options):
+    """Loss and gradients (to x, w, bias) against the fp64 reference; returns the loss."""
+    io_dtype = io_dtype or x.dtype
+    loss = fused_linear_cross_entropy(x, w, target, linear_bias=bias, **options)
+    g = randn(*loss.shape) if loss.dim() else randn(1).squeeze()
+    weight = options.pop("weight", None)
+    tensors = {"input": x, "linear_weight": w, "linear_bias": bias, "weight": weight}
+    ref, grads = fp64_reference(
+        fused_linear_cross_entropy_reference, tensors, g, target=target, io_dtype=io_dtype, **options
+    )
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_close(loss, ref, io_dtype, "loss", tolerance=LOSS_TOLERANCE)
+    leaves = [(n, t) for n, t in (("input", x), ("linear_weight", w), ("linear_bias", bias))
+              if t is not None and t.requires_grad]
+    computed = torch.autograd.grad(loss, [t for _, t in leaves], g)
+    for (name, t), grad in zip(leaves, computed, strict=True):
+        assert grad.dtype == t.dtype and grad.shape == t.shape, name
+        assert_close(grad, grads[name], io_dtype, f"d{name}")
+    return loss
+
+
+@pytest.fixture
+def plan(request, monkeypatch):
+    """Force a chunking: "default" leaves chunk_plan alone (one chunk at these sizes)."""
+    if request.param != "default":
+        monkeypatch.setattr(flce_module, "chunk_plan", lambda *args: PLANS[request.param])
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", ("plain", "all"))
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+@pytest.mark.parametrize("bias", (False, True), ids=("no_bias", "bias"))
+def test_flce_options(dtype, bias, reduction, options):
+    x, w, b = make_inputs((6,), 16, 37, dtype, bias=bias)
+    kwargs = dict(ALL_OPTIONS, weight=torch.rand(37, device=DEVICE) + 0.1) if options == "all" else {}
+    check_flce(x, w, make_target((6,), 37), b, reduction=reduction, **kwargs)
+
+
+@pytest.mark.parametrize("plan", ("tokens", "classes"), indirect=True)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_flce_chunked(plan, dtype, reduction):
+    """10 tokens in chunks of 4 (4, 4, 2) or 300 classes in chunks of 128 (128, 128, 44)."""
+    x, w, b = make_inputs((10,), 24, 300, dtype, bias=True)
+    target = make_target((10,), 300, ignored=2)
+    target[-1] = 299  # the last class: in the last, narrower class chunk
+    weight = torch.rand(300, device=DEVICE) + 0.1
+    check_flce(x, w, target, b, reduction=reduction, weight=weight, **ALL_OPTIONS)
+
+
+@pytest.mark.parametrize("plan", ("default", "tokens", "classes"), indirect=True)
+def test_flce_3d_input(plan):
+    x, w, _ = make_inputs((2, 3), 16, 260, torch.bfloat16)
+    loss = check_flce(x, w, make_target((2, 3), 260), reduction="none")
+    assert loss.shape == (6,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_flce_one_token(dtype):
+    x, w, b = make_inputs((1,), 8, 50, dtype, bias=True)
+    check_flce(x, w, make_target((1,), 50, ignored=0), b)
+
+
+@pytest.mark.parametrize("plan", ("default", "tokens", "classes"), indirect=True)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_flce_num_items_in_batch(plan, dtype):
+    """transformers' gradient accumulation: sum / num_items_in_batch equals the stock loss and grads."""
+    x, w, _ = make_inputs((2, 5), 16, 260, dtype)
+    labels = make_target((2, 5), 260, ignored=0)
+    labels[0, 1] = -100
+    num_items = torch.tensor(7, device=DEVICE)  # as the Trainer counts over the whole accumulated batch
+
+    stock = ForCausalLMLoss(torch.nn.functional.linear(x, w), labels, 260, num_items_in_batch=num_items)
+    stock_grads = torch.autograd.grad(stock, (x, w))
+
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    ours = fused_linear_cross_entropy(x, w, shifted, reduction="sum") / num_items
+    our_grads = torch.autograd.grad(ours, (x, w))
+
+    assert_close(ours, stock, dtype, "loss", tolerance=LOSS_TOLERANCE)
+    assert_close(our_grads[0], stock_grads[0], dtype, "dx")
+    assert_close(our_grads[1], stock_grads[1], dtype, "dw")
+
+
+@pytest.mark.parametrize("plan", ("default", "tokens", "classes"), indirect=True)
+def test_flce_autocast(plan):
+    """fp32 input and weight under autocast: the matmul in bf16 as F.linear's, gradients in fp32."""
+    x, w, b = make_inputs((9,), 16, 260, torch.float32, bias=True)
+    target = make_target((9,), 260)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(x, w, target, linear_bias=b, label_smoothing=0.1)
+        assert torch.nn.functional.linear(x, w, b).dtype == torch.bfloat16  # what autocast does to F.linear
+    dx, dw, db = torch.autograd.grad(loss, (x, w, b))
+    assert loss.dtype == dx.dtype == dw.dtype == db.dtype == torch.float32
+    rounded = {"input": x, "linear_weight": w, "linear_bias": b}
+    rounded = {k: v.detach().to(torch.bfloat16).requires_grad_() for k, v in rounded.items()}
+    ref, grads = fp64_reference(
+        fused_linear_cross_entropy_reference, rounded, None, target=target, io_dtype=torch.bfloat16,
+        label_smoothing=0.1,
+    )
+    assert_close(loss, ref, torch.bfloat16, "loss", tolerance=LOSS_TOLERANCE)
+    for name, grad in (("input", dx), ("linear_weight", dw), ("linear_bias", db)):
+        assert_close(grad, grads[name], torch.bfloat16, f"d{name}")
+
+
+@pytest.mark.parametrize("plan", ("default", "classes"), indirect=True)
+@pytest.mark.parametrize("which", ("input", "weight", "bias"))
+def test_flce_gradient_to_one_argument(plan, which):
+    x, w, b = make_inputs((5,), 16, 260, torch.float32, bias=True)
+    for name, t in (("input", x), ("weight", w), ("bias", b)):
+        t.requires_grad_(name == which)
+    check_flce(x, w, make_target((5,), 260), b, label_smoothing=0.2)
+
+
+@pytest.mark.parametrize("plan", ("default", "tokens", "classes"), indirect=True)
+def test_flce_no_grad(plan):
+    x, w, b = make_inputs((5,), 16, 260, torch.float32, bias=True)
+    target = make_target((5,), 260)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(x, w, target, linear_bias=b, reduction="none")
+    assert not loss.requires_grad
+    ref = fused_linear_cross_entropy_reference(
+        x.double(), w.double(), target, linear_bias=b.double(), reduction="none"
+    )
+    assert_close(loss, ref, torch.float32, "loss", tolerance=LOSS_TOLERANCE)
+
+
+@pytest.mark.parametrize("plan", ("default", "tokens", "classes"), indirect=True)
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_flce_all_ignored(plan, reduction):
+    x, w, b = make_inputs((6,), 16, 260, torch.float32, bias=True)
+    target = torch.full((6,), -100, device=DEVICE)
+    loss = fused_linear_cross_entropy(x, w, target, linear_bias=b, reduction=reduction, z_loss=1e-3)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    for grad in torch.autograd.grad(loss.sum(), (x, w, b)):
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("plan", ("default", "classes"), indirect=True)
+def test_flce_backward_twice(plan):
+    """retain_graph with different grad_outputs, both reductions' backward paths."""
+    x, w, _ = make_inputs((5,), 16, 260, torch.float32)
+    target = make_target((5,), 260)
+    for reduction, shape in (("mean", ()), ("none", (5,))):
+        loss = fused_linear_cross_entropy(x, w, target, reduction=reduction)
+        for _ in range(2):
+            g = randn(*shape) if shape else randn(1).squeeze()
+            dx, dw = torch.autograd.grad(loss, (x, w), g, retain_graph=True)
+            _, grads = fp64_reference(
+                fused_linear_cross_entropy_reference, {"input": x, "linear_weight": w}, g, target=target,
+                reduction=reduction,
+            )
+            assert_close(dx, grads["input"], torch.float32, "dx")
+            assert_close(dw, grads["linear_weight"], torch.float32, "dw")
+
+
+def test_flce_out_of_range_target_raises():
+    x, w, _ = make_inputs((4,), 8, 30, torch.float32)
+    target = make_target((4,), 30)
+    target[1] = 30
+    with pytest.raises(ValueError, match="class index 30, outside"):
+        fused_linear_cross_entropy(x, w, target)
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda x, w, t: (x, randn(30, 9), t, {}), ValueError, "linear_weight has shape"),
+        (lambda x, w, t: (x, randn(30), t, {}), ValueError, "linear_weight has shape"),
+        (lambda x, w, t: (x, w.detach().double(), t, {}), TypeError, "linear_weight has dtype"),
+        (lambda x, w, t: (x, w.detach().half(), t, {}), TypeError, "linear_weight has dtype"),
+        (lambda x, w, t: (x, w, t, {"linear_bias": randn(29)}), ValueError, "linear_bias has shape"),
+        (lambda x, w, t: (x, w, t, {"linear_bias": randn(30).half()}), TypeError, "linear_bias has dtype"),
+        (lambda x, w, t: (x, w, t[:3], {}), ValueError, "target has shape"),
+        (lambda x, w, t: (x, w, t, {"weight": randn(31)}), ValueError, "weight has shape"),
+        (lambda x, w, t: (x, w, t, {"reduction": "batchmean"}), ValueError, "reduction"),
+        (lambda x, w, t: (x, w, t, {"softcap": -1.0}), ValueError, "softcap"),
+        (lambda x, w, t: (x.detach().int(), w, t, {}), TypeError, "input has dtype"),
+    ],
+)
+def test_flce_bad_inputs(make, error, match):
+    x, w, _ = make_inputs((4,), 8, 30, torch.float32)
+    x_, w_, t_, options = make(x, w, make_target((4,), 30))
+    before = (x.detach().clone(), w.detach().clone())
+    with pytest.raises(error, match=match):
+        fused_linear_cross_entropy(x_, w_, t_, **options)
+    assert torch.equal(x.detach(), before[0]) and torch.equal(w.detach(), before[1])
+
+
+@pytest.mark.parametrize(
+    "hidden,vocab,tokens_expected",
+    ((4096, 128256, True), (2304, 256000, True), (896, 151936, False), (2048, 128256, False)),
+)
+def test_chunk_plan_at_benchmark_shapes(hidden, vocab, tokens_expected):
+    """bf16, 8192 tokens: token chunks when dW needs at most MAX_TOKEN_CHUNKS partial sums, and one
+    chunk of logits within the issue's memory budget (peak ≤ 1.35× the gradients; ≤ 1.5 GB at H=4096)."""
+    tokens, elem = 8192, 2
+    plan = chunk_plan(tokens, vocab, hidden, elem)
+    gradient_bytes = (tokens + vocab) * hidden * elem
+    assert plan.by_tokens == tokens_expected
+    if plan.by_tokens:
+        assert -(-tokens // plan.size) <= MAX_TOKEN_CHUNKS
+        workspace = plan.size * vocab * elem
+    else:
+        workspace = tokens * plan.size * elem + tokens * hidden * (4 + elem)
+    assert gradient_bytes + workspace <= 1.33 * gradient_bytes
+    if hidden == 4096:
+        assert gradient_bytes + workspace <= 1.45e9
+    assert chunk_plan(100, 1000, 64, 2) == ChunkPlan(True, 100)  # small problems: one chunk
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+def test_flce_torch_compile_fullgraph(reduction):
+    x, w, b = make_inputs((4, 256), 512, 32000, torch.bfloat16, bias=True)
+    target = make_target((4, 256), 32000, ignored=9)
+
+    def f(x, w, b, t):
+        loss = fused_linear_cross_entropy(x * 1.0, w, t, linear_bias=b, reduction=reduction, **ALL_OPTIONS)
+        return loss.sum() if reduction == "none" else loss
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(x, w, b, target)
+    grads = torch.autograd.grad(loss, (x, w, b))
+    ref = f(x, w, b, target)
+    ref_grads = torch.autograd.grad(ref, (x, w, b))
+    assert_close(loss, ref, torch.float32, "loss")
+    for name, g, rg in zip(("dx", "dw", "db"), grads, ref_grads, strict=True):
+        assert_close(g, rg, torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+def test_flce_out_of_range_target_is_nan_under_compile():
+    x, w, _ = make_inputs((64,), 256, 1000, torch.bfloat16)
+    target = make_target((64,), 1000, ignored=0)
+    target[7] = 5000
+    loss = torch.compile(lambda x, w, t: fused_linear_cross_entropy(x, w, t), fullgraph=True)(x, w, target)
+    assert torch.isnan(loss)
+
+
+def _dw_reference_fp64(x, w, target, chunk=1024):
+    """dW of the mean loss in fp64 (logits rounded to bf16 as the op's matmul does), chunk by chunk."""
+    xd, wd = x.detach().double(), w.detach().double()
+    valid = target != -100
+    dw = torch.zeros_like(wd)
+    for c0 in range(0, x.shape[0], chunk):
+        logits = (xd[c0:c0 + chunk] @ wd.t()).to(torch.bfloat16).double()
+        grad = torch.softmax(logits, dim=-1)
+        t = target[c0:c0 + chunk]
+        rows = torch.arange(t.shape[0], device=t.device)
+        grad[rows, t.clamp(min=0)] -= 1.0
+        grad *= valid[c0:c0 + chunk, None]
+        dw += grad.t() @ xd[c0:c0 + chunk]
+    return dw / valid.sum()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,vocab", ((4096, 128256), (896, 151936), (2304, 256000)))
+def test_flce_benchmark_shapes_accuracy_and_memory(hidden, vocab):
+    """dW within 5e-3 of fp64 with bf16 inputs, and peak memory within the issue's budget."""
+    tokens = 8192
+    x = (torch.randn(tokens, hidden, device=DEVICE) * 0.5).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=DEVICE) * hidden**-0.5).to(torch.bfloat16).requires_grad_()
+    target = make_target((tokens,), vocab, ignored=100)
+    fused_linear_cross_entropy(x, w, target).backward()  # warm-up: cuBLAS workspaces, kernel compiles
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    loss = fused_linear_cross_entropy(x, w, target)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    gradient_bytes = (x.numel() + w.numel()) * 2
+    limit = 1.5e9 if hidden == 4096 else 1.35 * gradient_bytes
+    assert peak <= limit, f"peak {peak / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
+    err = rel_err(w.grad, _dw_reference_fp64(x, w, target))
+    assert err <= 5e-3, f"dW relative error {err:.2e}"
