@@ -40,9 +40,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from tigon.ops._common import check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, check_tensor, next_power_of_2
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -140,8 +140,7 @@ def chunk_rows(num_rows: int, vocab: int) -> int:
 # ------------------------------------------------------------------------------------------ launcher
 
 
-@triton_op("tigon::fused_linear_jsd_rows", mutates_args={"student_logits"})
-def _jsd_rows_op(
+def _jsd_rows_impl(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     labels: torch.Tensor | None,
@@ -166,6 +165,11 @@ def _jsd_rows_op(
     return loss
 
 
+# Mutating (the gradient is written over the student logits), so it has no backward of its own:
+# _FusedLinearJSD below is the autograd node.
+JSD_ROWS = TigonOp("fused_linear_jsd_rows", _jsd_rows_impl, mutates_args=("student_logits",))
+
+
 def _forward(student_input, student_weight, teacher_input, teacher_weight, labels, beta, temperature,
              ignore_index, input_grad, weight_grad):
     """Loss (fp32 scalar) and the unscaled gradients (None where not wanted), chunk by chunk."""
@@ -185,9 +189,7 @@ def _forward(student_input, student_weight, teacher_input, teacher_weight, label
         logits_t = torch.matmul(x_t[start:end], teacher_weight.t())         # (C, V)
         chunk_labels = labels_1d[start:end] if labels_1d is not None else None
         row_losses.append(
-            torch.ops.tigon.fused_linear_jsd_rows(
-                logits_s, logits_t, chunk_labels, scale, 1.0 / temperature, beta, ignore_index
-            )
+            JSD_ROWS(logits_s, logits_t, chunk_labels, scale, 1.0 / temperature, beta, ignore_index)
         )
         dlogits = logits_s                                                   # (C, V), overwritten in place
         if input_grad:

@@ -45,9 +45,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from tigon.ops._common import as_rows, check_tensor
+from tigon.ops._common import TigonOp, as_rows, check_tensor
 from tigon.ops.kl_div import _tile, tile_launch
 
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -218,15 +218,13 @@ def _backward(grad, student, teacher, labels, denominator, beta, ignore_index):
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-@triton_op("tigon::jsd", mutates_args={})
-def _jsd_op(
+def _jsd_impl(
     student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor | None, beta: float, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(student, teacher, labels, beta, ignore_index)
 
 
-@triton_op("tigon::jsd_backward", mutates_args={})
-def _jsd_backward_op(
+def _jsd_backward_impl(
     grad: torch.Tensor,
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -236,6 +234,9 @@ def _jsd_backward_op(
     ignore_index: int,
 ) -> torch.Tensor:
     return _backward(grad, student, teacher, labels, denominator, beta, ignore_index)
+
+
+JSD_BACKWARD = TigonOp("jsd_backward", _jsd_backward_impl)
 
 
 def _setup_jsd(ctx, inputs, output):
@@ -248,13 +249,11 @@ def _setup_jsd(ctx, inputs, output):
 
 def _jsd_grad(ctx, grad, _ddenominator):
     student, teacher, labels, denominator = ctx.saved_tensors
-    dstudent = torch.ops.tigon.jsd_backward(
-        grad, student, teacher, labels, denominator, ctx.beta, ctx.ignore_index
-    )
+    dstudent = JSD_BACKWARD(grad, student, teacher, labels, denominator, ctx.beta, ctx.ignore_index)
     return dstudent, None, None, None, None
 
 
-_jsd_op.register_autograd(_jsd_grad, setup_context=_setup_jsd)
+JSD = TigonOp("jsd", _jsd_impl, setup_context=_setup_jsd, backward=_jsd_grad)
 
 
 # ------------------------------------------------------------------------------------- public function
@@ -292,7 +291,7 @@ def jsd(student_logprobs, teacher_logprobs, *, beta=0.5, labels=None, ignore_ind
         )
     check_labels(labels, student_logprobs.shape[:-1], student_logprobs.device)
     check_beta(beta)
-    loss, _ = torch.ops.tigon.jsd(student_logprobs, teacher_logprobs, labels, float(beta), int(ignore_index))
+    loss, _ = JSD(student_logprobs, teacher_logprobs, labels, float(beta), int(ignore_index))
     return loss
 
 

@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from tigon.ops._common import as_rows, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
@@ -225,13 +225,11 @@ def _backward(grad, input, target, reduction, log_target, input_grad, target_gra
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-@triton_op("tigon::kl_div", mutates_args={})
-def _kl_div_op(input: torch.Tensor, target: torch.Tensor, reduction: str, log_target: bool) -> torch.Tensor:
+def _kl_div_impl(input: torch.Tensor, target: torch.Tensor, reduction: str, log_target: bool) -> torch.Tensor:
     return _forward(input, target, reduction, log_target)
 
 
-@triton_op("tigon::kl_div_backward", mutates_args={})
-def _kl_div_backward_op(
+def _kl_div_backward_impl(
     grad: torch.Tensor,
     input: torch.Tensor,
     target: torch.Tensor,
@@ -243,6 +241,9 @@ def _kl_div_backward_op(
     return _backward(grad, input, target, reduction, log_target, input_grad, target_grad)
 
 
+KL_DIV_BACKWARD = TigonOp("kl_div_backward", _kl_div_backward_impl)
+
+
 def _setup_kl_div(ctx, inputs, output):
     input, target, reduction, log_target = inputs
     ctx.save_for_backward(input, target)
@@ -252,13 +253,13 @@ def _setup_kl_div(ctx, inputs, output):
 def _kl_div_grad(ctx, grad):
     input, target = ctx.saved_tensors
     input_grad, target_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dinput, dtarget = torch.ops.tigon.kl_div_backward(
+    dinput, dtarget = KL_DIV_BACKWARD(
         grad, input, target, ctx.reduction, ctx.log_target, input_grad, target_grad
     )
     return (dinput if input_grad else None), (dtarget if target_grad else None), None, None
 
 
-_kl_div_op.register_autograd(_kl_div_grad, setup_context=_setup_kl_div)
+KL_DIV = TigonOp("kl_div", _kl_div_impl, setup_context=_setup_kl_div, backward=_kl_div_grad)
 
 
 # ------------------------------------------------------------------------------------- public function
@@ -280,7 +281,7 @@ def kl_div(input, target, *, reduction="batchmean", log_target=False):
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not isinstance(log_target, bool):
         raise TypeError(f"log_target must be a bool, got {type(log_target).__name__}")
-    return torch.ops.tigon.kl_div(input, target, reduction, log_target)
+    return KL_DIV(input, target, reduction, log_target)
 
 
 # ------------------------------------------------------------------------------------------ reference

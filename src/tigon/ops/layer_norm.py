@@ -50,10 +50,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from tigon.ops._common import as_rows, check_tensor, persistent_programs
-from tigon.ops.rms_norm import norm_launch
+from tigon.ops._common import TigonOp, as_rows, check_tensor, persistent_programs
+from tigon.ops.rms_norm import BWD_TUNING, norm_launch
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -141,6 +141,12 @@ def layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _load_rows(ptr, row_stride, col_stride, rows, cols, mask):
+    """A [BLOCK_M, BLOCK_N] tile of a strided (M, N) tensor, in its own dtype (0 outside the mask)."""
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :] * col_stride, mask=mask, other=0.0)
+
+
+@triton.jit
 def _grad_tile(
     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
     rows, cols, mask, mean, rstd, hidden,
@@ -151,10 +157,9 @@ def _grad_tile(
     Padding lanes load dy = 0, so g = 0 there and they add nothing to c1, c2, dw or db even though
     their x̂ is not zero.
     """
-    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
-    dy = dy.to(tl.float32)
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-    x_hat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+    dy = _load_rows(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask).to(tl.float32)
+    x = _load_rows(x_ptr, x_row_stride, x_col_stride, rows, cols, mask).to(tl.float32)
+    x_hat = (x - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
         g = dy * w[None, :]
@@ -192,18 +197,35 @@ def layer_norm_bwd_kernel(
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Software prefetch, as RMSNorm's backward: the next tile's dy, x, mean and rstd loads are
+        # issued before this tile's reductions and stores, so each program always has a tile of loads
+        # in flight (kept in the io dtype, half the registers of fp32, upcast when they become current).
+        rows = row_begin + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        dy_next = _load_rows(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask)
+        x_next = _load_rows(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
+        mean_next = tl.load(mean_ptr + rows, mask=rows < row_end, other=0.0)
+        rstd_next = tl.load(rstd_ptr + rows, mask=rows < row_end, other=0.0)
         for row_start in range(row_begin, row_end, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            dy, x_hat, g = _grad_tile(
-                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                rows, cols, mask, mean, rstd, hidden, HAS_WEIGHT,
-            )
+            mask = (rows < row_end)[:, None] & col_mask[None, :]
+            dy = dy_next.to(tl.float32)
+            rstd = rstd_next
+            x_hat = (x_next.to(tl.float32) - mean_next[:, None]) * rstd[:, None]
+            nxt = rows + BLOCK_M
+            nxt_mask = (nxt < row_end)[:, None] & col_mask[None, :]
+            dy_next = _load_rows(dy_ptr, dy_row_stride, dy_col_stride, nxt, cols, nxt_mask)
+            x_next = _load_rows(x_ptr, x_row_stride, x_col_stride, nxt, cols, nxt_mask)
+            mean_next = tl.load(mean_ptr + nxt, mask=nxt < row_end, other=0.0)
+            rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
             c1 = tl.sum(g * x_hat, axis=1) / hidden
             c2 = tl.sum(g, axis=1) / hidden
             dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
@@ -308,7 +330,8 @@ def _backward(dy, x, weight, bias, mean, rstd):
         db = torch.zeros_like(bias) if bias is not None else no_param()
         return dx, dw, db
     cfg = norm_launch(num_rows, hidden, backward=True)
-    programs = min(persistent_programs(x.device), triton.cdiv(num_rows, cfg.block_m))
+    programs = persistent_programs(x.device, BWD_TUNING.programs_per_sm)
+    programs = min(programs, triton.cdiv(num_rows, cfg.block_m))
     rows_per_program = triton.cdiv(triton.cdiv(num_rows, programs), cfg.block_m) * cfg.block_m
     programs = triton.cdiv(num_rows, rows_per_program)
     # The streaming kernel accumulates into its partial rows, so only that path needs them zeroed.
@@ -335,15 +358,13 @@ def _backward(dy, x, weight, bias, mean, rstd):
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-@triton_op("tigon::layer_norm", mutates_args={})
-def _layer_norm_op(
+def _layer_norm_impl(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(x, weight, bias, eps)
 
 
-@triton_op("tigon::layer_norm_backward", mutates_args={})
-def _layer_norm_backward_op(
+def _layer_norm_backward_impl(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -352,6 +373,9 @@ def _layer_norm_backward_op(
     rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(dy, x, weight, bias, mean, rstd)
+
+
+LAYER_NORM_BACKWARD = TigonOp("layer_norm_backward", _layer_norm_backward_impl)
 
 
 def _setup_layer_norm(ctx, inputs, output):
@@ -363,11 +387,13 @@ def _setup_layer_norm(ctx, inputs, output):
 
 def _layer_norm_grad(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.tigon.layer_norm_backward(dy, x, weight, bias, mean, rstd)
+    dx, dw, db = LAYER_NORM_BACKWARD(dy, x, weight, bias, mean, rstd)
     return dx, (dw if weight is not None else None), (db if bias is not None else None), None
 
 
-_layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_setup_layer_norm)
+LAYER_NORM = TigonOp(
+    "layer_norm", _layer_norm_impl, setup_context=_setup_layer_norm, backward=_layer_norm_grad
+)
 
 
 # ------------------------------------------------------------------------------------- public function
@@ -394,7 +420,7 @@ def layer_norm(x, weight, bias, eps=1e-5):
     autocast). See the module docstring for the math.
     """
     _check_args(x, weight, bias, eps)
-    y, _, _ = torch.ops.tigon.layer_norm(x, weight, bias, float(eps))
+    y, _, _ = LAYER_NORM(x, weight, bias, float(eps))
     return y
 
 
