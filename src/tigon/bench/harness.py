@@ -240,9 +240,6 @@ def run(names=None, *, out_dir: Path, quick=False, log=print) -> dict:
             raise ValueError(f"unknown benchmark(s) {sorted(missing)}; available: {sorted(load_specs())}")
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {device_name()}")
-    rows = []
-    for spec in specs.values():
-        rows += run_spec(spec, bandwidth, quick=quick, log=log)
     date = _dt.date.today().isoformat()
     result = {
         "device": device_name(),
@@ -250,12 +247,15 @@ def run(names=None, *, out_dir: Path, quick=False, log=print) -> dict:
         "versions": versions(),
         "copy_bandwidth_gbps": bandwidth / 1e9,
         "modes": list(MODES),
-        "rows": rows,
+        "rows": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{device_name().replace(' ', '-')}-{date}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (out_dir / f"{stem}.md").write_text(markdown(result))
+    for spec in specs.values():
+        result["rows"] += run_spec(spec, bandwidth, quick=quick, log=log)
+        # Written after every spec, so a run cut short still leaves what it measured.
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown(result))
     try:
         plot(result, out_dir / f"{stem}.png")
     except ImportError:
