@@ -626,9 +626,8 @@ def run_demo(*, model=None, batch=None, seq=None, steps=None, lr=None, seed=0, d
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     defaults = CPU_DEFAULTS if not cuda else TINY_GPU_DEFAULTS if tiny else GPU_DEFAULTS
-    model = model or defaults["model"]
-    batch, seq = batch or defaults["batch"], seq or defaults["seq"]
-    steps, lr = steps or defaults["steps"], lr or defaults["lr"]
+    chosen = dict(model=model, batch=batch, seq=seq, steps=steps, lr=lr)
+    model, batch, seq, steps, lr = (defaults[k] if v is None else v for k, v in chosen.items())
     try:
         require_matplotlib()
         if model not in tigon.supported_models():
@@ -636,6 +635,8 @@ def run_demo(*, model=None, batch=None, seq=None, steps=None, lr=None, seed=0, d
         for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
             if value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}")
+        if not lr > 0:
+            raise ValueError(f"--lr must be positive, got {lr}")
         spec = model_config(model, tiny=tiny or not cuda)
         vocab = spec.config.vocab_size
         if data is None:

@@ -1,0 +1,590 @@
+"""End-to-end training benchmark: whole models, one optimizer step after another, on a GPU.
+
+    python benchmarks/e2e.py                               # 3 models x 5 providers, ~8 min on an H100
+    python benchmarks/e2e.py --models llama --providers stock tigon --steps 10
+    python benchmarks/e2e.py --longest-context             # batch 1, Llama-3.2-1B-shaped, stock vs tigon
+
+What is measured. Models are built from config with random weights (``tigon.demo.model_config``,
+the same configs ``tigon demo`` trains): Llama-3.2-1B-shaped (V=128256), Qwen2.5-0.5B-shaped
+(V=151936, H=896) and Gemma-2-2B-shaped (V=256000, final-logit softcap; batch 2), fp32 weights,
+sdpa attention, bf16 autocast, fused AdamW, batch 4 x 2048 of random tokens. A step is forward with
+labels (the loss inside the model, as transformers computes it), backward, ``optimizer.step()`` and
+``zero_grad(set_to_none=True)``, timed on the host with ``loss.item()`` as the synchronisation, so
+the Python overhead an eager model pays is counted. Reported: tokens/s from the median step time of
+the timed steps after the warm-up, peak allocated memory over the timed steps, and activation
+memory = peak - 16 bytes x parameters (fp32 weights, grads and the two AdamW moments are fixed), plus
+each provider's per-step loss against stock's (same seed, same weights, same batches: a
+whole-model correctness check at full size) and torch.compile's graph-break count.
+
+Providers: ``stock`` (transformers as shipped), ``tigon`` (``tigon.patch(model)``), ``compile``
+(``torch.compile(model)``), ``tigon+compile`` (patch, then compile), ``liger`` (Liger-Kernel's
+``apply_liger_kernel_to_<model_type>()`` before the model is built, when ``liger_kernel`` imports),
+and on request ``liger+compile``. Each (model, provider) runs in a fresh Python process, so no
+allocator cache, compiled graph or monkey patch leaks into the next measurement; the next process
+is started while the current one runs and waits, imports done, for its job (hiding start-up time).
+
+Longest context (``--longest-context``): at batch 1, the largest sequence length, in steps of 2048,
+that trains without running out of memory: two full steps, since the first ``optimizer.step()``
+allocates the AdamW moments that every later step's peak includes. Found by doubling from 8192 then
+bisecting, one fresh process per probe.
+
+Results go to ``benchmarks/results/e2e-<device>-<date>.{json,md,png}`` (``e2e-context-...`` for the
+longest-context mode); the markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = ("llama", "qwen2", "gemma2")
+PROVIDERS = ("stock", "tigon", "compile", "tigon+compile", "liger")
+OPTIONAL_PROVIDERS = ("liger+compile",)
+PROVIDER_TITLES = {
+    "stock": "stock",
+    "tigon": "tigon",
+    "compile": "torch.compile(model)",
+    "tigon+compile": "tigon + compile",
+    "liger": "Liger-Kernel",
+    "liger+compile": "Liger + compile",
+}
+BATCH = 4
+BATCH_OVERRIDES = {"gemma2": 2}  # Gemma-2-2B at batch 4 does not fit stock on 80 GB
+SEQ = 2048
+WARMUP = 3
+STEPS = 5
+LR = 1e-4
+SEED = 0
+OPTIMIZER_BYTES_PER_PARAM = 16  # fp32 weight + grad + two AdamW moments
+GIB = 2**30
+JOB_TIMEOUT_S = 420
+CONTEXT_STEP = 2048
+CONTEXT_START = 8192
+CONTEXT_MAX = 131072
+CONTEXT_STEPS = 2  # the second step's peak includes the AdamW moments the first one created
+RESULT_MARK = "E2E-RESULT "
+OUT = Path(__file__).resolve().parent / "results"
+
+
+# ------------------------------------------------------------------------------------------- args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", help=f"model_types (default: {' '.join(MODELS)}; "
+                        "with --longest-context: llama)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS + OPTIONAL_PROVIDERS,
+                        help="default: all of stock tigon compile tigon+compile, and liger when it imports; "
+                        "with --longest-context: stock tigon")
+    parser.add_argument("--batch", type=int, help=f"sequences per step (default {BATCH}; Gemma-2 2)")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps (compilation, autotuning)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON, markdown and plot")
+    parser.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per (model, provider)")
+    parser.add_argument("--longest-context", action="store_true",
+                        help="find the longest trainable sequence at batch 1 instead")
+    parser.add_argument("--context-start", type=int, default=CONTEXT_START, help="first length probed")
+    parser.add_argument("--context-max", type=int, default=CONTEXT_MAX, help="longest length probed")
+    parser.add_argument("--context-step", type=int, default=CONTEXT_STEP, help="lengths are multiples of it")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+
+    from tigon.patching import supported_models
+
+    default_models = ("llama",) if args.longest_context else MODELS
+    args.models = list(args.models or default_models)
+    unknown = sorted(set(args.models) - set(supported_models()))
+    if unknown:
+        parser.error(f"unknown model_type(s) {unknown}; supported: {supported_models()}")
+    args.skipped = {}
+    if args.providers is None:
+        args.providers = ["stock", "tigon"] if args.longest_context else list(PROVIDERS)
+    if any("liger" in p for p in args.providers) and not liger_available():
+        args.skipped.update({p: "liger_kernel is not installed" for p in args.providers if "liger" in p})
+        args.providers = [p for p in args.providers if "liger" not in p]
+    for name in ("seq", "steps", "context_step", "context_start", "context_max"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch is not None and args.batch < 1:
+        parser.error("--batch must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
+    return args
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def batch_for(model_type: str, batch: int | None) -> int:
+    return batch if batch is not None else BATCH_OVERRIDES.get(model_type, BATCH)
+
+
+def model_spec(model_type: str, *, tiny: bool = False):
+    """The benchmark's model: the published shape ``tigon demo`` uses on a GPU."""
+    from tigon.demo import model_config
+
+    return model_config(model_type, tiny=tiny)
+
+
+def jobs_for(args) -> list[dict]:
+    return [
+        {"model": m, "provider": p, "batch": batch_for(m, args.batch), "seq": args.seq,
+         "warmup": args.warmup, "steps": args.steps}
+        for m in args.models
+        for p in args.providers
+    ]
+
+
+# ----------------------------------------------------------------------------------------- worker
+
+
+def apply_liger(model_type: str) -> None:
+    """Liger-Kernel's class-level patch for the family (before the model is built)."""
+    import liger_kernel.transformers as liger
+
+    apply = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+    if apply is None:
+        raise ValueError(f"Liger-Kernel has no apply_liger_kernel_to_{model_type}")
+    apply()
+
+
+def graph_break_stats() -> dict:
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {"graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": [str(reason)[:200] for reason in list(breaks)[:5]],
+            "unique_graphs": counters["stats"].get("unique_graphs", 0)}
+
+
+def run_job(job: dict) -> dict:
+    """Build, patch/compile, train ``warmup + steps`` steps; runs inside a fresh worker process.
+
+    ``job["device"]`` (default "cuda") and ``job["tiny"]`` exist so that the protocol can be tested
+    on a CPU; the benchmark itself always runs the real shapes on the GPU.
+    """
+    import torch
+
+    import tigon
+    from tigon.demo import build_model, parameter_count
+
+    parts = set(job["provider"].split("+"))
+    device = torch.device(job.get("device", "cuda"))
+    cuda = device.type == "cuda"
+    spec = model_spec(job["model"], tiny=job.get("tiny", False))
+    out = {**job, "label": spec.label, "vocab": spec.config.vocab_size,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    if "liger" in parts:
+        apply_liger(job["model"])
+    torch.manual_seed(SEED)
+    model = build_model(spec.config, device=device)
+    out["params"] = parameter_count(model)
+    if "tigon" in parts:
+        tigon.patch(model)
+    step_model = torch.compile(model) if "compile" in parts else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=cuda)
+    batch, seq, warmup, steps = job["batch"], job["seq"], job["warmup"], job["steps"]
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    data = torch.randint(spec.config.vocab_size, (warmup + steps, batch, seq), device=device, generator=gen)
+    losses, seconds = [], []
+    for step in range(warmup + steps):
+        if step == warmup and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ids = data[step]
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # synchronises: the step time is the device's
+        seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds[warmup:])
+    out.update(losses=losses, step_seconds=seconds, median_step_s=median, tokens_per_s=batch * seq / median)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        out.update(peak_bytes=peak, activation_bytes=peak - OPTIMIZER_BYTES_PER_PARAM * out["params"],
+                   reserved_bytes=torch.cuda.max_memory_reserved())
+    if "compile" in parts:
+        out.update(graph_break_stats())
+    return out
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def worker_main() -> int:
+    """Import everything, wait for one job on stdin, run it, print the result line."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import tigon.patching  # noqa: F401  (imports tigon.ops)
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # a spare worker nobody needed
+    job = json.loads(line)
+    started = time.perf_counter()
+    try:
+        result = run_job(job)
+    except Exception as exc:  # an error is a result (e.g. a provider that cannot run this model)
+        oom = _is_oom(exc)
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        message = "out of memory" if oom else f"{type(exc).__name__}: {first_line}"
+        result = {**job, "error": message, "oom": oom}
+    result["wall_s"] = time.perf_counter() - started
+    print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- parent
+
+
+class Worker:
+    """A worker process, started early so that its imports overlap the job before it."""
+
+    def __init__(self):
+        self.stdout = tempfile.TemporaryFile(mode="w+")
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+                                     stdout=self.stdout, stderr=self.stderr, text=True)
+
+    def run(self, job: dict, timeout: int) -> dict:
+        started = time.perf_counter()
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return {**job, "error": f"timed out after {timeout} s", "wall_s": time.perf_counter() - started}
+        except BrokenPipeError:
+            self.proc.wait()
+        self.stdout.seek(0)
+        for line in self.stdout.read().splitlines():
+            if line.startswith(RESULT_MARK):
+                return json.loads(line[len(RESULT_MARK):])
+        self.stderr.seek(0)
+        tail = self.stderr.read().strip().splitlines()[-3:]
+        return {**job, "error": f"worker exited with status {self.proc.returncode}: {' | '.join(tail)[:400]}",
+                "wall_s": time.perf_counter() - started}
+
+    def discard(self) -> None:
+        """Stop an unused worker (it holds no GPU memory: it has only imported modules)."""
+        self.proc.stdin.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait()
+
+
+class WorkerPool:
+    """Runs jobs one at a time, each in a fresh process, with the next process already warming up."""
+
+    def __init__(self, timeout: int):
+        self.timeout = timeout
+        self.spare = Worker()
+
+    def run(self, job: dict) -> dict:
+        current, self.spare = self.spare, Worker()
+        return current.run(job, self.timeout)
+
+    def close(self) -> None:
+        self.spare.discard()
+
+
+def throughput(args, log=print) -> dict:
+    jobs = jobs_for(args)
+    pool = WorkerPool(args.timeout)
+    rows = []
+    try:
+        for job in jobs:
+            row = pool.run(job)
+            rows.append(row)
+            log(row_line(row))
+    finally:
+        pool.close()
+    add_loss_agreement(rows)
+    return {"kind": "throughput", "rows": rows}
+
+
+def add_loss_agreement(rows: list[dict]) -> None:
+    """Per-step relative loss difference against stock's run of the same model (same data)."""
+    stock = {r["model"]: r for r in rows if r["provider"] == "stock" and "losses" in r}
+    for row in rows:
+        ref = stock.get(row["model"])
+        if ref is None or "losses" not in row or row["provider"] == "stock":
+            continue
+        row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], ref["losses"],
+                                                                            strict=True))
+
+
+def search_longest(probe, *, step: int, start: int, maximum: int):
+    """Largest multiple of ``step`` in [step, maximum] for which ``probe(seq)`` is True, assuming
+    success is monotone in the length: doubling from ``start``, then bisection. Returns
+    (longest or 0, first failing length or None)."""
+    top = maximum // step
+    k = max(1, min(start // step, top))
+    lo, hi = 0, None
+    while hi is None:
+        if probe(k * step):
+            lo = k
+            if k == top:
+                break
+            k = min(2 * k, top)
+        else:
+            hi = k
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid * step):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step, (hi * step if hi is not None else None)
+
+
+def longest_context(args, log=print) -> dict:
+    pool = WorkerPool(args.timeout)
+    rows = []
+    try:
+        for model in args.models:
+            for provider in args.providers:
+                probes = []
+
+                def probe(seq, model=model, provider=provider, probes=probes):
+                    job = {"model": model, "provider": provider, "batch": 1, "seq": seq, "warmup": 0,
+                           "steps": CONTEXT_STEPS}
+                    result = pool.run(job)
+                    probes.append({k: result.get(k) for k in ("seq", "error", "oom", "peak_bytes", "wall_s",
+                                                               "tokens_per_s", "device", "label")})
+                    log(row_line(result))
+                    return "error" not in result
+
+                longest, first_fail = search_longest(probe, step=args.context_step, start=args.context_start,
+                                                     maximum=args.context_max)
+                failures = [p for p in probes if p["seq"] == first_fail]
+                rows.append({
+                    "model": model, "provider": provider, "longest_seq": longest, "first_failure": first_fail,
+                    "failure": failures[0]["error"] if failures else None,
+                    "peak_bytes_at_longest": next((p["peak_bytes"] for p in probes if p["seq"] == longest),
+                                                  None),
+                    "label": next((p["label"] for p in probes if p.get("label")), model),
+                    "device": next((p["device"] for p in probes if p.get("device")), None),
+                    "probes": probes,
+                })
+    finally:
+        pool.close()
+    return {"kind": "longest_context", "rows": rows, "context_max": args.context_max}
+
+
+# ----------------------------------------------------------------------------------------- output
+
+
+def _si(value) -> str:
+    return "—" if value is None else f"{value / 1e3:.1f}k"
+
+
+def _gib(value) -> str:
+    return "—" if value is None else f"{value / GIB:.1f}"
+
+
+def row_line(row: dict) -> str:
+    head = f"{row['model']:>8} {row['provider']:<14} batch {row['batch']} x {row['seq']:<6}"
+    if "error" in row:
+        return f"{head} ERROR {row['error']}  ({row.get('wall_s', 0):.0f} s)"
+    extra = f"  graph breaks {row['graph_breaks']}" if "graph_breaks" in row else ""
+    return (f"{head} {_si(row['tokens_per_s']):>7} tok/s  peak {_gib(row.get('peak_bytes'))} GiB  "
+            f"activations {_gib(row.get('activation_bytes'))} GiB{extra}  ({row['wall_s']:.0f} s)")
+
+
+def _model_title(row: dict) -> str:
+    return f"{row.get('label', row['model'])} (V={row['vocab']}), batch {row['batch']} x {row['seq']}"
+
+
+def _headline_cell(row: dict | None, stock: dict | None) -> str:
+    if row is None:
+        return "—"
+    if "error" in row:
+        return "OOM" if row.get("oom") else "fails"
+    speed = ""
+    if stock and "tokens_per_s" in stock:
+        speed = f" ({row['tokens_per_s'] / stock['tokens_per_s']:.2f}x)"
+    return f"{_si(row['tokens_per_s'])}{speed}, {_gib(row.get('activation_bytes'))} GiB"
+
+
+def markdown(result: dict) -> str:
+    settings = result["settings"]
+    lines = [f"# tigon end-to-end training — {result['device']} — {result['date']}", "",
+             f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}."]
+    if result["kind"] == "longest_context":
+        lines += [
+            f"Longest sequence that trains two AdamW steps at batch 1 (bf16 autocast, sdpa, fused AdamW), "
+            f"in steps of {settings['context_step']} up to {settings['context_max']}.", "",
+            "| model | provider | longest trained | first failure | peak GiB at longest |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for row in result["rows"]:
+            fail = "—" if row["first_failure"] is None else f"{row['first_failure']} ({row['failure']})"
+            longest = row["longest_seq"] or "none"
+            lines.append(f"| {row['label']} | {PROVIDER_TITLES[row['provider']]} | {longest} | {fail} | "
+                         f"{_gib(row['peak_bytes_at_longest'])} |")
+        return "\n".join(lines) + "\n"
+
+    lines.append(
+        f"Random-init models, bf16 autocast, sdpa attention, fused AdamW; median of {settings['steps']} "
+        f"steps after {settings['warmup']} warm-up steps, each provider in a fresh process. "
+        "Cells: tokens/s (x stock), activation memory = peak − 16 B × params."
+    )
+    if settings.get("skipped"):
+        lines.append("Not run: " + ", ".join(f"{p} ({why})" for p, why in settings["skipped"].items()) + ".")
+    rows = result["rows"]
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+
+    def find(model, provider):
+        return next((r for r in rows if r["model"] == model and r["provider"] == provider), None)
+
+    lines += ["", "| model | " + " | ".join(PROVIDER_TITLES[p] for p in providers) + " |",
+              "| --- |" + " --- |" * len(providers)]
+    for model in models:
+        stock = find(model, "stock")
+        first = next(r for r in rows if r["model"] == model)
+        title = _model_title(first) if "vocab" in first else model
+        cells = [_headline_cell(find(model, p), stock) for p in providers]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    lines += ["", "| model | provider | tokens/s | step ms | peak GiB | activation GiB "
+              "| max loss rel. diff vs stock | graph breaks | note |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['provider']} | — | — | — | — | — | — | {row['error']} |")
+            continue
+        diff = f"{row['max_loss_rel_diff']:.1e}" if "max_loss_rel_diff" in row else "—"
+        lines.append(
+            f"| {row['model']} | {row['provider']} | {row['tokens_per_s']:.0f} | "
+            f"{row['median_step_s'] * 1e3:.1f} | {_gib(row.get('peak_bytes'))} | "
+            f"{_gib(row.get('activation_bytes'))} | {diff} | "
+            f"{row.get('graph_breaks', '—')} | |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    if result["kind"] == "longest_context":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        labels = [f"{r['model']}\n{PROVIDER_TITLES[r['provider']]}" for r in rows]
+        values = [r["longest_seq"] / 1024 for r in rows]
+        ax.bar(labels, values, color=[_colour(r["provider"]) for r in rows])
+        for x, v in enumerate(values):
+            ax.text(x, v, f"{v:.0f}K", ha="center", va="bottom")
+        ax.set_ylabel("longest trainable sequence (K tokens), batch 1")
+        ax.set_title(f"longest context — {result['device']}")
+    else:
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        providers = list(dict.fromkeys(r["provider"] for r in rows))
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+        width = 0.8 / max(1, len(providers))
+        panels = ((axes[0], "tokens_per_s", 1e3, "k tokens/s"),
+                  (axes[1], "activation_bytes", GIB, "activation GiB (peak − 16 B × params)"))
+        for ax, key, scale, ylabel in panels:
+            for i, provider in enumerate(providers):
+                xs, ys = [], []
+                for j, model in enumerate(models):
+                    row = next((r for r in rows if r["model"] == model and r["provider"] == provider), None)
+                    if row is not None and key in row:
+                        xs.append(j + i * width)
+                        ys.append(row[key] / scale)
+                if ys:
+                    ax.bar(xs, ys, width, label=PROVIDER_TITLES[provider], color=_colour(provider))
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))])
+            ax.set_xticklabels(models)
+            ax.set_ylabel(ylabel)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        fig.suptitle(f"end-to-end training — {result['device']} — {result['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _colour(provider: str) -> str:
+    return {"stock": "tab:gray", "tigon": "tab:orange", "compile": "tab:blue", "tigon+compile": "tab:red",
+            "liger": "tab:green", "liger+compile": "tab:olive"}[provider]
+
+
+def save(result: dict, out_dir: Path, log=print) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kind = "e2e-context" if result["kind"] == "longest_context" else "e2e"
+    stem = f"{kind}-{result['device'].replace(' ', '-')}-{result['date']}"
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=1))
+    paths[1].write_text(markdown(result))
+    try:
+        plot(result, out_dir / f"{stem}.png")
+        paths.append(out_dir / f"{stem}.png")
+    except ImportError:
+        log("matplotlib not installed: no plot written (pip install 'tigon[demo]')")
+    return paths
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks/e2e.py needs a CUDA GPU and this machine has none.", file=sys.stderr)
+        return 2
+    from tigon.bench.harness import versions
+
+    started = time.perf_counter()
+    result = longest_context(args) if args.longest_context else throughput(args)
+    devices = [r.get("device") for r in result["rows"]] + [p.get("device") for r in result["rows"]
+                                                             for p in r.get("probes", [])]
+    result.update(
+        device=next((d for d in devices if d), "unknown-GPU"),
+        date=_dt.date.today().isoformat(),
+        versions=versions(),
+        settings={"models": args.models, "providers": args.providers, "skipped": args.skipped,
+                  "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
+                  "context_step": args.context_step, "context_max": args.context_max, "lr": LR,
+                  "seed": SEED, "env": {k: v for k, v in os.environ.items() if k.startswith("PYTORCH_CUDA")}},
+        wall_s=time.perf_counter() - started,
+    )
+    paths = save(result, args.out)
+    print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
