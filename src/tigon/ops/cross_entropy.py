@@ -467,6 +467,61 @@ def cross_entropy_chunk_grad_kernel(
 
 
 @triton.jit
+def reduction_scales_kernel(
+    target_ptr, target_stride,              # (N,) class indices
+    weight_ptr,                             # (V,) class weights   [HAS_WEIGHT]
+    scales_ptr,                             # fp32 (3,) out: α, β, W = Σ class weights
+    bad_ptr,                                # int64 (2,) out: any non-ignored target outside [0, V), its value
+    num_rows, vocab, ignore_index,
+    BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr,
+):
+    """One program: the reduction factors and the out-of-range check in one pass over the targets.
+
+    mean: α = 1/Σ w_y and β = 1/n over the n non-ignored rows, both 0 when n = 0 (loss 0, not NaN);
+    sum and none: 1. A fixed-order sum, so the factors are deterministic.
+    """
+    count = tl.zeros((), tl.float32)
+    target_weight = tl.zeros((), tl.float32)
+    first_bad = tl.full((), num_rows, tl.int64)
+    for start in range(0, num_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        t = tl.load(target_ptr + rows.to(tl.int64) * target_stride, mask=rows < num_rows, other=ignore_index)
+        t = t.to(tl.int64)
+        valid = (rows < num_rows) & (t != ignore_index)
+        in_range = (t >= 0) & (t < vocab)
+        count += tl.sum(valid.to(tl.float32), axis=0)
+        if HAS_WEIGHT:
+            ok = valid & in_range
+            w = tl.load(weight_ptr + tl.where(ok, t, 0).to(tl.int32), mask=ok, other=0.0).to(tl.float32)
+            target_weight += tl.sum(w, axis=0)
+        bad_rows = tl.where(valid & ~in_range, rows.to(tl.int64), num_rows)
+        first_bad = tl.minimum(first_bad, tl.min(bad_rows, axis=0))
+    if HAS_WEIGHT:
+        weight_sum = tl.zeros((), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            w = tl.load(weight_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+            weight_sum += tl.sum(w, axis=0)
+    else:
+        weight_sum = vocab * 1.0
+        target_weight = count
+    if MEAN:
+        any_valid = count > 0
+        ce_scale = tl.where(any_valid, 1.0 / tl.where(any_valid, target_weight, 1.0), 0.0)
+        z_scale = tl.where(any_valid, 1.0 / tl.maximum(count, 1.0), 0.0)
+    else:
+        ce_scale = 1.0
+        z_scale = 1.0
+    tl.store(scales_ptr, ce_scale)
+    tl.store(scales_ptr + 1, z_scale)
+    tl.store(scales_ptr + 2, weight_sum)
+    any_bad = first_bad < num_rows
+    bad_value = tl.load(target_ptr + tl.where(any_bad, first_bad, 0) * target_stride, mask=any_bad, other=0)
+    tl.store(bad_ptr, any_bad.to(tl.int64))
+    tl.store(bad_ptr + 1, bad_value.to(tl.int64))
+
+
+@triton.jit
 def scale_rows_kernel(
     rows_ptr, row_stride, col_stride,       # (R, C) in/out: a gradient computed for grad_output = applied
     grad_output_ptr, grad_output_stride,    # (R,) the factor each row should carry (stride 0: one scalar)
@@ -512,6 +567,9 @@ STREAM_WARPS = 16
 STREAM_PROGRAMS_PER_SM = 1
 # Short rows need no L2 planning; a persistent grid of this many programs per SM amortises the launch.
 SHORT_ROW_PROGRAMS_PER_SM = 4
+# The reduction-factor kernel: one program walks the targets (and class weights) in blocks of this.
+SCALES_BLOCK = 1024
+SCALES_WARPS = 4
 # The row-scaling kernel: one program per row, this many elements per load round.
 SCALE_BLOCK = 4096
 SCALE_WARPS = 8
@@ -656,29 +714,21 @@ def launch_scale_rows(rows, grad_output, applied):
     )
 
 
-def reduction_scales(target, weight, ignore_index: int, reduction: str, vocab: int) -> torch.Tensor:
-    """fp32 (3,) on the device: α (cross-entropy factor), β (z-loss factor), W = Σ class weights.
-
-    mean: α = 1/Σ w_y and β = 1/n over the non-ignored rows, both 0 when n = 0 (loss 0, not NaN);
-    otherwise 1. Computed with tensor ops on the (N,) targets, so no device-to-host sync.
-    """
-    device = target.device
-    weight_sum = weight.float().sum() if weight is not None else torch.tensor(float(vocab), device=device)
-    if reduction != "mean":
-        return torch.stack([torch.ones((), device=device), torch.ones((), device=device), weight_sum])
-    valid = target != ignore_index
-    count = valid.sum().float()
-    if weight is None:
-        target_weight = count
-    else:
-        # Out-of-range targets (possible under torch.compile only) read class 0; their loss is NaN anyway.
-        in_range = valid & (target >= 0) & (target < vocab)
-        safe = torch.where(in_range, target, torch.zeros_like(target))
-        target_weight = (weight.float()[safe] * in_range).sum()
-    any_valid = count > 0
-    ce_scale = torch.where(any_valid, 1.0 / target_weight, torch.zeros_like(count))
-    z_scale = torch.where(any_valid, 1.0 / torch.clamp(count, min=1.0), torch.zeros_like(count))
-    return torch.stack([ce_scale, z_scale, weight_sum])
+def _reduction_scales_impl(
+    target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, reduction: str, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales fp32 (3,): α, β, W; bad int64 (2,): any out-of-range target, its value), one launch."""
+    scales = torch.empty(3, dtype=torch.float32, device=target.device)
+    bad = torch.empty(2, dtype=torch.int64, device=target.device)
+    wrap_triton(reduction_scales_kernel)[(1,)](
+        target, target.stride(0) if target.dim() else 0,
+        weight if weight is not None else scales,
+        scales, bad,
+        target.numel(), vocab, ignore_index,
+        BLOCK=SCALES_BLOCK, HAS_WEIGHT=weight is not None, MEAN=reduction == "mean",
+        num_warps=SCALES_WARPS,
+    )
+    return scales, bad
 
 
 # ------------------------------------------------------------------------------- torch ops + autograd
@@ -795,6 +845,7 @@ def _scale_rows_impl(rows: torch.Tensor, grad_output: torch.Tensor, applied: tor
     launch_scale_rows(rows, grad_output, applied)
 
 
+REDUCTION_SCALES = TigonOp("cross_entropy_reduction_scales", _reduction_scales_impl)
 CROSS_ENTROPY_FWD = TigonOp("cross_entropy_fwd", _cross_entropy_fwd_impl)
 CROSS_ENTROPY_FWD_INPLACE = MutatingOp("cross_entropy_fwd_", _cross_entropy_fwd_inplace_impl, {"logits"})
 CHUNK_STATS = MutatingOp("cross_entropy_chunk_stats_", _chunk_stats_impl, {"state", "loss_rows", "lse"})
@@ -818,9 +869,8 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Loss and gradient in the forward; the backward only applies grad_output (lazily)."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, z_loss, softcap,
-                logit_scale, compute_grad, inplace):
-        scales = reduction_scales(target, weight, ignore_index, reduction, logits.shape[1])
+    def forward(ctx, logits, target, weight, scales, ignore_index, label_smoothing, reduction, z_loss,
+                softcap, logit_scale, compute_grad, inplace):
         if compute_grad and inplace:
             loss_rows = CROSS_ENTROPY_FWD_INPLACE(
                 logits, target, weight, scales, None, ignore_index, label_smoothing, z_loss, softcap,
@@ -842,9 +892,9 @@ class CrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         if not ctx.compute_grad:
-            return (None,) * 11
+            return (None,) * 12
         grad, applied = ctx.saved_tensors
-        return (scale_lazily(grad, grad_loss, applied),) + (None,) * 10
+        return (scale_lazily(grad, grad_loss, applied),) + (None,) * 11
 
 
 # ------------------------------------------------------------------------------------ public functions
@@ -872,21 +922,24 @@ def check_loss_options(
         raise ValueError(f"logit_scale must be a finite number, got {logit_scale}")
 
 
-def check_target(target, expected_shape, vocab, ignore_index, device):
-    """Shape and dtype checks, and in eager mode the range check (one device-to-host sync).
-
-    Under torch.compile a data-dependent check cannot raise, so it is skipped there: the kernels
-    turn an out-of-range target into a NaN loss without reading out of bounds.
-    """
+def check_target(target, expected_shape, device):
+    """Shape and dtype checks; the range check is :func:`raise_if_out_of_range`."""
     check_tensor(target, "target", dtypes=TARGET_DTYPES, device=device)
     if tuple(target.shape) != tuple(expected_shape):
         raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(expected_shape)}")
-    if torch.compiler.is_compiling() or target.numel() == 0:
+
+
+def raise_if_out_of_range(bad, vocab, ignore_index):
+    """Eager mode: the one device-to-host sync per call, reading the reduction kernel's flag.
+
+    Under torch.compile a data-dependent check cannot raise, so it is skipped there: the kernels
+    turn an out-of-range target into a NaN loss without reading out of bounds. Callers read the
+    flag after launching their kernels (which write only new buffers), so that the sync waits on
+    the GPU work instead of leaving the GPU idle while the launches are prepared.
+    """
+    if torch.compiler.is_compiling():
         return
-    flat = target.reshape(-1)
-    bad = ((flat < 0) | (flat >= vocab)) & (flat != ignore_index)
-    first = torch.argmax(bad.to(torch.int8))
-    any_bad, value = torch.stack([bad.any().to(flat.dtype), flat[first]]).tolist()
+    any_bad, value = bad.tolist()
     if any_bad:
         raise ValueError(
             f"target holds class index {value}, outside [0, {vocab}) and not ignore_index={ignore_index}"
@@ -928,7 +981,7 @@ def cross_entropy(
     check_loss_options(
         weight, vocab, logits.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
-    check_target(target, logits.shape[:-1], vocab, ignore_index, logits.device)
+    check_target(target, logits.shape[:-1], logits.device)
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     inplace = bool(inplace_backward) and compute_grad
     if inplace and logits.is_leaf:
@@ -939,10 +992,17 @@ def cross_entropy(
     rows = as_rows(logits)
     if inplace and rows.data_ptr() != logits.data_ptr():
         inplace = False
-    return CrossEntropyFunction.apply(
-        rows, target.reshape(-1), weight, int(ignore_index), float(label_smoothing), reduction, float(z_loss),
+    target = target.reshape(-1)
+    scales, bad = REDUCTION_SCALES(target, weight, int(ignore_index), reduction, vocab)
+    if inplace:  # the kernel would overwrite the logits: check before
+        raise_if_out_of_range(bad, vocab, ignore_index)
+    loss = CrossEntropyFunction.apply(
+        rows, target, weight, scales, int(ignore_index), float(label_smoothing), reduction, float(z_loss),
         None if softcap is None else float(softcap), float(logit_scale), compute_grad, inplace,
     )
+    if not inplace:
+        raise_if_out_of_range(bad, vocab, ignore_index)
+    return loss
 
 
 # ------------------------------------------------------------------------------------------ reference

@@ -53,10 +53,11 @@ from tigon.ops.cross_entropy import (
     CHUNK_STATS,
     CROSS_ENTROPY_FWD,
     CROSS_ENTROPY_FWD_INPLACE,
+    REDUCTION_SCALES,
     check_loss_options,
     check_target,
     cross_entropy_reference,
-    reduction_scales,
+    raise_if_out_of_range,
     scale_lazily,
 )
 
@@ -262,24 +263,24 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing, reduction,
-        z_loss, softcap, logit_scale, compute_dtype, need_input, need_weight, need_bias,
+        ctx, input, linear_weight, linear_bias, target, weight, scales, ignore_index, label_smoothing,
+        reduction, z_loss, softcap, logit_scale, compute_dtype, need_input, need_weight, need_bias,
     ):
         opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, logit_scale)
         with torch.autocast(input.device.type, enabled=False):
             return FusedLinearCrossEntropyFunction._forward(
-                ctx, input, linear_weight, linear_bias, target, weight, reduction, opts, compute_dtype,
-                (need_input, need_weight, need_bias),
+                ctx, input, linear_weight, linear_bias, target, weight, scales, reduction, opts,
+                compute_dtype, (need_input, need_weight, need_bias),
             )
 
     @staticmethod
-    def _forward(ctx, input, linear_weight, linear_bias, target, weight, reduction, opts, compute_dtype,
-                 need):
+    def _forward(
+        ctx, input, linear_weight, linear_bias, target, weight, scales, reduction, opts, compute_dtype, need
+    ):
         """The forward with autocast off: operands are cast to the compute dtype explicitly."""
         x, w, b = _compute_operands(input, linear_weight, linear_bias, compute_dtype)
         t = target.reshape(-1)
         num_tokens, vocab = x.shape[0], w.shape[0]
-        scales = reduction_scales(t, weight, opts.ignore_index, reduction, vocab)
         plan = chunk_plan(num_tokens, vocab, x.shape[1], x.element_size())
         bias_dtype = linear_bias.dtype if linear_bias is not None else None
         grad_dtypes = (input.dtype, linear_weight.dtype, bias_dtype)
@@ -320,7 +321,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dx = scale_lazily(dx, grad_loss, applied_x).view(ctx.input_shape) if dx is not None else None
             dw = scale_lazily(dw, grad_loss, applied_w) if dw is not None else None
             db = scale_lazily(db, grad_loss, applied_b) if db is not None else None
-            return (dx, dw, db) + (None,) * 12
+            return (dx, dw, db) + (None,) * 13
         input, linear_weight, linear_bias, target, weight, scales, lse = ctx.saved_tensors
         x, w, b = _compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)
         t = target.reshape(-1)
@@ -333,7 +334,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             _, _, dx, dw, db = _by_classes(x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts,
                                            ctx.plan.size, ctx.grad_dtypes, lse=lse)
         dx = dx.view(ctx.input_shape) if dx is not None else None
-        return (dx, dw, db) + (None,) * 12
+        return (dx, dw, db) + (None,) * 13
 
 
 # ------------------------------------------------------------------------------------ public function
@@ -391,15 +392,18 @@ def fused_linear_cross_entropy(
     check_loss_options(
         weight, vocab, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
-    check_target(target, input.shape[:-1], vocab, ignore_index, input.device)
+    check_target(target, input.shape[:-1], input.device)
+    scales, bad = REDUCTION_SCALES(target.reshape(-1), weight, int(ignore_index), reduction, vocab)
     grad_on = torch.is_grad_enabled()
-    return FusedLinearCrossEntropyFunction.apply(
-        input, linear_weight, linear_bias, target, weight, int(ignore_index), float(label_smoothing),
+    loss = FusedLinearCrossEntropyFunction.apply(
+        input, linear_weight, linear_bias, target, weight, scales, int(ignore_index), float(label_smoothing),
         reduction, float(z_loss), None if softcap is None else float(softcap), float(logit_scale),
         compute_dtype,
         grad_on and input.requires_grad, grad_on and linear_weight.requires_grad,
         grad_on and linear_bias is not None and linear_bias.requires_grad,
     )
+    raise_if_out_of_range(bad, vocab, ignore_index)  # after the launches: nothing was written to inputs
+    return loss
 
 
 # ------------------------------------------------------------------------------------------ reference
