@@ -30,13 +30,14 @@ Gradient. With α, β the reduction factors (1/Σ w_y and 1/n for mean, 1 otherw
 Everything on the right is known once lse is, so the forward computes the gradient too: pass 1
 streams the row for (m, Σ exp, Σ w·z), pass 2 streams it again and writes ∂loss/∂l. Rows up to
 ``MAX_SINGLE_BLOCK_V`` classes are held in registers between the passes (one read). Longer rows are
-read twice; the persistent grid keeps only as many rows in flight as fit in L2 and pass 2 walks the
-row backwards, so its reads hit the blocks pass 1 touched last (still in L2).
+read twice, the second time from L2: the persistent grid runs one program per SM, so SMs × row
+bytes are in flight (34 MB at V = 128256 in bf16, inside the H100's 50 MB L2), and pass 2 walks the
+row backwards, so its first reads hit the blocks pass 1 touched last even when a row is longer.
 
 Bytes (speed of light), N rows, element size b: read logits N·V·b, write the gradient N·V·b (plus
-N targets and N fp32 losses). With ``reduction="none"`` nothing else; ``grad_output`` is applied
-lazily in the backward by a row-scaling kernel that skips every row whose factor is already
-applied (``grad_output == 1``, the usual case: one launch and no traffic).
+N targets and N fp32 losses). ``grad_output`` is applied lazily in the backward, by a row-scaling
+kernel that skips every row whose factor is already applied: with ``grad_output == 1`` (the usual
+case) the backward is one launch and no traffic.
 
 In-place. With ``inplace_backward=True`` the gradient overwrites the logits' storage (a
 ``torch.autograd.Function`` around the mutating op ``tigon::cross_entropy_fwd_``), saving N·V·b of
@@ -52,7 +53,6 @@ Reference: :func:`cross_entropy_reference` (``torch.nn.functional.cross_entropy`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
@@ -64,7 +64,6 @@ from tigon.ops._common import (
     _direct_launch,
     as_rows,
     check_tensor,
-    interpreter_active,
     next_power_of_2,
     persistent_programs,
 )
@@ -552,13 +551,14 @@ def scale_rows_kernel(
 # -------------------------------------------------------------------------------------- launch config
 
 # Rows up to this many classes are held in registers between the statistics and the gradient (read
-# once): 16 warps at 16 fp32 values per thread, no spills for any option set (checked with ptxas).
+# once): 16 warps at 16 fp32 values per thread, 85-107 registers and no spills (ptxas, sm_90) except
+# 16 bytes with every option on at once.
 MAX_SINGLE_BLOCK_V = 8192
 ELEMENTS_PER_WARP = 512
 MAX_WARPS = 16
-# Longer rows are streamed in blocks of this width by 16 warps, one block prefetched ahead: 32 KB of
-# bf16 in flight per program while the previous block is reduced, ~110 registers per thread, so one
-# program per SM. That is what saturates HBM with one program per SM.
+# Longer rows are streamed in blocks of this width by 16 warps, the next block prefetched while the
+# current one is reduced (16 KB of bf16 always in flight per program). 96 registers per thread (128
+# with softcap; 16384-wide blocks spill), so one program of 512 threads fills an SM's register file.
 STREAM_BLOCK_V = 8192
 STREAM_WARPS = 16
 # Streaming reads each row twice and wants the second read from L2. One program per SM keeps
@@ -568,11 +568,11 @@ STREAM_PROGRAMS_PER_SM = 1
 # Short rows need no L2 planning; a persistent grid of this many programs per SM amortises the launch.
 SHORT_ROW_PROGRAMS_PER_SM = 4
 # The reduction-factor kernel: one program walks the targets (and class weights) in blocks of this.
-SCALES_BLOCK = 1024
-SCALES_WARPS = 4
+REDUCTION_SCALES_BLOCK = 1024
+REDUCTION_SCALES_WARPS = 4
 # The row-scaling kernel: one program per row, this many elements per load round.
-SCALE_BLOCK = 4096
-SCALE_WARPS = 8
+SCALE_ROWS_BLOCK = 4096
+SCALE_ROWS_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -585,11 +585,6 @@ class RowLaunch:
     programs: int
 
 
-@cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def row_launch(num_rows: int, width: int, device: torch.device) -> RowLaunch:
     """Geometry for rows of ``width`` classes (a whole vocabulary, or one chunk of it)."""
     single = next_power_of_2(width) <= MAX_SINGLE_BLOCK_V
@@ -598,12 +593,8 @@ def row_launch(num_rows: int, width: int, device: torch.device) -> RowLaunch:
         num_warps = max(1, min(block_v // ELEMENTS_PER_WARP, MAX_WARPS))
     else:
         block_v, num_warps = STREAM_BLOCK_V, STREAM_WARPS
-    if device.type != "cuda" or interpreter_active():
-        programs = persistent_programs(device)
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        per_sm = SHORT_ROW_PROGRAMS_PER_SM if single else STREAM_PROGRAMS_PER_SM
-        programs = per_sm * _multiprocessors(index)
+    per_sm = SHORT_ROW_PROGRAMS_PER_SM if single else STREAM_PROGRAMS_PER_SM
+    programs = persistent_programs(device, per_sm)
     return RowLaunch(block_v, num_warps, single, max(1, min(num_rows, programs)))
 
 
@@ -705,12 +696,12 @@ def launch_scale_rows(rows, grad_output, applied):
     num_rows, num_cols = rows.shape
     if num_rows == 0 or num_cols == 0:
         return
-    block = min(SCALE_BLOCK, next_power_of_2(num_cols))
+    block = min(SCALE_ROWS_BLOCK, next_power_of_2(num_cols))
     wrap_triton(scale_rows_kernel)[(num_rows,)](
         rows, rows.stride(0), rows.stride(1),
         grad_output, grad_output.stride(0),
         applied, num_cols,
-        BLOCK=block, num_warps=max(1, min(SCALE_WARPS, block // 512)),
+        BLOCK=block, num_warps=max(1, min(SCALE_ROWS_WARPS, block // 512)),
     )
 
 
@@ -725,8 +716,8 @@ def _reduction_scales_impl(
         weight if weight is not None else scales,
         scales, bad,
         target.numel(), vocab, ignore_index,
-        BLOCK=SCALES_BLOCK, HAS_WEIGHT=weight is not None, MEAN=reduction == "mean",
-        num_warps=SCALES_WARPS,
+        BLOCK=REDUCTION_SCALES_BLOCK, HAS_WEIGHT=weight is not None, MEAN=reduction == "mean",
+        num_warps=REDUCTION_SCALES_WARPS,
     )
     return scales, bad
 
