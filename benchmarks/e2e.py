@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tigon.demo import GPU_BATCH_OVERRIDES, model_config
+
 MODELS = ("llama", "qwen2", "gemma2")
 PROVIDERS = ("stock", "tigon", "compile", "tigon+compile", "liger")
 OPTIONAL_PROVIDERS = ("liger+compile",)
@@ -58,7 +60,7 @@ PROVIDER_TITLES = {
     "liger+compile": "Liger + compile",
 }
 BATCH = 4
-BATCH_OVERRIDES = {"gemma2": 2}  # Gemma-2-2B at batch 4 does not fit stock on 80 GB
+BATCH_OVERRIDES = GPU_BATCH_OVERRIDES  # Gemma-2-2B-shaped: batch 2
 SEQ = 2048
 WARMUP = 3
 STEPS = 5
@@ -135,8 +137,6 @@ def batch_for(model_type: str, batch: int | None) -> int:
 
 def model_spec(model_type: str, *, tiny: bool = False):
     """The benchmark's model: the published shape ``tigon demo`` uses on a GPU."""
-    from tigon.demo import model_config
-
     return model_config(model_type, tiny=tiny)
 
 
@@ -280,17 +280,23 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+            self._close_files()
             return {**job, "error": f"timed out after {timeout} s", "wall_s": time.perf_counter() - started}
-        except BrokenPipeError:
+        except BrokenPipeError:  # the worker died before reading its job
             self.proc.wait()
         self.stdout.seek(0)
-        for line in self.stdout.read().splitlines():
+        self.stderr.seek(0)
+        lines, errors = self.stdout.read().splitlines(), self.stderr.read().strip().splitlines()
+        self._close_files()
+        for line in lines:
             if line.startswith(RESULT_MARK):
                 return json.loads(line[len(RESULT_MARK):])
-        self.stderr.seek(0)
-        tail = self.stderr.read().strip().splitlines()[-3:]
-        return {**job, "error": f"worker exited with status {self.proc.returncode}: {' | '.join(tail)[:400]}",
-                "wall_s": time.perf_counter() - started}
+        return {**job, "error": f"worker exited with status {self.proc.returncode}: "
+                f"{' | '.join(errors[-3:])[:400]}", "wall_s": time.perf_counter() - started}
+
+    def _close_files(self) -> None:
+        self.stdout.close()
+        self.stderr.close()
 
     def discard(self) -> None:
         """Stop an unused worker (it holds no GPU memory: it has only imported modules)."""
@@ -298,6 +304,7 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.terminate()
         self.proc.wait()
+        self._close_files()
 
 
 class WorkerPool:

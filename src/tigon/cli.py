@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model_type of any supported family (default: llama)")
     p.add_argument("--batch", type=int, help="sequences per step (GPU default 4, CPU 4)")
     p.add_argument("--seq", type=int, help="tokens per sequence (GPU default 2048, CPU 64)")
-    p.add_argument("--steps", type=int, help="training steps per run (GPU default 50, CPU 16)")
+    p.add_argument("--steps", type=int, help="training steps per run (GPU default 50, CPU 24)")
     p.add_argument("--lr", type=float, help="peak AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic corpus")
     p.add_argument("--data", help="a local text file to train on (byte-level tokens; default: synthetic)")

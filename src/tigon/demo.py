@@ -610,8 +610,9 @@ def record(setup: Setup, stock: Run, tigon_run: Run, data: str) -> dict:
 # -------------------------------------------------------------------------------------------- main
 
 GPU_DEFAULTS = dict(model="llama", batch=4, seq=2048, steps=50, lr=3e-4)
+GPU_BATCH_OVERRIDES = {"gemma2": 2}  # Gemma-2-2B-shaped at batch 4 x 2048 does not fit stock in 80 GB
 TINY_GPU_DEFAULTS = dict(model="llama", batch=8, seq=512, steps=50, lr=3e-3)
-CPU_DEFAULTS = dict(model="llama", batch=4, seq=64, steps=16, lr=3e-3)
+CPU_DEFAULTS = dict(model="llama", batch=4, seq=64, steps=24, lr=3e-3)
 TOLERANCE = {None: 1e-4, torch.bfloat16: 2e-2}  # per-step relative loss difference, by autocast dtype
 
 
@@ -626,8 +627,11 @@ def run_demo(*, model=None, batch=None, seq=None, steps=None, lr=None, seed=0, d
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     defaults = CPU_DEFAULTS if not cuda else TINY_GPU_DEFAULTS if tiny else GPU_DEFAULTS
-    chosen = dict(model=model, batch=batch, seq=seq, steps=steps, lr=lr)
-    model, batch, seq, steps, lr = (defaults[k] if v is None else v for k, v in chosen.items())
+    model = model or defaults["model"]
+    if cuda and not tiny:
+        defaults = {**defaults, "batch": GPU_BATCH_OVERRIDES.get(model, defaults["batch"])}
+    chosen = dict(batch=batch, seq=seq, steps=steps, lr=lr)
+    batch, seq, steps, lr = (defaults[k] if v is None else v for k, v in chosen.items())
     try:
         require_matplotlib()
         if model not in tigon.supported_models():
