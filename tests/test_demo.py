@@ -65,6 +65,26 @@ def test_cpu_demo_trains_on_a_local_text_file(tmp_path, capsys):
     assert (tmp_path / "out" / "demo.png").exists()
 
 
+@pytest.mark.gpu
+def test_gpu_demo_tiny_bf16_agrees(tmp_path, capsys):
+    assert demo.run_demo(tiny=True, batch=4, seq=256, steps=12, out=tmp_path) == 0
+    record = json.loads((tmp_path / "demo.json").read_text())
+    assert record["precision"] == "bf16 autocast"
+    assert record["max_relative_loss_difference"] <= demo.TOLERANCE[torch.bfloat16]
+    assert all(run["peak_bytes"] > 0 for run in record["runs"].values())
+
+
+@pytest.mark.gpu
+def test_gpu_demo_llama_1b_shaped_agrees_in_less_memory(tmp_path, capsys):
+    assert demo.run_demo(batch=1, seq=1024, steps=6, out=tmp_path) == 0
+    record = json.loads((tmp_path / "demo.json").read_text())
+    assert record["model"] == "Llama-3.2-1B-shaped"
+    stock, patched = record["runs"]["stock"], record["runs"]["tigon"]
+    assert stock["params"] == patched["params"] == PUBLISHED["llama"][1]
+    assert patched["peak_bytes"] < stock["peak_bytes"], "tigon.patch should lower the training peak"
+    assert (tmp_path / "demo.png").exists()
+
+
 def _fake_train(losses_by_label, peak=None):
     def train(setup, label, batches, *, patch):
         run = demo.Run(label, losses=list(losses_by_label[label]), step_seconds=[0.5] * len(batches),

@@ -412,7 +412,6 @@ def train(setup: Setup, label: str, batches, *, patch: bool) -> Run:
     if cuda:
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(setup.seed)
     model = build_model(setup.spec.config, device=setup.device)
     run.params = parameter_count(model)
@@ -422,6 +421,8 @@ def train(setup: Setup, label: str, batches, *, patch: bool) -> Run:
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, betas=BETAS, weight_decay=WEIGHT_DECAY,
                                   fused=cuda)
     progress = Progress(label, setup.steps)
+    if cuda:  # the peak of training (weights included), not of the fingerprint's temporaries
+        torch.cuda.reset_peak_memory_stats()
     try:
         for step, ids in enumerate(batches):
             for group in optimizer.param_groups:
@@ -659,9 +660,8 @@ def run_demo(*, model=None, batch=None, seq=None, steps=None, lr=None, seed=0, d
         log("No CUDA device: running a tiny config on the CPU, tigon's kernels under Triton's interpreter "
             "(exact but slow; the real demo is a Llama-3.2-1B-shaped model on a GPU).")
     precision = "fp32" if autocast is None else "bf16 autocast"
-    log(f"tigon demo: {spec.label} ({model}), random init (seed {seed}), batch {batch} x {seq}, "
-        f"{steps} steps, "
-        f"{precision}, AdamW lr {lr:g}{' fused' if cuda else ''}, sdpa attention, on {device_name(device)}")
+    log(f"tigon demo: {spec.label} ({model}), random init, seed {seed}, batch {batch} x {seq}, {steps} steps")
+    log(f"{precision}, {'fused ' if cuda else ''}AdamW lr {lr:g}, sdpa attention, on {device_name(device)}")
     log(f"data: {data_label}")
 
     stock = train(setup, "stock", batches, patch=False)
