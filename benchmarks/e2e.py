@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--context-start", type=int, default=CONTEXT_START, help="first length probed")
     parser.add_argument("--context-max", type=int, default=CONTEXT_MAX, help="longest length probed")
     parser.add_argument("--context-step", type=int, default=CONTEXT_STEP, help="lengths are multiples of it")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke test of the pipeline under Triton's interpreter (no real numbers)")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -143,7 +146,7 @@ def model_spec(model_type: str, *, tiny: bool = False):
 def jobs_for(args) -> list[dict]:
     return [
         {"model": m, "provider": p, "batch": batch_for(m, args.batch), "seq": args.seq,
-         "warmup": args.warmup, "steps": args.steps}
+         "warmup": args.warmup, "steps": args.steps, "device": args.device, "tiny": args.tiny}
         for m in args.models
         for p in args.providers
     ]
@@ -174,8 +177,8 @@ def graph_break_stats() -> dict:
 def run_job(job: dict) -> dict:
     """Build, patch/compile, train ``warmup + steps`` steps; runs inside a fresh worker process.
 
-    ``job["device"]`` (default "cuda") and ``job["tiny"]`` exist so that the protocol can be tested
-    on a CPU; the benchmark itself always runs the real shapes on the GPU.
+    ``job["device"]`` and ``job["tiny"]`` exist so that the pipeline can be smoke-tested on a CPU;
+    the benchmark itself runs the published shapes on the GPU.
     """
     import torch
 
@@ -382,7 +385,7 @@ def longest_context(args, log=print) -> dict:
 
                 def probe(seq, model=model, provider=provider, probes=probes):
                     job = {"model": model, "provider": provider, "batch": 1, "seq": seq, "warmup": 0,
-                           "steps": CONTEXT_STEPS}
+                           "steps": CONTEXT_STEPS, "device": args.device, "tiny": args.tiny}
                     result = pool.run(job)
                     probes.append({k: result.get(k) for k in ("seq", "error", "oom", "peak_bytes", "wall_s",
                                                                "tokens_per_s", "device", "label")})
@@ -568,8 +571,11 @@ def main(argv=None) -> int:
         return worker_main()
     import torch
 
-    if not torch.cuda.is_available():
-        print("benchmarks/e2e.py needs a CUDA GPU and this machine has none.", file=sys.stderr)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the workers, before they import tigon.ops
+    elif not torch.cuda.is_available():
+        print("benchmarks/e2e.py needs a CUDA GPU and this machine has none (--device cpu --tiny runs a "
+              "smoke test of the pipeline).", file=sys.stderr)
         return 2
     from tigon.bench.harness import versions
 
@@ -582,9 +588,10 @@ def main(argv=None) -> int:
         date=_dt.date.today().isoformat(),
         versions=versions(),
         settings={"models": args.models, "providers": args.providers, "skipped": args.skipped,
-                  "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
-                  "context_step": args.context_step, "context_max": args.context_max, "lr": LR,
-                  "seed": SEED, "env": {k: v for k, v in os.environ.items() if k.startswith("PYTORCH_CUDA")}},
+                  "tiny": args.tiny, "device": args.device, "batch": args.batch, "seq": args.seq,
+                  "warmup": args.warmup, "steps": args.steps, "context_step": args.context_step,
+                  "context_max": args.context_max, "lr": LR, "seed": SEED,
+                  "env": {k: v for k, v in os.environ.items() if k.startswith("PYTORCH_CUDA")}},
         wall_s=time.perf_counter() - started,
     )
     paths = save(result, args.out)

@@ -309,13 +309,17 @@ def test_e2e_reports_longest_context(tmp_path):
     assert [p.name for p in e2e.save(result, tmp_path)][-1] == "e2e-context-H100-2025-01-01.png"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for a GPU job")
-def test_e2e_worker_protocol_runs_a_tiny_job():
-    pool = e2e.WorkerPool(timeout=120)
-    try:
-        row = pool.run({"model": "llama", "provider": "stock", "batch": 1, "seq": 16, "warmup": 1, "steps": 1,
-                        "device": "cpu", "tiny": True})
-    finally:
-        pool.close()
-    assert "error" not in row, row.get("error")
-    assert len(row["losses"]) == 2 and row["tokens_per_s"] > 0 and row["label"] == "tiny llama"
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke test of the GPU benchmark")
+def test_e2e_pipeline_smoke_test_on_cpu(tmp_path, capsys):
+    """The whole pipeline (worker processes, loss agreement, files, table) with tiny models."""
+    argv = ["--device", "cpu", "--tiny", "--models", "llama", "--providers", "stock", "tigon", "--batch", "1",
+            "--seq", "16", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.rstrip().splitlines()[-1].startswith("| llama | tigon |")  # the table is printed last
+    result = json.loads(next(tmp_path.glob("e2e-cpu-*.json")).read_text())
+    stock, patched = result["rows"]
+    assert "error" not in stock and "error" not in patched, (stock.get("error"), patched.get("error"))
+    assert len(patched["losses"]) == 2 and patched["label"] == "tiny llama"
+    assert patched["max_loss_rel_diff"] <= 3e-2  # bf16 autocast on the CPU
+    assert len(list(tmp_path.glob("e2e-cpu-*.*"))) == 3
