@@ -76,7 +76,9 @@ def test_gpu_demo_tiny_bf16_agrees(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_demo_llama_1b_shaped_agrees_in_less_memory(tmp_path, capsys):
-    assert demo.run_demo(batch=1, seq=1024, steps=6, out=tmp_path) == 0
+    # 4096 tokens: enough that the peak falls in the backward (logits and activations alive), not at
+    # the end of it where weights, grads and AdamW moments alone set it for both runs alike.
+    assert demo.run_demo(batch=2, seq=2048, steps=6, out=tmp_path) == 0
     record = json.loads((tmp_path / "demo.json").read_text())
     assert record["model"] == "Llama-3.2-1B-shaped"
     stock, patched = record["runs"]["stock"], record["runs"]["tigon"]
