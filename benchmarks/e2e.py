@@ -1,12 +1,14 @@
 """End-to-end training benchmark: whole models, one optimizer step after another, on a GPU.
 
-    python benchmarks/e2e.py                               # 3 models x 5 providers, ~8 min on an H100
+    python benchmarks/e2e.py                               # 3 models x 5 providers (aimed at <= 8 min, H100)
     python benchmarks/e2e.py --models llama --providers stock tigon --steps 10
     python benchmarks/e2e.py --longest-context             # batch 1, Llama-3.2-1B-shaped, stock vs tigon
+    python benchmarks/e2e.py --device cpu --tiny --seq 16 --warmup 1 --steps 1   # pipeline smoke test
 
 What is measured. Models are built from config with random weights (``tigon.demo.model_config``,
 the same configs ``tigon demo`` trains): Llama-3.2-1B-shaped (V=128256), Qwen2.5-0.5B-shaped
-(V=151936, H=896) and Gemma-2-2B-shaped (V=256000, final-logit softcap; batch 2), fp32 weights,
+(V=151936, H=896) and Gemma-2-2B-shaped (V=256000, final-logit softcap; its attention-logit softcap
+is off, as transformers' sdpa path cannot apply it; batch 2), fp32 weights,
 sdpa attention, bf16 autocast, fused AdamW, batch 4 x 2048 of random tokens. A step is forward with
 labels (the loss inside the model, as transformers computes it), backward, ``optimizer.step()`` and
 ``zero_grad(set_to_none=True)``, timed on the host with ``loss.item()`` as the synchronisation, so
