@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train a model twice, stock vs tigon.patch: speed, memory, same loss")
     p.add_argument("--model", help="model_type of any supported family (default: llama)")
-    p.add_argument("--batch", type=int, help="sequences per step (GPU default 4, CPU 4)")
+    p.add_argument("--batch", type=int, help="sequences per step (default 4; Gemma-2 on a GPU: 2)")
     p.add_argument("--seq", type=int, help="tokens per sequence (GPU default 2048, CPU 64)")
     p.add_argument("--steps", type=int, help="training steps per run (GPU default 50, CPU 24)")
     p.add_argument("--lr", type=float, help="peak AdamW learning rate")
