@@ -77,7 +77,7 @@ def fp64_reference(fn, tensors: dict, grad_output=None, **kwargs):
     if pairs:
         torch.autograd.backward(
             [o for o, _ in pairs],
-            [torch.ones_like(o) if g is None else g.double().expand_as(o) for o, g in pairs],
+            [torch.ones_like(o) if g is None else g.to(o.device, torch.float64).expand_as(o) for o, g in pairs],
         )
         grads = {n: t.grad for n, t in leaves.items() if isinstance(t, torch.Tensor) and t.grad is not None}
     return out, grads

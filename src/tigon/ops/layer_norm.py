@@ -59,6 +59,16 @@ from tigon.ops.rms_norm import BWD_TUNING, norm_launch
 
 
 @triton.jit
+def _row_mean(total, count):
+    """total / count with IEEE rounding. Triton's plain fp32 division is approximate on the GPU (up to
+    2 ulp), so at hidden == 1 it gave mean ≠ x, x − mean ≠ 0 and a spurious x̂ of order rstd·ulp(x);
+    exact division keeps x − mean (and g − mean(g)) exactly zero there, as the math says."""
+    # zeros_like(total) + count: a float tensor whether count arrives as a tensor or as the constant
+    # Triton makes of an integer argument equal to 1.
+    return tl.fdiv(total, tl.zeros_like(total) + count, ieee_rounding=True)
+
+
+@triton.jit
 def _affine_store(
     x_centered, rstd, weight_ptr, bias_ptr, y_ptr, rows, cols, mask, hidden,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -99,7 +109,7 @@ def layer_norm_fwd_kernel(
         mask = row_mask[:, None] & (cols < hidden)[None, :]
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
         x = x.to(tl.float32)
-        mean = tl.sum(x, axis=1) / hidden
+        mean = _row_mean(tl.sum(x, axis=1), hidden)
         x_centered = tl.where(mask, x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(x_centered * x_centered, axis=1) / hidden + eps)
         _affine_store(
@@ -226,8 +236,8 @@ def layer_norm_bwd_kernel(
                 g = dy * w[None, :]
             else:
                 g = dy
-            c1 = tl.sum(g * x_hat, axis=1) / hidden
-            c2 = tl.sum(g, axis=1) / hidden
+            c1 = _row_mean(tl.sum(g * x_hat, axis=1), hidden)
+            c2 = _row_mean(tl.sum(g, axis=1), hidden)
             dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
             tl.store(
                 dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
@@ -257,8 +267,8 @@ def layer_norm_bwd_kernel(
                 )
                 c1 += tl.sum(g * x_hat, axis=1)
                 c2 += tl.sum(g, axis=1)
-            c1 = c1 / hidden
-            c2 = c2 / hidden
+            c1 = _row_mean(c1, hidden)
+            c2 = _row_mean(c2, hidden)
             for start in range(0, hidden, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < hidden

@@ -217,7 +217,8 @@ def rope_launch(seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, 
     common = math.gcd(num_q_heads, num_k_heads) or max(num_q_heads, num_k_heads, 1)
     block_h = min(common & -common, MAX_BLOCK_H, _floor_power_of_2(TILE_ELEMENTS // row))
     block_t = min(_floor_power_of_2(TILE_ELEMENTS // (block_h * row)), next_power_of_2(seq_len))
-    num_warps = max(1, min(block_h * block_t * row // ELEMENTS_PER_WARP, MAX_WARPS))
+    # A padded row of 2·block_half + block_pass need not be a power of two; Triton's warps must be.
+    num_warps = _floor_power_of_2(max(1, min(block_h * block_t * row // ELEMENTS_PER_WARP, MAX_WARPS)))
     return RopeLaunch(block_h, block_t, block_half, block_pass, has_pass, num_warps)
 
 
