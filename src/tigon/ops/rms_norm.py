@@ -315,7 +315,7 @@ class NormTuning:
     programs_per_sm: int = 1
 
 
-FWD_TUNING = NormTuning(max_fused_hidden=16384, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16)
+FWD_TUNING = NormTuning(max_fused_hidden=65536, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16)
 BWD_TUNING = NormTuning(
     max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16, programs_per_sm=2
 )
