@@ -155,7 +155,14 @@ def model_config(model_type: str, *, tiny: bool) -> ModelSpec:
     if tiny:  # tiny models tie embeddings too, as the small real models do
         keywords["tie_word_embeddings"] = True
     # A deep copy: some configs (Gemma-3) rewrite the rope_parameters dict they are given in place.
-    config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(keywords))
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(keywords))
+    except (AttributeError, TypeError, ValueError):
+        # Families with per-layer-type rope tables (Gemma-3, OLMo-3) take rope_parameters in a form
+        # that changed across transformers 5.x (5.17 rejects the flat dict): their defaults then. The
+        # rope base changes no cost, so the benchmark shapes are unaffected.
+        keywords.pop("rope_parameters", None)
+        config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(keywords))
     return ModelSpec(model_type, label, config)
 
 

@@ -7,9 +7,11 @@ op's file; this module only holds what several ops would otherwise each write ag
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
+import triton
+import triton.language as tl
 from torch._library.triton import set_wrap_triton_enabled
 from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -64,7 +66,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -150,3 +152,15 @@ def _eager_function(name, impl, setup_context, backward):
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
+
+
+@triton.jit
+def as_fp32(value):
+    """A float kernel argument as an fp32 scalar, first thing in a kernel.
+
+    Triton's launcher passes Python floats as fp32, but Inductor (torch.compile) passes them to
+    user-defined kernels as fp64: without this, fp32 loop-carried values mixed with them turn fp64
+    (a compile error) and whole tiles are computed in fp64. Adding to an fp32 zero also turns the
+    interpreter's plain Python float into a scalar tensor.
+    """
+    return (tl.zeros((), tl.float32) + value).to(tl.float32)

@@ -62,6 +62,7 @@ from torch.library import triton_op, wrap_triton
 from tigon.ops._common import (
     TigonOp,
     _direct_launch,
+    as_fp32,
     as_rows,
     check_tensor,
     next_power_of_2,
@@ -288,6 +289,8 @@ def cross_entropy_fwd_kernel(
     The target logit is loaded before pass 1: the block reductions of pass 1 are barriers, so that
     load is ordered before any gradient store of pass 2 (which may overwrite it, in place).
     """
+    label_smoothing, z_loss, logit_scale = as_fp32(label_smoothing), as_fp32(z_loss), as_fp32(logit_scale)
+    softcap, softcap_scale = as_fp32(softcap), as_fp32(softcap_scale)
     ce_scale = tl.load(scales_ptr)
     z_scale = tl.load(scales_ptr + 1)
     weight_sum = tl.load(scales_ptr + 2)
@@ -381,6 +384,8 @@ def cross_entropy_chunk_stats_kernel(
 
     Ignored rows are skipped (never read). On the last chunk the row's lse and loss are written.
     """
+    label_smoothing, z_loss, logit_scale = as_fp32(label_smoothing), as_fp32(z_loss), as_fp32(logit_scale)
+    softcap, softcap_scale = as_fp32(softcap), as_fp32(softcap_scale)
     for row64 in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):
         t = tl.load(target_ptr + row64 * target_stride).to(tl.int64)
         if t == ignore_index:
@@ -432,6 +437,8 @@ def cross_entropy_chunk_grad_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
 ):
     """Vocabulary-chunked pass 2 (fused linear CE): overwrite one chunk of logits with the gradient."""
+    label_smoothing, z_loss, logit_scale = as_fp32(label_smoothing), as_fp32(z_loss), as_fp32(logit_scale)
+    softcap, softcap_scale = as_fp32(softcap), as_fp32(softcap_scale)
     ce_scale = tl.load(scales_ptr)
     z_scale = tl.load(scales_ptr + 1)
     weight_sum = tl.load(scales_ptr + 2)

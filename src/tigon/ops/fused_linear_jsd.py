@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_fp32, check_tensor, next_power_of_2
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -64,6 +64,7 @@ def fused_linear_jsd_row_kernel(
     vocab, inv_temperature, beta, ignore_index,
     BLOCK_V: tl.constexpr, BETA_MODE: tl.constexpr, HAS_LABELS: tl.constexpr,
 ):
+    inv_temperature, beta = as_fp32(inv_temperature), as_fp32(beta)
     row = tl.program_id(0).to(tl.int64)
     student_row = student_ptr + row * vocab
     teacher_row = teacher_ptr + row * vocab

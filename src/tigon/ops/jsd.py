@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_rows, check_tensor
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor
 from tigon.ops.kl_div import _tile, tile_launch
 
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -120,6 +120,7 @@ def jsd_fwd_kernel(
     num_rows, num_cols, col_tiles, beta, ignore_index,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BETA_MODE: tl.constexpr, HAS_LABELS: tl.constexpr,
 ):
+    beta = as_fp32(beta)
     pid = tl.program_id(0)
     rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
     s, t, _mask = _load_log_probs(
@@ -141,6 +142,7 @@ def jsd_bwd_kernel(
     num_rows, num_cols, col_tiles, beta, ignore_index,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BETA_MODE: tl.constexpr, HAS_LABELS: tl.constexpr,
 ):
+    beta = as_fp32(beta)
     pid = tl.program_id(0)
     rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
     s, t, mask = _load_log_probs(

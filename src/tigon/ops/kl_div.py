@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, next_power_of_2
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
@@ -105,6 +105,7 @@ def kl_div_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_TARGET: tl.constexpr, REDUCED: tl.constexpr,
     INPUT_GRAD: tl.constexpr, TARGET_GRAD: tl.constexpr,
 ):
+    grad_scale = as_fp32(grad_scale)
     pid = tl.program_id(0)
     rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]

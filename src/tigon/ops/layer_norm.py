@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_rows, check_tensor, persistent_programs
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, persistent_programs
 from tigon.ops.rms_norm import BWD_TUNING, norm_launch
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -102,6 +102,7 @@ def layer_norm_fwd_kernel(
     row is streamed twice in BLOCK_N chunks: once for the statistics (Chan's merge, see the module
     docstring), once for y; the second read comes from L2, where the first left the row.
     """
+    eps = as_fp32(eps)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
     if SINGLE_PASS:
@@ -238,7 +239,12 @@ def layer_norm_bwd_kernel(
                 g = dy
             c1 = _row_mean(tl.sum(g * x_hat, axis=1), hidden)
             c2 = _row_mean(tl.sum(g, axis=1), hidden)
-            dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            if hidden == 1:
+                # A one-element row normalises to 0 whatever x is, so dx = 0 exactly; the general form
+                # leaves FMA-contraction residue of order rstd·ulp(g) (seen on the H100).
+                dx = tl.zeros_like(g)
+            else:
+                dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
             tl.store(
                 dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
             )
@@ -277,7 +283,12 @@ def layer_norm_bwd_kernel(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
                     rows, cols, mask, mean, rstd, hidden, HAS_WEIGHT,
                 )
-                dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                if hidden == 1:
+                    # A one-element row normalises to 0 whatever x is, so dx = 0 exactly; the general form
+                    # leaves FMA-contraction residue of order rstd·ulp(g) (seen on the H100).
+                    dx = tl.zeros_like(g)
+                else:
+                    dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
                 tl.store(
                     dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
                 )

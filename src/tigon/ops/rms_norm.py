@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2, persistent_programs
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, next_power_of_2, persistent_programs
 
 CASTINGS = ("llama", "gemma")
 
@@ -107,6 +107,7 @@ def rms_norm_fwd_kernel(
     and the scaling (x read once). Otherwise the row is streamed in BLOCK_N chunks twice; the second
     read comes from L2, where the row was left by the first.
     """
+    eps, offset = as_fp32(eps), as_fp32(offset)
     IO_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
@@ -211,6 +212,7 @@ def rms_norm_bwd_kernel(
     load and the store of one chunk use the same layout, so each element is read back by the thread
     that wrote it.
     """
+    eps, offset = as_fp32(eps), as_fp32(offset)
     IO_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     row_begin = pid.to(tl.int64) * rows_per_program
