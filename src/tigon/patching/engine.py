@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 import types
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -445,27 +446,42 @@ def _plan_fused_mlps(plan, root, family, classes):
         plan.add(_SetAttr(old, "forward", types.MethodType(forwards[key], old)), line)
 
 
-def tigon_rotary():
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` over ``tigon.ops.rope``."""
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` over ``tigon.ops.rope``.
+
+    Module level and closure-free, so that torch.compile guards it like any global function.
+    """
     from tigon.ops.rope import rope
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
+
+def tigon_rotary():
     return apply_rotary_pos_emb
 
 
 def with_globals(fn, **names):
     """A copy of ``fn`` that sees ``names`` in place of its module's globals of those names.
 
-    The copy gets a new globals dict (the module's, with the names replaced); the module itself, and
-    every other function reading its globals, are untouched.
+    The copy's globals are those of a module of tigon's own, ``tigon._patched.<module>``: a copy of
+    ``fn``'s module namespace with the names replaced, registered in ``sys.modules``. The original
+    module, and every other function reading its globals, are untouched. A real module (rather than
+    a bare dict) matters under torch.compile: Dynamo guards a global by looking the name up on the
+    module that ``__name__`` names, so the namespace must be a module where the name resolves to the
+    function the copy actually calls.
     """
-    new_globals = dict(fn.__globals__)
-    new_globals.update(names)
-    copy = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+    source = sys.modules[fn.__globals__["__name__"]]
+    key = "tigon._patched." + source.__name__
+    namespace = sys.modules.get(key)
+    if namespace is None or any(namespace.__dict__.get(n) is not v for n, v in names.items()):
+        namespace = types.ModuleType(key)
+        namespace.__dict__.update(fn.__globals__)
+        namespace.__dict__.update(names)
+        namespace.__name__ = key
+        sys.modules[key] = namespace
+    copy = types.FunctionType(fn.__code__, namespace.__dict__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, key
     copy.__dict__.update(fn.__dict__)
     copy._tigon = True
     return copy
