@@ -6,7 +6,7 @@
 #   BENCH=none bash scripts/gpu-check.sh      # tests only;   TESTS=none: benchmarks only
 #
 # Everything goes into $OUT (the device tool's output folder; ./gpu-check-out elsewhere): env.txt,
-# tests.log, junit.xml, bench/<device>-<date>.{json,md,png}. A short summary is printed last.
+# tests.log (tests-rerun.log), junit.xml, bench/<device>-<date>.{json,md,png}. A short summary is printed last.
 # Wheels in .whl/ (git-ignored: liger-kernel, pytest, ...) are installed to /tmp/site first, so the
 # image's packages stay untouched.
 set -uo pipefail
@@ -26,9 +26,20 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 
 test_rc=0
 if [ "$TESTS" != none ]; then
+  # Kernel compilation dominates a fresh machine's run: four workers when pytest-xdist is there
+  # (one test file per worker, so a file's >2**31-element tests do not run side by side).
+  parallel=""
+  python3 -c "import xdist" 2>/dev/null && parallel="-n 4 --dist loadfile"
   # shellcheck disable=SC2086
-  python3 -m pytest $TESTS -q -p no:cacheprovider --durations=15 --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
-  test_rc=${PIPESTATUS[0]}
+  python3 -m pytest $TESTS -q $parallel -rf --tb=short --durations=15 --junitxml="$OUT/junit.xml" \
+    >"$OUT/tests.log" 2>&1
+  test_rc=$?
+  if [ $test_rc -ne 0 ] && [ -n "$parallel" ]; then
+    # Four workers share one card: a large test can run out of memory only because another worker's
+    # large test holds the rest. Run what failed again, alone, and report both runs.
+    python3 -m pytest --lf -q -rf --tb=short >"$OUT/tests-rerun.log" 2>&1
+    test_rc=$?
+  fi
 fi
 
 bench_rc=0
@@ -43,7 +54,12 @@ fi
 echo
 echo "================================ summary ================================"
 head -n 8 "$OUT/env.txt"
-[ "$TESTS" != none ] && { echo "tests (rc=$test_rc):"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30; tail -n 1 "$OUT/tests.log"; }
+if [ "$TESTS" != none ]; then
+  echo "tests (rc=$test_rc):"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
+  tail -n 1 "$OUT/tests.log"
+  [ -f "$OUT/tests-rerun.log" ] && { echo "failures re-run alone:"; tail -n 3 "$OUT/tests-rerun.log"; }
+fi
 if [ "$BENCH" != none ]; then
   echo "bench (rc=$bench_rc):"
   cat "$OUT"/bench/*.md 2>/dev/null || tail -n 20 "$OUT/bench.log"
