@@ -57,11 +57,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from tigon.ops._common import (
     TigonOp,
-    _direct_launch,
     as_fp32,
     as_rows,
     check_tensor,
@@ -732,25 +731,6 @@ def _reduction_scales_impl(
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-class MutatingOp:
-    """A launcher that writes into some of its arguments, registered as ``tigon::<name>``.
-
-    Like :class:`tigon.ops._common.TigonOp` (which registers functional ops only): under
-    torch.compile the registered op is traced (functionalised, then re-inplaced by inductor); in
-    eager mode ``impl`` runs directly with ``wrap_triton``'s tracing dispatch switched off.
-    """
-
-    def __init__(self, name, impl, mutates_args):
-        self.impl = impl
-        self.op = triton_op(f"tigon::{name}", impl, mutates_args=mutates_args)
-
-    def __call__(self, *args):
-        if torch.compiler.is_compiling():
-            return self.op(*args)
-        with _direct_launch():
-            return self.impl(*args)
-
-
 def _cross_entropy_fwd_impl(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -845,10 +825,10 @@ def _scale_rows_impl(rows: torch.Tensor, grad_output: torch.Tensor, applied: tor
 
 REDUCTION_SCALES = TigonOp("cross_entropy_reduction_scales", _reduction_scales_impl)
 CROSS_ENTROPY_FWD = TigonOp("cross_entropy_fwd", _cross_entropy_fwd_impl)
-CROSS_ENTROPY_FWD_INPLACE = MutatingOp("cross_entropy_fwd_", _cross_entropy_fwd_inplace_impl, {"logits"})
-CHUNK_STATS = MutatingOp("cross_entropy_chunk_stats_", _chunk_stats_impl, {"state", "loss_rows", "lse"})
-CHUNK_GRAD = MutatingOp("cross_entropy_chunk_grad_", _chunk_grad_impl, {"chunk"})
-SCALE_ROWS = MutatingOp("scale_rows_", _scale_rows_impl, {"rows", "applied"})
+CROSS_ENTROPY_FWD_INPLACE = TigonOp("cross_entropy_fwd_", _cross_entropy_fwd_inplace_impl, mutates_args={"logits"})
+CHUNK_STATS = TigonOp("cross_entropy_chunk_stats_", _chunk_stats_impl, mutates_args={"state", "loss_rows", "lse"})
+CHUNK_GRAD = TigonOp("cross_entropy_chunk_grad_", _chunk_grad_impl, mutates_args={"chunk"})
+SCALE_ROWS = TigonOp("scale_rows_", _scale_rows_impl, mutates_args={"rows", "applied"})
 
 
 def scale_lazily(grad: torch.Tensor, grad_output: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2
 
@@ -258,10 +258,8 @@ def _glu_backward_into_impl(
     _backward(dh, gate, up, activation, dh, dup)
 
 
-# Mutating, so registered with triton_op directly (a TigonOp is functional); see glu_backward_into.
-_GLU_BACKWARD_INTO = triton_op(
-    "tigon::glu_backward_into", _glu_backward_into_impl, mutates_args={"dh", "dup"}
-)
+# Mutating: writes dgate over dh and dup into dup; see glu_backward_into.
+GLU_BACKWARD_INTO = TigonOp("glu_backward_into", _glu_backward_into_impl, mutates_args={"dh", "dup"})
 
 
 def glu_backward_into(dh, gate, up, dup, activation):
@@ -273,10 +271,7 @@ def glu_backward_into(dh, gate, up, dup, activation):
     for name, t, like in (("dh", dh, gate), ("dup", dup, up)):
         if not t.is_contiguous() or t.shape != gate.shape or t.dtype != like.dtype:
             raise ValueError(f"{name} must be contiguous with gate's shape and {like.dtype}")
-    if torch.compiler.is_compiling():
-        _GLU_BACKWARD_INTO(dh, gate, up, dup, activation)
-    else:
-        _glu_backward_into_impl(dh, gate, up, dup, activation)
+    GLU_BACKWARD_INTO(dh, gate, up, dup, activation)
 
 
 def _setup_glu(ctx, inputs, output):

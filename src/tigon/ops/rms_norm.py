@@ -243,7 +243,9 @@ def rms_norm_bwd_kernel(
             dy_next = tl.load(
                 dy_ptr + nxt[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=nxt_mask, other=0.0
             )
-            x_next = tl.load(x_ptr + nxt[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=nxt_mask, other=0.0)
+            x_next = tl.load(
+                x_ptr + nxt[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=nxt_mask, other=0.0
+            )
             rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
             if HAS_WEIGHT:
                 g = dy * w[None, :]
