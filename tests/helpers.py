@@ -72,7 +72,7 @@ def fp64_reference(fn, tensors: dict, grad_output=None, **kwargs):
     out = fn(**leaves, **kwargs)
     outs = out if isinstance(out, tuple) else (out,)
     grads_out = grad_output if isinstance(grad_output, tuple) else (grad_output,)
-    pairs = [(o, g) for o, g in zip(outs, grads_out) if o is not None and o.requires_grad]
+    pairs = [(o, g) for o, g in zip(outs, grads_out, strict=False) if o is not None and o.requires_grad]
     grads = {}
     if pairs:
         torch.autograd.backward(

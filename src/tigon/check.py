@@ -37,9 +37,9 @@ def check_spec(spec, device: torch.device) -> tuple[float, str]:
         grads_out = [torch.randn_like(o) for o in diff]
         leaves = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad}
         grads = torch.autograd.grad(diff, list(leaves.values()), grads_out, allow_unused=True) if diff else ()
-        results[provider] = (outs, dict(zip(leaves, grads)))
+        results[provider] = (outs, dict(zip(leaves, grads, strict=False)))
     (ref_outs, ref_grads), (outs, grads) = results["eager"], results["tigon"]
-    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+    for i, (o, r) in enumerate(zip(outs, ref_outs, strict=True)):
         if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor):
             err = _rel(o, r)
             if not err <= worst:  # NaN propagates as the worst

@@ -42,7 +42,7 @@ def check_rms_norm(x, weight, dy, *, eps=1e-6, offset=0.0, casting="llama"):
     assert_close(y, ref, dtype, "y")
     grads = torch.autograd.grad(y, [t for t in (x, weight) if t is not None and t.requires_grad], dy)
     names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
-    for name, grad in zip(names, grads):
+    for name, grad in zip(names, grads, strict=True):
         assert grad.dtype == tensors[name].dtype
         assert_close(grad, ref_grads[name], dtype, f"d{name}")
 
@@ -130,7 +130,7 @@ def test_rms_norm_deterministic():
     dy = randn(300, 512, dtype=torch.bfloat16)
     first = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
     second = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 def test_rms_norm_empty_rows():
@@ -205,7 +205,7 @@ def test_rms_norm_torch_compile_fullgraph(fn):
     ref_loss = f(x, r, w)
     ref_grads = torch.autograd.grad(ref_loss, (x, r, w))
     assert_close(loss, ref_loss, torch.float32, "loss")
-    for g, rg in zip(grads, ref_grads):
+    for g, rg in zip(grads, ref_grads, strict=True):
         assert_close(g, rg, torch.bfloat16, "grad")
 
 

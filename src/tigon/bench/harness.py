@@ -45,7 +45,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device="cuda").normal_()
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-    del src, dst
     return 2 * COPY_BYTES / (ms * 1e-3)
 
 
@@ -214,7 +213,7 @@ def plot(result: dict, path: Path) -> None:
 
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
     fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.2 * len(ops)), squeeze=False)
-    for ax, op in zip(axes[:, 0], ops):
+    for ax, op in zip(axes[:, 0], ops, strict=True):
         rows = [r for r in result["rows"] if r["op"] == op and r["mode"] == "full" and "ms" in r]
         cases = list(dict.fromkeys(r["case"] for r in rows))
         providers = list(dict.fromkeys(r["provider"] for r in rows))

@@ -45,7 +45,10 @@ def _cases(residual=False):
             return inputs
 
         cases.append(
-            Case(f"{label} M={rows} N={hidden}", {"M": rows, "N": hidden}, make, _bytes(rows, hidden, 2, residual=residual))
+            Case(
+                f"{label} M={rows} N={hidden}", {"M": rows, "N": hidden}, make,
+                _bytes(rows, hidden, 2, residual=residual),
+            )
         )
     return cases
 

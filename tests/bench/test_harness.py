@@ -1,0 +1,52 @@
+"""The benchmark harness and the specs, without a GPU: spec shapes and byte counts, report writers."""
+
+import torch
+
+from tests.helpers import DEVICE
+from tigon.bench import harness
+from tigon.bench.spec import MODES
+from tigon.bench.specs import SPEC_MODULES, load_specs
+
+
+def test_every_spec_module_loads_and_has_the_reference_providers():
+    specs = load_specs()
+    assert len(specs) >= len(SPEC_MODULES)
+    for spec in specs.values():
+        assert "eager" in spec.providers and "tigon" in spec.providers, spec.name
+        assert set(spec.modes) <= set(MODES)
+
+
+def test_cases_declare_bytes_for_their_modes():
+    for spec in load_specs().values():
+        for case in spec.cases():
+            for mode in spec.modes:
+                if case.sol_bytes:
+                    assert case.sol_bytes.get(mode, 0) > 0, (spec.name, case.label, mode)
+
+
+def test_check_cases_run_on_this_device():
+    spec = load_specs(["rms_norm"])["rms_norm"]
+    inputs = spec.check_case().make_inputs(DEVICE, torch.float32)
+    out = spec.providers["tigon"](**inputs)
+    ref = spec.providers["eager"](**inputs)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _fake_result():
+    rows = []
+    for provider, ms in (("eager", 3.0), ("tigon", 0.3)):
+        for mode in MODES:
+            rows.append({"op": "rms_norm", "case": "Llama-3-8B M=16384 N=4096", "params": {}, "provider": provider,
+                         "mode": mode, "ms": ms, "peak_mb": 100.0, "sol_pct": 50.0})
+    rows.append({"op": "rms_norm", "case": "Llama-3-8B M=16384 N=4096", "params": {}, "provider": "liger",
+                 "mode": "full", "error": "out of memory"})
+    return {"device": "test", "date": "2026-11-22", "versions": harness.versions(),
+            "copy_bandwidth_gbps": 3000.0, "modes": list(MODES), "rows": rows}
+
+
+def test_markdown_and_plot(tmp_path):
+    result = _fake_result()
+    table = harness.markdown(result)
+    assert "| Llama-3-8B M=16384 N=4096 | 3.000 (50%) [100] | 0.300 (50%) [100] | OOM |" in table
+    harness.plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
