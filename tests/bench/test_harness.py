@@ -37,7 +37,7 @@ def _fake_result():
     for provider, ms in (("eager", 3.0), ("tigon", 0.3)):
         for mode in MODES:
             rows.append({"op": "rms_norm", "case": "Llama-3-8B M=16384 N=4096", "params": {}, "provider": provider,
-                         "mode": mode, "ms": ms, "peak_mb": 100.0, "sol_pct": 50.0})
+                         "mode": mode, "ms": ms, "wall_ms": 2 * ms, "peak_mb": 100.0, "sol_pct": 50.0})
     rows.append({"op": "rms_norm", "case": "Llama-3-8B M=16384 N=4096", "params": {}, "provider": "liger",
                  "mode": "full", "error": "out of memory"})
     return {"device": "test", "date": "2026-11-22", "versions": harness.versions(),
@@ -48,5 +48,7 @@ def test_markdown_and_plot(tmp_path):
     result = _fake_result()
     table = harness.markdown(result)
     assert "| Llama-3-8B M=16384 N=4096 | 3.000 (50%) [100] | 0.300 (50%) [100] | OOM |" in table
+    assert "## rms_norm (full), wall clock" in table
+    assert "| Llama-3-8B M=16384 N=4096 | 6.000 | 0.600 | OOM |" in table
     harness.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
