@@ -3,6 +3,7 @@
     python benchmarks/e2e.py                               # 3 models x 5 providers (aimed at <= 8 min, H100)
     python benchmarks/e2e.py --models llama --providers stock tigon --steps 10
     python benchmarks/e2e.py --longest-context             # batch 1, Llama-3.2-1B-shaped, stock vs tigon
+    python benchmarks/e2e.py --models qwen2 --providers stock tigon --profile   # where the GPU time goes
     python benchmarks/e2e.py --device cpu --tiny --seq 16 --warmup 1 --steps 1   # pipeline smoke test
 
 What is measured. Models are built from config with random weights (``tigon.demo.model_config``,
@@ -25,22 +26,34 @@ and on request ``liger+compile``. Each (model, provider) runs in a fresh Python 
 allocator cache, compiled graph or monkey patch leaks into the next measurement; the next process
 is started while the current one runs and waits, imports done, for its job (hiding start-up time).
 
+Profile (``--profile``): after its timed steps, each job trains ``PROFILE_STEPS`` more steps under
+``torch.profiler`` (the timed measurement is untouched), and sums the device time of every kernel,
+per step, into the categories of ``KERNEL_CATEGORIES`` (matmul, attention, norm, rope, activation,
+loss, optimizer, copies and casts, other elementwise, Inductor's fused kernels, other Triton, other)
+by its name. Reported per provider: those sums, the GPU busy time (all kernels), the timed step's
+wall time and busy / wall (well below 1: the host does not keep the GPU fed), and the top kernels.
+On the CPU (``--device cpu``) the profile sums each operator's self CPU time instead: the
+interpreter runs the Triton kernels on the host, so it only tests the pipeline.
+
 Longest context (``--longest-context``): at batch 1, the largest sequence length, in steps of 2048,
 that trains without running out of memory: two full steps, since the first ``optimizer.step()``
 allocates the AdamW moments that every later step's peak includes. Found by doubling from 8192 then
 bisecting, one fresh process per probe.
 
 Results go to ``benchmarks/results/e2e-<device>-<date>.{json,md,png}`` (``e2e-context-...`` for the
-longest-context mode); the markdown table is printed last.
+longest-context mode); the markdown is printed last (without the top-kernel lists, which are in
+the files).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -76,6 +89,9 @@ CONTEXT_START = 8192
 CONTEXT_MAX = 131072
 CONTEXT_STEPS = 2  # the second step's peak includes the AdamW moments the first one created
 RESULT_MARK = "E2E-RESULT "
+PROFILE_STEPS = 2  # profiled steps after the timed ones (a two-step trace is small)
+TOP_KERNELS = 15
+KERNEL_NAME_CHARS = 160  # kernel names are cut here in the report (C++ template names run to thousands)
 OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -104,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke test of the pipeline under Triton's interpreter (no real numbers)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"after the timed steps, profile {PROFILE_STEPS} more: GPU time by kernel category")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -148,10 +166,80 @@ def model_spec(model_type: str, *, tiny: bool = False):
 def jobs_for(args) -> list[dict]:
     return [
         {"model": m, "provider": p, "batch": batch_for(m, args.batch), "seq": args.seq,
-         "warmup": args.warmup, "steps": args.steps, "device": args.device, "tiny": args.tiny}
+         "warmup": args.warmup, "steps": args.steps, "device": args.device, "tiny": args.tiny,
+         "profile_steps": PROFILE_STEPS if args.profile else 0}
         for m in args.models
         for p in args.providers
     ]
+
+
+# ---------------------------------------------------------------------------------------- profile
+
+# Where a kernel's time goes: the first pattern (case-insensitive ``re.search``) that matches its
+# name names its category. Order matters: flash-attention and fmha kernels have "cutlass" in their
+# names, Inductor's kernels are named after the ops they fuse (``triton_red_fused__to_copy_add_mean_0``),
+# Adam's functor is templated on ``false`` (hence ``lse`` only as a word), and a bare identifier (no C++
+# namespace or template) left at the end is a Triton kernel: Triton names kernels after their Python
+# functions (tigon's cross-entropy helpers are listed by name under "loss").
+# On the CPU the names are operators (``aten::mm``, ``tigon::rms_norm``), hence the ``aten::`` entries.
+KERNEL_CATEGORIES = (
+    ("inductor fused", r"^triton_(poi|red|per)_"),
+    ("attention", r"flash|fmha|sdpa|attention"),
+    ("matmul", r"gemm|gemv|cutlass|cublas|xmma|nvjet|wgmma|splitKreduce|^triton_tem_"
+               r"|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
+    ("loss", r"cross_?entropy|nll_loss|log_?softmax|logsumexp|(?<![a-z])lse(?![a-z])|fused_linear"
+             r"|element_mul_kernel|kl_?div|jsd|^reduction_scales_kernel$|^scale_rows_kernel$"),
+    ("norm", r"rms_?norm|layer_?norm|group_?norm|GammaBeta"),
+    ("rope", r"(?<![a-z])m?rope(?![a-z])|rotary"),
+    ("activation/glu", r"glu|gelu|silu|swish|relu"),
+    ("optimizer", r"multi_tensor_apply|adam|_foreach_"),
+    ("copy/cast", r"copy|memcpy|memset|CatArray|FillFunctor"),
+    ("elementwise/reduce", r"elementwise|reduce|vectorized"),
+    ("triton other", r"^\w+$"),
+)
+OTHER = "other"
+CATEGORIES = tuple(name for name, _ in KERNEL_CATEGORIES) + (OTHER,)
+_CATEGORY_PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CATEGORIES)
+
+
+@functools.cache
+def classify(kernel_name: str) -> str:
+    """The category of ``KERNEL_CATEGORIES`` a kernel (or, on the CPU, an operator) belongs to."""
+    return next((name for name, pattern in _CATEGORY_PATTERNS if pattern.search(kernel_name)), OTHER)
+
+
+def summarise_profile(kernels, *, steps: int, wall_ms: float) -> dict:
+    """Per-step device time by category, the busy total and the top kernels, from the profiled
+    steps' ``(kernel name, microseconds)`` pairs; ``wall_ms`` is one step's wall time."""
+    per_name = {}  # kernel name -> [microseconds, calls] over all profiled steps
+    for name, us in kernels:
+        total = per_name.setdefault(name, [0.0, 0])
+        total[0] += us
+        total[1] += 1
+    categories = dict.fromkeys(CATEGORIES, 0.0)
+    for name, (us, _) in per_name.items():
+        categories[classify(name)] += us / 1e3 / steps
+    busy_ms = sum(categories.values())
+    top = sorted(per_name.items(), key=lambda item: item[1][0], reverse=True)[:TOP_KERNELS]
+    return {
+        "steps": steps, "busy_ms": busy_ms, "wall_ms": wall_ms, "busy_fraction": busy_ms / wall_ms,
+        "categories": categories,
+        "top_kernels": [{"name": name[:KERNEL_NAME_CHARS], "category": classify(name), "ms": us / 1e3 / steps,
+                         "calls": calls / steps} for name, (us, calls) in top],
+    }
+
+
+def profiled_kernels(prof, cuda: bool) -> list[tuple[str, float]]:
+    """``(name, microseconds)`` of every kernel, memcpy and memset the GPU ran (not the record_function
+    ranges kineto mirrors onto the GPU timeline); on the CPU, every operator's self time (its time less
+    its children's, so nothing is counted twice)."""
+    from torch.autograd import DeviceType
+
+    if cuda:
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events()
+            if e.device_type == DeviceType.CPU and not e.is_async]
 
 
 # ----------------------------------------------------------------------------------------- worker
@@ -205,19 +293,22 @@ def run_job(job: dict) -> dict:
     batch, seq, warmup, steps = job["batch"], job["seq"], job["warmup"], job["steps"]
     gen = torch.Generator(device=device).manual_seed(SEED)
     data = torch.randint(spec.config.vocab_size, (warmup + steps, batch, seq), device=device, generator=gen)
-    losses, seconds = [], []
-    for step in range(warmup + steps):
-        if step == warmup and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        ids = data[step]
-        start = time.perf_counter()
+
+    def train_step(ids) -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # synchronises: the step time is the device's
+        return loss.item()  # synchronises: the step time is the device's
+
+    losses, seconds = [], []
+    for step in range(warmup + steps):
+        if step == warmup and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        losses.append(train_step(data[step]))
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds[warmup:])
     out.update(losses=losses, step_seconds=seconds, median_step_s=median, tokens_per_s=batch * seq / median)
@@ -227,7 +318,29 @@ def run_job(job: dict) -> dict:
                    reserved_bytes=torch.cuda.max_memory_reserved())
     if "compile" in parts:
         out.update(graph_break_stats())
+    if job.get("profile_steps"):
+        batches = [data[warmup + i % steps] for i in range(job["profile_steps"])]  # the timed steps' data again
+        try:
+            out["profile"] = profile_steps(train_step, batches, cuda=cuda, timed_step_s=median)
+        except Exception as exc:  # keep the timed result when only the profile fails
+            out["profile_error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     return out
+
+
+def profile_steps(train_step, batches, *, cuda: bool, timed_step_s: float) -> dict:
+    """Train on ``batches`` under the profiler, after the timed steps (so it cannot disturb them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    # CPU activity on the GPU too: kernel events have gone missing from CUDA-only traces
+    # (meta-pytorch/tritonbench#401); it slows the host, which profiled_wall_ms shows, not the kernels.
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for ids in batches:
+            train_step(ids)
+        profiled_s = time.perf_counter() - start
+    summary = summarise_profile(profiled_kernels(prof, cuda), steps=len(batches), wall_ms=timed_step_s * 1e3)
+    return {**summary, "activity": "cuda" if cuda else "cpu", "profiled_wall_ms": profiled_s * 1e3 / len(batches)}
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -446,7 +559,55 @@ def _headline_cell(row: dict | None, stock: dict | None) -> str:
     return f"{_si(row['tokens_per_s'])}{speed}, {_gib(row.get('activation_bytes'))} GiB"
 
 
-def markdown(result: dict) -> str:
+def _ms(value) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def profile_markdown(rows: list[dict], *, top_kernels: bool = True) -> list[str]:
+    """The "where the time goes" section: per model, categories x providers in ms per step, then
+    (``top_kernels``) each provider's most expensive kernels."""
+    profiled = [r for r in rows if "profile" in r or "profile_error" in r]
+    if not profiled:
+        return []
+    lines = ["", "## Where the time goes (ms of GPU time per step)", "",
+             f"Kernel time summed by category (`KERNEL_CATEGORIES` in benchmarks/e2e.py) over "
+             f"{profiled[0]['profile_steps']} profiled steps after the timed ones, per step. GPU busy: all "
+             "kernels; busy / wall below 1 means the GPU waited for the host (wall: the timed median step)."]
+    if any(r.get("profile", {}).get("activity") == "cpu" for r in profiled):
+        lines.append("On the CPU these are operators' self CPU times (the interpreter runs Triton kernels on "
+                     "the host): a test of the pipeline, not a profile.")
+    for model in dict.fromkeys(r["model"] for r in profiled):
+        model_rows = [r for r in rows if r["model"] == model]
+        profiles = {r["provider"]: r.get("profile") for r in model_rows}
+        used = [c for c in CATEGORIES if any(p and p["categories"].get(c) for p in profiles.values())]
+        table_rows = [(c, lambda p, c=c: _ms(p["categories"].get(c, 0.0))) for c in used] + [
+            ("**GPU busy**", lambda p: f"**{_ms(p['busy_ms'])}**"),
+            ("step wall", lambda p: _ms(p["wall_ms"])),
+            ("busy / wall", lambda p: f"{p['busy_fraction']:.2f}"),
+        ]
+        title = _model_title(model_rows[0]) if "vocab" in model_rows[0] else model
+        lines += ["", f"### {title}", "",
+                  "| ms per step | " + " | ".join(PROVIDER_TITLES[p] for p in profiles) + " |",
+                  "| --- |" + " --- |" * len(profiles)]
+        for label, cell in table_rows:
+            lines.append(f"| {label} | " + " | ".join("—" if p is None else cell(p) for p in profiles.values())
+                         + " |")
+        failed = [f"{r['provider']} ({r['profile_error']})" for r in model_rows if "profile_error" in r]
+        if failed:
+            lines += ["", "Profile failed: " + ", ".join(failed) + "."]
+        if not top_kernels:
+            continue
+        for provider, prof in profiles.items():
+            if prof is None:
+                continue
+            lines += ["", f"Top kernels, {model}, {PROVIDER_TITLES[provider]}:", "",
+                      "| ms per step | calls per step | category | kernel |", "| --- | --- | --- | --- |"]
+            lines += [f"| {k['ms']:.2f} | {k['calls']:g} | {k['category']} | `{k['name'].replace('|', '/')}` |"
+                      for k in prof["top_kernels"]]
+    return lines
+
+
+def markdown(result: dict, *, top_kernels: bool = True) -> str:
     settings = result["settings"]
     lines = [f"# tigon end-to-end training — {result['device']} — {result['date']}", "",
              f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}."]
@@ -500,6 +661,7 @@ def markdown(result: dict) -> str:
             f"{_gib(row.get('activation_bytes'))} | {diff} | "
             f"{row.get('graph_breaks', '—')} | |"
         )
+    lines += profile_markdown(rows, top_kernels=top_kernels)
     return "\n".join(lines) + "\n"
 
 
@@ -598,7 +760,7 @@ def main(argv=None) -> int:
     )
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
-    print(markdown(result))
+    print(markdown(result, top_kernels=False))
     return 0
 
 
