@@ -147,6 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--batch must be at least 1")
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
+    if args.profile and args.longest_context:
+        parser.error("--profile profiles the throughput jobs, not --longest-context")
     return args
 
 
@@ -181,7 +183,8 @@ def jobs_for(args) -> list[dict]:
 # Adam's functor is templated on ``false`` (hence ``lse`` only as a word), and a bare identifier (no C++
 # namespace or template) left at the end is a Triton kernel: Triton names kernels after their Python
 # functions (tigon's cross-entropy helpers are listed by name under "loss").
-# On the CPU the names are operators (``aten::mm``, ``tigon::rms_norm``), hence the ``aten::`` entries.
+# On the CPU the names are operators and autograd functions (``aten::mm``, ``rms_norm_function``), hence
+# the ``aten::`` entries.
 KERNEL_CATEGORIES = (
     ("inductor fused", r"^triton_(poi|red|per)_"),
     ("attention", r"flash|fmha|sdpa|attention"),

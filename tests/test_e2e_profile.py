@@ -1,9 +1,9 @@
 """``benchmarks/e2e.py --profile``: the kernel-name classification, the per-step summary, the
 "where the time goes" markdown, and (on a CPU-only machine) the whole pipeline with the profiler on.
 
-The names below are what the H100 trace shows (demangled C++ templates shortened where the tail
-does not matter), what Inductor generates under torch.compile, and what Triton calls tigon's and
-Liger-Kernel's kernels (their Python function names).
+The names below are modelled on what PyTorch profiler traces on an H100 show (demangled C++ templates,
+shortened where the tail does not matter), on what Inductor generates under torch.compile, and on what
+Triton calls tigon's and Liger-Kernel's kernels (their Python function names).
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from benchmarks import e2e
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import Interval
 
 OPS = Path(__file__).resolve().parents[1] / "src" / "tigon" / "ops"
 
@@ -157,6 +160,21 @@ def test_summarise_profile_per_step():
     assert len(e2e.summarise_profile(many, steps=1, wall_ms=1.0)["top_kernels"]) == e2e.TOP_KERNELS
 
 
+def test_profiled_kernels_take_device_events_only():
+    """On the GPU: kernels, memcpys and memsets, not host events nor the annotations mirrored on the GPU."""
+
+    def event(name, device, start, end, annotation=False, self_cpu=0.0):
+        return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end),
+                               is_user_annotation=annotation, is_async=False, self_cpu_time_total=self_cpu)
+
+    events = [event("aten::mm", DeviceType.CPU, 0, 50, self_cpu=30.0), event("nvjet_tst_x", DeviceType.CUDA, 10, 40),
+              event("Memset (Device)", DeviceType.CUDA, 41, 42),
+              event("Optimizer.step#AdamW.step", DeviceType.CUDA, 0, 100, annotation=True)]
+    prof = SimpleNamespace(events=lambda: events)
+    assert e2e.profiled_kernels(prof, cuda=True) == [("nvjet_tst_x", 30), ("Memset (Device)", 1)]
+    assert e2e.profiled_kernels(prof, cuda=False) == [("aten::mm", 30.0)]
+
+
 def _profile(categories: dict, busy: float, wall: float, top: str) -> dict:
     return {"steps": 2, "busy_ms": busy, "wall_ms": wall, "busy_fraction": busy / wall, "activity": "cuda",
             "profiled_wall_ms": wall * 1.1,
@@ -226,6 +244,8 @@ def test_profile_flag_reaches_the_jobs():
     args = e2e.parse_args(["--models", "qwen2", "--providers", "stock", "tigon", "--profile"])
     assert [(j["provider"], j["profile_steps"]) for j in e2e.jobs_for(args)] == [
         ("stock", e2e.PROFILE_STEPS), ("tigon", e2e.PROFILE_STEPS)]
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--longest-context", "--profile"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke test of the GPU benchmark")
