@@ -46,12 +46,13 @@ def _check_case():
 
 
 def _liger(name):
-    """Liger-Kernel's functional form, or None."""
+    """Liger-Kernel's functional form (positional ``(a, b)``: gate, up), or None."""
     try:
         from liger_kernel.transformers import functional
     except ImportError:
         return None
-    return getattr(functional, name)
+    fn = getattr(functional, name)
+    return lambda gate, up: fn(gate, up)
 
 
 SWIGLU = Spec(
