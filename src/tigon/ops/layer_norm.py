@@ -24,10 +24,11 @@ the identity::
     db      = Σ_rows dy
 
 Only ``x``, ``mean`` and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` and ``db`` are reduced
-without atomics: each program of the persistent backward grid owns a fixed band of rows and writes
-its own fp32 partial rows; the partials are summed in a fixed order, so the same input gives bitwise
-the same gradients on every run. The launch geometry is RMSNorm's (:func:`norm_launch`): the same
-tile shapes and the same register limits hold for both norms.
+without atomics: the persistent backward grid cuts the rows into fixed bands, each band accumulates
+its own fp32 partial rows (always in the same order), and the partials are summed in a fixed order,
+so the same input gives bitwise the same gradients on every run. The launch geometry, and the
+streamed backward for long rows, are RMSNorm's (:func:`norm_launch`, :func:`norm_backward_launch`,
+rms_norm.py's docstring): the same tile shapes and the same register and L2 limits hold for both.
 
 Output dtype. ``torch.nn.functional.layer_norm`` on CUDA requires weight and bias in x's dtype
 (fp32 weights with bf16 x raise "expected scalar type"); under ``torch.autocast`` it runs in fp32
@@ -52,8 +53,15 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, persistent_programs
-from tigon.ops.rms_norm import BWD_TUNING, norm_launch
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor
+from tigon.ops.rms_norm import (
+    accumulate_partial,
+    grad_tile,
+    load_grad_rows,
+    norm_backward_launch,
+    norm_launch,
+    part_chunks,
+)
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -152,31 +160,18 @@ def layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_rows(ptr, row_stride, col_stride, rows, cols, mask):
-    """A [BLOCK_M, BLOCK_N] tile of a strided (M, N) tensor, in its own dtype (0 outside the mask)."""
-    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :] * col_stride, mask=mask, other=0.0)
-
-
-@triton.jit
-def _grad_tile(
-    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-    rows, cols, mask, mean, rstd, hidden,
-    HAS_WEIGHT: tl.constexpr,
-):
-    """Load one tile of dy and x (fp32) and form x̂ = (x − mean)·rstd and g = dy·w.
-
-    Padding lanes load dy = 0, so g = 0 there and they add nothing to c1, c2, dw or db even though
-    their x̂ is not zero.
-    """
-    dy = _load_rows(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask).to(tl.float32)
-    x = _load_rows(x_ptr, x_row_stride, x_col_stride, rows, cols, mask).to(tl.float32)
-    x_hat = (x - mean[:, None]) * rstd[:, None]
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-        g = dy * w[None, :]
+def _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, POLICY: tl.constexpr):
+    """dx = rstd·(g − x̂·c1 − c2) for one tile."""
+    if hidden == 1:
+        # A one-element row normalises to 0 whatever x is, so dx = 0 exactly; the general form leaves
+        # FMA-contraction residue of order rstd·ulp(g) (seen on the H100).
+        dx = tl.zeros_like(g)
     else:
-        g = dy
-    return dy, x_hat, g
+        dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    tl.store(
+        dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask,
+        eviction_policy=POLICY,
+    )
 
 
 @triton.jit
@@ -186,25 +181,28 @@ def layer_norm_bwd_kernel(
     weight_ptr,                             # (N,)                              [HAS_WEIGHT]
     mean_ptr, rstd_ptr,                     # (M,) fp32 each, saved by the forward
     dx_ptr,                                 # (M, N) out, contiguous
-    dw_partial_ptr,                         # (programs, N) out, fp32: this program's Σ dy·x̂   [HAS_WEIGHT]
-    db_partial_ptr,                         # (programs, N) out, fp32: this program's Σ dy      [HAS_BIAS]
-    num_rows, hidden, rows_per_program,
+    dw_partial_ptr,                         # (bands, N) out, fp32: each band's Σ dy·x̂   [HAS_WEIGHT]
+    db_partial_ptr,                         # (bands, N) out, fp32: each band's Σ dy      [HAS_BIAS]
+    num_rows, hidden,
+    rows_per_band, split,                   # program p: band p // split, part p % split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Persistent: program p owns rows [p·rows_per_program, (p+1)·rows_per_program).
+    """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and its own fp32 partial
+    rows. The same scheme as RMSNorm's backward (see rms_norm_bwd_kernel for the streamed passes and
+    the split), with two row reductions (c1, c2) and two partial rows (dw, db).
 
-    SINGLE_PASS keeps the row tile, and the program's dw and db partials, in registers across all
-    its rows. Otherwise each row is streamed twice in BLOCK_N chunks (c1 and c2 first, then dx) and
-    the partials are accumulated in the program's own rows of the partial buffers (zeroed by the
-    launcher); the load and the store of one chunk use the same layout, so each element is read back
-    by the thread that wrote it.
+    SINGLE_PASS (split == 1) keeps the row tile, and the band's dw and db partials, in registers
+    across all its rows.
     """
+    LAST_USE: tl.constexpr = "evict_first" if EVICT_FIRST else ""
     pid = tl.program_id(0)
-    row_begin = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, num_rows)
-    dw_row_ptr = dw_partial_ptr + pid.to(tl.int64) * hidden
-    db_row_ptr = db_partial_ptr + pid.to(tl.int64) * hidden
+    band, part = pid // split, pid % split
+    row_begin = band.to(tl.int64) * rows_per_band
+    row_end = tl.minimum(row_begin + rows_per_band, num_rows)
+    dw_row_ptr = dw_partial_ptr + band.to(tl.int64) * hidden
+    db_row_ptr = db_partial_ptr + band.to(tl.int64) * hidden
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
@@ -217,8 +215,9 @@ def layer_norm_bwd_kernel(
         # in flight (kept in the io dtype, half the registers of fp32, upcast when they become current).
         rows = row_begin + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
-        dy_next = _load_rows(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask)
-        x_next = _load_rows(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
+        dy_next, x_next = load_grad_rows(
+            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, ""
+        )
         mean_next = tl.load(mean_ptr + rows, mask=rows < row_end, other=0.0)
         rstd_next = tl.load(rstd_ptr + rows, mask=rows < row_end, other=0.0)
         for row_start in range(row_begin, row_end, BLOCK_M):
@@ -229,8 +228,9 @@ def layer_norm_bwd_kernel(
             x_hat = (x_next.to(tl.float32) - mean_next[:, None]) * rstd[:, None]
             nxt = rows + BLOCK_M
             nxt_mask = (nxt < row_end)[:, None] & col_mask[None, :]
-            dy_next = _load_rows(dy_ptr, dy_row_stride, dy_col_stride, nxt, cols, nxt_mask)
-            x_next = _load_rows(x_ptr, x_row_stride, x_col_stride, nxt, cols, nxt_mask)
+            dy_next, x_next = load_grad_rows(
+                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, nxt, cols, nxt_mask, ""
+            )
             mean_next = tl.load(mean_ptr + nxt, mask=nxt < row_end, other=0.0)
             rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
             if HAS_WEIGHT:
@@ -239,15 +239,7 @@ def layer_norm_bwd_kernel(
                 g = dy
             c1 = _row_mean(tl.sum(g * x_hat, axis=1), hidden)
             c2 = _row_mean(tl.sum(g, axis=1), hidden)
-            if hidden == 1:
-                # A one-element row normalises to 0 whatever x is, so dx = 0 exactly; the general form
-                # leaves FMA-contraction residue of order rstd·ulp(g) (seen on the H100).
-                dx = tl.zeros_like(g)
-            else:
-                dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
-            tl.store(
-                dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
-            )
+            _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, "")
             if HAS_WEIGHT:
                 dw_acc += tl.sum(dy * x_hat, axis=0)
             if HAS_BIAS:
@@ -257,47 +249,41 @@ def layer_norm_bwd_kernel(
         if HAS_BIAS:
             tl.store(db_row_ptr + cols, db_acc, mask=col_mask)
     else:
+        num_chunks, first_chunk, my_chunks = part_chunks(hidden, part, split, BLOCK_N)
         for row_start in range(row_begin, row_end, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in range(0, hidden, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
+            # Pass 1, c1 = mean(g·x̂) and c2 = mean(g), summed lane by lane and reduced once.
+            gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for chunk in tl.range(0, num_chunks, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask = row_mask[:, None] & (cols < hidden)[None, :]
-                dy, x_hat, g = _grad_tile(
+                _dy, x_hat, g = grad_tile(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, cols, mask, mean, rstd, hidden, HAS_WEIGHT,
+                    rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, "",
                 )
-                c1 += tl.sum(g * x_hat, axis=1)
-                c2 += tl.sum(g, axis=1)
-            c1 = _row_mean(c1, hidden)
-            c2 = _row_mean(c2, hidden)
-            for start in range(0, hidden, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < hidden
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy, x_hat, g = _grad_tile(
+                gx += g * x_hat
+                gs += g
+            c1 = _row_mean(tl.sum(gx, axis=1), hidden)
+            c2 = _row_mean(tl.sum(gs, axis=1), hidden)
+            # Pass 2 over this part's chunks, last first (the most recently read are still in L2).
+            for i in tl.range(0, my_chunks, num_stages=STAGES):
+                cols = (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < hidden)[None, :]
+                dy, x_hat, g = grad_tile(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, cols, mask, mean, rstd, hidden, HAS_WEIGHT,
+                    rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, LAST_USE,
                 )
-                if hidden == 1:
-                    # A one-element row normalises to 0 whatever x is, so dx = 0 exactly; the general form
-                    # leaves FMA-contraction residue of order rstd·ulp(g) (seen on the H100).
-                    dx = tl.zeros_like(g)
-                else:
-                    dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
-                tl.store(
-                    dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
-                )
+                _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, LAST_USE)
                 if HAS_WEIGHT:
-                    dw = tl.load(dw_row_ptr + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row_ptr + cols, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
+                    accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), row_start > row_begin)
                 if HAS_BIAS:
-                    db = tl.load(db_row_ptr + cols, mask=col_mask, other=0.0)
-                    tl.store(db_row_ptr + cols, db + tl.sum(dy, axis=0), mask=col_mask)
+                    accumulate_partial(db_row_ptr, cols, hidden, tl.sum(dy, axis=0), row_start > row_begin)
+            # As in RMSNorm: the next group reads these partial-row stores back, maybe on other threads.
+            tl.debug_barrier()
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -350,24 +336,21 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dw = torch.zeros_like(weight) if weight is not None else no_param()
         db = torch.zeros_like(bias) if bias is not None else no_param()
         return dx, dw, db
-    cfg = norm_launch(num_rows, hidden, backward=True)
-    programs = persistent_programs(x.device, BWD_TUNING.programs_per_sm)
-    programs = min(programs, triton.cdiv(num_rows, cfg.block_m))
-    rows_per_program = triton.cdiv(triton.cdiv(num_rows, programs), cfg.block_m) * cfg.block_m
-    programs = triton.cdiv(num_rows, rows_per_program)
-    # The streaming kernel accumulates into its partial rows, so only that path needs them zeroed.
+    row_bytes = (dy.element_size() + x.element_size()) * hidden
+    cfg = norm_backward_launch(num_rows, hidden, row_bytes, (weight is not None) + (bias is not None), x.device)
+    # Every element of a band's partial rows is written by the band's first group, so no zeroing.
     # Without a weight (bias) the kernel never touches its partial pointer; dx stands in for it.
-    alloc = torch.empty if cfg.single_pass else torch.zeros
-    dw_partial = alloc((programs, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
-    db_partial = alloc((programs, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
-    wrap_triton(layer_norm_bwd_kernel)[(programs,)](
+    dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
+    db_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
+    wrap_triton(layer_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
         x2, x2.stride(0), x2.stride(1),
         weight if weight is not None else x2,
         mean, rstd,
         dx, dw_partial, db_partial,
-        num_rows, hidden, rows_per_program,
+        num_rows, hidden, cfg.rows_per_band, cfg.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,
     )

@@ -21,9 +21,16 @@ identity (as autograd does for ``.to(dtype)``)::
                                           and dx = dresidual = ds
 
 Only ``x`` (or ``s``) and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` is reduced without
-atomics: each program of the persistent backward grid owns a fixed band of rows and writes its own
-fp32 partial row; the partials are summed in a fixed order, so the same input gives bitwise the
-same gradient on every run.
+atomics: the persistent backward grid cuts the rows into fixed bands, each band accumulates its own
+fp32 partial row (always in the same order), and the partials are summed in a fixed order, so the
+same input gives bitwise the same gradient on every run.
+
+Long rows (hidden > ``BWD_TUNING.max_fused_hidden``) do not fit in registers, and c needs the whole
+row before any of dx: the backward streams groups of rows twice in column chunks, c first, then
+dx and the group's dw, and the second read is meant to come from L2. What decides the speed is
+what stays in L2 between the two reads: the rows of every band in flight and every band's partial
+row. ``NormTuning`` (the ``stream_*`` knobs) sizes the groups, the bands and the split of a band's
+columns between programs to that budget; see :func:`rms_norm_bwd_kernel`.
 
 Bytes (speed of light), M rows, element size b::
 
@@ -150,17 +157,51 @@ def rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+# Shared with layer_norm.py's backward: tile loads, x̂ and g, the partial-row update, the chunk split.
+
+
 @triton.jit
-def _grad_tile(
-    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-    rows, cols, mask, rstd, hidden, offset,
-    HAS_WEIGHT: tl.constexpr,
+def load_rows(ptr, row_stride, col_stride, rows, cols, mask, POLICY: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile of a strided (M, N) tensor, in its own dtype (0 outside the mask).
+
+    POLICY is the L2 eviction hint of the load: "" (normal), or "evict_first" for data read for the
+    last time, so that it leaves L2 before what is still to be read again.
+    """
+    return tl.load(
+        ptr + rows[:, None] * row_stride + cols[None, :] * col_stride, mask=mask, other=0.0, eviction_policy=POLICY
+    )
+
+
+@triton.jit
+def load_grad_rows(
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask,
+    POLICY: tl.constexpr,
 ):
-    """Load one tile of dy and x (fp32) and form x̂ = x·rstd and g = dy·(offset + w)."""
-    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+    """The dy and x tiles of the same rows and columns, in the io dtype (the backward's two reads)."""
+    dy = load_rows(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask, POLICY)
+    x = load_rows(x_ptr, x_row_stride, x_col_stride, rows, cols, mask, POLICY)
+    return dy, x
+
+
+@triton.jit
+def grad_tile(
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+    rows, cols, mask, mean, rstd, hidden, offset,
+    HAS_WEIGHT: tl.constexpr, CENTERED: tl.constexpr, POLICY: tl.constexpr,
+):
+    """Load one tile of dy and x (fp32) and form x̂ and g = dy·(offset + w).
+
+    x̂ = (x − mean)·rstd with CENTERED (LayerNorm), x·rstd without (RMSNorm; ``mean`` unused). Padding
+    lanes load dy = 0, so g = 0 there and they add nothing to any row or column sum, whatever their x̂.
+    """
+    dy, x = load_grad_rows(
+        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, POLICY
+    )
     dy = dy.to(tl.float32)
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-    x_hat = x.to(tl.float32) * rstd[:, None]
+    x = x.to(tl.float32)
+    if CENTERED:
+        x = x - mean[:, None]
+    x_hat = x * rstd[:, None]
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + offset
         g = dy * w[None, :]
@@ -170,9 +211,30 @@ def _grad_tile(
 
 
 @triton.jit
+def accumulate_partial(partial_row_ptr, cols, hidden, column_sum, accumulate):
+    """partial[cols] += column_sum in a band's own fp32 partial row; where ``accumulate`` is false
+    (the band's first group of rows) it stores without reading, so nobody need zero the buffer."""
+    # The read's bound is hidden or 0 (a product keeps hidden's divisibility, so the load stays
+    # vectorised; `mask & scalar` would also do, but the interpreter mis-types it).
+    read_end = hidden * accumulate.to(tl.int32)
+    old = tl.load(partial_row_ptr + cols, mask=cols < read_end, other=0.0)
+    tl.store(partial_row_ptr + cols, old + column_sum, mask=cols < hidden)
+
+
+@triton.jit
+def part_chunks(hidden, part, split, BLOCK_N: tl.constexpr):
+    """(number of BLOCK_N chunks of a row, first chunk of this part, its chunk count): the row's
+    chunks cut into ``split`` consecutive runs; a part may get none when split > chunks."""
+    num_chunks = tl.cdiv(hidden, BLOCK_N)
+    per_part = tl.cdiv(num_chunks, split)
+    first = part * per_part
+    return num_chunks, first, tl.maximum(tl.minimum(num_chunks - first, per_part), 0)
+
+
+@triton.jit
 def _dx_store(
     g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask, hidden, eps,
-    HAS_DSUM: tl.constexpr,
+    HAS_DSUM: tl.constexpr, POLICY: tl.constexpr,
 ):
     """dx = rstd·(g − x̂·c), plus the residual stream's own gradient for add_rms_norm.
 
@@ -184,11 +246,11 @@ def _dx_store(
     else:
         dx = (g - x_hat * c[:, None]) * rstd[:, None]
     if HAS_DSUM:
-        dsum = tl.load(
-            dsum_ptr + rows[:, None] * dsum_row_stride + cols[None, :] * dsum_col_stride, mask=mask, other=0.0
-        )
-        dx += dsum.to(tl.float32)
-    tl.store(dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dx += load_rows(dsum_ptr, dsum_row_stride, dsum_col_stride, rows, cols, mask, POLICY).to(tl.float32)
+    tl.store(
+        dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask,
+        eviction_policy=POLICY,
+    )
 
 
 @triton.jit
@@ -199,25 +261,35 @@ def rms_norm_bwd_kernel(
     rstd_ptr,                                       # (M,) fp32, saved by the forward
     dsum_ptr, dsum_row_stride, dsum_col_stride,     # (M, N) gradient of the s output   [HAS_DSUM]
     dx_ptr,                                         # (M, N) out, contiguous
-    dw_partial_ptr,                                 # (programs, N) out, fp32: this program's Σ dy·r(x̂)
-    num_rows, hidden, eps, offset, rows_per_program,
+    dw_partial_ptr,                                 # (bands, N) out, fp32: each band's Σ dy·r(x̂)
+    num_rows, hidden, eps, offset,
+    rows_per_band, split,                           # program p: band p // split, part p % split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr, LLAMA_CASTING: tl.constexpr,
 ):
-    """Persistent: program p owns rows [p·rows_per_program, (p+1)·rows_per_program).
+    """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and one fp32 partial row.
 
-    SINGLE_PASS keeps the row tile in registers and the program's dw partial in registers across
-    all its rows. Otherwise each row is streamed twice in BLOCK_N chunks (c first, then dx) and the
-    dw partial is accumulated in the program's own row of dw_partial (zeroed by the launcher); the
-    load and the store of one chunk use the same layout, so each element is read back by the thread
-    that wrote it.
+    SINGLE_PASS (split == 1): the row tile is held in registers, and the band's dw partial in
+    registers across all its rows, stored once at the end.
+
+    Streamed: rows go BLOCK_M at a time as [BLOCK_M, BLOCK_N] tiles over column chunks, in two
+    passes. Pass 1 reads the whole rows for c; pass 2 reads them again (from L2, where pass 1 left
+    them: last chunk first, the most recently read) for dx and adds the group's Σ dy·r(x̂) to the
+    partial row, one read-modify-write per chunk for BLOCK_M rows. With split > 1, several programs
+    share a band: each computes c over the whole rows (the others' reads of the same rows hit L2)
+    but writes dx and the partial only for its own run of chunks; that divides the L2 working set
+    (rows in flight and partial rows) by split. See NormTuning for the knobs.
     """
     eps, offset = as_fp32(eps), as_fp32(offset)
     IO_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    # last-use loads and the dx stores may leave L2 first: what pass 2 still needs should stay
+    LAST_USE: tl.constexpr = "evict_first" if EVICT_FIRST else ""
     pid = tl.program_id(0)
-    row_begin = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, num_rows)
-    dw_row_ptr = dw_partial_ptr + pid.to(tl.int64) * hidden
+    band, part = pid // split, pid % split
+    row_begin = band.to(tl.int64) * rows_per_band
+    row_end = tl.minimum(row_begin + rows_per_band, num_rows)
+    dw_row_ptr = dw_partial_ptr + band.to(tl.int64) * hidden
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
@@ -229,8 +301,9 @@ def rms_norm_bwd_kernel(
         # half the registers of fp32, and upcast when they become the current tile).
         rows = row_begin + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
-        dy_next = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
-        x_next = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+        dy_next, x_next = load_grad_rows(
+            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, ""
+        )
         rstd_next = tl.load(rstd_ptr + rows, mask=rows < row_end, other=0.0)
         for row_start in range(row_begin, row_end, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)
@@ -240,11 +313,8 @@ def rms_norm_bwd_kernel(
             x_hat = x_next.to(tl.float32) * rstd[:, None]
             nxt = rows + BLOCK_M
             nxt_mask = (nxt < row_end)[:, None] & col_mask[None, :]
-            dy_next = tl.load(
-                dy_ptr + nxt[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=nxt_mask, other=0.0
-            )
-            x_next = tl.load(
-                x_ptr + nxt[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=nxt_mask, other=0.0
+            dy_next, x_next = load_grad_rows(
+                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, nxt, cols, nxt_mask, ""
             )
             rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
             if HAS_WEIGHT:
@@ -254,7 +324,7 @@ def rms_norm_bwd_kernel(
             c = tl.sum(g * x_hat, axis=1) / hidden
             _dx_store(
                 g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
-                hidden, eps, HAS_DSUM,
+                hidden, eps, HAS_DSUM, "",
             )
             if HAS_WEIGHT:
                 if LLAMA_CASTING:
@@ -263,37 +333,44 @@ def rms_norm_bwd_kernel(
         if HAS_WEIGHT:
             tl.store(dw_row_ptr + cols, dw_acc, mask=cols < hidden)
     else:
+        num_chunks, first_chunk, my_chunks = part_chunks(hidden, part, split, BLOCK_N)
         for row_start in range(row_begin, row_end, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            c = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in range(0, hidden, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
+            # Pass 1, c = mean(g·x̂): summed lane by lane over the chunks and reduced across the tile
+            # once, so that the loop body holds no cross-warp reduction to stall the pipelined loads.
+            gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for chunk in tl.range(0, num_chunks, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask = row_mask[:, None] & (cols < hidden)[None, :]
-                dy, x_hat, g = _grad_tile(
+                _dy, x_hat, g = grad_tile(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, cols, mask, rstd, hidden, offset, HAS_WEIGHT,
+                    rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, "",
                 )
-                c += tl.sum(g * x_hat, axis=1)
-            c = c / hidden
-            for start in range(0, hidden, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < hidden)[None, :]
-                dy, x_hat, g = _grad_tile(
+                gx += g * x_hat
+            c = tl.sum(gx, axis=1) / hidden
+            # Pass 2 over this part's chunks, last first.
+            for i in tl.range(0, my_chunks, num_stages=STAGES):
+                cols = (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_mask = cols < hidden
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, x_hat, g = grad_tile(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, cols, mask, rstd, hidden, offset, HAS_WEIGHT,
+                    rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, LAST_USE,
                 )
                 _dx_store(
                     g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
-                    hidden, eps, HAS_DSUM,
+                    hidden, eps, HAS_DSUM, LAST_USE,
                 )
                 if HAS_WEIGHT:
                     if LLAMA_CASTING:
                         x_hat = x_hat.to(IO_DTYPE).to(tl.float32)
-                    col_mask = cols < hidden
-                    dw = tl.load(dw_row_ptr + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row_ptr + cols, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
+                    accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), row_start > row_begin)
+            # The next group reads this group's partial-row stores back, and a pipelined load may run
+            # on another thread than the store (it lands in shared memory in its own layout): a
+            # barrier orders them.
+            tl.debug_barrier()
 
 
 # -------------------------------------------------------------------------------------- launch config
@@ -305,10 +382,27 @@ class NormTuning:
     max_fused_hidden: rows longer than this are streamed in chunks instead of held in registers.
       The backward holds about twice as many live values per element as the forward (dy, x, their
       prefetched successors, g, dw), hence its lower limit; past it a register tile would spill.
+    chunk: the column width of a streamed tile (BLOCK_N).
     tile_elements: what a program's tile aims at for short rows (several rows per program, so that
       a hidden size of 96 still moves a useful amount per program).
     elements_per_warp / max_warps: warps = tile / elements_per_warp, capped.
-    programs_per_sm: persistent programs per multiprocessor (backward only).
+    programs_per_sm: persistent programs per multiprocessor (fused backward).
+
+    The streamed backward (hidden > max_fused_hidden; see rms_norm_bwd_kernel):
+    stream_rows: rows per [rows, chunk] tile (BLOCK_M, at most). The band's fp32 partial row is read
+      and written once per chunk per group of rows, so its traffic is 8·N/stream_rows bytes a row.
+    stream_split: programs sharing one band of rows (at most): each reads the whole rows for the
+      row reductions but writes only its 1/split of the columns, so bands, and with them the rows in
+      flight and the partial rows that must stay in L2, number programs/split.
+    stream_l2_bytes: what the rows in flight and the partial rows may take of L2 together,
+      bands·(rows·(dy + x row bytes) + partial row bytes). The split grows (up to stream_split)
+      until one row fits, then the rows grow (up to stream_rows) while they fit. None: no budget,
+      stream_rows and stream_split are used as they are.
+    stream_programs_per_sm: persistent programs per multiprocessor (a fraction is allowed).
+    stream_stages: software-pipelining depth of the chunk loops (tl.range num_stages; 1 = none):
+      the loads of the next stages-1 chunks are in flight while one is computed.
+    stream_evict_first: loads of data read for the last time (pass 2) and the dx stores carry the
+      L2 evict-first hint, so that pass 1's rows and the partial rows are what L2 keeps.
     """
 
     max_fused_hidden: int
@@ -317,11 +411,19 @@ class NormTuning:
     elements_per_warp: int
     max_warps: int
     programs_per_sm: int = 1
+    stream_rows: int = 1
+    stream_split: int = 1
+    stream_l2_bytes: int | None = None
+    stream_programs_per_sm: float = 1.0
+    stream_stages: int = 1
+    stream_evict_first: bool = False
 
 
 FWD_TUNING = NormTuning(max_fused_hidden=65536, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16)
 BWD_TUNING = NormTuning(
-    max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16, programs_per_sm=2
+    max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16, programs_per_sm=2,
+    stream_rows=4, stream_split=2, stream_l2_bytes=32 << 20, stream_programs_per_sm=1.0, stream_stages=2,
+    stream_evict_first=True,
 )
 # Kept as names of their own: tests pick sizes on both sides of these regime boundaries.
 MAX_FUSED_HIDDEN_FWD = FWD_TUNING.max_fused_hidden
@@ -338,15 +440,74 @@ class NormLaunch:
     single_pass: bool
 
 
+@dataclass(frozen=True)
+class NormBackwardLaunch(NormLaunch):
+    """The backward's persistent grid on top of the block geometry: ``bands·split`` programs, band b
+    owning rows [b·rows_per_band, (b+1)·rows_per_band) and one fp32 partial row per reduced parameter."""
+
+    bands: int
+    split: int
+    rows_per_band: int
+    stages: int
+    evict_first: bool
+
+    @property
+    def programs(self) -> int:
+        return self.bands * self.split
+
+
+def _warps(tile: int, tuning: NormTuning) -> int:
+    return max(1, min(tile // tuning.elements_per_warp, tuning.max_warps))
+
+
 def norm_launch(num_rows: int, hidden: int, *, backward: bool) -> NormLaunch:
     tuning = BWD_TUNING if backward else FWD_TUNING
     block_n = next_power_of_2(hidden)
     if block_n > tuning.max_fused_hidden:
-        warps = max(1, min(tuning.chunk // tuning.elements_per_warp, tuning.max_warps))
-        return NormLaunch(1, tuning.chunk, warps, False)
+        return NormLaunch(1, tuning.chunk, _warps(tuning.chunk, tuning), False)
     block_m = max(1, min(tuning.tile_elements // block_n, next_power_of_2(num_rows)))
-    num_warps = max(1, min(block_m * block_n // tuning.elements_per_warp, tuning.max_warps))
-    return NormLaunch(block_m, block_n, num_warps, True)
+    return NormLaunch(block_m, block_n, _warps(block_m * block_n, tuning), True)
+
+
+def norm_backward_launch(
+    num_rows: int, hidden: int, row_bytes: int, partials: int, device: torch.device
+) -> NormBackwardLaunch:
+    """The backward's launch for (num_rows, hidden) rows on ``device``.
+
+    row_bytes: bytes of one row of the tensors pass 2 reads again (dy and x); partials: how many
+    fp32 partial rows each band accumulates (1 for dw; 2 for LayerNorm's dw and db).
+    """
+    tuning = BWD_TUNING
+    tile = norm_launch(num_rows, hidden, backward=True)
+    block_m, split, stages = tile.block_m, 1, 1
+    if tile.single_pass:
+        target = persistent_programs(device, tuning.programs_per_sm)
+    else:
+        target = max(1, round(tuning.stream_programs_per_sm * persistent_programs(device, 1)))
+        max_split = max(1, min(tuning.stream_split, triton.cdiv(hidden, tuning.chunk), target))
+        max_rows = max(1, min(tuning.stream_rows, next_power_of_2(num_rows)))
+        partial_bytes = 4 * hidden * partials
+        budget = tuning.stream_l2_bytes
+
+        def fits(split, rows):
+            return budget is None or (target // split) * (rows * row_bytes + partial_bytes) <= budget
+
+        split = max_split if budget is None else 1
+        while split < max_split and not fits(split, 1):
+            split *= 2
+        split = min(split, max_split)
+        block_m = max_rows if budget is None else 1
+        while 2 * block_m <= max_rows and fits(split, 2 * block_m):
+            block_m *= 2
+        stages = tuning.stream_stages
+    bands = max(1, min(target // split, triton.cdiv(num_rows, block_m)))
+    rows_per_band = triton.cdiv(triton.cdiv(num_rows, bands), block_m) * block_m
+    bands = triton.cdiv(num_rows, rows_per_band)
+    return NormBackwardLaunch(
+        block_m, tile.block_n, _warps(block_m * tile.block_n, tuning), tile.single_pass,
+        bands=bands, split=split, rows_per_band=rows_per_band, stages=stages,
+        evict_first=tuning.stream_evict_first and not tile.single_pass,
+    )
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -391,23 +552,21 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
         dw = torch.empty(0, dtype=x.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
         return dx, (torch.zeros_like(weight) if weight is not None else dw)
-    cfg = norm_launch(num_rows, hidden, backward=True)
-    programs = min(persistent_programs(x.device, BWD_TUNING.programs_per_sm), triton.cdiv(num_rows, cfg.block_m))
-    rows_per_program = triton.cdiv(triton.cdiv(num_rows, programs), cfg.block_m) * cfg.block_m
-    programs = triton.cdiv(num_rows, rows_per_program)
-    # The streaming kernel accumulates into its partial row, so only that path needs it zeroed.
-    alloc = torch.empty if cfg.single_pass else torch.zeros
-    dw_partial = alloc((programs, hidden), dtype=torch.float32, device=x.device) if weight is not None else rstd
+    row_bytes = (dy.element_size() + x.element_size()) * hidden
+    cfg = norm_backward_launch(num_rows, hidden, row_bytes, 1, x.device)
+    # Every element of a band's partial row is written by the band's first group, so no zeroing.
+    dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else rstd
     ds2 = as_rows(dsum) if dsum is not None else dy2
-    wrap_triton(rms_norm_bwd_kernel)[(programs,)](
+    wrap_triton(rms_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
         x2, x2.stride(0), x2.stride(1),
         weight if weight is not None else x2,
         rstd,
         ds2, ds2.stride(0), ds2.stride(1),
         dx, dw_partial,
-        num_rows, hidden, eps, offset, rows_per_program,
+        num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, LLAMA_CASTING=casting == "llama",
         num_warps=cfg.num_warps,
     )
