@@ -114,9 +114,11 @@ class _Plan:
     changes: list = field(default_factory=list)
     counts: dict = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, change, line):
+    def add(self, change, line=None):
+        """Queue ``change``; ``line`` is what the patch report counts it under (None: not reported)."""
         self.changes.append(change)
-        self.counts[line] += 1
+        if line is not None:
+            self.counts[line] += 1
 
     def lines(self):
         return [line if n == 1 else f"{line} ({n} modules)" for line, n in self.counts.items()]
@@ -522,6 +524,7 @@ def _plan_loss(plan, model, family, classes, switches):
         plan.add(_SetAttr(model, "forward", types.MethodType(forward, model)), lines[0])
         head_forward = types.MethodType(loss_path.linear_or_fused_loss, lm_head)
         plan.add(_SetAttr(lm_head, "forward", head_forward), lines[1])
+        plan.add(_SetAttr(lm_head, loss_path.TAKES_TARGET, True))
     elif switches["cross_entropy"]:
         if _is_tigon(own_loss):
             return

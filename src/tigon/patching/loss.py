@@ -102,6 +102,8 @@ def linear_or_fused_loss(self, input, target=None, **loss_kwargs):
 
 
 linear_or_fused_loss._tigon = True
+# The instance attribute the patch sets on the lm_head whose forward it rebinds.
+TAKES_TARGET = "_tigon_takes_target"
 
 
 def _takes_target(lm_head) -> bool:
@@ -110,7 +112,10 @@ def _takes_target(lm_head) -> bool:
     It may have been replaced since (``resize_token_embeddings``, a PEFT ``modules_to_save`` wrapper);
     the stock loss path is right for any head, so that is what runs then, with a warning.
     """
-    if getattr(lm_head.forward, "__func__", None) is linear_or_fused_loss:
+    # A flag the patch sets on the head it rebinds, rather than a comparison of the bound method's
+    # __func__: Dynamo does not see that identity, and would take the warning path (a graph break)
+    # and the full logits under torch.compile.
+    if vars(lm_head).get(TAKES_TARGET, False):
         return True
     warnings.warn(
         f"tigon: lm_head is now a {type(lm_head).__name__} that the patch did not set up; computing the "
