@@ -4,8 +4,11 @@ Sizes sit on the kernel's regime boundaries (the launch config shared with rms_n
 and 7 (tiles far wider than the row, many rows per program; at 1 the output is the bias and every
 gradient but the bias's is exactly zero), 96 and 1000 (non-powers of two), 4096 (one tile, one row
 per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385 (forward
-streamed too, statistics merged chunk by chunk).
+streamed too, statistics merged chunk by chunk). The streamed backward's geometry is tested at
+small hidden sizes with test_rms_norm.py's shrunken tuning (the launch is shared).
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
+from tests.ops.test_rms_norm import GPU_STREAM_KNOBS, RMS_MODULE, STREAM_CASES, use_stream_tuning
 from tigon.ops.layer_norm import layer_norm, layer_norm_reference
 from tigon.ops.rms_norm import MAX_FUSED_HIDDEN_BWD, MAX_FUSED_HIDDEN_FWD
 
@@ -141,6 +145,30 @@ def test_layer_norm_deterministic(hidden):
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("params", ("both", "weight", "bias", "none"))
+@pytest.mark.parametrize("case", ("1row-split2", "19rows-groups2-split2", "23rows-groups4-split3"))
+def test_layer_norm_streamed_backward(monkeypatch, dtype, params, case):
+    rows, hidden, knobs = STREAM_CASES[case]
+    use_stream_tuning(monkeypatch, **knobs)
+    x = (randn(rows, hidden) * 2 + 3).to(dtype).requires_grad_()
+    w = randn(hidden, dtype=dtype, requires_grad=True) if params in ("both", "weight") else None
+    b = randn(hidden, dtype=dtype, requires_grad=True) if params in ("both", "bias") else None
+    check_layer_norm(x, w, b, randn(rows, hidden, dtype=dtype))
+
+
+def test_layer_norm_streamed_backward_deterministic(monkeypatch):
+    rows, hidden, knobs = STREAM_CASES["19rows-groups2-split2"]
+    use_stream_tuning(monkeypatch, **knobs)
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 def test_layer_norm_empty_rows():
     x = randn(0, 64, requires_grad=True)
     w, b = randn(64, requires_grad=True), randn(64, requires_grad=True)
@@ -203,6 +231,23 @@ def test_layer_norm_deterministic_gpu_many_rows(hidden):
     second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     check_layer_norm(x, w, b, dy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_STREAM_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_layer_norm_streamed_backward_gpu(monkeypatch, knobs):
+    """Compiled for real (pipelined loads, two partial rows): right, and bitwise the same twice."""
+    tuning = dataclasses.replace(RMS_MODULE.BWD_TUNING, stream_l2_bytes=None, **knobs)
+    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    rows, hidden = 2048, 5 * 4096 - 93
+    x = (randn(rows, hidden) * 2 + 3).to(torch.bfloat16).requires_grad_()
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    check_layer_norm(x, w, b, dy)
+    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.gpu

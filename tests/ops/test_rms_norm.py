@@ -4,7 +4,15 @@ Sizes sit on the kernel's regime boundaries (rms_norm.py's launch config): hidde
 far wider than the row, many rows per program), 96 and 1000 (non-powers of two), 4096 (one tile,
 one row per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385
 (forward streamed too).
+
+The streamed backward's geometry (groups of rows, bands split between programs, pipelined chunk
+loops) is tested at small hidden sizes by shrinking the tuning (``use_stream_tuning``): rows of 50-70
+elements in 16-column chunks, so that every case (a band's later groups, a last group with padding
+rows, a part with no chunks) is reached in a few interpreted programs.
 """
+
+import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -28,6 +36,26 @@ from tigon.ops.rms_norm import (
 )
 
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)
+RMS_MODULE = importlib.import_module("tigon.ops.rms_norm")  # `tigon.ops.rms_norm` is also the function
+STREAM_CHUNK = 16
+
+# (rows, hidden, stream knobs): under the interpreter there are 4·stream_programs_per_sm programs.
+STREAM_CASES = {
+    # one row: the group shrinks to it; the band is split in two
+    "1row-split2": (1, 70, dict(stream_rows=4, stream_split=2, stream_stages=2)),
+    # 2 bands × 2 parts, 5 groups of 2 rows a band, the last group half padding; 70 = 4·16 + 6
+    "19rows-groups2-split2": (19, 70, dict(stream_rows=2, stream_split=2, stream_stages=3)),
+    # one band of 6 groups of 4 rows (the last 3 rows), 4 chunks split 3 ways: 2, 2 and none
+    "23rows-groups4-split3": (23, 50, dict(stream_rows=4, stream_split=3, stream_stages=1, stream_evict_first=False)),
+}
+
+
+def use_stream_tuning(monkeypatch, **knobs):
+    """Make rows longer than 16 take the streamed backward, with the given ``stream_*`` knobs exact."""
+    tuning = dataclasses.replace(
+        RMS_MODULE.BWD_TUNING, max_fused_hidden=STREAM_CHUNK, chunk=STREAM_CHUNK, stream_l2_bytes=None, **knobs
+    )
+    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
 
 
 def check_rms_norm(x, weight, dy, *, eps=1e-6, offset=0.0, casting="llama"):
@@ -133,6 +161,89 @@ def test_rms_norm_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", STREAM_CASES)
+def test_rms_norm_streamed_backward(monkeypatch, dtype, case):
+    rows, hidden, knobs = STREAM_CASES[case]
+    use_stream_tuning(monkeypatch, **knobs)
+    x = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    check_rms_norm(x, w, randn(rows, hidden, dtype=dtype))
+
+
+@pytest.mark.parametrize("weight_kind", ("fp32", "none"))
+def test_rms_norm_streamed_backward_gemma(monkeypatch, weight_kind):
+    """Gemma casting (dw of the unrounded x̂) with an fp32 weight, and no weight at all."""
+    rows, hidden, knobs = STREAM_CASES["19rows-groups2-split2"]
+    use_stream_tuning(monkeypatch, **knobs)
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, requires_grad=True) if weight_kind == "fp32" else None
+    check_rms_norm(x, w, randn(rows, hidden, dtype=torch.bfloat16), offset=1.0, casting="gemma")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ("1row-split2", "19rows-groups2-split2"))
+def test_add_rms_norm_streamed_backward(monkeypatch, dtype, case):
+    """The residual stream's own gradient (dsum) joins dx in the streamed pass 2."""
+    rows, hidden, knobs = STREAM_CASES[case]
+    use_stream_tuning(monkeypatch, **knobs)
+    x = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    residual = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    dy, ds = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype)
+    y, s = add_rms_norm(x, residual, w)
+    _, grads = fp64_reference(
+        add_rms_norm_reference, {"x": x, "residual": residual, "weight": w}, (dy, ds), io_dtype=dtype
+    )
+    dx, dres, dw = torch.autograd.grad((y, s), (x, residual, w), (dy, ds))
+    assert_close(dx, grads["x"], dtype, "dx")
+    assert_close(dres, grads["residual"], dtype, "dresidual")
+    assert_close(dw, grads["weight"], dtype, "dw")
+
+
+def test_rms_norm_streamed_backward_deterministic(monkeypatch):
+    rows, hidden, knobs = STREAM_CASES["19rows-groups2-split2"]
+    use_stream_tuning(monkeypatch, **knobs)
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    first = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    second = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_norm_backward_launch_geometry(monkeypatch):
+    """The L2 budget picks the split first, then the rows per group; the grid covers every row."""
+    tuning = dataclasses.replace(
+        RMS_MODULE.BWD_TUNING, max_fused_hidden=1024, chunk=1024, stream_rows=4, stream_split=2,
+        stream_programs_per_sm=1.0,
+    )
+    cpu = torch.device("cpu")  # 4 programs under the interpreter
+
+    def launch(budget, num_rows=1000, hidden=8192, partials=1):
+        monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", dataclasses.replace(tuning, stream_l2_bytes=budget))
+        cfg = RMS_MODULE.norm_backward_launch(num_rows, hidden, 4 * hidden, partials, cpu)
+        assert not cfg.single_pass and cfg.block_n == 1024
+        assert cfg.rows_per_band % cfg.block_m == 0
+        assert (cfg.bands - 1) * cfg.rows_per_band < num_rows <= cfg.bands * cfg.rows_per_band
+        assert cfg.programs == cfg.bands * cfg.split
+        return cfg.block_m, cfg.split
+
+    row, partial = 4 * 8192, 4 * 8192
+    assert launch(None) == (4, 2)  # no budget: the maxima
+    assert launch(4 * (row + partial)) == (1, 1)  # 4 bands of one row fit, two rows do not
+    assert launch(4 * (2 * row + partial)) == (2, 1)
+    assert launch(2 * (row + partial)) == (1, 2)  # only 2 bands of one row fit: split
+    assert launch(2 * (2 * row + partial)) == (2, 2)  # split, then the rows grow to what fits
+    assert launch(1) == (1, 2)  # nothing fits: the most split, one row
+    assert launch(4 * (row + 2 * partial), partials=2) == (1, 1)  # LayerNorm's two partial rows
+    assert launch(None, num_rows=3) == (4, 2)  # a group holds at most the rows there are (padded to 4)
+    assert launch(None, num_rows=1) == (1, 2)
+    assert launch(None, hidden=1500) == (4, 2)  # two chunks: split 2 at most
+    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", dataclasses.replace(tuning, stream_split=8, stream_l2_bytes=None))
+    assert RMS_MODULE.norm_backward_launch(1000, 1500, 6000, 1, cpu).split == 2  # capped by the chunks
+
+
 def test_rms_norm_empty_rows():
     x = randn(0, 64, requires_grad=True)
     w = randn(64, requires_grad=True)
@@ -207,6 +318,41 @@ def test_rms_norm_torch_compile_fullgraph(fn):
     assert_close(loss, ref_loss, torch.float32, "loss")
     for g, rg in zip(grads, ref_grads, strict=True):
         assert_close(g, rg, torch.bfloat16, "grad")
+
+
+# Compiled for real: pipelined chunk loads (cp.async) must not overtake the partial-row stores of the
+# group before, and every band must still be summed in the same order.
+GPU_STREAM_KNOBS = (
+    dict(stream_rows=4, stream_split=2, stream_stages=3, stream_evict_first=True),
+    dict(stream_rows=2, stream_split=1, stream_stages=2, stream_evict_first=False),
+    dict(stream_rows=1, stream_split=4, stream_stages=1, stream_evict_first=True),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_STREAM_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
+@pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
+def test_rms_norm_streamed_backward_gpu(monkeypatch, knobs, fn):
+    tuning = dataclasses.replace(RMS_MODULE.BWD_TUNING, stream_l2_bytes=None, **knobs)
+    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    rows, hidden = 2048, 5 * 4096 - 93  # several groups per band; the last chunk partly padding
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    if fn == "rms_norm":
+        check_rms_norm(x, w, dy)
+        first = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+        second = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    else:
+        r, ds = randn(rows, hidden, dtype=torch.bfloat16), randn(rows, hidden, dtype=torch.bfloat16)
+        first = torch.autograd.grad(add_rms_norm(x, r, w), (x, w), (dy, ds))
+        second = torch.autograd.grad(add_rms_norm(x, r, w), (x, w), (dy, ds))
+        _, grads = fp64_reference(
+            add_rms_norm_reference, {"x": x, "residual": r, "weight": w}, (dy, ds), io_dtype=torch.bfloat16
+        )
+        assert_close(first[0], grads["x"], torch.bfloat16, "dx")
+        assert_close(first[1], grads["weight"], torch.bfloat16, "dw")
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.gpu
