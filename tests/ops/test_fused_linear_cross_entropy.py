@@ -68,7 +68,7 @@ def check_flce(x, w, target, bias=None, *, io_dtype=None, **options):
 def plan(request, monkeypatch):
     """Force a chunking: "default" leaves chunk_plan alone (one chunk at these sizes)."""
     if request.param != "default":
-        monkeypatch.setattr(flce_module, "chunk_plan", lambda *args: PLANS[request.param])
+        monkeypatch.setattr(flce_module, "chunk_plan", lambda *args, **kwargs: PLANS[request.param])
     return request.param
 
 
@@ -253,6 +253,18 @@ def test_chunk_plan_at_benchmark_shapes(hidden, vocab, tokens_expected):
     if hidden == 4096:
         assert gradient_bytes + workspace <= 1.45e9
     assert chunk_plan(100, 1000, 64, 2) == ChunkPlan(True, 100)  # small problems: one chunk
+
+
+@pytest.mark.parametrize("hidden,vocab", ((896, 151936), (2048, 128256), (2304, 256000), (4096, 128256)))
+def test_chunk_plan_fp32_master_weight(hidden, vocab):
+    """Mixed precision (bf16 logits, fp32 input and weight gradients, as the e2e benchmark trains):
+    dW is summed in fp32, so token chunks are used past MAX_TOKEN_CHUNKS, each of at least
+    MIN_FP32_TOKEN_CHUNK tokens, and the chunk of logits stays within the budget."""
+    tokens = 8192
+    plan = chunk_plan(tokens, vocab, hidden, 2, dx_size=4, dw_size=4)
+    gradient_bytes = (tokens + vocab) * hidden * 4
+    assert plan.by_tokens and plan.size >= flce_module.MIN_FP32_TOKEN_CHUNK
+    assert plan.size * vocab * 2 <= flce_module.WORKSPACE_FRACTION * gradient_bytes
 
 
 # ------------------------------------------------------------------------------------------------ GPU

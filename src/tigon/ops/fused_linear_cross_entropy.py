@@ -70,6 +70,9 @@ WORKSPACE_FRACTION = 0.3
 MIN_WORKSPACE_BYTES = 64 << 20
 # By tokens, dW is a sum of this many partials at most in the weight's dtype (accuracy, see above).
 MAX_TOKEN_CHUNKS = 12
+# By tokens with an fp32 dW, each chunk's dW matmul reads and writes all of dW (8·V·H bytes) for
+# 2·C·V·H flops: at C ≥ 512 tokens that is ≥ 128 flops per byte, near the H100's balance point.
+MIN_FP32_TOKEN_CHUNK = 512
 # Chunk sizes are multiples of these (whole matmul tiles; column blocks of the CE kernel).
 TOKEN_ALIGN = 64
 CLASS_ALIGN = 256
@@ -85,16 +88,29 @@ class ChunkPlan:
     size: int
 
 
-def chunk_plan(num_tokens: int, vocab: int, hidden: int, elem_size: int) -> ChunkPlan:
-    """Chunking for N tokens, V classes, H hidden, logits of ``elem_size`` bytes (see module docs)."""
-    gradient_bytes = (num_tokens + vocab) * hidden * elem_size
+def chunk_plan(
+    num_tokens: int, vocab: int, hidden: int, elem_size: int, *, dx_size: int | None = None,
+    dw_size: int | None = None,
+) -> ChunkPlan:
+    """Chunking for N tokens, V classes, H hidden, logits of ``elem_size`` bytes (see module docs).
+
+    ``dx_size`` and ``dw_size`` are the element sizes of the gradients returned for the input and
+    the weight (default: ``elem_size``). An fp32 weight gradient (the fp32 master weight of mixed
+    precision) is summed over token chunks in fp32, so the MAX_TOKEN_CHUNKS accuracy limit does not
+    apply to it; its chunks are only kept at MIN_FP32_TOKEN_CHUNK tokens or more, the K of the dW
+    matmul at which it stays bound by its flops rather than by the read and write of dW.
+    """
+    dx_size = elem_size if dx_size is None else dx_size
+    dw_size = elem_size if dw_size is None else dw_size
+    gradient_bytes = num_tokens * hidden * dx_size + vocab * hidden * dw_size
     workspace = max(WORKSPACE_FRACTION * gradient_bytes, MIN_WORKSPACE_BYTES)
     tokens_fit = int(workspace // (vocab * elem_size))
     if tokens_fit >= num_tokens:
         return ChunkPlan(True, max(num_tokens, 1))
     tokens_fit = tokens_fit // TOKEN_ALIGN * TOKEN_ALIGN
-    if tokens_fit > 0 and -(-num_tokens // tokens_fit) <= MAX_TOKEN_CHUNKS:
-        chunks = -(-num_tokens // tokens_fit)
+    chunks = -(-num_tokens // tokens_fit) if tokens_fit > 0 else None
+    fp32_sum = dw_size >= 4 and tokens_fit >= MIN_FP32_TOKEN_CHUNK
+    if chunks is not None and (fp32_sum or chunks <= MAX_TOKEN_CHUNKS):
         size = -(-num_tokens // chunks)
         return ChunkPlan(True, min(tokens_fit, -(-size // TOKEN_ALIGN) * TOKEN_ALIGN))
     accumulator = num_tokens * hidden * (DX_ACCUMULATOR_BYTES + elem_size)
@@ -135,6 +151,28 @@ def _mm_into(out, a, b):
         out.copy_(a @ b)
 
 
+# cuBLAS can write a bf16/fp16 product into an fp32 output (and accumulate into it) directly.
+_HAS_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _accumulate_mm(out, a, b, *, first):
+    """out = a @ b (first) or out + a @ b, summed in ``out``'s dtype.
+
+    In the operands' dtype each chunk's sum is rounded once (drift bounded by MAX_TOKEN_CHUNKS). An
+    fp32 ``out`` (fp32 master weight) is summed in fp32: on the GPU by the matmul itself
+    (``out_dtype``), without a (V, H) temporary in the operands' dtype and a separate addition.
+    """
+    beta = 0.0 if first else 1.0
+    if out.dtype == a.dtype:
+        out.addmm_(a, b, beta=beta)
+    elif _HAS_OUT_DTYPE and out.is_cuda and not torch.compiler.is_compiling():
+        torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
+    elif first:
+        out.copy_(a @ b)
+    else:
+        out += a @ b
+
+
 def _chunk_buffer(numel, dtype, device):
     if torch.compiler.is_compiling():
         return None
@@ -172,13 +210,7 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, chu
         if need_dx:
             _mm_into(dx[c0:c1], dlogits, w)                                # (C, H)
         if need_dw:
-            first = c0 == 0
-            if dw.dtype == dlogits.dtype:
-                dw.addmm_(dlogits.t(), x_c, beta=0.0 if first else 1.0)    # (V, H), rounded once per chunk
-            elif first:
-                dw.copy_(dlogits.t() @ x_c)                                # fp32 master weight: fp32 sum
-            else:
-                dw += dlogits.t() @ x_c
+            _accumulate_mm(dw, dlogits.t(), x_c, first=c0 == 0)            # (V, H)
         if need_db:
             db += dlogits.sum(0, dtype=torch.float32)
     loss_rows = torch.cat(losses) if len(losses) > 1 else losses[0]
@@ -227,11 +259,11 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
         loss_rows, lse, logits = _lse_by_classes(x, w, b, target, class_weight, scales, opts, chunk, buffer)
     if not (need_dx or need_dw or need_db):
         return loss_rows, lse, None, None, None
-    dx32 = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
+    dx32 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
     dw = torch.empty(w.shape, dtype=dw_dtype, device=x.device) if need_dw else None
     db = torch.empty(vocab, dtype=db_dtype, device=x.device) if need_db else None
     # Last chunk first: pass 1 left its logits in the buffer, so it needs no second matmul.
-    for c0, c1 in reversed(chunks):
+    for i, (c0, c1) in enumerate(reversed(chunks)):
         w_c = w[c0:c1]
         if logits is None:
             logits = _linear(x, w_c, b[c0:c1] if b is not None else None, _view(buffer, num_tokens, c1 - c0))
@@ -240,7 +272,7 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
         if need_dw:
             _mm_into(dw[c0:c1], dlogits.t(), x)                            # (Vc, H): one matmul, K = N
         if need_dx:
-            dx32 += dlogits @ w_c                                          # (N, H), fp32 sum over chunks
+            _accumulate_mm(dx32, dlogits, w_c, first=i == 0)               # (N, H), fp32 sum over chunks
         if need_db:
             db[c0:c1] = dlogits.sum(0, dtype=torch.float32)
         logits = None
@@ -281,7 +313,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         x, w, b = _compute_operands(input, linear_weight, linear_bias, compute_dtype)
         t = target.reshape(-1)
         num_tokens, vocab = x.shape[0], w.shape[0]
-        plan = chunk_plan(num_tokens, vocab, x.shape[1], x.element_size())
+        plan = chunk_plan(
+            num_tokens, vocab, x.shape[1], x.element_size(),
+            dx_size=input.element_size(), dw_size=linear_weight.element_size(),
+        )
         bias_dtype = linear_bias.dtype if linear_bias is not None else None
         grad_dtypes = (input.dtype, linear_weight.dtype, bias_dtype)
         grads_now = any(need) and reduction != "none"
