@@ -1,6 +1,7 @@
 """Where the host's time goes in one eager training step (the e2e benchmark's model and step).
 
     PYTHONPATH=src:. python scripts/host_profile.py --model qwen2 --provider tigon [--steps 3]
+    PYTHONPATH=src:. python scripts/host_profile.py --ops rms_norm rope swiglu   # per-op host cost
 
 A step whose GPU time is below its wall time is bound by the host (the e2e profile's busy / wall
 column). This runs the benchmark's own step under cProfile and prints the functions with the most
@@ -20,6 +21,39 @@ import torch
 from benchmarks.e2e import LR, SEED, batch_for, model_spec
 
 WAITS = ("item", "tolist", "synchronize", "cpu")
+OP_ITERATIONS = 300
+
+
+def op_host_costs(names, top: int) -> None:
+    """Host time of one forward+backward of each op at its spec's check size (GPU work negligible),
+    per provider, then a cProfile of tigon's."""
+    from tigon.bench.harness import make_step, providers_of
+    from tigon.bench.specs import load_specs
+
+    for name, spec in load_specs(names).items():
+        case = spec.check_case()
+        providers = {k: v for k, v in providers_of(spec).items() if k != "compile"}
+        steps = {}
+        for provider, fn in providers.items():
+            inputs = case.make_inputs(torch.device("cuda"), torch.bfloat16)
+            step = steps[provider] = make_step(fn, inputs, spec, "full")
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(OP_ITERATIONS):
+                step()
+            torch.cuda.synchronize()
+            us = (time.perf_counter() - start) / OP_ITERATIONS * 1e6
+            print(f"{name:>14} {case.label:<28} {provider:>8}: {us:7.1f} us per forward+backward")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(OP_ITERATIONS):
+            steps["tigon"]()
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+        print(out.getvalue())
 
 
 def main() -> None:
@@ -29,7 +63,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--ops", nargs="+", help="per-op host cost of these benchmark specs instead")
     args = parser.parse_args()
+    if args.ops:
+        op_host_costs(args.ops, args.top)
+        return
 
     import tigon
     from tigon.demo import build_model
