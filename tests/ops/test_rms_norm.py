@@ -152,10 +152,15 @@ def test_add_rms_norm_only_y_used():
     assert torch.equal(x.grad, r.grad)
 
 
-def test_rms_norm_deterministic():
-    x = randn(300, 512, dtype=torch.bfloat16, requires_grad=True)
-    w = randn(512, dtype=torch.bfloat16, requires_grad=True)
-    dy = randn(300, 512, dtype=torch.bfloat16)
+@pytest.mark.parametrize("case", ("fused", "streamed-groups"))
+def test_rms_norm_deterministic(monkeypatch, case):
+    rows, hidden = 300, 512
+    if case == "streamed-groups":  # several groups of rows per band, bands split between programs
+        rows, hidden, knobs = STREAM_CASES["19rows-groups2-split2"]
+        use_stream_tuning(monkeypatch, **knobs)
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
     first = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
     second = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
@@ -199,17 +204,6 @@ def test_add_rms_norm_streamed_backward(monkeypatch, dtype, case):
     assert_close(dx, grads["x"], dtype, "dx")
     assert_close(dres, grads["residual"], dtype, "dresidual")
     assert_close(dw, grads["weight"], dtype, "dw")
-
-
-def test_rms_norm_streamed_backward_deterministic(monkeypatch):
-    rows, hidden, knobs = STREAM_CASES["19rows-groups2-split2"]
-    use_stream_tuning(monkeypatch, **knobs)
-    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
-    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
-    dy = randn(rows, hidden, dtype=torch.bfloat16)
-    first = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
-    second = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 def test_norm_backward_launch_geometry(monkeypatch):
