@@ -118,7 +118,7 @@ STREAM_SPACE = {
     "stream_split": (1, 2, 4),
     "stream_stages": (1, 2, 3),
     "chunk": (2048, 4096),
-    "elements_per_warp": (512, 1024),
+    "elements_per_warp": (256, 512),  # fewer warps spill: each thread holds ~5 fp32 values an element
     "stream_programs_per_sm": (1.0, 2.0),
     "stream_evict_first": (False, True),
 }

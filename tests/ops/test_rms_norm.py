@@ -236,6 +236,10 @@ def test_norm_backward_launch_geometry(monkeypatch):
     assert launch(None, hidden=1500) == (4, 2)  # two chunks: split 2 at most
     monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", dataclasses.replace(tuning, stream_split=8, stream_l2_bytes=None))
     assert RMS_MODULE.norm_backward_launch(1000, 1500, 6000, 1, cpu).split == 2  # capped by the chunks
+    with pytest.raises(ValueError, match="stream_rows must be a power of two"):
+        dataclasses.replace(tuning, stream_rows=3)
+    with pytest.raises(ValueError, match="stream_split"):
+        dataclasses.replace(tuning, stream_split=0)
 
 
 def test_rms_norm_empty_rows():

@@ -418,6 +418,15 @@ class NormTuning:
     stream_stages: int = 1
     stream_evict_first: bool = False
 
+    def __post_init__(self):
+        # block sizes are tl.arange extents
+        for name in ("max_fused_hidden", "chunk", "tile_elements", "stream_rows"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"NormTuning.{name} must be a power of two, got {value}")
+        if self.stream_split < 1 or self.stream_stages < 1 or not self.stream_programs_per_sm > 0:
+            raise ValueError(f"NormTuning: stream_split, stream_stages >= 1 and stream_programs_per_sm > 0 ({self})")
+
 
 FWD_TUNING = NormTuning(max_fused_hidden=65536, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16)
 BWD_TUNING = NormTuning(
