@@ -243,11 +243,12 @@ def test_layer_norm_streamed_backward_gpu(monkeypatch, knobs):
 
 
 @pytest.mark.gpu
-def test_layer_norm_torch_compile_fullgraph():
-    x = randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
-    r = randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
-    w = randn(4096, dtype=torch.bfloat16, requires_grad=True)
-    b = randn(4096, dtype=torch.bfloat16, requires_grad=True)
+@pytest.mark.parametrize("hidden", (4096, 3 * MAX_FUSED_HIDDEN_BWD // 2 + 5))  # fused; streamed backward
+def test_layer_norm_torch_compile_fullgraph(hidden):
+    x = randn(64, hidden, dtype=torch.bfloat16, requires_grad=True)
+    r = randn(64, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
 
     def f(x, r, w, b):
         return layer_norm(x + r, w, b).float().square().sum() + layer_norm(x, None, b).float().sum()

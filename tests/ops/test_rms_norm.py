@@ -296,11 +296,12 @@ def test_rms_norm_cpu_tensor_on_gpu_machine_rejected():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden", (4096, 3 * MAX_FUSED_HIDDEN_BWD // 2 + 5))  # fused; streamed backward
 @pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
-def test_rms_norm_torch_compile_fullgraph(fn):
-    x = randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
-    r = randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
-    w = randn(4096, dtype=torch.float32, requires_grad=True)
+def test_rms_norm_torch_compile_fullgraph(fn, hidden):
+    x = randn(64, hidden, dtype=torch.bfloat16, requires_grad=True)
+    r = randn(64, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.float32, requires_grad=True)
 
     def f(x, r, w):
         if fn == "rms_norm":
