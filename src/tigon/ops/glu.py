@@ -37,6 +37,7 @@ Reference: :func:`glu_reference` (``act(gate) * up`` as transformers' MLPs compu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -178,6 +179,7 @@ class GluLaunch:
     num_warps: int
 
 
+@functools.cache  # a pure function of sizes: computed once per shape, not per call
 def glu_launch(num_rows: int, num_cols: int, *, flat: bool) -> GluLaunch:
     if flat:
         num_elements = num_rows * num_cols

@@ -42,6 +42,7 @@ Reference: :func:`rms_norm_reference` (transformers' ``LlamaRMSNorm`` / ``GemmaR
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -470,7 +471,11 @@ def _warps(tile: int, tuning: NormTuning) -> int:
 
 
 def norm_launch(num_rows: int, hidden: int, *, backward: bool) -> NormLaunch:
-    tuning = BWD_TUNING if backward else FWD_TUNING
+    return _norm_launch(num_rows, hidden, BWD_TUNING if backward else FWD_TUNING)
+
+
+@functools.cache  # keyed on the tuning too: tests and scripts/tune_norm.py swap it
+def _norm_launch(num_rows: int, hidden: int, tuning: NormTuning) -> NormLaunch:
     block_n = next_power_of_2(hidden)
     if block_n > tuning.max_fused_hidden:
         return NormLaunch(1, tuning.chunk, _warps(tuning.chunk, tuning), False)
@@ -486,8 +491,14 @@ def norm_backward_launch(
     row_bytes: bytes of one row of the tensors pass 2 reads again (dy and x); partials: how many
     fp32 partial rows each band accumulates (1 for dw; 2 for LayerNorm's dw and db).
     """
-    tuning = BWD_TUNING
-    tile = norm_launch(num_rows, hidden, backward=True)
+    return _norm_backward_launch(num_rows, hidden, row_bytes, partials, device, BWD_TUNING)
+
+
+@functools.cache  # ~30 µs of Python per call otherwise, on every backward
+def _norm_backward_launch(
+    num_rows: int, hidden: int, row_bytes: int, partials: int, device: torch.device, tuning: NormTuning
+) -> NormBackwardLaunch:
+    tile = _norm_launch(num_rows, hidden, tuning)
     block_m, split, stages = tile.block_m, 1, 1
     if tile.single_pass:
         target = persistent_programs(device, tuning.programs_per_sm)

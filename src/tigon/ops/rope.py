@@ -39,6 +39,7 @@ q give fp32 outputs; dq, dk have q's and k's dtypes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -209,6 +210,7 @@ def _floor_power_of_2(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
 
 
+@functools.cache  # a pure function of sizes: computed once per shape, not per call
 def rope_launch(seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, head_dim: int) -> RopeLaunch:
     block_half = next_power_of_2(rot_dim // 2)
     has_pass = head_dim > rot_dim
