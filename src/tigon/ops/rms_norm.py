@@ -430,9 +430,13 @@ class NormTuning:
 
 
 FWD_TUNING = NormTuning(max_fused_hidden=65536, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16)
+# Streamed-backward knobs from scripts/tune_norm.py's stream sweep on the H100 (2026-11-22, log in
+# benchmarks/results/): one setting for every shape, backward at 81/73/62% of SOL for RMSNorm at
+# N = 16384/32768/65536, 87/76% for add_rms_norm and 69/56% for LayerNorm at 16384/32768 (the
+# previous setting, an L2 budget of 32 MiB with pipelined loops: 62/52/34, 70/59, 38/31).
 BWD_TUNING = NormTuning(
     max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16, programs_per_sm=2,
-    stream_rows=4, stream_split=2, stream_l2_bytes=32 << 20, stream_programs_per_sm=1.0, stream_stages=2,
+    stream_rows=4, stream_split=2, stream_l2_bytes=None, stream_programs_per_sm=1.0, stream_stages=1,
     stream_evict_first=True,
 )
 # Kept as names of their own: tests pick sizes on both sides of these regime boundaries.
