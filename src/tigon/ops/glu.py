@@ -37,7 +37,6 @@ Reference: :func:`glu_reference` (``act(gate) * up`` as transformers' MLPs compu
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_rows, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_rows, cache_by_size, check_tensor, next_power_of_2
 
 # The activations the kernel knows, by the name the torch op takes.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -179,7 +178,7 @@ class GluLaunch:
     num_warps: int
 
 
-@functools.cache  # a pure function of sizes: computed once per shape, not per call
+@cache_by_size
 def glu_launch(num_rows: int, num_cols: int, *, flat: bool) -> GluLaunch:
     if flat:
         num_elements = num_rows * num_cols

@@ -42,7 +42,6 @@ Reference: :func:`rms_norm_reference` (transformers' ``LlamaRMSNorm`` / ``GemmaR
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,15 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, next_power_of_2, persistent_programs
+from tigon.ops._common import (
+    TigonOp,
+    as_fp32,
+    as_rows,
+    cache_by_size,
+    check_tensor,
+    next_power_of_2,
+    persistent_programs,
+)
 
 CASTINGS = ("llama", "gemma")
 
@@ -478,7 +485,7 @@ def norm_launch(num_rows: int, hidden: int, *, backward: bool) -> NormLaunch:
     return _norm_launch(num_rows, hidden, BWD_TUNING if backward else FWD_TUNING)
 
 
-@functools.cache  # keyed on the tuning too: tests and scripts/tune_norm.py swap it
+@cache_by_size  # keyed on the tuning too: tests and scripts/tune_norm.py swap it
 def _norm_launch(num_rows: int, hidden: int, tuning: NormTuning) -> NormLaunch:
     block_n = next_power_of_2(hidden)
     if block_n > tuning.max_fused_hidden:
@@ -498,7 +505,7 @@ def norm_backward_launch(
     return _norm_backward_launch(num_rows, hidden, row_bytes, partials, device, BWD_TUNING)
 
 
-@functools.cache  # ~30 µs of Python per call otherwise, on every backward
+@cache_by_size
 def _norm_backward_launch(
     num_rows: int, hidden: int, row_bytes: int, partials: int, device: torch.device, tuning: NormTuning
 ) -> NormBackwardLaunch:

@@ -39,7 +39,6 @@ q give fp32 outputs; dq, dk have q's and k's dtypes.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -48,7 +47,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, cache_by_size, check_tensor, next_power_of_2
 
 UNSQUEEZE_DIMS = (1, 2)
 
@@ -210,7 +209,7 @@ def _floor_power_of_2(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
 
 
-@functools.cache  # a pure function of sizes: computed once per shape, not per call
+@cache_by_size
 def rope_launch(seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, head_dim: int) -> RopeLaunch:
     block_half = next_power_of_2(rot_dim // 2)
     has_pass = head_dim > rot_dim
