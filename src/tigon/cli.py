@@ -63,7 +63,7 @@ def cmd_bench(args) -> int:
         return 2
     from tigon.bench.harness import markdown, run
 
-    result = run(args.ops or None, out_dir=Path(args.out), quick=args.quick, log=print)
+    result = run(args.ops or None, out_dir=Path(args.out), quick=args.quick, providers=args.providers, log=print)
     print()
     print(markdown(result))
     print("wrote " + ", ".join(result["files"]))
@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ops", nargs="*", help="only these ops (default: all)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and plot")
     p.add_argument("--quick", action="store_true", help="two cases per op only")
+    p.add_argument("--providers", nargs="+", metavar="NAME",
+                   help="only these providers (eager, tigon, compile, liger, ...; default: all)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="train a model twice, stock vs tigon.patch: speed, memory, same loss")

@@ -52,3 +52,9 @@ def test_markdown_and_plot(tmp_path):
     assert "| Llama-3-8B M=16384 N=4096 | 6.000 | 0.600 | OOM |" in table
     harness.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_providers_filter_skips_what_is_not_asked_for():
+    spec = load_specs(["rms_norm"])["rms_norm"]
+    assert set(harness.providers_of(spec, ["tigon", "eager"])) == {"tigon", "eager"}
+    assert "compile" in harness.providers_of(spec)

@@ -157,17 +157,19 @@ def gpu_time(step, estimate_ms: float, *, rep_ms: float = REP_MS) -> float:
     return statistics.median(times)
 
 
-def providers_of(spec: Spec) -> dict:
+def providers_of(spec: Spec, only=None) -> dict:
     """The spec's providers plus ``compile`` (a fresh, static-shape torch.compile of ``eager``, so
-    that no case runs a graph specialised for another, or a dynamic-shape one) and ``liger``."""
+    that no case runs a graph specialised for another, or a dynamic-shape one) and ``liger``;
+    ``only``: keep just these names."""
     providers = dict(spec.providers)
-    torch._dynamo.reset()
-    providers["compile"] = torch.compile(spec.providers["eager"], dynamic=False)
+    if only is None or "compile" in only:
+        torch._dynamo.reset()
+        providers["compile"] = torch.compile(spec.providers["eager"], dynamic=False)
     if spec.liger is not None:
         liger = spec.liger()
         if liger is not None:
             providers["liger"] = liger
-    return providers
+    return providers if only is None else {k: v for k, v in providers.items() if k in only}
 
 
 # torch.compile donates the saved buffers of its backward graph, which forbids the repeated
@@ -175,13 +177,13 @@ def providers_of(spec: Spec) -> dict:
 SKIP = {("compile", "bwd")}
 
 
-def run_spec(spec: Spec, bandwidth: float, *, quick=False, log=print) -> list[dict]:
+def run_spec(spec: Spec, bandwidth: float, *, quick=False, providers=None, log=print) -> list[dict]:
     rows = []
     cases = spec.cases()
     if quick:
         cases = cases[:2]
     for case in cases:
-        for provider, fn in providers_of(spec).items():
+        for provider, fn in providers_of(spec, providers).items():
             for mode in spec.modes:
                 if (provider, mode) in SKIP:
                     continue
@@ -308,7 +310,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(names=None, *, out_dir: Path, quick=False, log=print) -> dict:
+def run(names=None, *, out_dir: Path, quick=False, providers=None, log=print) -> dict:
     from tigon.bench.specs import load_specs
 
     if not torch.cuda.is_available():
@@ -332,7 +334,7 @@ def run(names=None, *, out_dir: Path, quick=False, log=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{device_name().replace(' ', '-')}-{date}"
     for spec in specs.values():
-        result["rows"] += run_spec(spec, bandwidth, quick=quick, log=log)
+        result["rows"] += run_spec(spec, bandwidth, quick=quick, providers=providers, log=log)
         # Written after every spec, so a run cut short still leaves what it measured.
         (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (out_dir / f"{stem}.md").write_text(markdown(result))
