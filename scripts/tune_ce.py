@@ -22,10 +22,10 @@ from tigon.bench.harness import copy_bandwidth, gpu_time
 ce = sys.modules["tigon.ops.cross_entropy"]
 
 TOKENS = 8192
-SHAPES = ((128256, None), (151936, None), (256000, 30.0))
+SHAPES = ((128256, None), (256000, 30.0))
 BLOCKS = (4096, 8192)
 WARPS = (8, 16)
-PROGRAMS_PER_SM = (1, 2, 3)
+PROGRAMS_PER_SM = (1, 2)
 GRAD_TOLERANCE = 3e-2  # bf16 gradient against an fp32 torch reference (API.md's bf16 bound)
 
 
