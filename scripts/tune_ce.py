@@ -4,7 +4,8 @@
     PYTHONPATH=src python3 scripts/tune_ce.py
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the STREAM_*
-constants of src/tigon/ops/cross_entropy.py. Times are GPU times of forward+backward from the
+constants of src/tigon/ops/cross_entropy.py. Not yet run on a GPU (written when the session's device
+time had run out); about two minutes on an H100 by estimate. Times are GPU times of forward+backward from the
 benchmark harness (the step queued behind a sleeping GPU, L2 flushed before each step); SOL = one
 read of the logits and one write of the gradient over the copy bandwidth measured first.
 """

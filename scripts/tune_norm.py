@@ -1,7 +1,7 @@
 """Sweep the norm kernels' launch geometry on a GPU and print the kernel time of each choice.
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into
-``FWD_TUNING`` / ``BWD_TUNING`` in src/tigon/ops/rms_norm.py, with the numbers in NOTES.md.
+``FWD_TUNING`` / ``BWD_TUNING`` in src/tigon/ops/rms_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
 
     PYTHONPATH=src python3 scripts/tune_norm.py                 # every section
     PYTHONPATH=src python3 scripts/tune_norm.py stream          # one or more of: fused stream host
