@@ -30,7 +30,9 @@ row before any of dx: the backward streams groups of rows twice in column chunks
 dx and the group's dw, and the second read is meant to come from L2. What decides the speed is
 what stays in L2 between the two reads: the rows of every band in flight and every band's partial
 row. ``NormTuning`` (the ``stream_*`` knobs) sizes the groups, the bands and the split of a band's
-columns between programs to that budget; see :func:`rms_norm_bwd_kernel`.
+columns between programs; see :func:`rms_norm_bwd_kernel`. Measured on the H100, fixed groups of 4
+rows with each band split between 2 programs beat sizing them to an L2 budget at every hidden
+size from 16384 to 65536 (scripts/tune_norm.py stream; BWD_TUNING below).
 
 Bytes (speed of light), M rows, element size b::
 
