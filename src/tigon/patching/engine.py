@@ -13,6 +13,9 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
 - rope: each attention module gets, on the instance, a copy of its class's forward whose globals map
   ``apply_rotary_pos_emb`` to tigon's rope (``types.FunctionType`` with a new globals dict); the
   transformers module's globals are never assigned.
+- with rope, under autocast: each attention module's ``q_proj``/``k_proj``/``v_proj`` cast their
+  common fp32 input once and save one copy instead of three (shared_cast.py); bitwise the same
+  results.
 - loss: the CausalLM instance gets the generic forward of loss.py and ``lm_head`` learns to take a
   target (fused linear cross-entropy), or the instance's ``loss_function`` becomes tigon's
   cross-entropy.
@@ -43,6 +46,7 @@ from torch import nn
 
 from tigon.patching import loss as loss_path
 from tigon.patching.families import FAMILIES, Family
+from tigon.patching.shared_cast import CACHE_ATTR, CastCache, shared_cast_linear
 
 logger = logging.getLogger("tigon.patching")
 
@@ -55,6 +59,7 @@ SWITCHES = {
     "fused_linear_cross_entropy": True,
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 def supported_models() -> list[str]:
@@ -312,7 +317,8 @@ def _layer_norm_line(classes):
 
 
 def _rope_line(classes):
-    return f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope (instance forward)"
+    return (f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope, and q_proj/k_proj/v_proj share "
+            "one autocast copy of their input (instance forwards)")
 
 
 def _loss_lines(classes, switches):
@@ -501,6 +507,20 @@ def _plan_rope(plan, root, family, classes):
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
 
+def _plan_shared_cast(plan, root, classes):
+    """Part of the attention patch (the ``rope`` switch), reported under the rope line."""
+    for attention, _, _ in _sites(root, classes.attention):
+        projections = [attention._modules.get(name) for name in QKV_PROJECTIONS]
+        # A fused qkv projection has one cast already; a wrapped one (LoRA) keeps its own forward;
+        # one patched already is left as it is.
+        if any(type(p) is not nn.Linear or _own_forward(p) is not None for p in projections):
+            continue
+        cache = CastCache()
+        for projection in projections:
+            plan.add(_SetAttr(projection, CACHE_ATTR, cache))
+            plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))
+
+
 def _plan_loss(plan, model, family, classes, switches):
     lines = _loss_lines(classes, switches)
     own_forward = _own_forward(model)
@@ -572,6 +592,7 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
             _plan_fused_mlps(plan, model, family, classes)
     if switches["rope"] and classes.attention is not None:
         _plan_rope(plan, model, family, classes)
+        _plan_shared_cast(plan, model, classes)
     if isinstance(model, classes.causal_lm):
         _plan_loss(plan, model, family, classes, switches)
     target = f"{type(model).__name__} instance"

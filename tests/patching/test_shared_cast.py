@@ -1,0 +1,117 @@
+"""The attention patch (the ``rope`` switch) also makes q/k/v projections save one autocast cast of
+their input instead of three, with bitwise the same loss and gradients; nothing changes outside
+autocast; revert restores. Compared against the patch without it (``rope=False`` plus the stock
+projections would change rope too, so the reference patches rope the same way and then takes the
+shared cast back off its projections)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tigon
+from tests.helpers import DEVICE
+from tests.patching.tiny import tiny_model
+from tigon.patching.engine import QKV_PROJECTIONS
+
+AUTOCAST = torch.bfloat16
+
+
+def _ids(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 160, (2, 12), generator=gen).to(DEVICE)
+
+
+def _step(model, ids, *, autocast=True):
+    """Loss, gradients by parameter name, and the (storage, shape) of every bf16 tensor the
+    autograd graph saved with the attention input's shape."""
+    hidden = model.config.hidden_size
+    saved = []
+
+    def pack(t):
+        if t.dtype == AUTOCAST and t.shape[-1] == hidden and t.dim() >= 2 and t.numel() == ids.numel() * hidden:
+            saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast(DEVICE.type, dtype=AUTOCAST, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    names = [n for n, _ in model.named_parameters()]
+    return loss.detach(), dict(zip(names, grads, strict=True)), saved
+
+
+@pytest.fixture
+def models():
+    torch.manual_seed(0)
+    base = tiny_model("llama").to(DEVICE)
+    shared, separate = copy.deepcopy(base), copy.deepcopy(base)
+    tigon.patch(shared)
+    tigon.patch(separate)
+    for layer in separate.model.layers:
+        for name in QKV_PROJECTIONS:
+            projection = getattr(layer.self_attn, name)
+            del projection.forward, projection._tigon_cast_cache  # back to nn.Linear.forward
+    return shared, separate
+
+
+def test_one_saved_cast_and_bitwise_the_same_gradients(models):
+    shared, separate = models
+    ids = _ids()
+    loss_s, grads_s, saved_s = _step(shared, ids)
+    loss_p, grads_p, saved_p = _step(separate, ids)
+    assert torch.equal(loss_s, loss_p)
+    for name, g in grads_p.items():
+        assert torch.equal(grads_s[name], g), name
+    layers = shared.config.num_hidden_layers
+    # Three casts of each layer's attention input saved without sharing, one with it.
+    assert len(set(saved_p)) - len(set(saved_s)) == 2 * layers
+
+
+def test_nothing_changes_outside_autocast_or_without_grad(models):
+    shared, separate = models
+    ids = _ids(1)
+    loss_s, grads_s, _ = _step(shared, ids, autocast=False)
+    loss_p, grads_p, _ = _step(separate, ids, autocast=False)
+    assert torch.equal(loss_s, loss_p)
+    for name, g in grads_p.items():
+        assert torch.equal(grads_s[name], g), name
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=AUTOCAST):
+        assert torch.equal(shared(input_ids=ids).logits, separate(input_ids=ids).logits)
+
+
+def test_gradient_checkpointing_matches(models):
+    shared, separate = models
+    for m in (shared, separate):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = _ids(2)
+    loss_s, grads_s, _ = _step(shared, ids)
+    loss_p, grads_p, _ = _step(separate, ids)
+    assert torch.equal(loss_s, loss_p)
+    for name, g in grads_p.items():
+        assert torch.equal(grads_s[name], g), name
+
+
+def test_revert_and_replaced_line_and_deepcopy():
+    model = tiny_model("llama").to(DEVICE)
+    handle = tigon.patch(model)
+    lines = [line for line in handle.replaced if "q_proj/k_proj/v_proj" in line]
+    assert len(lines) == 1 and "tigon.ops.rope" in lines[0] and "(2 modules)" in lines[0]
+    projections = [getattr(model.model.layers[0].self_attn, n) for n in QKV_PROJECTIONS]
+    assert all("forward" in vars(p) for p in projections)
+    copy.deepcopy(model)  # the caches' weak references do not travel
+    handle.revert()
+    assert all("forward" not in vars(p) and "_tigon_cast_cache" not in vars(p) for p in projections)
+
+
+def test_wrapped_projection_is_left_alone():
+    model = tiny_model("llama").to(DEVICE)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = nn.Sequential(attention.q_proj)  # as an adapter wrapper would
+    tigon.patch(model)
+    assert all("forward" not in vars(getattr(attention, n)) for n in ("k_proj", "v_proj"))
+    other = model.model.layers[1].self_attn
+    assert all("forward" in vars(getattr(other, n)) for n in QKV_PROJECTIONS)
