@@ -124,6 +124,39 @@ def test_mlp_saves_only_x_gate_up(bias):
     assert x.grad is not None and module.down_proj.weight.grad is not None
 
 
+@pytest.mark.parametrize("bias", (False, True))
+def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias):
+    """Under autocast the node keeps the fp32 weights it is given (no bf16 copies saved for the
+    backward) and its gradients are bitwise those of the same node fed weights cast beforehand,
+    whose gradients autocast's cast would turn to fp32."""
+    from tigon.nn.mlp import _GatedMLPFunction
+
+    hidden, intermediate, tokens = 16, 40, 6
+    module = make_mlp(SwiGLUMLP, {}, hidden, intermediate, bias=bias)
+    x = randn(tokens, hidden, requires_grad=True)
+    params = list(module.parameters())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            y = module(x)
+    param_ptrs = {q.data_ptr() for q in params}
+    copies = [t for t in saved if t.data_ptr() not in param_ptrs and t.dim() == 2 and t.shape[0] != tokens]
+    assert copies == [], [tuple(t.shape) for t in copies]
+    dy = randn(*y.shape, dtype=torch.bfloat16)
+    got = torch.autograd.grad(y, [x, *params], dy)
+
+    cast = [q.detach().to(torch.bfloat16).requires_grad_() for q in params]
+    tensors = dict(zip([n for n, _ in module.named_parameters()], cast, strict=True))
+    args = (x.to(torch.bfloat16), tensors["gate_proj.weight"], tensors.get("gate_proj.bias"),
+            tensors["up_proj.weight"], tensors.get("up_proj.bias"), tensors["down_proj.weight"],
+            tensors.get("down_proj.bias"), "silu", torch.bfloat16)
+    want_y = _GatedMLPFunction.apply(*args)
+    want = torch.autograd.grad(want_y, [x, *cast], dy)
+    assert torch.equal(y, want_y)
+    for g, w, q in zip(got, want, [x, *params], strict=True):
+        assert g.dtype == q.dtype and torch.equal(g, w.to(q.dtype))
+
+
 @pytest.mark.parametrize("frozen", ("weights", "x", "gate_up", "down"))
 def test_mlp_partial_requires_grad(frozen):
     """Frozen parts (LoRA-style frozen base weights, a frozen input) get no gradient; the rest is right."""
