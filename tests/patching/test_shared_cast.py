@@ -1,8 +1,7 @@
 """The attention patch (the ``rope`` switch) also makes q/k/v projections save one autocast cast of
-their input instead of three, with bitwise the same loss and gradients; nothing changes outside
-autocast; revert restores. Compared against the patch without it (``rope=False`` plus the stock
-projections would change rope too, so the reference patches rope the same way and then takes the
-shared cast back off its projections)."""
+their input instead of three, and the projections save no bf16 weight copies, with bitwise the same
+loss and gradients; nothing changes outside autocast; revert restores. Compared against the same
+patch with the projections' own forwards taken back off (the stock ``nn.Linear`` under autocast)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,9 @@ from torch import nn
 import tigon
 from tests.helpers import DEVICE
 from tests.patching.tiny import tiny_model
-from tigon.patching.engine import QKV_PROJECTIONS
+from tigon.patching.engine import OUTPUT_PROJECTION, QKV_PROJECTIONS
+
+PROJECTIONS = (*QKV_PROJECTIONS, OUTPUT_PROJECTION)
 
 AUTOCAST = torch.bfloat16
 
@@ -26,14 +27,17 @@ def _ids(seed=0):
 
 
 def _step(model, ids, *, autocast=True):
-    """Loss, gradients by parameter name, and the (storage, shape) of every bf16 tensor the
-    autograd graph saved with the attention input's shape."""
+    """Loss, gradients by parameter name, the storages of every bf16 tensor the autograd graph
+    saved with the attention input's shape, and the shapes of the bf16 weight-shaped ones."""
     hidden = model.config.hidden_size
-    saved = []
+    weight_shapes = {tuple(sorted(p.shape)) for p in model.parameters() if p.dim() == 2}  # saved as Wᵀ too
+    saved, weights = [], []
 
     def pack(t):
-        if t.dtype == AUTOCAST and t.shape[-1] == hidden and t.dim() >= 2 and t.numel() == ids.numel() * hidden:
+        if t.dtype == AUTOCAST and t.numel() == ids.numel() * hidden and t.shape[-1] == hidden:
             saved.append(t.untyped_storage().data_ptr())
+        elif t.dtype == AUTOCAST and tuple(sorted(t.shape)) in weight_shapes:
+            weights.append(tuple(t.shape))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -41,41 +45,43 @@ def _step(model, ids, *, autocast=True):
             loss = model(input_ids=ids, labels=ids).loss
     grads = torch.autograd.grad(loss, list(model.parameters()))
     names = [n for n, _ in model.named_parameters()]
-    return loss.detach(), dict(zip(names, grads, strict=True)), saved
+    return loss.detach(), dict(zip(names, grads, strict=True)), saved, weights
 
 
-@pytest.fixture
-def models():
+@pytest.fixture(params=("llama", "qwen2"))  # qwen2: q/k/v with biases
+def models(request):
     torch.manual_seed(0)
-    base = tiny_model("llama").to(DEVICE)
+    base = tiny_model(request.param).to(DEVICE)
     shared, separate = copy.deepcopy(base), copy.deepcopy(base)
     tigon.patch(shared)
     tigon.patch(separate)
     for layer in separate.model.layers:
-        for name in QKV_PROJECTIONS:
+        for name in PROJECTIONS:
             projection = getattr(layer.self_attn, name)
             del projection.forward, projection._tigon_cast_cache  # back to nn.Linear.forward
     return shared, separate
 
 
-def test_one_saved_cast_and_bitwise_the_same_gradients(models):
+def test_one_saved_cast_no_weight_copies_and_bitwise_the_same_gradients(models):
     shared, separate = models
     ids = _ids()
-    loss_s, grads_s, saved_s = _step(shared, ids)
-    loss_p, grads_p, saved_p = _step(separate, ids)
+    loss_s, grads_s, saved_s, weights_s = _step(shared, ids)
+    loss_p, grads_p, saved_p, weights_p = _step(separate, ids)
     assert torch.equal(loss_s, loss_p)
     for name, g in grads_p.items():
         assert torch.equal(grads_s[name], g), name
     layers = shared.config.num_hidden_layers
     # Three casts of each layer's attention input saved without sharing, one with it.
     assert len(set(saved_p)) - len(set(saved_s)) == 2 * layers
+    # The stock projections save a bf16 copy of each of their 4 weights; these save none.
+    assert len(weights_p) - len(weights_s) == 4 * layers
 
 
 def test_nothing_changes_outside_autocast_or_without_grad(models):
     shared, separate = models
     ids = _ids(1)
-    loss_s, grads_s, _ = _step(shared, ids, autocast=False)
-    loss_p, grads_p, _ = _step(separate, ids, autocast=False)
+    loss_s, grads_s, _, _ = _step(shared, ids, autocast=False)
+    loss_p, grads_p, _, _ = _step(separate, ids, autocast=False)
     assert torch.equal(loss_s, loss_p)
     for name, g in grads_p.items():
         assert torch.equal(grads_s[name], g), name
@@ -88,8 +94,8 @@ def test_gradient_checkpointing_matches(models):
     for m in (shared, separate):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = _ids(2)
-    loss_s, grads_s, _ = _step(shared, ids)
-    loss_p, grads_p, _ = _step(separate, ids)
+    loss_s, grads_s, _, _ = _step(shared, ids)
+    loss_p, grads_p, _, _ = _step(separate, ids)
     assert torch.equal(loss_s, loss_p)
     for name, g in grads_p.items():
         assert torch.equal(grads_s[name], g), name
@@ -100,7 +106,7 @@ def test_revert_and_replaced_line_and_deepcopy():
     handle = tigon.patch(model)
     lines = [line for line in handle.replaced if "q_proj/k_proj/v_proj" in line]
     assert len(lines) == 1 and "tigon.ops.rope" in lines[0] and "(2 modules)" in lines[0]
-    projections = [getattr(model.model.layers[0].self_attn, n) for n in QKV_PROJECTIONS]
+    projections = [getattr(model.model.layers[0].self_attn, n) for n in PROJECTIONS]
     assert all("forward" in vars(p) for p in projections)
     copy.deepcopy(model)  # the caches' weak references do not travel
     handle.revert()
@@ -114,4 +120,4 @@ def test_wrapped_projection_is_left_alone():
     tigon.patch(model)
     assert all("forward" not in vars(getattr(attention, n)) for n in ("k_proj", "v_proj"))
     other = model.model.layers[1].self_attn
-    assert all("forward" in vars(getattr(other, n)) for n in QKV_PROJECTIONS)
+    assert all("forward" in vars(getattr(other, n)) for n in PROJECTIONS)

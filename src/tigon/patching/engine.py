@@ -14,8 +14,9 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
   ``apply_rotary_pos_emb`` to tigon's rope (``types.FunctionType`` with a new globals dict); the
   transformers module's globals are never assigned.
 - with rope, under autocast: each attention module's ``q_proj``/``k_proj``/``v_proj`` cast their
-  common fp32 input once and save one copy instead of three (shared_cast.py); bitwise the same
-  results.
+  common fp32 input once and save one copy instead of three, and its projections (``o_proj`` too)
+  cast their weights again in the backward instead of saving bf16 copies (shared_cast.py); bitwise
+  the same results.
 - loss: the CausalLM instance gets the generic forward of loss.py and ``lm_head`` learns to take a
   target (fused linear cross-entropy), or the instance's ``loss_function`` becomes tigon's
   cross-entropy.
@@ -60,6 +61,7 @@ SWITCHES = {
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+OUTPUT_PROJECTION = "o_proj"
 
 
 def supported_models() -> list[str]:
@@ -317,8 +319,8 @@ def _layer_norm_line(classes):
 
 
 def _rope_line(classes):
-    return (f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope, and q_proj/k_proj/v_proj share "
-            "one autocast copy of their input (instance forwards)")
+    return (f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope; q_proj/k_proj/v_proj share one "
+            "autocast copy of their input, and projections save no weight copies (instance forwards)")
 
 
 def _loss_lines(classes, switches):
@@ -515,6 +517,9 @@ def _plan_shared_cast(plan, root, classes):
         # one patched already is left as it is.
         if any(type(p) is not nn.Linear or _own_forward(p) is not None for p in projections):
             continue
+        output = attention._modules.get(OUTPUT_PROJECTION)
+        if type(output) is nn.Linear and _own_forward(output) is None:
+            projections.append(output)  # its input is in the autocast dtype already: no cast to share
         cache = CastCache()
         for projection in projections:
             plan.add(_SetAttr(projection, CACHE_ATTR, cache))

@@ -1,17 +1,22 @@
-"""One autocast copy of the attention input, shared by ``q_proj``, ``k_proj`` and ``v_proj``.
+"""Attention projections under autocast: one cast of the input for q/k/v, no saved weight copies.
 
 Under ``torch.autocast`` the residual stream and the norm's output stay fp32 (fp32 weights), and
-each of the three projections casts that same input to the autocast dtype on its own: autocast
-caches casts of weights only. Each linear saves its own cast for the backward, so every decoder
-layer keeps three identical (tokens, hidden) copies in bf16: 2 × 32 MB per layer more than needed at
-Llama-3.2-1B's 8192 tokens × 2048 (1 GB over its 16 layers).
+each of ``q_proj``, ``k_proj``, ``v_proj`` casts that same input to the autocast dtype on its own:
+autocast caches casts of weights only. Each linear saves its own cast for the backward, so every
+decoder layer keeps three identical (tokens, hidden) copies in bf16: 2 × 32 MB per layer more than
+needed at Llama-3.2-1B's 8192 tokens × 2048 (1 GB over its 16 layers). Each linear also saves the
+bf16 copy of its weight that autocast made, until the backward: 2 bytes per projection parameter
+(0.34 GB at Llama-3.2-1B, 0.74 GB at Gemma-2-2B) while the fp32 weights are there anyway.
 
-Here the projections' forwards make the cast once and hand each projection its own autograd view
-of it (:class:`_SharedCast`), so the saved copies are one storage. Each view's backward converts its
-gradient to fp32 on its own, and autograd sums the three in fp32 exactly as for the stock casts:
-losses and gradients are bitwise those of the stock projections. Nothing changes outside autocast,
-without grad, under torch.compile (Inductor plans its own buffers), or for a projection that is not
-a plain ``nn.Linear`` (a LoRA wrapper keeps its own forward).
+Here each projection (``o_proj`` too) runs :class:`_AutocastLinear`: the input is cast once per
+attention module (:class:`CastCache`) and that one cast is what the three nodes save; the weight is
+cast in the forward and again in the backward instead of being saved. The backward makes the same
+products as the stock linear's (``dy·W`` for the input, ``dyᵀ·x`` for the weight, ``Σ dy`` for the
+bias, in the autocast dtype) and casts them back to the dtypes of input, weight and bias as
+autocast's casts do; each node returns its own fp32 input gradient and autograd sums the three in
+fp32 as for the stock casts: losses and gradients are bitwise the stock ones. Nothing changes
+outside autocast, without grad, under torch.compile (Inductor plans its own buffers), or for a
+projection that is not a plain ``nn.Linear`` (a LoRA wrapper keeps its own forward).
 """
 
 from __future__ import annotations
@@ -22,17 +27,30 @@ import torch
 import torch.nn.functional as F
 
 
-class _SharedCast(torch.autograd.Function):
-    """x → a view of ``cast`` (x already cast to the autocast dtype); the gradient goes back as x's dtype."""
+class _AutocastLinear(torch.autograd.Function):
+    """``F.linear(cast, weight.to(dtype), bias.to(dtype))`` with ``cast`` = x in the autocast dtype
+    (made by the caller, shared); saves ``cast`` and the weight itself, not its cast."""
 
     @staticmethod
-    def forward(ctx, x, cast):
-        ctx.dtype = x.dtype
-        return cast.view_as(cast)
+    def forward(ctx, x, cast, weight, bias, dtype):
+        ctx.save_for_backward(cast, weight)
+        ctx.x_dtype, ctx.dtype = x.dtype, dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return F.linear(cast, weight.to(dtype), bias.to(dtype) if bias is not None else None)
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
+    def backward(ctx, dy):
+        cast, weight = ctx.saved_tensors
+        need_x, _, need_w, need_b, _ = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])                           # (M, O)
+        dx = dw = db = None
+        if need_x:
+            dx = (dy2 @ weight.to(ctx.dtype)).reshape(cast.shape).to(ctx.x_dtype)     # (..., I)
+        if need_w:
+            dw = (dy2.t() @ cast.reshape(-1, cast.shape[-1])).to(weight.dtype)         # (O, I)
+        if need_b:
+            db = dy2.sum(0).to(ctx.bias_dtype)
+        return dx, None, dw, db, None
 
 
 class CastCache:
@@ -64,7 +82,8 @@ CACHE_ATTR = "_tigon_cast_cache"
 
 
 def shared_cast_linear(self, input):
-    """``nn.Linear.forward`` whose autocast cast of ``input`` is shared with its sibling projections."""
+    """``nn.Linear.forward`` under autocast without saved copies: the input's cast is shared with
+    the sibling projections of the same attention module, the weight is cast again in the backward."""
     device_type = input.device.type
     if (
         torch.compiler.is_compiling()
@@ -74,10 +93,14 @@ def shared_cast_linear(self, input):
     ):
         return F.linear(input, self.weight, self.bias)
     dtype = torch.get_autocast_dtype(device_type)
-    if input.dtype != torch.float32 or dtype == torch.float32:  # what autocast would not cast
+    eligible = (torch.float32, dtype)  # what autocast casts to dtype (or leaves as it is)
+    if dtype == torch.float32 or input.dtype not in eligible or self.weight.dtype not in eligible or (
+        self.bias is not None and self.bias.dtype not in eligible
+    ):
         return F.linear(input, self.weight, self.bias)
-    shared = _SharedCast.apply(input, getattr(self, CACHE_ATTR).cast(input, dtype))
-    return F.linear(shared, self.weight, self.bias)
+    cast = input if input.dtype == dtype else getattr(self, CACHE_ATTR).cast(input, dtype)
+    with torch.autocast(device_type, enabled=False):
+        return _AutocastLinear.apply(input, cast, self.weight, self.bias, dtype)
 
 
 shared_cast_linear._tigon = True
