@@ -55,7 +55,7 @@ class _AutocastLinear(torch.autograd.Function):
 
 class CastCache:
     """The last input the projections of one attention module saw, and its cast (both held weakly:
-    the linears' saved views keep the cast alive exactly as long as the backward needs it)."""
+    the nodes that saved the cast keep it alive exactly as long as the backward needs it)."""
 
     def __init__(self):
         self._input = self._cast = None
