@@ -13,7 +13,7 @@ from torch import nn
 
 import tigon
 from tests.helpers import DEVICE
-from tests.patching.tiny import tiny_model
+from tests.patching.tiny import VOCAB, tiny_model
 from tigon.patching.engine import OUTPUT_PROJECTION, QKV_PROJECTIONS
 
 PROJECTIONS = (*QKV_PROJECTIONS, OUTPUT_PROJECTION)
@@ -23,7 +23,7 @@ AUTOCAST = torch.bfloat16
 
 def _ids(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 160, (2, 12), generator=gen).to(DEVICE)
+    return torch.randint(3, VOCAB, (2, 12), generator=gen).to(DEVICE)
 
 
 def _step(model, ids, *, autocast=True):

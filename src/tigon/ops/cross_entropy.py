@@ -623,6 +623,20 @@ def _softcap_args(softcap, logit_scale):
     return float(softcap), float(logit_scale) / float(softcap)
 
 
+def _row_setup(rows, weight, label_smoothing, z_loss, softcap, logit_scale):
+    """What every row-kernel launch computes the same way: the geometry for ``rows`` (N, width),
+    the softcap pair and the keyword arguments of the option flags and warps."""
+    num_rows, width = rows.shape
+    cfg = row_launch(num_rows, width, rows.device)
+    flags = dict(**_option_flags(weight, label_smoothing, z_loss, softcap), num_warps=cfg.num_warps)
+    return cfg, _softcap_args(softcap, logit_scale), flags
+
+
+def _row_scale_args(row_scale, placeholder):
+    """(pointer, stride) of the optional per-row gradient scale; a placeholder pointer when absent."""
+    return (row_scale, row_scale.stride(0)) if row_scale is not None else (placeholder, 0)
+
+
 def launch_cross_entropy_rows(
     logits, target, weight, scales, row_scale, grad, loss_rows,
     ignore_index, label_smoothing, z_loss, softcap, logit_scale,
@@ -634,21 +648,21 @@ def launch_cross_entropy_rows(
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
-    cfg = row_launch(num_rows, vocab, logits.device)
+    cfg, (softcap_value, softcap_scale), flags = _row_setup(
+        logits, weight, label_smoothing, z_loss, softcap, logit_scale
+    )
     out = grad if grad is not None else logits
-    softcap_value, softcap_scale = _softcap_args(softcap, logit_scale)
     wrap_triton(cross_entropy_fwd_kernel)[(cfg.programs,)](
         logits, logits.stride(0), logits.stride(1),
         target, target.stride(0),
         weight if weight is not None else scales,
         scales,
-        row_scale if row_scale is not None else scales, row_scale.stride(0) if row_scale is not None else 0,
+        *_row_scale_args(row_scale, scales),
         out, out.stride(0), out.stride(1),
         loss_rows,
         num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
         BLOCK_V=cfg.block_v, SINGLE_BLOCK=cfg.single_block, COMPUTE_GRAD=grad is not None,
-        HAS_ROW_SCALE=row_scale is not None, **_option_flags(weight, label_smoothing, z_loss, softcap),
-        num_warps=cfg.num_warps,
+        HAS_ROW_SCALE=row_scale is not None, **flags,
     )
 
 
@@ -659,8 +673,9 @@ def launch_chunk_stats(
     num_rows, width = chunk.shape
     if num_rows == 0:
         return
-    cfg = row_launch(num_rows, width, chunk.device)
-    softcap_value, softcap_scale = _softcap_args(softcap, logit_scale)
+    cfg, (softcap_value, softcap_scale), flags = _row_setup(
+        chunk, weight, label_smoothing, z_loss, softcap, logit_scale
+    )
     wrap_triton(cross_entropy_chunk_stats_kernel)[(cfg.programs,)](
         chunk, chunk.stride(0),
         target, target.stride(0),
@@ -668,9 +683,7 @@ def launch_chunk_stats(
         scales, state, loss_rows, lse,
         num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale,
         softcap_value, softcap_scale,
-        BLOCK_V=cfg.block_v, IS_LAST=is_last,
-        **_option_flags(weight, label_smoothing, z_loss, softcap),
-        num_warps=cfg.num_warps,
+        BLOCK_V=cfg.block_v, IS_LAST=is_last, **flags,
     )
 
 
@@ -681,20 +694,19 @@ def launch_chunk_grad(
     num_rows, width = chunk.shape
     if num_rows == 0:
         return
-    cfg = row_launch(num_rows, width, chunk.device)
-    softcap_value, softcap_scale = _softcap_args(softcap, logit_scale)
+    cfg, (softcap_value, softcap_scale), flags = _row_setup(
+        chunk, weight, label_smoothing, z_loss, softcap, logit_scale
+    )
     wrap_triton(cross_entropy_chunk_grad_kernel)[(cfg.programs,)](
         chunk, chunk.stride(0),
         target, target.stride(0),
         weight if weight is not None else scales,
         scales,
-        row_scale if row_scale is not None else scales, row_scale.stride(0) if row_scale is not None else 0,
+        *_row_scale_args(row_scale, scales),
         lse,
         num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale,
         softcap_value, softcap_scale,
-        BLOCK_V=cfg.block_v, HAS_ROW_SCALE=row_scale is not None,
-        **_option_flags(weight, label_smoothing, z_loss, softcap),
-        num_warps=cfg.num_warps,
+        BLOCK_V=cfg.block_v, HAS_ROW_SCALE=row_scale is not None, **flags,
     )
 
 
