@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch._library.triton import set_wrap_triton_enabled
 from torch.library import triton_op
+from torch.library import wrap_triton as _torch_wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -25,6 +26,19 @@ INTERPRETER_PROGRAMS = 4
 def interpreter_active() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def wrap_triton(kernel):
+    """``torch.library.wrap_triton``, except under the interpreter, where the kernel is launched as is.
+
+    Ops launch ``wrap_triton(kernel)[grid](...)`` so that torch.compile traces the launch. Under
+    ``TRITON_INTERPRET=1`` ``@triton.jit`` makes an ``InterpretedFunction``, which torch < 2.13's
+    ``wrap_triton`` refuses ("only works on functions annotated with triton.jit") even in eager mode;
+    nothing traces interpreted kernels, so they need no wrapper.
+    """
+    if interpreter_active():
+        return kernel
+    return _torch_wrap_triton(kernel)
 
 
 def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:

@@ -40,9 +40,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_fp32, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_fp32, check_tensor, next_power_of_2, wrap_triton
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel

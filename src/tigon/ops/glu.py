@@ -42,9 +42,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_rows, cache_by_size, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_rows, cache_by_size, check_tensor, next_power_of_2, wrap_triton
 
 # The activations the kernel knows, by the name the torch op takes.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")

@@ -45,9 +45,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, wrap_triton
 from tigon.ops.kl_div import _tile, tile_launch
 
 INDEX_DTYPES = (torch.int64, torch.int32)

@@ -43,9 +43,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, next_power_of_2, wrap_triton
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 

@@ -51,9 +51,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor
+from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, wrap_triton
 from tigon.ops.rms_norm import (
     accumulate_partial,
     grad_tile,

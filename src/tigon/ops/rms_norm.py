@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from tigon.ops._common import (
     TigonOp,
@@ -59,6 +58,7 @@ from tigon.ops._common import (
     check_tensor,
     next_power_of_2,
     persistent_programs,
+    wrap_triton,
 )
 
 CASTINGS = ("llama", "gemma")

@@ -45,9 +45,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from tigon.ops._common import TigonOp, cache_by_size, check_tensor, next_power_of_2
+from tigon.ops._common import TigonOp, cache_by_size, check_tensor, next_power_of_2, wrap_triton
 
 UNSQUEEZE_DIMS = (1, 2)
 

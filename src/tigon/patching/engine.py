@@ -17,6 +17,8 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
   common fp32 input once and save one copy instead of three, and its projections (``o_proj`` too)
   cast their weights again in the backward instead of saving bf16 copies (shared_cast.py); bitwise
   the same results.
+- with rope: the model's config is marked so that, under torch.compile, sdpa attention runs causal
+  without a dense mask wherever eager mode does (causal_mask.py); exactly the same attention.
 - loss: the CausalLM instance gets the generic forward of loss.py and ``lm_head`` learns to take a
   target (fused linear cross-entropy), or the instance's ``loss_function`` becomes tigon's
   cross-entropy.
@@ -45,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tigon.patching import causal_mask
 from tigon.patching import loss as loss_path
 from tigon.patching.families import FAMILIES, Family
 from tigon.patching.shared_cast import CACHE_ATTR, CastCache, shared_cast_linear
@@ -320,7 +323,8 @@ def _layer_norm_line(classes):
 
 def _rope_line(classes):
     return (f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope; q_proj/k_proj/v_proj share one "
-            "autocast copy of their input, and projections save no weight copies (instance forwards)")
+            "autocast copy of their input, and projections save no weight copies (instance forwards); under "
+            "torch.compile sdpa runs causal where eager mode would, without a dense mask")
 
 
 def _loss_lines(classes, switches):
@@ -598,6 +602,8 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
     if switches["rope"] and classes.attention is not None:
         _plan_rope(plan, model, family, classes)
         _plan_shared_cast(plan, model, classes)
+        if not causal_mask.marked(model.config):
+            plan.add(causal_mask.MarkConfig(model.config))
     if isinstance(model, classes.causal_lm):
         _plan_loss(plan, model, family, classes, switches)
     target = f"{type(model).__name__} instance"
