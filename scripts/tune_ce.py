@@ -1,19 +1,28 @@
-"""Sweep the streamed cross-entropy kernel's launch geometry on a GPU (rows longer than
-``MAX_SINGLE_BLOCK_V``, read twice), and check every setting's loss and gradient against torch.
+"""Sweep the cross-entropy row kernels' knobs on a GPU, checking every setting against torch.
 
-    PYTHONPATH=src python3 scripts/tune_ce.py
+    PYTHONPATH=src python3 scripts/tune_ce.py            # all four shapes
+    PYTHONPATH=src python3 scripts/tune_ce.py 128256     # only the shapes whose V is named
 
-An experiment kept out of the package (STYLE: llm.c habit): its findings go into the STREAM_*
-constants of src/tigon/ops/cross_entropy.py. Not yet run on a GPU (written when the session's device
-time had run out); about two minutes on an H100 by estimate. Times are GPU times of forward+backward from the
-benchmark harness (the step queued behind a sleeping GPU, L2 flushed before each step); SOL = one
-read of the logits and one write of the gradient over the copy bandwidth measured first.
+An experiment kept out of the package (STYLE: llm.c habit): its findings go into the UPPER_CASE
+knobs of src/tigon/ops/cross_entropy.py (the launch-config section). Shapes: N = 8192 tokens in
+bf16 at V = 32000, 128256, 151936 and 256000 with softcap 30 (the benchmark's). Each shape runs a
+coordinate descent from the shipped knobs: every value of one knob with the others at the best so
+far, knob after knob, one pass (V = 32000 once in each regime: row in registers, and streamed).
+One line per setting (printed as it is measured, so a cut-off run still says something), then
+the best setting per shape and a summary. About 60 settings; expected 2-3 minutes on an H100,
+mostly Triton compiles (each distinct block/warps/pipeline combination compiles once per
+softcap flag).
+
+Times are GPU times of forward+backward from the benchmark harness (the step queued behind a
+sleeping GPU, L2 flushed before each step); SOL = one read of the logits and one write of the
+gradient over the copy bandwidth measured first. A setting that fails to compile or gives a
+wrong loss/gradient is reported and never chosen.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
+import time
 
 import torch
 
@@ -22,12 +31,28 @@ from tigon.bench.harness import copy_bandwidth, gpu_time
 
 ce = sys.modules["tigon.ops.cross_entropy"]
 
+DEVICE = "cuda"
 TOKENS = 8192
-SHAPES = ((128256, None), (256000, 30.0))
-BLOCKS = (4096, 8192)
-WARPS = (8, 16)
-PROGRAMS_PER_SM = (1, 2)
+SHAPES = ((32000, None), (128256, None), (151936, None), (256000, 30.0))
+LOSS_TOLERANCE = 1e-4  # relative, fp32 loss against the fp32 torch reference
 GRAD_TOLERANCE = 3e-2  # bf16 gradient against an fp32 torch reference (API.md's bf16 bound)
+MB = 1 << 20
+
+# Values tried per knob, in the order the descent visits them. Block width and warps go together
+# (the pair sets the registers per thread: ptxas -v for sm_90 shows no spills for these pairs).
+# (SINGLE_VALUES_PER_THREAD only matters below 32768 classes, where the warp cap does not bind.)
+SINGLE_KNOBS = {
+    "SINGLE_MAX_WARPS": (16, 32),
+    "SINGLE_PROGRAMS_PER_SM": (1, 2, 4),
+}
+STREAM_KNOBS = {
+    ("STREAM_BLOCK_V", "STREAM_WARPS"): ((8192, 16), (16384, 32), (16384, 16), (8192, 8)),
+    "STREAM_PREFETCH": (1, 2),
+    "STREAM_STAGES": (1, 2, 3),
+    "STREAM_PROGRAMS_PER_SM": (0.5, 0.75, 1.0, 2.0),
+    "STREAM_L2_HINTS": (False, True),
+    "STREAM_L2_BUDGET_BYTES": (0, 24 * MB, 40 * MB),
+}
 
 
 def _reference(logits, target, softcap):
@@ -37,51 +62,138 @@ def _reference(logits, target, softcap):
     return torch.nn.functional.cross_entropy(z, target)
 
 
-def main() -> None:
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
-    shipped = (ce.STREAM_BLOCK_V, ce.STREAM_WARPS, ce.STREAM_PROGRAMS_PER_SM)
-    for vocab, softcap in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        logits = torch.randn(TOKENS, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
-        logits.requires_grad_(True)
-        target = torch.randint(vocab, (TOKENS,), device="cuda", generator=gen)
-        ref_loss = _reference(logits, target, softcap)
-        (ref_grad,) = torch.autograd.grad(ref_loss, logits)
-        sol_ms = 2 * logits.numel() * logits.element_size() / bandwidth * 1e3
-        results = []
-        for block, warps, per_sm in itertools.product(BLOCKS, WARPS, PROGRAMS_PER_SM):
-            ce.STREAM_BLOCK_V, ce.STREAM_WARPS, ce.STREAM_PROGRAMS_PER_SM = block, warps, per_sm
+def _names(knob):
+    return knob if isinstance(knob, tuple) else (knob,)
 
-            def step(logits=logits, target=target, softcap=softcap):
-                loss = ce.cross_entropy(logits, target, softcap=softcap)
-                return torch.autograd.grad(loss, logits)
 
-            try:
-                loss = ce.cross_entropy(logits, target, softcap=softcap)
-                (grad,) = torch.autograd.grad(loss, logits)
-                loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-                grad_err = ((grad.float() - ref_grad.float()).norm() / ref_grad.float().norm()).item()
-                ok = loss_err <= 1e-4 and grad_err <= GRAD_TOLERANCE
-                step()
-                ms = gpu_time(step, 5.0)
-            except Exception as exc:  # a setting that does not compile (spills past the limit) is a result
-                print(f"  V={vocab} block={block} warps={warps} per_sm={per_sm}: {type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0][:120]}")
+def _as_values(knob, value):
+    return value if isinstance(knob, tuple) else (value,)
+
+
+class Shape:
+    """One (V, softcap) case: inputs, the fp32 reference, and the measurement of a setting."""
+
+    def __init__(self, vocab, softcap, bandwidth):
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        self.vocab, self.softcap = vocab, softcap
+        self.logits = torch.randn(TOKENS, vocab, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        self.logits.requires_grad_(True)
+        self.target = torch.randint(vocab, (TOKENS,), device=DEVICE, generator=gen)
+        self.ref_loss = _reference(self.logits, self.target, softcap)
+        (self.ref_grad,) = torch.autograd.grad(self.ref_loss, self.logits)
+        self.sol_ms = 2 * self.logits.numel() * self.logits.element_size() / bandwidth * 1e3
+        self.label = f"V={vocab}" + (f" softcap={softcap:g}" if softcap else "")
+
+    def step(self):
+        loss = ce.cross_entropy(self.logits, self.target, softcap=self.softcap)
+        return torch.autograd.grad(loss, self.logits)
+
+    def measure(self, setting: dict):
+        """ms of one setting (knob name -> value), or None when it fails; prints one line."""
+        shipped = {name: getattr(ce, name) for name in setting}
+        for name, value in setting.items():
+            setattr(ce, name, value)
+        try:
+            cfg = ce.row_launch(TOKENS, self.vocab, self.logits.device, softcap=self.softcap is not None)
+            start = time.perf_counter()
+            loss = ce.cross_entropy(self.logits, self.target, softcap=self.softcap)
+            (grad,) = torch.autograd.grad(loss, self.logits)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            first_s = time.perf_counter() - start  # mostly the compile, for a new geometry
+            loss_err = abs(loss.item() - self.ref_loss.item()) / abs(self.ref_loss.item())
+            grad_err = ((grad.float() - self.ref_grad.float()).norm() / self.ref_grad.float().norm()).item()
+            grad = None
+            ok = loss_err <= LOSS_TOLERANCE and grad_err <= GRAD_TOLERANCE
+            ms = gpu_time(self.step, self.sol_ms * 2)
+        except Exception as exc:  # a setting that does not compile (or runs out of resources) is a result
+            print(f"  {self.label} {_fmt(setting)}: FAILED {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''}", flush=True)
+            return None
+        finally:
+            for name, value in shipped.items():
+                setattr(ce, name, value)
+        geometry = (f"[{'single' if cfg.single_block else 'stream'} block={cfg.block_v} warps={cfg.num_warps} "
+                    f"programs={cfg.programs}]")
+        mark = "" if ok else f"  WRONG (loss {loss_err:.1e}, grad {grad_err:.1e})"
+        print(f"  {self.label} {_fmt(setting)} {geometry}: {ms:.3f} ms ({100 * self.sol_ms / ms:.0f}% SOL)"
+              f" first call {first_s:.1f} s{mark}", flush=True)
+        return ms if ok else None
+
+    def release(self):
+        self.logits = self.ref_grad = self.ref_loss = None
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _fmt(setting: dict) -> str:
+    return " ".join(f"{name.lower()}={value}" for name, value in setting.items())
+
+
+def descend(shape: Shape, knobs: dict, start: dict):
+    """One coordinate-descent pass from ``start``: (best ms, best setting)."""
+    best = dict(start)
+    best_ms = shape.measure(best)
+    for knob, values in knobs.items():
+        names = _names(knob)
+        current = tuple(best[n] for n in names)
+        for value in values:
+            value = _as_values(knob, value)
+            if value == current:
                 continue
-            mark = "" if ok else f"  WRONG (loss {loss_err:.1e}, grad {grad_err:.1e})"
-            shipped_mark = "  (shipped)" if (block, warps, per_sm) == shipped else ""
-            print(f"  V={vocab} softcap={softcap} block={block} warps={warps} per_sm={per_sm}: "
-                  f"{ms:.3f} ms ({100 * sol_ms / ms:.0f}% SOL){mark}{shipped_mark}")
-            if ok:
-                results.append((ms, block, warps, per_sm))
-        ce.STREAM_BLOCK_V, ce.STREAM_WARPS, ce.STREAM_PROGRAMS_PER_SM = shipped
-        best = min(results)
-        print(f"V={vocab}: best block={best[1]} warps={best[2]} per_sm={best[3]}: {best[0]:.3f} ms "
-              f"({100 * sol_ms / best[0]:.0f}% SOL)")
-        logits = ref_grad = step = None
-        torch.cuda.empty_cache()
+            trial = dict(best, **dict(zip(names, value, strict=True)))
+            ms = shape.measure(trial)
+            if ms is not None and (best_ms is None or ms < best_ms):
+                best_ms, best = ms, trial
+    return best_ms, best
+
+
+def _start(knobs: dict, **overrides) -> dict:
+    setting = {name: getattr(ce, name) for knob in knobs for name in _names(knob)}
+    setting.update(overrides)
+    return setting
+
+
+def main(vocabs=None) -> None:
+    t0 = time.perf_counter()
+    bandwidth = copy_bandwidth() if DEVICE == "cuda" else 1e12
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {device}", flush=True)
+    print("shipped: " + _fmt({name: getattr(ce, name) for name in _knob_names()}), flush=True)
+    summary = []
+    for vocab, softcap in SHAPES:
+        if vocabs and vocab not in vocabs:
+            continue
+        shape = Shape(vocab, softcap, bandwidth)
+        print(f"{shape.label}: SOL {shape.sol_ms:.3f} ms", flush=True)
+        runs = []
+        single_key = "MAX_SINGLE_BLOCK_V_SOFTCAP" if softcap else "MAX_SINGLE_BLOCK_V"
+        if ce.next_power_of_2(vocab) <= 32768:  # fits the register regime: try it, then streaming
+            runs.append(descend(shape, SINGLE_KNOBS, _start(SINGLE_KNOBS, **{single_key: 32768})))
+            runs.append(descend(shape, STREAM_KNOBS, _start(STREAM_KNOBS, **{single_key: 8192})))
+        else:
+            runs.append(descend(shape, STREAM_KNOBS, _start(STREAM_KNOBS)))
+        found = [(ms, setting) for ms, setting in runs if ms is not None]
+        if found:
+            ms, setting = min(found, key=lambda r: r[0])
+            line = f"{shape.label}: best {ms:.3f} ms ({100 * shape.sol_ms / ms:.0f}% SOL) with {_fmt(setting)}"
+        else:
+            line = f"{shape.label}: no setting passed"
+        print(line, flush=True)
+        summary.append(line)
+        shape.release()
+    print(f"--- summary ({time.perf_counter() - t0:.0f} s)")
+    for line in summary:
+        print(line)
+
+
+def _knob_names():
+    names = ["MAX_SINGLE_BLOCK_V", "MAX_SINGLE_BLOCK_V_SOFTCAP"]
+    for knobs in (SINGLE_KNOBS, STREAM_KNOBS):
+        for knob in knobs:
+            names.extend(_names(knob))
+    return names
 
 
 if __name__ == "__main__":
-    main()
+    main({int(arg) for arg in sys.argv[1:]} or None)

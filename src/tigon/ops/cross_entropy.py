@@ -63,6 +63,7 @@ from tigon.ops._common import (
     TigonOp,
     as_fp32,
     as_rows,
+    cache_by_size,
     check_tensor,
     next_power_of_2,
     persistent_programs,
@@ -213,60 +214,131 @@ def _store_zeros(row_out, out_col_stride, width, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _load_hinted(ptrs, mask, POLICY: tl.constexpr):
+    """tl.load with an L2 eviction hint: 0 none, 1 evict_last (read again soon), 2 evict_first."""
+    if POLICY == 1:
+        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    elif POLICY == 2:
+        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_hinted(ptrs, value, mask, POLICY: tl.constexpr):
+    """tl.store with an L2 eviction hint (as :func:`_load_hinted`)."""
+    if POLICY == 2:
+        tl.store(ptrs, value, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
 def _stream_stats(
     row_in, in_col_stride, width, weight_ptr, m, s, wz, logit_scale, softcap, softcap_scale,
-    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, READ_POLICY: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Pass 1 over a row, first block first, folding each block into (m, s, wz).
 
-    The next block's load is issued before the current block is reduced (Triton does not pipeline
-    loads that feed no dot), so a program always has a block in flight while it computes.
+    What keeps loads in flight while a block is reduced (module docstring, "Streaming"):
+    STAGES > 1 lets Triton's pipeliner stage the plain loads of the loop through shared memory
+    (``tl.range(num_stages=STAGES)``); otherwise the next PREFETCH (1 or 2) blocks are loaded into
+    registers before the current block is reduced. Loads past the row are masked off entirely.
     """
-    cols = tl.arange(0, BLOCK_V)
-    ahead = tl.load(row_in + cols * in_col_stride, mask=cols < width, other=0.0)
-    for start in range(0, width, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < width
-        l = ahead.to(tl.float32)
-        next_cols = cols + BLOCK_V
-        ahead = tl.load(row_in + next_cols * in_col_stride, mask=next_cols < width, other=0.0)
-        z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
-        m, s, wz = _stats_update(z, mask, cols, weight_ptr, m, s, wz, HAS_WEIGHT, HAS_SMOOTHING)
+    if STAGES > 1:
+        for start in tl.range(0, width, BLOCK_V, num_stages=STAGES):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < width
+            l = _load_hinted(row_in + cols * in_col_stride, mask, READ_POLICY).to(tl.float32)
+            z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+            m, s, wz = _stats_update(z, mask, cols, weight_ptr, m, s, wz, HAS_WEIGHT, HAS_SMOOTHING)
+    else:
+        cols = tl.arange(0, BLOCK_V)
+        ahead = _load_hinted(row_in + cols * in_col_stride, cols < width, READ_POLICY)
+        if PREFETCH == 2:
+            cols = BLOCK_V + tl.arange(0, BLOCK_V)
+            ahead2 = _load_hinted(row_in + cols * in_col_stride, cols < width, READ_POLICY)
+        for start in range(0, width, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < width
+            l = ahead.to(tl.float32)
+            next_cols = cols + PREFETCH * BLOCK_V
+            if PREFETCH == 2:
+                ahead = ahead2
+                ahead2 = _load_hinted(row_in + next_cols * in_col_stride, next_cols < width, READ_POLICY)
+            else:
+                ahead = _load_hinted(row_in + next_cols * in_col_stride, next_cols < width, READ_POLICY)
+            z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+            m, s, wz = _stats_update(z, mask, cols, weight_ptr, m, s, wz, HAS_WEIGHT, HAS_SMOOTHING)
     return m, s, wz
+
+
+@triton.jit
+def _grad_store(
+    l, cols, mask, row_out, out_col_stride, t_local, weight_ptr, lse, p_coef, target_coef, smooth_coef,
+    logit_scale, softcap, softcap_scale, STORE_POLICY: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """∂loss/∂l of one streamed block of fp32 logits ``l``, stored in the output's dtype."""
+    if HAS_SOFTCAP:
+        t = _tanh(l * softcap_scale)
+        z = softcap * t
+        slope = logit_scale * (1.0 - t * t)
+    else:
+        z = l * logit_scale
+        slope = logit_scale
+    p = tl.exp(z - lse)
+    g = _grad_block(p, slope, cols, mask, t_local, weight_ptr, p_coef, target_coef, smooth_coef,
+                    HAS_WEIGHT, HAS_SMOOTHING)
+    _store_hinted(row_out + cols * out_col_stride, g.to(row_out.dtype.element_ty), mask, STORE_POLICY)
 
 
 @triton.jit
 def _stream_grad(
     row_in, in_col_stride, row_out, out_col_stride, width, t_local, weight_ptr, lse,
     p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
-    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+    READ_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Pass 2 over a row, last block first: the blocks pass 1 read last are the likeliest in L2.
 
-    Prefetches one block ahead like pass 1. Each element is loaded and stored by the same thread
-    (same layout), and a block is prefetched before the block after it is stored, so writing the
-    gradient over the logits in place is safe.
+    Loads are kept in flight as in pass 1 (STAGES, or PREFETCH blocks ahead in registers). In
+    place (row_out = row_in) it is safe: each element is loaded and stored by the same thread (one
+    layout), every load of a block precedes its stores in program order, and a prefetched block is
+    one not yet stored (the walk visits each block once).
     """
     num_blocks = tl.cdiv(width, BLOCK_V)
-    cols = (num_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    ahead = tl.load(row_in + cols * in_col_stride, mask=cols < width, other=0.0)
-    for i in range(0, num_blocks):
-        cols = (num_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = cols < width
-        l = ahead.to(tl.float32)
-        next_cols = cols - BLOCK_V
-        ahead = tl.load(row_in + next_cols * in_col_stride, mask=next_cols >= 0, other=0.0)
-        if HAS_SOFTCAP:
-            t = _tanh(l * softcap_scale)
-            z = softcap * t
-            slope = logit_scale * (1.0 - t * t)
-        else:
-            z = l * logit_scale
-            slope = logit_scale
-        p = tl.exp(z - lse)
-        g = _grad_block(p, slope, cols, mask, t_local, weight_ptr, p_coef, target_coef, smooth_coef,
-                        HAS_WEIGHT, HAS_SMOOTHING)
-        tl.store(row_out + cols * out_col_stride, g.to(row_out.dtype.element_ty), mask=mask)
+    last = (num_blocks - 1) * BLOCK_V
+    if STAGES > 1:
+        for i in tl.range(0, num_blocks, num_stages=STAGES):
+            cols = last - i * BLOCK_V + tl.arange(0, BLOCK_V)
+            mask = cols < width
+            l = _load_hinted(row_in + cols * in_col_stride, mask, READ_POLICY).to(tl.float32)
+            _grad_store(l, cols, mask, row_out, out_col_stride, t_local, weight_ptr, lse, p_coef,
+                        target_coef, smooth_coef, logit_scale, softcap, softcap_scale, STORE_POLICY,
+                        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+    else:
+        cols = last + tl.arange(0, BLOCK_V)
+        ahead = _load_hinted(row_in + cols * in_col_stride, cols < width, READ_POLICY)
+        if PREFETCH == 2:
+            cols = last - BLOCK_V + tl.arange(0, BLOCK_V)
+            ahead2 = _load_hinted(row_in + cols * in_col_stride, cols >= 0, READ_POLICY)
+        for i in range(0, num_blocks):
+            cols = last - i * BLOCK_V + tl.arange(0, BLOCK_V)
+            mask = cols < width
+            l = ahead.to(tl.float32)
+            next_cols = cols - PREFETCH * BLOCK_V
+            if PREFETCH == 2:
+                ahead = ahead2
+                ahead2 = _load_hinted(row_in + next_cols * in_col_stride, next_cols >= 0, READ_POLICY)
+            else:
+                ahead = _load_hinted(row_in + next_cols * in_col_stride, next_cols >= 0, READ_POLICY)
+            _grad_store(l, cols, mask, row_out, out_col_stride, t_local, weight_ptr, lse, p_coef,
+                        target_coef, smooth_coef, logit_scale, softcap, softcap_scale, STORE_POLICY,
+                        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
 
 
 @triton.jit
@@ -280,6 +352,9 @@ def cross_entropy_fwd_kernel(
     loss_ptr,                                           # (N,) out, fp32: each row's α·ℓ + β·ζ
     num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
     BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    PREFETCH: tl.constexpr, STAGES: tl.constexpr,                           # streamed rows: loads in flight
+    FIRST_READ_POLICY: tl.constexpr, SECOND_READ_POLICY: tl.constexpr,     # streamed rows: L2 hints
+    STORE_POLICY: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
 ):
@@ -348,7 +423,8 @@ def cross_entropy_fwd_kernel(
             else:
                 m, s, wz = _stream_stats(
                     row_in, logits_col_stride, vocab, weight_ptr, m, s, wz, logit_scale, softcap,
-                    softcap_scale, BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                    softcap_scale, BLOCK_V, PREFETCH, STAGES, FIRST_READ_POLICY,
+                    HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                 )
                 lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
                 loss = _row_loss(lse, z_y, w_y, wz, weight_sum, inv_vocab, label_smoothing, z_loss,
@@ -362,7 +438,8 @@ def cross_entropy_fwd_kernel(
                     _stream_grad(
                         row_in, logits_col_stride, row_out, grad_col_stride, vocab, t, weight_ptr, lse,
                         p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
-                        BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                        BLOCK_V, PREFETCH, STAGES, SECOND_READ_POLICY, STORE_POLICY,
+                        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                     )
 
 
@@ -375,7 +452,7 @@ def cross_entropy_chunk_stats_kernel(
     state_ptr,                              # (4, N) fp32 in/out: running max, Σ exp(z − max), Σ w·z, z_y
     loss_ptr, lse_ptr,                      # (N,) out, fp32, written on the last chunk   [IS_LAST]
     num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
-    BLOCK_V: tl.constexpr, IS_LAST: tl.constexpr,
+    BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, IS_LAST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
@@ -398,7 +475,7 @@ def cross_entropy_chunk_stats_kernel(
             wz = tl.load(state_ptr + 2 * num_rows + row64)
             m, s, wz = _stream_stats(
                 row_in, 1, width, weight_ptr + col0, m, s, wz, logit_scale, softcap, softcap_scale,
-                BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                BLOCK_V, PREFETCH, STAGES, 0, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
             )
             w_y, z_y, in_chunk = _target_terms(
                 row_in, 1, t, col0, width, vocab, weight_ptr, logit_scale, softcap, softcap_scale,
@@ -431,7 +508,7 @@ def cross_entropy_chunk_grad_kernel(
     row_scale_ptr, row_scale_stride,        # (N,) factor on each row's gradient   [HAS_ROW_SCALE]
     lse_ptr,                                # (N,) fp32 logsumexp from the stats pass
     num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
 ):
@@ -467,7 +544,7 @@ def cross_entropy_chunk_grad_kernel(
             _stream_grad(
                 row_ptr, 1, row_ptr, 1, width, t_local, weight_ptr + col0, lse,
                 p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
-                BLOCK_V, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                BLOCK_V, PREFETCH, STAGES, 0, 0, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
             )
 
 
@@ -555,30 +632,58 @@ def scale_rows_kernel(
 
 
 # -------------------------------------------------------------------------------------- launch config
+#
+# Every knob below is read by row_launch (the one place that decides the row kernels' geometry) on
+# each call, so scripts/tune_ce.py can sweep them by assigning the module attributes.
 
-# Rows up to this many classes are held in registers between the statistics and the gradient (read
-# once): 16 warps at 16 fp32 values per thread, 85-107 registers and no spills (ptxas, sm_90) except
-# 16 bytes with every option on at once.
-MAX_SINGLE_BLOCK_V = 8192
-ELEMENTS_PER_WARP = 512
-MAX_WARPS = 16
-# Longer rows are streamed in blocks of this width by 16 warps, the next block prefetched while the
-# current one is reduced (16 KB of bf16 always in flight per program). 96 registers per thread (128
-# with softcap; 16384-wide blocks spill), so one program of 512 threads fills an SM's register file.
+# Single-block regime: a row whose padded width is at most this is held in registers between the
+# statistics and the gradient (read once). One fp32 register per element holds exp(z − max) (two
+# with softcap, which also keeps ∂z/∂l), so the softcap limit is lower.
+MAX_SINGLE_BLOCK_V = 32768
+MAX_SINGLE_BLOCK_V_SOFTCAP = 16384
+# fp32 row values per thread: warps = padded width / (32 × this), at most SINGLE_MAX_WARPS (16
+# warps hold 32768 values at 64 per thread). The whole row's loads are issued at once: 64 KB of
+# bf16 in flight per program at V = 32000.
+SINGLE_VALUES_PER_THREAD = 16
+SINGLE_MAX_WARPS = 16
+# Persistent grid of this many programs per SM (those that do not fit an SM's registers wait
+# their turn; rows are dealt round-robin, so the waves stay even).
+SINGLE_PROGRAMS_PER_SM = 4
+# Streamed regime (longer rows, read twice): blocks of this width, this many warps.
 STREAM_BLOCK_V = 8192
 STREAM_WARPS = 16
-# Streaming reads each row twice and wants the second read from L2. One program per SM keeps
-# SMs × row bytes in flight: 34 MB at V = 128256 in bf16, inside the H100's 50 MB L2; at V = 256000 it
-# is more than L2, and pass 2 walking the row backwards still finds the most recently read blocks.
-STREAM_PROGRAMS_PER_SM = 1
-# Short rows need no L2 planning; a persistent grid of this many programs per SM amortises the launch.
-SHORT_ROW_PROGRAMS_PER_SM = 4
+# Loads kept in flight while a block is reduced. STREAM_STAGES > 1: Triton's software pipeliner
+# stages the loop's plain loads through shared memory (tl.range(num_stages=...)); otherwise the
+# next STREAM_PREFETCH (1 or 2) blocks are loaded into registers ahead (2 × 16 KB of bf16 at the
+# defaults: the one-block prefetch, 16 KB per SM, left the kernel latency bound at ~40% of SOL).
+STREAM_PREFETCH = 2
+STREAM_STAGES = 1
+# Programs per SM (may be fractional: fewer rows in flight, less L2 needed by the second read).
+STREAM_PROGRAMS_PER_SM = 1.0
+# If > 0, the streamed grid is also capped so that programs × row bytes ≤ this (the rows in flight
+# between a block's first and second read must stay in L2; the H100 has 50 MB). 0: no cap.
+STREAM_L2_BUDGET_BYTES = 0
+# L2 eviction hints on the streamed passes: pass 1 reads evict_last (read again soon), pass 2 reads
+# and the gradient stores evict_first (never touched again by this kernel).
+STREAM_L2_HINTS = False
 # The reduction-factor kernel: one program walks the targets (and class weights) in blocks of this.
 REDUCTION_SCALES_BLOCK = 1024
 REDUCTION_SCALES_WARPS = 4
 # The row-scaling kernel: one program per row, this many elements per load round.
 SCALE_ROWS_BLOCK = 4096
 SCALE_ROWS_WARPS = 8
+
+# L2 eviction policies as the kernels take them (_load_hinted / _store_hinted).
+EVICT_NORMAL, EVICT_LAST, EVICT_FIRST = 0, 1, 2
+
+
+def tuning() -> tuple:
+    """The current values of every row-kernel knob (the geometry cache's key)."""
+    return (
+        MAX_SINGLE_BLOCK_V, MAX_SINGLE_BLOCK_V_SOFTCAP, SINGLE_VALUES_PER_THREAD, SINGLE_MAX_WARPS,
+        SINGLE_PROGRAMS_PER_SM, STREAM_BLOCK_V, STREAM_WARPS, STREAM_PREFETCH, STREAM_STAGES,
+        STREAM_PROGRAMS_PER_SM, STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS,
+    )
 
 
 @dataclass(frozen=True)
@@ -589,19 +694,52 @@ class RowLaunch:
     num_warps: int
     single_block: bool
     programs: int
+    prefetch: int = 1           # streamed: blocks loaded ahead into registers (STAGES ≤ 1)
+    stages: int = 1             # streamed: Triton pipeline stages (> 1 replaces the prefetch)
+    first_read_policy: int = EVICT_NORMAL
+    second_read_policy: int = EVICT_NORMAL
+    store_policy: int = EVICT_NORMAL
 
 
-def row_launch(num_rows: int, width: int, device: torch.device) -> RowLaunch:
-    """Geometry for rows of ``width`` classes (a whole vocabulary, or one chunk of it)."""
-    single = next_power_of_2(width) <= MAX_SINGLE_BLOCK_V
-    if single:
-        block_v = next_power_of_2(width)
-        num_warps = max(1, min(block_v // ELEMENTS_PER_WARP, MAX_WARPS))
+def row_launch(num_rows: int, width: int, device: torch.device, *, softcap: bool = False,
+               elem_bytes: int = 2, streamed: bool = False) -> RowLaunch:
+    """Geometry for rows of ``width`` classes (a whole vocabulary, or one chunk of it).
+
+    ``streamed``: for the vocabulary-chunk kernels, which always stream (blocks of at most
+    STREAM_BLOCK_V; a narrower chunk is one block).
+    """
+    return _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, tuning())
+
+
+def _single_warps(block_v: int) -> int:
+    return max(1, min(block_v // (32 * SINGLE_VALUES_PER_THREAD), SINGLE_MAX_WARPS))
+
+
+@cache_by_size
+def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -> RowLaunch:
+    max_single = MAX_SINGLE_BLOCK_V_SOFTCAP if softcap else MAX_SINGLE_BLOCK_V
+    padded = next_power_of_2(width)
+    if padded <= max_single and not streamed:
+        programs = _programs(device, SINGLE_PROGRAMS_PER_SM)
+        return RowLaunch(padded, _single_warps(padded), True, max(1, min(num_rows, programs)))
+    if padded < STREAM_BLOCK_V:  # one block (a narrow vocabulary chunk)
+        block_v, num_warps = padded, _single_warps(padded)
     else:
         block_v, num_warps = STREAM_BLOCK_V, STREAM_WARPS
-    per_sm = SHORT_ROW_PROGRAMS_PER_SM if single else STREAM_PROGRAMS_PER_SM
-    programs = persistent_programs(device, per_sm)
-    return RowLaunch(block_v, num_warps, single, max(1, min(num_rows, programs)))
+    programs = _programs(device, STREAM_PROGRAMS_PER_SM)
+    if STREAM_L2_BUDGET_BYTES > 0:
+        programs = min(programs, STREAM_L2_BUDGET_BYTES // (width * elem_bytes))
+    hints = (EVICT_LAST, EVICT_FIRST, EVICT_FIRST) if STREAM_L2_HINTS else (EVICT_NORMAL,) * 3
+    return RowLaunch(
+        block_v, num_warps, False, max(1, min(num_rows, programs)), STREAM_PREFETCH, STREAM_STAGES, *hints,
+    )
+
+
+def _programs(device: torch.device, per_sm: float) -> int:
+    """A persistent grid of ``per_sm`` (maybe fractional) programs per SM; the interpreter's few."""
+    if device.type != "cuda":
+        return persistent_programs(device)
+    return max(1, round(per_sm * persistent_programs(device, 1)))
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -623,12 +761,16 @@ def _softcap_args(softcap, logit_scale):
     return float(softcap), float(logit_scale) / float(softcap)
 
 
-def _row_setup(rows, weight, label_smoothing, z_loss, softcap, logit_scale):
+def _row_setup(rows, weight, label_smoothing, z_loss, softcap, logit_scale, *, streamed=False):
     """What every row-kernel launch computes the same way: the geometry for ``rows`` (N, width),
-    the softcap pair and the keyword arguments of the option flags and warps."""
+    the softcap pair and the keyword arguments of the option flags, warps and streaming pipeline."""
     num_rows, width = rows.shape
-    cfg = row_launch(num_rows, width, rows.device)
-    flags = dict(**_option_flags(weight, label_smoothing, z_loss, softcap), num_warps=cfg.num_warps)
+    cfg = row_launch(num_rows, width, rows.device, softcap=softcap is not None,
+                     elem_bytes=rows.element_size(), streamed=streamed)
+    flags = dict(
+        **_option_flags(weight, label_smoothing, z_loss, softcap),
+        PREFETCH=cfg.prefetch, STAGES=cfg.stages, num_warps=cfg.num_warps,
+    )
     return cfg, _softcap_args(softcap, logit_scale), flags
 
 
@@ -662,7 +804,8 @@ def launch_cross_entropy_rows(
         loss_rows,
         num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
         BLOCK_V=cfg.block_v, SINGLE_BLOCK=cfg.single_block, COMPUTE_GRAD=grad is not None,
-        HAS_ROW_SCALE=row_scale is not None, **flags,
+        FIRST_READ_POLICY=cfg.first_read_policy, SECOND_READ_POLICY=cfg.second_read_policy,
+        STORE_POLICY=cfg.store_policy, HAS_ROW_SCALE=row_scale is not None, **flags,
     )
 
 
@@ -674,7 +817,7 @@ def launch_chunk_stats(
     if num_rows == 0:
         return
     cfg, (softcap_value, softcap_scale), flags = _row_setup(
-        chunk, weight, label_smoothing, z_loss, softcap, logit_scale
+        chunk, weight, label_smoothing, z_loss, softcap, logit_scale, streamed=True
     )
     wrap_triton(cross_entropy_chunk_stats_kernel)[(cfg.programs,)](
         chunk, chunk.stride(0),
@@ -695,7 +838,7 @@ def launch_chunk_grad(
     if num_rows == 0:
         return
     cfg, (softcap_value, softcap_scale), flags = _row_setup(
-        chunk, weight, label_smoothing, z_loss, softcap, logit_scale
+        chunk, weight, label_smoothing, z_loss, softcap, logit_scale, streamed=True
     )
     wrap_triton(cross_entropy_chunk_grad_kernel)[(cfg.programs,)](
         chunk, chunk.stride(0),
