@@ -7,6 +7,7 @@ HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers their full prod
 the size test runs every branch at once in both regimes.
 """
 
+import importlib
 import itertools
 
 import pytest
@@ -23,7 +24,15 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops.cross_entropy import MAX_SINGLE_BLOCK_V, cross_entropy, cross_entropy_reference
+from tigon.ops.cross_entropy import (
+    MAX_SINGLE_BLOCK_V,
+    MAX_SINGLE_BLOCK_V_SOFTCAP,
+    cross_entropy,
+    cross_entropy_reference,
+)
+
+# The module itself (``tigon.ops.cross_entropy`` the attribute is the function): its launch knobs.
+ce_module = importlib.import_module("tigon.ops.cross_entropy")
 
 TRANSFORMS = {
     "plain": {},
@@ -118,10 +127,14 @@ def test_cross_entropy_options_low_precision(dtype, weighted, smoothing, reducti
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("vocab", (1, 37, MAX_SINGLE_BLOCK_V, MAX_SINGLE_BLOCK_V + 1, 70001))
+@pytest.mark.parametrize(
+    "vocab", (1, 37, MAX_SINGLE_BLOCK_V_SOFTCAP + 1, MAX_SINGLE_BLOCK_V, MAX_SINGLE_BLOCK_V + 1, 70001)
+)
 @pytest.mark.parametrize("options", ("plain", "all"))
 def test_cross_entropy_sizes(dtype, vocab, options):
-    """Both regimes, V not a power of two, V > 65536 (few rows: the interpreter is slow per element)."""
+    """Both regimes at the shipped knobs, V not a power of two, V > 65536 (few rows: the interpreter
+    is slow per element). "all" has a softcap, whose register limit is lower: V = softcap limit + 1
+    is streamed with it and held in registers without; V = MAX_SINGLE_BLOCK_V + 1 streams both."""
     rows = 3 if vocab < 65536 else 2
     logits = randn(rows, vocab, scale=2.0, dtype=dtype, requires_grad=True)
     target = make_target((rows,), vocab, ignored=0)
@@ -311,6 +324,114 @@ def test_cross_entropy_cpu_needs_interpreter(monkeypatch):
         cross_entropy(randn(2, 8), make_target((2,), 8))
 
 
+# ------------------------------------------------------------------------------ kernel variants (knobs)
+
+# Every geometry the launch knobs can select (scripts/tune_ce.py sweeps them on the GPU), shrunk so
+# that a vocabulary of 101 classes walks four blocks of 32 (the last one partial): streamed with
+# one or two blocks prefetched into registers, with Triton's pipelined loop (STREAM_STAGES), with
+# L2 hints and an L2 budget that leaves a single program for all rows; and held in registers with
+# several warps (values spread over 4 warps).
+SMALL_STREAM = dict(MAX_SINGLE_BLOCK_V=32, MAX_SINGLE_BLOCK_V_SOFTCAP=32, STREAM_BLOCK_V=32, STREAM_WARPS=1)
+VARIANTS = {
+    "single": dict(SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2),
+    "prefetch1": dict(SMALL_STREAM, STREAM_PREFETCH=1),
+    "prefetch2": dict(SMALL_STREAM, STREAM_PREFETCH=2),
+    "stages3": dict(SMALL_STREAM, STREAM_STAGES=3, STREAM_PREFETCH=1),
+    "hints_budget": dict(
+        SMALL_STREAM, STREAM_PREFETCH=2, STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=256, STREAM_PROGRAMS_PER_SM=0.5
+    ),
+}
+VARIANT_VOCAB = 101
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """Apply one variant's knobs to the module for the test (the geometry cache keys on them)."""
+    for name, value in VARIANTS[request.param].items():
+        assert hasattr(ce_module, name), name
+        monkeypatch.setattr(ce_module, name, value)
+    return request.param
+
+
+def _variant_target(rows, vocab, **kw):
+    target = make_target((rows,), vocab, **kw)
+    target[-1] = vocab - 1  # in the last, partial block
+    if rows > 2:
+        target[-2] = 0  # in the first block (read last by the streamed pass 2)
+    return target
+
+
+def test_variants_select_their_geometry(variant):
+    device = torch.device(DEVICE)
+    cfg = ce_module.row_launch(5, VARIANT_VOCAB, device)
+    assert cfg.single_block == (variant == "single")
+    if variant == "single":
+        assert cfg.num_warps == 4
+    else:
+        assert cfg.block_v == 32 and cfg.num_warps == 1
+        assert cfg.stages == VARIANTS[variant].get("STREAM_STAGES", 1)
+    if variant == "hints_budget":
+        assert cfg.programs == 1 and cfg.first_read_policy == ce_module.EVICT_LAST
+        assert cfg.second_read_policy == cfg.store_policy == ce_module.EVICT_FIRST
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", ("plain", "all"))
+def test_variants_dtypes(variant, dtype, options):
+    logits = randn(5, VARIANT_VOCAB, scale=3.0, dtype=dtype, requires_grad=True)
+    target = _variant_target(5, VARIANT_VOCAB)
+    kwargs = dict(ALL_OPTIONS, weight=class_weight(VARIANT_VOCAB), reduction="none") if options == "all" else {}
+    check_cross_entropy(logits, target, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_variants_reductions(variant, reduction):
+    """Weights, smoothing, z-loss, softcap and scale at once; ignore_index other than -100; a
+    random grad_output (≠ 1, per row for none)."""
+    logits = randn(6, VARIANT_VOCAB, scale=3.0, requires_grad=True)
+    target = _variant_target(6, VARIANT_VOCAB, ignore_index=7, ignored=2)
+    check_cross_entropy(
+        logits, target, ignore_index=7, weight=class_weight(VARIANT_VOCAB), reduction=reduction,
+        label_smoothing=0.2, z_loss=1e-2, softcap=6.0, logit_scale=1.3,
+    )
+
+
+@pytest.mark.parametrize("vocab", (VARIANT_VOCAB, 33))
+def test_variants_one_row(variant, vocab):
+    """One token; V = 33 is one full block and a one-class block when streamed."""
+    logits = randn(1, vocab, dtype=torch.bfloat16, requires_grad=True)
+    check_cross_entropy(logits, _variant_target(1, vocab, ignored=0), reduction="sum", z_loss=1e-3)
+
+
+def test_variants_inplace(variant):
+    x = randn(5, VARIANT_VOCAB, dtype=torch.bfloat16, requires_grad=True)
+    target = _variant_target(5, VARIANT_VOCAB)
+    options = dict(label_smoothing=0.1, softcap=8.0, weight=class_weight(VARIANT_VOCAB))
+    loss = cross_entropy(x * 1.5, target, inplace_backward=True, **options)
+    _, grads = fp64_reference(lambda x, **kw: cross_entropy_reference(x * 1.5, target, **kw), {"x": x},
+                              torch.tensor(0.5, dtype=torch.float64), **options)
+    (loss * 0.5).backward()
+    assert_close(x.grad, grads["x"], torch.bfloat16, "dx")
+
+
+def test_variants_deterministic(variant):
+    logits = randn(5, VARIANT_VOCAB, dtype=torch.bfloat16, requires_grad=True)
+    target = _variant_target(5, VARIANT_VOCAB)
+    runs = []
+    for _ in range(2):
+        loss = cross_entropy(logits, target, z_loss=1e-3, label_smoothing=0.1)
+        runs.append((loss, torch.autograd.grad(loss, logits)[0]))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_variants_all_ignored(variant):
+    logits = randn(3, VARIANT_VOCAB, requires_grad=True)
+    target = torch.full((3,), -100, device=DEVICE)
+    loss = cross_entropy(logits, target, z_loss=1e-3)
+    (dlogits,) = torch.autograd.grad(loss, logits)
+    assert loss.item() == 0.0 and torch.equal(dlogits, torch.zeros_like(dlogits))
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 
@@ -413,3 +534,32 @@ def test_cross_entropy_all_options_streaming(dtype):
             logits, make_target((16,), vocab), weight=class_weight(vocab) if weighted else None,
             label_smoothing=smoothing, reduction=reduction, **TRANSFORMS[transform],
         )
+
+
+# Full-size geometries the tuner can pick, for the GPU (the interpreter ignores pipelining and hints).
+GPU_VARIANTS = {
+    "shipped": {},
+    "single16warps": dict(SINGLE_MAX_WARPS=16, SINGLE_PROGRAMS_PER_SM=1),
+    "stream8192_prefetch1": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=1),
+    "stream8192_prefetch2_2per_sm": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=2,
+                                         STREAM_PROGRAMS_PER_SM=2.0),
+    "stages3": dict(STREAM_STAGES=3),
+    "hints_budget": dict(STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=24 << 20, STREAM_PROGRAMS_PER_SM=0.5),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_VARIANTS)
+def test_cross_entropy_gpu_variants(name, monkeypatch):
+    for knob, value in GPU_VARIANTS[name].items():
+        monkeypatch.setattr(ce_module, knob, value)
+    for vocab, softcap in ((32000, None), (128256, None), (256000, 30.0)):
+        logits = randn(48, vocab, scale=3.0, dtype=torch.bfloat16, requires_grad=True)
+        target = make_target((48,), vocab, ignored=3)
+        check_cross_entropy(logits, target, softcap=softcap, label_smoothing=0.05, weight=class_weight(vocab),
+                            z_loss=1e-4, reduction="none")
+        x = randn(48, vocab, dtype=torch.bfloat16, requires_grad=True)
+        loss = cross_entropy(x * 1.0, target, softcap=softcap, inplace_backward=True)
+        (dx,) = torch.autograd.grad(loss, x)
+        _, grads = fp64_reference(cross_entropy_reference, {"logits": x}, None, target=target, softcap=softcap)
+        assert_close(dx, grads["logits"], torch.bfloat16, "dlogits in place")

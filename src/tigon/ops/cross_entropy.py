@@ -645,13 +645,13 @@ MAX_SINGLE_BLOCK_V_SOFTCAP = 16384
 # warps hold 32768 values at 64 per thread). The whole row's loads are issued at once: 64 KB of
 # bf16 in flight per program at V = 32000.
 SINGLE_VALUES_PER_THREAD = 16
-SINGLE_MAX_WARPS = 16
+SINGLE_MAX_WARPS = 32
 # Persistent grid of this many programs per SM (those that do not fit an SM's registers wait
 # their turn; rows are dealt round-robin, so the waves stay even).
 SINGLE_PROGRAMS_PER_SM = 4
 # Streamed regime (longer rows, read twice): blocks of this width, this many warps.
-STREAM_BLOCK_V = 8192
-STREAM_WARPS = 16
+STREAM_BLOCK_V = 16384
+STREAM_WARPS = 32
 # Loads kept in flight while a block is reduced. STREAM_STAGES > 1: Triton's software pipeliner
 # stages the loop's plain loads through shared memory (tl.range(num_stages=...)); otherwise the
 # next STREAM_PREFETCH (1 or 2) blocks are loaded into registers ahead (2 × 16 KB of bf16 at the
