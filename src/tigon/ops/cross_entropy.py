@@ -28,16 +28,37 @@ Gradient. With α, β the reduction factors (1/Σ w_y and 1/n for mean, 1 otherw
     ∂z_j/∂l_j  = σ                     or   σ·(1 − tanh²(σ·l_j/κ))       (softcap)
 
 Everything on the right is known once lse is, so the forward computes the gradient too: pass 1
-streams the row for (m, Σ exp, Σ w·z), pass 2 streams it again and writes ∂loss/∂l. Rows up to
-``MAX_SINGLE_BLOCK_V`` classes are held in registers between the passes (one read). Longer rows are
-read twice, the second time from L2: the persistent grid runs one program per SM, so SMs × row
-bytes are in flight (34 MB at V = 128256 in bf16, inside the H100's 50 MB L2), and pass 2 walks the
-row backwards, so its first reads hit the blocks pass 1 touched last even when a row is longer.
+reads the row for (m, Σ exp, Σ w·z), pass 2 reads it again and writes ∂loss/∂l. Two regimes, chosen
+by the launch config (every knob an UPPER_CASE constant of the launch-config section, swept by
+scripts/tune_ce.py):
+
+- Registers: a row of at most ``MAX_SINGLE_BLOCK_V`` classes (``MAX_SINGLE_BLOCK_V_SOFTCAP`` with
+  softcap, which also keeps ∂z/∂l per element) is loaded at once, all its loads in flight together
+  (64 KB of bf16 at V = 32000), and held as exp(z − m) between the statistics and the gradient: one
+  read, and p = exp(z − m)/s with no second exp.
+- Streamed: a longer row is read in blocks of ``STREAM_BLOCK_V``, twice. HBM is only kept busy when
+  each SM has tens of KB of loads in flight (Little's law: ~3 TB/s × ~1 µs over 132 SMs); a loop
+  that waits for each block's load before reducing it has one block in flight at best. So the next
+  ``STREAM_PREFETCH`` blocks are loaded into registers before the current one is reduced (2 × 32 KB
+  at the defaults), or, with ``STREAM_STAGES`` > 1, Triton's software pipeliner stages the loop's
+  loads through shared memory. Pass 2 wants its reads from L2: between a block's two reads the other
+  programs bring in about programs × 2·(distance of the block from the row's end) bytes (their own
+  reads and gradient writes), so pass 2 walks the row backwards (its first reads are the blocks
+  pass 1 read last), and a fraction of about L2 / (2 × programs × row bytes) of the row is re-read
+  from L2 (all of it at V = 32000; ~60-70% at V = 128256 with one program per SM on the H100's
+  50 MB, about a third at 256000). Fewer programs (``STREAM_PROGRAMS_PER_SM`` < 1, or the cap
+  ``STREAM_L2_BUDGET_BYTES`` on programs × row bytes) trade SMs for L2 hits; ``STREAM_L2_HINTS``
+  marks pass 1's reads evict_last and pass 2's reads and the gradient stores evict_first.
+
+Every regime computes the same formulas in fp32 with a fixed order of reductions per geometry
+(no atomics): deterministic, and any two geometries agree to fp32 rounding.
 
 Bytes (speed of light), N rows, element size b: read logits N·V·b, write the gradient N·V·b (plus
-N targets and N fp32 losses). ``grad_output`` is applied lazily in the backward, by a row-scaling
-kernel that skips every row whose factor is already applied: with ``grad_output == 1`` (the usual
-case) the backward is one launch and no traffic.
+N targets and N fp32 losses). The register regime moves exactly that; the streamed one adds the
+second read of each row, from L2 where it hits, from HBM (another N·V·b at worst) where it misses.
+``grad_output`` is applied lazily in the backward, by a row-scaling kernel that skips every row
+whose factor is already applied: with ``grad_output == 1`` (the usual case) the backward is one
+launch and no traffic.
 
 In-place. With ``inplace_backward=True`` the gradient overwrites the logits' storage (a
 ``torch.autograd.Function`` around the mutating op ``tigon::cross_entropy_fwd_``), saving N·V·b of
@@ -242,7 +263,7 @@ def _stream_stats(
 ):
     """Pass 1 over a row, first block first, folding each block into (m, s, wz).
 
-    What keeps loads in flight while a block is reduced (module docstring, "Streaming"):
+    What keeps loads in flight while a block is reduced (module docstring, "Streamed"):
     STAGES > 1 lets Triton's pipeliner stage the plain loads of the loop through shared memory
     (``tl.range(num_stages=STAGES)``); otherwise the next PREFETCH (1 or 2) blocks are loaded into
     registers before the current block is reduced. Loads past the row are masked off entirely.
@@ -641,21 +662,22 @@ def scale_rows_kernel(
 # with softcap, which also keeps ∂z/∂l), so the softcap limit is lower.
 MAX_SINGLE_BLOCK_V = 32768
 MAX_SINGLE_BLOCK_V_SOFTCAP = 16384
-# fp32 row values per thread: warps = padded width / (32 × this), at most SINGLE_MAX_WARPS (16
-# warps hold 32768 values at 64 per thread). The whole row's loads are issued at once: 64 KB of
-# bf16 in flight per program at V = 32000.
+# fp32 row values per thread: warps = padded width / (32 × this), at most SINGLE_MAX_WARPS (32
+# warps hold 32768 values at 32 per thread: 63 registers, no spills without options; 16 warps need
+# 128). The whole row's loads are issued at once: 64 KB of bf16 in flight per program at V = 32000.
 SINGLE_VALUES_PER_THREAD = 16
 SINGLE_MAX_WARPS = 32
 # Persistent grid of this many programs per SM (those that do not fit an SM's registers wait
 # their turn; rows are dealt round-robin, so the waves stay even).
 SINGLE_PROGRAMS_PER_SM = 4
-# Streamed regime (longer rows, read twice): blocks of this width, this many warps.
+# Streamed regime (longer rows, read twice): blocks of this width, this many warps (32 warps:
+# 16 values per thread, 50 registers with two blocks prefetched; ptxas -v, sm_90).
 STREAM_BLOCK_V = 16384
 STREAM_WARPS = 32
 # Loads kept in flight while a block is reduced. STREAM_STAGES > 1: Triton's software pipeliner
-# stages the loop's plain loads through shared memory (tl.range(num_stages=...)); otherwise the
-# next STREAM_PREFETCH (1 or 2) blocks are loaded into registers ahead (2 × 16 KB of bf16 at the
-# defaults: the one-block prefetch, 16 KB per SM, left the kernel latency bound at ~40% of SOL).
+# stages the loop's plain loads through shared memory (tl.range(num_stages=...), cp.async);
+# otherwise the next STREAM_PREFETCH (1 or 2) blocks are loaded into registers ahead (2 × 32 KB of
+# bf16 at the defaults; one block of 8192, 16 KB per SM, measured ~40% of SOL: latency bound).
 STREAM_PREFETCH = 2
 STREAM_STAGES = 1
 # Programs per SM (may be fractional: fewer rows in flight, less L2 needed by the second read).
