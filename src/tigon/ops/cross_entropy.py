@@ -78,7 +78,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from tigon.ops._common import (
     TigonOp,
@@ -88,6 +87,7 @@ from tigon.ops._common import (
     check_tensor,
     next_power_of_2,
     persistent_programs,
+    wrap_triton,
 )
 
 REDUCTIONS = ("mean", "sum", "none")
