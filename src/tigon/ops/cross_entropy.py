@@ -681,7 +681,13 @@ STREAM_WARPS = 32
 STREAM_PREFETCH = 2
 STREAM_STAGES = 1
 # Programs per SM (may be fractional: fewer rows in flight, less L2 needed by the second read).
-STREAM_PROGRAMS_PER_SM = 1.0
+# Measured on the H100 (scripts/tune_ce.py, benchmarks/results/tune_ce-*.log; N = 8192, bf16, GPU
+# time of forward + backward): 2 per SM with prefetch 2 was best at V = 256000 + softcap (7.04 ms;
+# 1 per SM 7.14); at 128256 every setting with 16384-wide blocks over 32 warps, prefetch 1 or 2 and
+# 1 or 2 programs per SM fell within 2.78-2.88 ms. Fewer programs (0.5, 0.75), an L2 budget, L2 hints
+# and Triton's pipeliner were all slower. That time includes the eager range check's device-to-host
+# read (raise_if_out_of_range), after which the GPU idles until the host has queued the backward.
+STREAM_PROGRAMS_PER_SM = 2.0
 # If > 0, the streamed grid is also capped so that programs × row bytes ≤ this (the rows in flight
 # between a block's first and second read must stay in L2; the H100 has 50 MB). 0: no cap.
 STREAM_L2_BUDGET_BYTES = 0
