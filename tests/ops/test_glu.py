@@ -131,6 +131,24 @@ def test_glu_backward_into_matches_functional_backward():
         glu_backward_into(dh.t().contiguous().t(), gate, up, torch.empty_like(up), "silu")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glu_backward_recompute_into_writes_h_too(dtype):
+    """With ``h``, the same pass also writes the forward's output (the recomputing MLP's backward):
+    bitwise the forward op's h, and the same dgate, dup as without it; eager and registered op."""
+    gate, up = randn(7, 301, dtype=dtype, scale=3.0), randn(7, 301, dtype=dtype)
+    dh = randn(7, 301, dtype=dtype)
+    for activation in ACTIVATIONS:
+        want_h = torch.ops.tigon.glu(gate, up, activation)
+        want_dgate, want_dup = torch.ops.tigon.glu_backward(dh, gate, up, activation)
+        for call in (lambda *a: glu_backward_into(*a[:4], a[5], h=a[4]), torch.ops.tigon.glu_backward_recompute_into):
+            dgate, dup, h = dh.clone(), torch.empty_like(up), torch.empty_like(want_h)
+            call(dgate, gate, up, dup, h, activation)
+            assert torch.equal(h, want_h) and torch.equal(dgate, want_dgate) and torch.equal(dup, want_dup)
+    with pytest.raises(ValueError, match="h must be contiguous"):
+        wrong = torch.empty(7, 301, dtype=torch.float64)
+        glu_backward_into(dh.clone(), gate, up, torch.empty_like(up), "silu", h=wrong)
+
+
 def test_glu_saves_only_gate_and_up():
     gate, up = randn(4, 64, requires_grad=True), randn(4, 64, requires_grad=True)
     saved = []

@@ -9,19 +9,20 @@ Forward, x ``[..., H]``, weights as ``nn.Linear`` stores them::
 
 Backward, from dy::
 
-    h   = r(act(gate)) · up                  (M, I)     recomputed (glu kernel)
-    dWd = dyᵀ h,  dbd = Σ dy
     dh  = dy Wd                              (M, I)
-    dgate, dup = glu_backward(dh, gate, up)             in place: dgate over dh, dup over h
+    dgate, dup, h = glu_backward(dh, gate, up)          one pass over gate, up: dgate over dh,
+                                                        dup, and h = r(act(gate)) · up recomputed
+    dWd = dyᵀ h,  dbd = Σ dy                            h freed
     dx  = dgate Wg + dup Wu
     dWg = dgateᵀ x,  dWu = dupᵀ x,  dbg = Σ dgate,  dbu = Σ dup
 
 Saved per token: x (H) and gate, up (2·I). The stock ``LlamaMLP`` keeps x plus four intermediate-sized
 tensors (gate for the activation, act(gate) and up for the product, h for down_proj); a fused
-activation alone drops one of them. The backward allocates only two intermediate-sized tensors (h,
-then dh) and writes the activation gradients over them, so its peak is gate, up + 2·(M, I), against
-the 3 + 2 of LlamaMLP with a fused activation. The price is one extra pass reading gate, up and
-writing h (3·M·I·b bytes, against nine GEMMs of 2·M·H·I flops).
+activation alone drops one of them. The backward allocates three intermediate-sized tensors (dh,
+dup, h), so its peak is gate, up + 3·(M, I), as LlamaMLP with a fused activation (3 saved + dh +
+the product's gradient). The price of recomputing is one extra write of h, inside the backward's
+pass over gate and up (M·I·b bytes, against nine GEMMs of 2·M·H·I flops); recomputing h in a launch
+of its own would read gate and up a second time as well (3·M·I·b).
 
 Autocast: as ``nn.Linear`` under ``torch.autocast``, x and the biases are cast to the autocast dtype
 before the node (the casts stay in the graph), and the node runs with autocast off. The weights are
@@ -76,15 +77,22 @@ class _GatedMLPFunction(torch.autograd.Function):
         dx = d_gate_w = d_gate_b = d_up_w = d_up_b = d_down_w = d_down_b = None
 
         need_dgate_dup = need_x or need_gate_w or need_gate_b or need_up_w or need_up_b
+        h = None
+        if need_dgate_dup:
+            # One pass over gate and up gives dgate (over dh), dup and, when down_proj's weight
+            # gradient needs it, the recomputed h: no separate forward launch reading them again.
+            dgate = dy2 @ down_weight.to(ctx.dtype)                 # (M, I): dh, then dgate over it
+            dup = torch.empty_like(up2)
+            if need_down_w:
+                h = torch.empty(gate2.shape, dtype=torch.promote_types(gate2.dtype, up2.dtype), device=gate2.device)
+            glu_backward_into(dgate, gate2, up2, dup, ctx.activation, h=h)
         if need_down_w:
-            h = GLU(gate2, up2, ctx.activation)                     # (M, I)
+            if h is None:
+                h = GLU(gate2, up2, ctx.activation)                 # (M, I)
             d_down_w = (dy2.t() @ h).to(down_weight.dtype)          # (H, I)
+            h = None
         if need_down_b:
             d_down_b = dy2.sum(0)
-        if need_dgate_dup:
-            dgate = dy2 @ down_weight.to(ctx.dtype)                 # (M, I): dh, then dgate over it
-            dup = h if need_down_w else torch.empty_like(up2)       # h is spent: dup goes over it
-            glu_backward_into(dgate, gate2, up2, dup, ctx.activation)
         if need_x:
             dx = dgate @ gate_weight.to(ctx.dtype)                  # (M, H)
             dx.addmm_(dup, up_weight.to(ctx.dtype))

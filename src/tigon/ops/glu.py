@@ -131,13 +131,17 @@ def glu_bwd_kernel(
     gate_ptr, gate_row_stride, gate_col_stride,     # (M, N) gate
     up_ptr, up_row_stride, up_col_stride,           # (M, N) up
     dgate_ptr, dup_ptr, out_row_stride,             # (M, N) outs, contiguous; dgate may be dh itself
+    h_ptr,                                          # (M, N) out, contiguous (STORE_H only)
     num_rows, num_cols, num_elements, col_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, ACTIVATION: tl.constexpr,
+    STORE_H: tl.constexpr,
 ):
-    """du = dh·a, dg = dh·u·act'(g) over one tile.
+    """du = dh·a, dg = dh·u·act'(g) over one tile; with STORE_H also h = a·u, the forward's output.
 
     Each element of dh is loaded before the same thread stores dg there, so dgate_ptr may alias a
-    contiguous dh (the in-place variant).
+    contiguous dh (the in-place variant). STORE_H serves the recomputing MLP, whose backward needs h
+    again (for down_proj's weight gradient): the tile has g and u loaded already, so h costs one
+    write here instead of a forward launch that reads g and u a second time.
     """
     rows, cols, mask = _tile(
         tl.program_id(0), num_rows, num_cols, num_elements, col_blocks, BLOCK_M, BLOCK_N, FLAT
@@ -151,6 +155,8 @@ def glu_bwd_kernel(
     out = rows * out_row_stride + cols
     tl.store(dgate_ptr + out, (dh * u * dact).to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + out, (dh * a).to(dup_ptr.dtype.element_ty), mask=mask)
+    if STORE_H:
+        tl.store(h_ptr + out, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # -------------------------------------------------------------------------------------- launch config
@@ -217,8 +223,9 @@ def _forward(gate, up, activation):
     return h
 
 
-def _backward(dh, gate, up, activation, dgate, dup):
-    """Write dgate and dup (contiguous, gate's shape) from dh, gate, up."""
+def _backward(dh, gate, up, activation, dgate, dup, h=None):
+    """Write dgate and dup (contiguous, gate's shape) from dh, gate, up; and h = act(gate)·up into
+    ``h`` (contiguous) when given."""
     if gate.numel() == 0:
         return
     d2, g2, u2 = as_rows(dh), as_rows(gate), as_rows(up)
@@ -230,9 +237,10 @@ def _backward(dh, gate, up, activation, dgate, dup):
         g2, *_operand_strides(g2, cfg),
         u2, *_operand_strides(u2, cfg),
         dgate, dup, cfg.block_n if cfg.flat else num_cols,
+        dup if h is None else h,
         num_rows, num_cols, num_rows * num_cols, cfg.col_blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FLAT=cfg.flat, ACTIVATION=activation,
-        num_warps=cfg.num_warps,
+        STORE_H=h is not None, num_warps=cfg.num_warps,
     )
 
 
@@ -258,20 +266,37 @@ def _glu_backward_into_impl(
     _backward(dh, gate, up, activation, dh, dup)
 
 
-# Mutating: writes dgate over dh and dup into dup; see glu_backward_into.
+def _glu_backward_recompute_into_impl(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dup: torch.Tensor, h: torch.Tensor, activation: str
+) -> None:
+    _backward(dh, gate, up, activation, dh, dup, h)
+
+
+# Mutating: writes dgate over dh and dup into dup (and h into h); see glu_backward_into.
 GLU_BACKWARD_INTO = TigonOp("glu_backward_into", _glu_backward_into_impl, mutates_args={"dh", "dup"})
+GLU_BACKWARD_RECOMPUTE_INTO = TigonOp(
+    "glu_backward_recompute_into", _glu_backward_recompute_into_impl, mutates_args={"dh", "dup", "h"}
+)
 
 
-def glu_backward_into(dh, gate, up, dup, activation):
-    """The GLU backward in place: dh (contiguous) is overwritten with dgate, dup (contiguous) receives dup.
+def glu_backward_into(dh, gate, up, dup, activation, *, h=None):
+    """The GLU backward in place: dh (contiguous) is overwritten with dgate, dup (contiguous) receives dup,
+    and ``h`` (contiguous, optional) receives the forward's output act(gate)·up in the same pass.
 
-    For callers that own dh and a spare buffer, such as the recomputing MLP's backward; dh must have
-    gate's dtype and dup up's. Under torch.compile the registered mutating op is traced.
+    For callers that own dh and spare buffers, such as the recomputing MLP's backward; dh must have
+    gate's dtype, dup up's and h their promoted dtype. Under torch.compile the registered mutating
+    op is traced.
     """
-    for name, t, like in (("dh", dh, gate), ("dup", dup, up)):
-        if not t.is_contiguous() or t.shape != gate.shape or t.dtype != like.dtype:
-            raise ValueError(f"{name} must be contiguous with gate's shape and {like.dtype}")
-    GLU_BACKWARD_INTO(dh, gate, up, dup, activation)
+    outs = [("dh", dh, gate.dtype), ("dup", dup, up.dtype)]
+    if h is not None:
+        outs.append(("h", h, torch.promote_types(gate.dtype, up.dtype)))
+    for name, t, dtype in outs:
+        if not t.is_contiguous() or t.shape != gate.shape or t.dtype != dtype:
+            raise ValueError(f"{name} must be contiguous with gate's shape and {dtype}")
+    if h is None:
+        GLU_BACKWARD_INTO(dh, gate, up, dup, activation)
+    else:
+        GLU_BACKWARD_RECOMPUTE_INTO(dh, gate, up, dup, h, activation)
 
 
 def _setup_glu(ctx, inputs, output):
