@@ -1,27 +1,41 @@
 """Sweep the norm kernels' launch geometry on a GPU and print the kernel time of each choice.
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into
-``FWD_TUNING`` / ``BWD_TUNING`` in src/tigon/ops/rms_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
+``FWD_TUNING`` / ``BWD_TUNING`` in src/tigon/ops/rms_norm.py and ``TUNING`` in
+src/tigon/ops/layer_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
 
     PYTHONPATH=src python3 scripts/tune_norm.py                 # every section
-    PYTHONPATH=src python3 scripts/tune_norm.py stream          # one or more of: fused stream host
+    PYTHONPATH=src python3 scripts/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary host
 
-fused:  forward and backward geometry of RMSNorm over hidden sizes 896..65536 (elements per warp,
-        programs per SM, where rows stop being held in registers).
+fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of layer_norm.py's
+        LayerNormTuning (forward tile and warps; backward tile, warps, programs per SM, how loads are
+        kept in flight, one or two row reductions, the partial-row sum's tile) at 16384x896,
+        65536x1024, 32768x2048, 16384x4096 and 8192x8192. Per shape and direction a coordinate
+        descent from the shipped setting (each knob in turn over its values, the others held), each
+        setting checked against torch in fp32 before it is timed and printed as it goes; then every
+        shape's winner timed on every shape, and the one setting with the best geomean of % of SOL
+        printed as LayerNormTuning fields. About 2 minutes on an H100 (most of it compiling).
+fused:  the same for RMSNorm and add_rms_norm at the short-row shapes 16384x896 and 65536x1024
+        (rms_norm.py's FWD_TUNING / BWD_TUNING: tile_elements, elements_per_warp, max_warps,
+        programs_per_sm; one setting for both ops, which share them). About 1 minute.
 stream: the streamed backward's knobs (the ``stream_*`` fields and ``chunk``, ``elements_per_warp``)
         for rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: per shape a coordinate
         descent from the shipped default (each knob in turn over its values, the others held, two
         rounds), then every shape's winner and the shipped knobs under several L2 budgets timed on
         every shape, so that one setting can be picked for all. About 3-4 minutes on an H100.
+boundary: RMSNorm's forward and backward over hidden sizes 896..65536 with where rows stop being
+        held in registers (max_fused_hidden) moved; inputs replayed from L2 at the small sizes.
 host:   the eager host cost of one small forward+backward, with a profile.
 
-Times are of the kernels alone (CUDA-graph replay). Every tensor of the stream shapes is 128 MiB or
-more, far past the 50 MB L2, so replays do not find their inputs in L2; SOL is the minimal bytes
-over the copy bandwidth measured first.
+Times are of the kernels alone (CUDA-graph replay). In fused-ln and fused, each timed call reads
+its own copy of the inputs, rotating through enough copies (ROTATE_BYTES) that replays do not find
+them in the 50 MB L2; the stream shapes' tensors are 128 MiB or more anyway. SOL is the minimal
+bytes over the copy bandwidth measured first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -29,6 +43,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 import triton.testing
 
 import tigon.ops  # noqa: F401  (defines the kernels)
@@ -60,10 +75,9 @@ def copy_bandwidth():
     bandwidth = 2 * bw_src.numel() * 4 / (copy_ms * 1e-3)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     return bandwidth
-    return bandwidth
 
 
-def sweep_fused(bandwidth):
+def sweep_boundary(bandwidth):
     base_fwd, base_bwd = rms.FWD_TUNING, rms.BWD_TUNING
     for rows, hidden in SHAPES:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -286,6 +300,309 @@ def sweep_stream(bandwidth):
     print(f"best single setting: #{i} (geomean {geo:.1f}% of SOL): BWD_TUNING fields {fields}")
 
 
+# ------------------------------------------------------------------- fused (rows held in registers)
+
+FUSED_SHAPES = {
+    "layer_norm": ((16384, 896), (65536, 1024), (32768, 2048), (16384, 4096), (8192, 8192)),
+    "rms_norm": ((16384, 896), (65536, 1024)),
+    "add_rms_norm": ((16384, 896), (65536, 1024)),
+}
+# Each direction's knobs and their values: layer_norm.py's LayerNormTuning fields, and the fused
+# fields of rms_norm.py's FWD_TUNING / BWD_TUNING. Settings that launch the same geometry (e.g. every
+# tile of one row at N = 8192) are timed once.
+LN_SPACE = {
+    "fwd": {
+        "fwd_tile_elements": (2048, 4096, 8192, 16384),
+        "fwd_elements_per_warp": (256, 512, 1024),
+        "fwd_max_warps": (8, 16),
+    },
+    "bwd": {
+        "bwd_tile_elements": (1024, 2048, 4096, 8192),
+        "bwd_elements_per_warp": (256, 512, 1024),
+        "bwd_max_warps": (8, 16),
+        "bwd_programs_per_sm": (1, 2, 3, 4),
+        "bwd_stages": (0, 1, 2, 3),
+        "bwd_paired_sums": (True, False),
+        "reduce_cols": (32, 64, 128),
+    },
+}
+RMS_SPACE = {
+    "fwd": {"tile_elements": (2048, 4096, 8192, 16384), "elements_per_warp": (256, 512, 1024), "max_warps": (8, 16)},
+    "bwd": {
+        "tile_elements": (1024, 2048, 4096, 8192),
+        "elements_per_warp": (256, 512, 1024),
+        "max_warps": (8, 16),
+        "programs_per_sm": (1, 1.5, 2, 3, 4),
+    },
+}
+FUSED_ROUNDS = 1  # descent rounds per shape and direction (2 doubles the section's time)
+FUSED_REP = 10  # ms of replays per timing
+ROTATE_BYTES = 160 << 20  # the input copies a timed call rotates through: over 3x the 50 MB L2
+CHECK_TOLERANCE = 1e-2  # ‖out − ref‖/‖ref‖ against torch in fp32: bf16 rounding is ~3e-3
+
+
+def rel_err(out, ref):
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@dataclasses.dataclass
+class FusedCase:
+    op: str
+    rows: int
+    hidden: int
+    copies: int
+    run: dict  # direction -> () -> outputs: the launcher on every copy of the inputs, in turn
+    check: dict  # direction -> () -> worst relative error of copy 0's outputs against torch
+    bytes: dict  # direction -> minimal bytes of one call
+
+    @property
+    def name(self):
+        return f"{self.op} {self.rows}x{self.hidden}"
+
+    @property
+    def slot(self):
+        """Which tuning group the op reads: rms_norm and add_rms_norm share theirs."""
+        return "layer_norm" if self.op == "layer_norm" else "rms"
+
+
+def fused_space(slot):
+    return LN_SPACE if slot == "layer_norm" else RMS_SPACE
+
+
+def tuning_slot(slot, direction):
+    """(module, attribute name) of the tuning that holds this slot's knobs for ``direction``."""
+    if slot == "layer_norm":
+        return ln, "TUNING"
+    return rms, "FWD_TUNING" if direction == "fwd" else "BWD_TUNING"
+
+
+@contextlib.contextmanager
+def tuned(slot, direction, knobs):
+    """The op's tuning with ``knobs`` replaced, for the duration."""
+    module, attr = tuning_slot(slot, direction)
+    base = getattr(module, attr)
+    setattr(module, attr, dataclasses.replace(base, **knobs))
+    try:
+        yield
+    finally:
+        setattr(module, attr, base)
+
+
+def geometry(case, direction):
+    """What the current tuning launches for this case: settings with the same one are timed once."""
+    device = torch.device(DEVICE)
+    if case.slot == "layer_norm":
+        if direction == "fwd":
+            return ln.forward_launch(case.rows, case.hidden)
+        t = ln.TUNING
+        launch = ln.backward_launch(case.rows, case.hidden, 4 * case.hidden, device)
+        return launch, t.bwd_paired_sums, t.reduce_bands, t.reduce_cols, t.reduce_warps
+    if direction == "fwd":
+        return rms.norm_launch(case.rows, case.hidden, backward=False)
+    return rms.norm_backward_launch(case.rows, case.hidden, 4 * case.hidden, 1, device)
+
+
+def describe_launch(launch):
+    extra = ""
+    if isinstance(launch, tuple):
+        launch, extra = launch[0], f" paired={launch[1]} reduce={launch[2]}x{launch[3]}/{launch[4]}w"
+    text = f"rows={launch.block_m} warps={launch.num_warps}"
+    if hasattr(launch, "bands"):
+        text += f" bands={launch.bands} stages={launch.stages}"
+    return text + extra
+
+
+def make_fused_case(op, rows, hidden):
+    eps = 1e-5 if op == "layer_norm" else 1e-6
+    tensor = rows * hidden * 2
+    byte_counts = {
+        "fwd": (4 if op == "add_rms_norm" else 2) * tensor,
+        "bwd": (4 if op == "add_rms_norm" else 3) * tensor,
+    }
+    copies = max(1, math.ceil(ROTATE_BYTES / min(byte_counts.values())))
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16)
+
+    xs = [(randn(rows, hidden) * 2 + 3).to(torch.bfloat16) for _ in range(copies)]
+    dys = [randn(rows, hidden) for _ in range(copies)]
+    w = randn(hidden)
+    wf = w.float().requires_grad_()
+    if op == "layer_norm":
+        b = randn(hidden)
+        saved = [ln._forward(x, w, b, eps) for x in xs]
+        xf, bf = xs[0].float().requires_grad_(), b.float().requires_grad_()
+        yf = F.layer_norm(xf, (hidden,), wf, bf, eps)
+        ref = (yf.detach(), xf.detach().mean(-1), *torch.autograd.grad(yf, (xf, wf, bf), dys[0].float()))
+
+        def check_fwd():
+            y, mean, _ = ln._forward(xs[0], w, b, eps)
+            return max(rel_err(y, ref[0]), rel_err(mean, ref[1]))
+
+        def check_bwd():
+            grads = ln._backward(dys[0], xs[0], w, b, saved[0][1], saved[0][2])
+            return max(rel_err(g, r) for g, r in zip(grads, ref[2:], strict=True))
+
+        run = {
+            "fwd": lambda: [ln._forward(x, w, b, eps) for x in xs],
+            "bwd": lambda: [ln._backward(dy, x, w, b, m, r) for dy, x, (_, m, r) in zip(dys, xs, saved, strict=True)],
+        }
+    elif op == "rms_norm":
+        saved = [rms._forward(x, None, w, eps, 0.0, "llama")[2] for x in xs]
+        xf = xs[0].float().requires_grad_()
+        yf = rms.rms_norm_reference(xf, wf, eps, io_dtype=torch.bfloat16)
+        ref = (yf.detach(), *torch.autograd.grad(yf, (xf, wf), dys[0].float()))
+
+        def check_fwd():
+            return rel_err(rms._forward(xs[0], None, w, eps, 0.0, "llama")[0], ref[0])
+
+        def check_bwd():
+            grads = rms._backward(dys[0], xs[0], w, saved[0], None, eps, 0.0, "llama")
+            return max(rel_err(g, r) for g, r in zip(grads, ref[1:], strict=True))
+
+        run = {
+            "fwd": lambda: [rms._forward(x, None, w, eps, 0.0, "llama") for x in xs],
+            "bwd": lambda: [
+                rms._backward(dy, x, w, r, None, eps, 0.0, "llama") for dy, x, r in zip(dys, xs, saved, strict=True)
+            ],
+        }
+    else:
+        res = [randn(rows, hidden) for _ in range(copies)]
+        dss = [randn(rows, hidden) for _ in range(copies)]
+        saved = [rms._forward(x, r, w, eps, 0.0, "llama") for x, r in zip(xs, res, strict=True)]
+        xf, rf = xs[0].float().requires_grad_(), res[0].float()
+        yf, sf = rms.add_rms_norm_reference(xf, rf, wf, eps, io_dtype=torch.bfloat16)
+        ref = (yf.detach(), sf.detach(), *torch.autograd.grad((yf, sf), (xf, wf), (dys[0].float(), dss[0].float())))
+
+        def check_fwd():
+            y, s, _ = rms._forward(xs[0], res[0], w, eps, 0.0, "llama")
+            return max(rel_err(y, ref[0]), rel_err(s, ref[1]))
+
+        def check_bwd():
+            _, s, rstd = saved[0]
+            grads = rms._backward(dys[0], s, w, rstd, dss[0], eps, 0.0, "llama")
+            return max(rel_err(g, r) for g, r in zip(grads, ref[2:], strict=True))
+
+        run = {
+            "fwd": lambda: [rms._forward(x, r, w, eps, 0.0, "llama") for x, r in zip(xs, res, strict=True)],
+            "bwd": lambda: [
+                rms._backward(dy, s, w, rstd, ds, eps, 0.0, "llama")
+                for dy, (_, s, rstd), ds in zip(dys, saved, dss, strict=True)
+            ],
+        }
+    return FusedCase(op, rows, hidden, copies, run, {"fwd": check_fwd, "bwd": check_bwd}, byte_counts)
+
+
+class FusedTimer:
+    """Times one case's direction under tuning overrides: checked first, each geometry once."""
+
+    def __init__(self, case, direction, bandwidth):
+        self.case, self.direction, self.seen = case, direction, {}
+        self.sol_ms = case.bytes[direction] / bandwidth * 1e3
+
+    def percent(self, ms):
+        return 100 * self.sol_ms / ms
+
+    def __call__(self, knobs):
+        case, direction = self.case, self.direction
+        with tuned(case.slot, direction, knobs):
+            key = geometry(case, direction)
+            if key in self.seen:
+                return self.seen[key]
+            try:
+                err = case.check[direction]()
+                if err > CHECK_TOLERANCE:
+                    result = f"WRONG: relative error {err:.2e}"
+                    ms = math.inf
+                else:
+                    ms = bench(case.run[direction], rep=FUSED_REP) / case.copies
+                    result = f"{ms:.4f} ms ({self.percent(ms):.0f}% SOL)"
+            except Exception as exc:  # past the registers or the shared memory: skip the setting
+                ms, result = math.inf, f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
+            self.seen[key] = ms
+            print(f"  {case.name} {direction} {describe_knobs(knobs)} [{describe_launch(key)}]: {result}", flush=True)
+        return ms
+
+
+def describe_knobs(knobs):
+    return " ".join(f"{k.removeprefix('fwd_').removeprefix('bwd_')}={v}" for k, v in knobs.items())
+
+
+def descend_fused(timer, start, space):
+    """Coordinate descent over ``space`` from ``start`` (FUSED_ROUNDS rounds at most)."""
+    best, best_ms = dict(start), timer(start)
+    for _ in range(FUSED_ROUNDS):
+        improved = False
+        for knob, values in space.items():
+            for value in values:
+                if value != best[knob]:
+                    trial = {**best, knob: value}
+                    ms = timer(trial)
+                    if ms < best_ms:
+                        best, best_ms, improved = trial, ms, True
+        if not improved:
+            break
+    return best, best_ms
+
+
+def sweep_fused_ops(bandwidth, ops):
+    """Descent per shape and direction for ``ops`` (one tuning slot), then one setting for all."""
+    cases = [make_fused_case(op, rows, hidden) for op in ops for rows, hidden in FUSED_SHAPES[op]]
+    slot = cases[0].slot
+    space = fused_space(slot)
+    recommended = {}
+    for direction in ("fwd", "bwd"):
+        shipped_tuning = getattr(*tuning_slot(slot, direction))
+        shipped = {k: getattr(shipped_tuning, k) for k in space[direction]}
+        timers = {case.name: FusedTimer(case, direction, bandwidth) for case in cases}
+        winners = []
+        for case in cases:
+            timer = timers[case.name]
+            shipped_ms = timer(shipped)
+            best, best_ms = descend_fused(timer, shipped, space[direction])
+            winners.append(best)
+            print(
+                f"{case.name} {direction}: best {describe_knobs(best)}: {best_ms:.4f} ms "
+                f"({timer.percent(best_ms):.0f}% SOL); shipped {shipped_ms:.4f} ms ({timer.percent(shipped_ms):.0f}%)",
+                flush=True,
+            )
+        # every shape's winner (and the shipped setting) on every shape: one setting for all
+        print(f"\n{slot} {direction}: % of SOL, every candidate on every shape (geomean last)")
+        print("     " + " ".join(f"{c.op[:12]:>12}" for c in cases))
+        print("     " + " ".join(f"{c.rows}x{c.hidden}".rjust(12) for c in cases))
+        candidates, scores = [], []
+        for knobs in [shipped, *winners]:
+            if knobs in candidates:
+                continue
+            candidates.append(knobs)
+            row = [timers[c.name].percent(timers[c.name](knobs)) for c in cases]
+            geo = math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
+            scores.append((geo, len(candidates) - 1))
+            mark = "  (shipped)" if knobs == shipped else ""
+            print(f"  {len(candidates) - 1:<2} " + " ".join(f"{v:12.0f}" for v in row)
+                  + f"  {geo:7.1f}   {describe_knobs(knobs)}{mark}", flush=True)
+        geo, i = max(scores)
+        recommended[direction] = candidates[i]
+        print(f"{slot} {direction}: recommended #{i} (geomean {geo:.1f}% of SOL)\n")
+    if slot == "layer_norm":
+        fields = {**recommended["fwd"], **recommended["bwd"]}
+        text = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        print(f"recommended: layer_norm.py TUNING = LayerNormTuning({text})")
+    else:
+        for direction, name in (("fwd", "FWD_TUNING"), ("bwd", "BWD_TUNING")):
+            fields = ", ".join(f"{k}={v!r}" for k, v in recommended[direction].items())
+            print(f"recommended: rms_norm.py {name} fields {fields}")
+
+
+def sweep_fused_ln(bandwidth):
+    sweep_fused_ops(bandwidth, ("layer_norm",))
+
+
+def sweep_fused_rms(bandwidth):
+    sweep_fused_ops(bandwidth, ("rms_norm", "add_rms_norm"))
+
+
 def host_overhead():
     # CPU cost of one eager forward+backward through the public function, on a tensor so small
     # that the GPU waits on the CPU: this is the per-call overhead a training step pays.
@@ -312,7 +629,10 @@ def host_overhead():
     pstats.Stats(profile).sort_stats("tottime").print_stats(18)
 
 
-SECTIONS = {"fused": sweep_fused, "stream": sweep_stream, "host": None}
+SECTIONS = {
+    "fused-ln": sweep_fused_ln, "fused": sweep_fused_rms, "stream": sweep_stream, "boundary": sweep_boundary,
+    "host": None,
+}
 
 
 def main():

@@ -6,9 +6,16 @@ gradient but the bias's is exactly zero), 96 and 1000 (non-powers of two), 4096 
 per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385 (forward
 streamed too, statistics merged chunk by chunk). The streamed backward's geometry is tested at
 small hidden sizes with test_rms_norm.py's shrunken tuning (the launch is shared).
+
+The fused regime's own knobs (``TUNING``, LayerNormTuning) are tested by shrinking the tiles
+(``use_fused_tuning``), so that a few interpreted programs reach every geometry they can select:
+several rows per tile, a band's last tile part padding, one row per tile, each way of keeping loads
+in flight, one or two row reductions, and partial rows summed over several blocks of bands and
+columns.
 """
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -24,12 +31,55 @@ from tests.helpers import (
     stride0_like,
 )
 from tests.ops.test_rms_norm import GPU_STREAM_KNOBS, RMS_MODULE, STREAM_CASES, use_stream_tuning
-from tigon.ops.layer_norm import layer_norm, layer_norm_reference
+from tigon.ops._common import next_power_of_2
+from tigon.ops.layer_norm import LayerNormTuning, backward_launch, forward_launch, layer_norm, layer_norm_reference
 from tigon.ops.rms_norm import MAX_FUSED_HIDDEN_BWD, MAX_FUSED_HIDDEN_FWD
 
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)
 # Below this the fp64 reference is rounding noise around an exact zero (hidden == 1).
 EXACT_ZERO = 1e-9
+LN_MODULE = importlib.import_module("tigon.ops.layer_norm")  # `tigon.ops.layer_norm` is also the function
+
+# (rows, hidden, knobs, expected backward (BLOCK_M, bands, rows_per_band)): under the interpreter
+# the persistent grid has 4 programs whatever bwd_programs_per_sm says.
+FUSED_CASES = {
+    # tiles of 4 rows of 128 lanes (100 used); bands of 12, 12, 12 and 1 rows: the last band's only
+    # tile is 3/4 padding; registers prefetch; 2 bands a block and 16 columns a program in the sum
+    "rows4-prefetch": (
+        37, 100,
+        dict(fwd_tile_elements=512, fwd_elements_per_warp=128, bwd_tile_elements=512, bwd_elements_per_warp=128,
+             bwd_stages=0, reduce_bands=2, reduce_cols=16),
+        (4, 4, 12),
+    ),
+    # the same tiles through Triton's pipeliner (3 stages), one row reduction each for c1 and c2
+    "rows4-pipelined3-unpaired": (
+        37, 100,
+        dict(fwd_tile_elements=256, bwd_tile_elements=512, bwd_elements_per_warp=64, bwd_max_warps=4,
+             bwd_stages=3, bwd_paired_sums=False),
+        (4, 4, 12),
+    ),
+    # 8 rows of 33 (64 lanes) a tile: 3 bands of 8, 8 and 5 rows; no prefetch (1 stage); the sum's
+    # block of bands wider than the bands
+    "rows8-stages1": (
+        21, 33,
+        dict(fwd_tile_elements=128, bwd_tile_elements=512, bwd_stages=1, reduce_bands=64, reduce_cols=32),
+        (8, 3, 8),
+    ),
+    # tiles narrower than the row: one row per tile, bands of 3, 3, 3 and 1; pipelined (2 stages)
+    "1row-pipelined2": (
+        10, 77,
+        dict(fwd_tile_elements=64, bwd_tile_elements=64, bwd_stages=2, reduce_cols=128),
+        (1, 4, 3),
+    ),
+    # a single row: the tile of 4 rows shrinks to it (one band, one tile)
+    "1row-only": (1, 50, dict(bwd_tile_elements=256, bwd_stages=0), (1, 1, 1)),
+    # 3 rows: one band of one tile of 4, a quarter padding
+    "3rows-of-4": (3, 50, dict(bwd_tile_elements=256, bwd_stages=2), (4, 1, 4)),
+}
+
+
+def use_fused_tuning(monkeypatch, **knobs):
+    monkeypatch.setattr(LN_MODULE, "TUNING", dataclasses.replace(LN_MODULE.TUNING, **knobs))
 
 
 def check_layer_norm(x, weight, bias, dy, *, eps=1e-5):
@@ -281,3 +331,91 @@ def test_layer_norm_int64_offsets():
     xt = x[tail].detach().double().requires_grad_()
     (ref_dx,) = torch.autograd.grad(layer_norm_reference(xt, wd, bd), (xt,), dy[tail].double())
     assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_layer_norm_fused_geometry(monkeypatch, case):
+    """The shrunken tunings select the geometries FUSED_CASES says (and the forward's tiles too)."""
+    rows, hidden, knobs, (block_m, bands, rows_per_band) = FUSED_CASES[case]
+    use_fused_tuning(monkeypatch, **knobs)
+    cfg = backward_launch(rows, hidden, 4 * hidden, DEVICE)
+    assert cfg.single_pass and cfg.split == 1
+    assert (cfg.block_m, cfg.bands, cfg.rows_per_band) == (block_m, bands, rows_per_band)
+    assert cfg.stages == LN_MODULE.TUNING.bwd_stages
+    fwd = forward_launch(rows, hidden)
+    fwd_rows = LN_MODULE.TUNING.fwd_tile_elements // fwd.block_n
+    assert fwd.single_pass and fwd.block_m == max(1, min(fwd_rows, next_power_of_2(rows)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("params", ("both", "weight", "bias", "none"))
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_layer_norm_fused_knobs(monkeypatch, dtype, params, case):
+    rows, hidden, knobs, _ = FUSED_CASES[case]
+    use_fused_tuning(monkeypatch, **knobs)
+    x = (randn(rows, hidden) * 2 + 3).to(dtype).requires_grad_()
+    w = randn(hidden, dtype=dtype, requires_grad=True) if params in ("both", "weight") else None
+    b = randn(hidden, dtype=dtype, requires_grad=True) if params in ("both", "bias") else None
+    check_layer_norm(x, w, b, randn(rows, hidden, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ("rows4-pipelined3-unpaired", "1row-pipelined2"))
+def test_layer_norm_fused_knobs_noncontiguous_and_stride0(monkeypatch, dtype, case):
+    rows, hidden, knobs, _ = FUSED_CASES[case]
+    use_fused_tuning(monkeypatch, **knobs)
+    x = noncontiguous(randn(rows, hidden, dtype=dtype, requires_grad=True))
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    b = randn(hidden, dtype=dtype, requires_grad=True)
+    check_layer_norm(x, w, b, stride0_like(x))
+    # a grad broadcast along the rows only (row stride 0, column stride 1)
+    check_layer_norm(x, w, b, randn(1, hidden, dtype=dtype).expand(rows, hidden))
+
+
+@pytest.mark.parametrize("case", ("rows4-prefetch", "rows8-stages1"))
+def test_layer_norm_fused_knobs_deterministic(monkeypatch, case):
+    rows, hidden, knobs, _ = FUSED_CASES[case]
+    use_fused_tuning(monkeypatch, **knobs)
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    (dict(fwd_tile_elements=1000), dict(reduce_cols=48), dict(bwd_stages=-1), dict(bwd_programs_per_sm=0)),
+)
+def test_layer_norm_tuning_rejects_bad_knobs(knobs):
+    with pytest.raises(ValueError, match="LayerNormTuning"):
+        LayerNormTuning(**knobs)
+
+
+# What the fused sweep (scripts/tune_norm.py fused-ln) may pick, compiled for real.
+GPU_FUSED_KNOBS = (
+    dict(bwd_stages=0, bwd_paired_sums=True),
+    dict(bwd_stages=1, bwd_paired_sums=False, bwd_programs_per_sm=1),
+    dict(bwd_stages=3, bwd_tile_elements=8192, bwd_elements_per_warp=256, bwd_programs_per_sm=4),
+    dict(bwd_stages=2, bwd_tile_elements=1024, bwd_programs_per_sm=1.5, reduce_cols=128, reduce_bands=16),
+    dict(fwd_tile_elements=16384, fwd_elements_per_warp=1024, fwd_max_warps=8, bwd_max_warps=8),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_FUSED_KNOBS, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+@pytest.mark.parametrize("hidden", (896, 1000, 4096, 8192))
+def test_layer_norm_fused_knobs_gpu(monkeypatch, knobs, hidden):
+    """Compiled for real (pipelined loads, paired sums, 2-D accumulators): right, and bitwise the same twice."""
+    use_fused_tuning(monkeypatch, **knobs)
+    rows = 2**23 // hidden + 3
+    x = (randn(rows, hidden) * 2 + 3).to(torch.bfloat16).requires_grad_()
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    check_layer_norm(x, w, b, dy)
+    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

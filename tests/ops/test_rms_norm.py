@@ -371,3 +371,62 @@ def test_rms_norm_int64_offsets():
     ref_t = rms_norm_reference(xt, w.detach().double(), io_dtype=torch.bfloat16)
     (ref_dx,) = torch.autograd.grad(ref_t, (xt,), dy[tail].double())
     assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
+
+
+# Fused-regime knobs (FWD_TUNING / BWD_TUNING tile_elements, elements_per_warp, max_warps) as
+# scripts/tune_norm.py's fused sweep moves them, shrunk to interpreter sizes: (rows, hidden, knobs).
+FUSED_CASES = {
+    # 4 rows of 100 (128 lanes) a tile, 37 rows: bands of 12, 12, 12 and 1, the last tile 3/4 padding
+    "rows4": (37, 100, dict(tile_elements=512, elements_per_warp=128, max_warps=2)),
+    # one row per tile (tile narrower than the row), one warp
+    "1row": (9, 77, dict(tile_elements=64, elements_per_warp=1024)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
+def test_rms_norm_fused_knobs(monkeypatch, dtype, case, fn):
+    rows, hidden, knobs = FUSED_CASES[case]
+    for name in ("FWD_TUNING", "BWD_TUNING"):
+        monkeypatch.setattr(RMS_MODULE, name, dataclasses.replace(getattr(RMS_MODULE, name), **knobs))
+    x = noncontiguous(randn(rows, hidden, dtype=dtype, requires_grad=True))
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    dy = randn(rows, hidden, dtype=dtype)
+    if fn == "rms_norm":
+        check_rms_norm(x, w, dy)
+        check_rms_norm(x, w, stride0_like(x))
+        return
+    r = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    ds = stride0_like(x)
+    y, s = add_rms_norm(x, r, w)
+    (ref_y, ref_s), grads = fp64_reference(
+        add_rms_norm_reference, {"x": x, "residual": r, "weight": w}, (dy, ds), io_dtype=dtype
+    )
+    assert_close(s, ref_s, dtype, "s")
+    assert_close(y, ref_y, dtype, "y")
+    dx, dw = torch.autograd.grad((y, s), (x, w), (dy, ds))
+    assert_close(dx, grads["x"], dtype, "dx")
+    assert_close(dw, grads["weight"], dtype, "dw")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs_per_sm", (0.5, 1.5, 3))
+@pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
+def test_rms_norm_fused_programs_per_sm_gpu(monkeypatch, programs_per_sm, fn):
+    """Fractional persistent grids (the fused sweep tries them): right, and bitwise the same twice."""
+    tuning = dataclasses.replace(RMS_MODULE.BWD_TUNING, programs_per_sm=programs_per_sm)
+    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    rows, hidden = 9001, 896
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    if fn == "rms_norm":
+        check_rms_norm(x, w, dy)
+        first = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+        second = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    else:
+        r = randn(rows, hidden, dtype=torch.bfloat16)
+        first = torch.autograd.grad(add_rms_norm(x, r, w)[0], (x, w), dy)
+        second = torch.autograd.grad(add_rms_norm(x, r, w)[0], (x, w), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

@@ -25,10 +25,23 @@ the identity::
 
 Only ``x``, ``mean`` and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` and ``db`` are reduced
 without atomics: the persistent backward grid cuts the rows into fixed bands, each band accumulates
-its own fp32 partial rows (always in the same order), and the partials are summed in a fixed order,
-so the same input gives bitwise the same gradients on every run. The launch geometry, and the
-streamed backward for long rows, are RMSNorm's (:func:`norm_launch`, :func:`norm_backward_launch`,
-rms_norm.py's docstring): the same tile shapes and the same register and L2 limits hold for both.
+its own fp32 partial rows (always in the same order), and one small kernel sums the partials in a
+fixed order and rounds them (:func:`layer_norm_param_grad_kernel`), so the same input gives bitwise
+the same gradients on every run.
+
+Short rows. Where a row is held in registers (N up to ``BWD_TUNING.max_fused_hidden``) a backward
+tile of BLOCK_M rows costs, besides its loads and stores, every reduction that crosses warps: a
+row of 1024 bf16 elements spans 4 warps, and each such sum is a round trip through shared memory
+with barriers. The first design did four per tile (c1, c2, and a column sum for dw and one for db
+over the tile's rows) with one tile of loads in flight and 2 programs per SM (16 warps per SM, as
+its registers allow); LayerNorm reached 44% of SOL at N = 1024 where RMSNorm, with two per tile,
+reached 70% (H100, fwd+bwd), which points at those round trips rather than at memory (read from
+the code, not yet confirmed by a profile). Now dw and db are added lane by lane into [BLOCK_M, BLOCK_N] fp32 registers and reduced over
+the rows once per band, c1 and c2 share one reduction, and how the next tile's loads are kept in
+flight is a knob (registers, or Triton's pipeliner through shared memory). ``TUNING``
+(:class:`LayerNormTuning`) holds every knob of this regime, forward and backward; scripts/tune_norm.py
+``fused-ln`` sweeps them. Where rows are streamed (longer rows), the geometry is RMSNorm's
+(:func:`norm_launch`, :func:`norm_backward_launch`, rms_norm.py's docstring).
 
 Output dtype. ``torch.nn.functional.layer_norm`` on CUDA requires weight and bias in x's dtype
 (fp32 weights with bf16 x raise "expected scalar type"); under ``torch.autocast`` it runs in fp32
@@ -41,19 +54,33 @@ Bytes (speed of light), M rows, element size b::
 
     forward   read x M·N·b, w and b N·b each; write y M·N·b, mean and rstd 4M each
     backward  read dy, x M·N·b each, w N·b, mean and rstd 4M each; write dx M·N·b, dw and db N·b each
+              (plus the partial rows: 2·4N bytes per band, written once and read once)
 
 Reference: :func:`layer_norm_reference` (``torch.nn.functional.layer_norm`` in fp32 or fp64).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, wrap_triton
+from tigon.ops._common import (
+    TigonOp,
+    as_fp32,
+    as_rows,
+    cache_by_size,
+    check_tensor,
+    next_power_of_2,
+    persistent_programs,
+    wrap_triton,
+)
 from tigon.ops.rms_norm import (
+    NormBackwardLaunch,
+    NormLaunch,
     accumulate_partial,
     grad_tile,
     load_grad_rows,
@@ -174,6 +201,39 @@ def _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidde
 
 
 @triton.jit
+def _fused_rows(
+    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRED_SUMS: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of whole rows (dy, x in the io dtype): stores dx, and adds dy·x̂ and
+    dy lane by lane to the band's [BLOCK_M, BLOCK_N] accumulators, which it returns (no reduction
+    across the rows until the band's last tile).
+
+    PAIRED_SUMS: c1's and c2's row sums as one reduction of the [BLOCK_M, BLOCK_N, 2] pair tile (one
+    exchange between the warps that share a row, not two). Not tl.reduce over a tuple: the
+    interpreter runs a custom combine function once per column, in Python.
+    """
+    dy = dy.to(tl.float32)
+    x_hat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+    if HAS_WEIGHT:
+        g = dy * w[None, :]
+    else:
+        g = dy
+    if PAIRED_SUMS:
+        gx_sum, g_sum = tl.split(tl.sum(tl.join(g * x_hat, g), axis=1))
+    else:
+        gx_sum, g_sum = tl.sum(g * x_hat, axis=1), tl.sum(g, axis=1)
+    c1 = _row_mean(gx_sum, hidden)
+    c2 = _row_mean(g_sum, hidden)
+    _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, "")
+    if HAS_WEIGHT:
+        dw_acc += dy * x_hat
+    if HAS_BIAS:
+        db_acc += dy
+    return dw_acc, db_acc
+
+
+@triton.jit
 def layer_norm_bwd_kernel(
     dy_ptr, dy_row_stride, dy_col_stride,   # (M, N) gradient of y, any strides (stride 0 too)
     x_ptr, x_row_stride, x_col_stride,      # (M, N) the forward's input
@@ -185,15 +245,20 @@ def layer_norm_bwd_kernel(
     num_rows, hidden,
     rows_per_band, split,                   # program p: band p // split, part p % split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, PAIRED_SUMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and its own fp32 partial
     rows. The same scheme as RMSNorm's backward (see rms_norm_bwd_kernel for the streamed passes and
     the split), with two row reductions (c1, c2) and two partial rows (dw, db).
 
-    SINGLE_PASS (split == 1) keeps the row tile, and the band's dw and db partials, in registers
-    across all its rows.
+    SINGLE_PASS (split == 1): the band's rows go BLOCK_M at a time as whole-row tiles in registers;
+    dw and db are accumulated in [BLOCK_M, BLOCK_N] fp32 registers (lane by lane, no reduction per
+    tile) and reduced over the BLOCK_M lanes once, when the band's partial rows are stored. The next
+    tile's loads are in flight while one is computed: STAGES == 0 prefetches one tile into
+    registers by hand; STAGES >= 1 leaves it to Triton's pipeliner (tl.range num_stages: STAGES − 1
+    tiles in flight through shared memory, no registers held; 1 = no prefetch). PAIRED_SUMS: see
+    _fused_rows.
     """
     LAST_USE: tl.constexpr = "evict_first" if EVICT_FIRST else ""
     pid = tl.program_id(0)
@@ -207,46 +272,55 @@ def layer_norm_bwd_kernel(
         col_mask = cols < hidden
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # Software prefetch, as RMSNorm's backward: the next tile's dy, x, mean and rstd loads are
-        # issued before this tile's reductions and stores, so each program always has a tile of loads
-        # in flight (kept in the io dtype, half the registers of fp32, upcast when they become current).
-        rows = row_begin + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
-        dy_next, x_next = load_grad_rows(
-            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, ""
-        )
-        mean_next = tl.load(mean_ptr + rows, mask=rows < row_end, other=0.0)
-        rstd_next = tl.load(rstd_ptr + rows, mask=rows < row_end, other=0.0)
-        for row_start in range(row_begin, row_end, BLOCK_M):
-            rows = row_start + tl.arange(0, BLOCK_M)
+        else:
+            w = tl.zeros([BLOCK_N], dtype=tl.float32)  # unused
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if STAGES == 0:
+            # Register prefetch: the next tile's dy, x, mean and rstd loads are issued before this
+            # tile's reductions and stores (kept in the io dtype, half the registers of fp32).
+            rows = row_begin + tl.arange(0, BLOCK_M)
             mask = (rows < row_end)[:, None] & col_mask[None, :]
-            dy = dy_next.to(tl.float32)
-            rstd = rstd_next
-            x_hat = (x_next.to(tl.float32) - mean_next[:, None]) * rstd[:, None]
-            nxt = rows + BLOCK_M
-            nxt_mask = (nxt < row_end)[:, None] & col_mask[None, :]
             dy_next, x_next = load_grad_rows(
-                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, nxt, cols, nxt_mask, ""
+                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, ""
             )
-            mean_next = tl.load(mean_ptr + nxt, mask=nxt < row_end, other=0.0)
-            rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
-            if HAS_WEIGHT:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            c1 = _row_mean(tl.sum(g * x_hat, axis=1), hidden)
-            c2 = _row_mean(tl.sum(g, axis=1), hidden)
-            _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, "")
-            if HAS_WEIGHT:
-                dw_acc += tl.sum(dy * x_hat, axis=0)
-            if HAS_BIAS:
-                db_acc += tl.sum(dy, axis=0)
+            mean_next = tl.load(mean_ptr + rows, mask=rows < row_end, other=0.0)
+            rstd_next = tl.load(rstd_ptr + rows, mask=rows < row_end, other=0.0)
+            for row_start in range(row_begin, row_end, BLOCK_M):
+                rows = row_start + tl.arange(0, BLOCK_M)
+                mask = (rows < row_end)[:, None] & col_mask[None, :]
+                dy, x, mean, rstd = dy_next, x_next, mean_next, rstd_next
+                nxt = rows + BLOCK_M
+                nxt_mask = (nxt < row_end)[:, None] & col_mask[None, :]
+                dy_next, x_next = load_grad_rows(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, nxt, cols, nxt_mask,
+                    "",
+                )
+                mean_next = tl.load(mean_ptr + nxt, mask=nxt < row_end, other=0.0)
+                rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
+                dw_acc, db_acc = _fused_rows(
+                    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden, HAS_WEIGHT, HAS_BIAS,
+                    PAIRED_SUMS,
+                )
+        else:
+            num_groups = tl.cdiv(row_end - row_begin, BLOCK_M).to(tl.int32)
+            for group in tl.range(0, num_groups, num_stages=STAGES):
+                rows = row_begin + group * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, x = load_grad_rows(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, ""
+                )
+                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                dw_acc, db_acc = _fused_rows(
+                    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden, HAS_WEIGHT, HAS_BIAS,
+                    PAIRED_SUMS,
+                )
         if HAS_WEIGHT:
-            tl.store(dw_row_ptr + cols, dw_acc, mask=col_mask)
+            tl.store(dw_row_ptr + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
         if HAS_BIAS:
-            tl.store(db_row_ptr + cols, db_acc, mask=col_mask)
+            tl.store(db_row_ptr + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
         num_chunks, first_chunk, my_chunks = part_chunks(hidden, part, split, BLOCK_N)
         for row_start in range(row_begin, row_end, BLOCK_M):
@@ -285,6 +359,126 @@ def layer_norm_bwd_kernel(
             tl.debug_barrier()
 
 
+@triton.jit
+def layer_norm_param_grad_kernel(
+    dw_partial_ptr, db_partial_ptr,         # (bands, N) fp32 each: the bands' partial rows
+    dw_ptr, db_ptr,                         # (N,) out each, in the weight's / bias's dtype
+    bands, hidden,
+    BLOCK_BANDS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """dw = Σ_bands dw_partial, db = Σ_bands db_partial for BLOCK_COLS columns, rounded once.
+
+    Both sums in one launch (instead of a sum and a cast for each), lane by lane over blocks of
+    bands in a fixed order and reduced once at the end: the same bands give bitwise the same result.
+    """
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < hidden
+    dw_acc = tl.zeros([BLOCK_BANDS, BLOCK_COLS], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_BANDS, BLOCK_COLS], dtype=tl.float32)
+    for start in range(0, bands, BLOCK_BANDS):
+        band = start + tl.arange(0, BLOCK_BANDS)
+        mask = (band < bands)[:, None] & col_mask[None, :]
+        offsets = band.to(tl.int64)[:, None] * hidden + cols[None, :]
+        if HAS_WEIGHT:
+            dw_acc += tl.load(dw_partial_ptr + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db_acc += tl.load(db_partial_ptr + offsets, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + cols, tl.sum(dw_acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + cols, tl.sum(db_acc, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
+# -------------------------------------------------------------------------------------- launch config
+
+
+@dataclass(frozen=True)
+class LayerNormTuning:
+    """LayerNorm's own geometry where rows are held in registers (scripts/tune_norm.py fused-ln).
+
+    Where that stops (``max_fused_hidden``) and the streamed backward's knobs are RMSNorm's
+    (``FWD_TUNING`` / ``BWD_TUNING`` in rms_norm.py): the regimes are the same for both ops.
+
+    fwd_tile_elements: the forward program's [rows, N] tile aims at this many elements (rows =
+      tile / next_power_of_2(N), at least 1): several short rows per program.
+    fwd_elements_per_warp, fwd_max_warps: warps = tile / elements_per_warp, between 1 and the cap.
+    bwd_tile_elements, bwd_elements_per_warp, bwd_max_warps: the same for the backward's tile.
+    bwd_programs_per_sm: persistent backward programs per multiprocessor (a fraction is allowed),
+      one band of rows each, each band with its own fp32 dw and db partial rows: fewer bands, less
+      partial traffic (8·N bytes a band, written once and read once); more, more loads in flight.
+    bwd_stages: how the next tile's loads are kept in flight (layer_norm_bwd_kernel): 0 = by hand,
+      one tile prefetched into registers; k >= 1 = Triton's pipeliner, k − 1 tiles in shared memory.
+    bwd_paired_sums: c1's and c2's row sums in one reduction (True) or two (_fused_rows).
+    reduce_bands, reduce_cols, reduce_warps: the [bands, columns] tile and warps of the kernel that
+      sums the partial rows (layer_norm_param_grad_kernel; also after the streamed backward).
+    """
+
+    fwd_tile_elements: int = 4096
+    fwd_elements_per_warp: int = 512
+    fwd_max_warps: int = 16
+    bwd_tile_elements: int = 4096
+    bwd_elements_per_warp: int = 512
+    bwd_max_warps: int = 16
+    bwd_programs_per_sm: float = 2.0
+    bwd_stages: int = 0
+    bwd_paired_sums: bool = True
+    reduce_bands: int = 32
+    reduce_cols: int = 64
+    reduce_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("fwd_tile_elements", "bwd_tile_elements", "reduce_bands", "reduce_cols"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):  # tl.arange extents
+                raise ValueError(f"LayerNormTuning.{name} must be a power of two, got {value}")
+        if self.bwd_stages < 0 or not self.bwd_programs_per_sm > 0:
+            raise ValueError(f"LayerNormTuning: bwd_stages >= 0 and bwd_programs_per_sm > 0 ({self})")
+
+
+TUNING = LayerNormTuning()
+
+
+def _fused_tile(num_rows, hidden, tile_elements, elements_per_warp, max_warps) -> NormLaunch:
+    block_n = next_power_of_2(hidden)
+    block_m = max(1, min(tile_elements // block_n, next_power_of_2(num_rows)))
+    warps = max(1, min(block_m * block_n // elements_per_warp, max_warps))
+    return NormLaunch(block_m, block_n, warps, True)
+
+
+def forward_launch(num_rows: int, hidden: int) -> NormLaunch:
+    """The forward's geometry: TUNING's where the row is held in registers, else RMSNorm's streamed."""
+    return _forward_launch(num_rows, hidden, TUNING, norm_launch(num_rows, hidden, backward=False))
+
+
+@cache_by_size  # keyed on the tuning: tests and scripts/tune_norm.py swap it
+def _forward_launch(num_rows, hidden, tuning, shared) -> NormLaunch:
+    if not shared.single_pass:
+        return shared
+    return _fused_tile(num_rows, hidden, tuning.fwd_tile_elements, tuning.fwd_elements_per_warp, tuning.fwd_max_warps)
+
+
+def backward_launch(num_rows: int, hidden: int, row_bytes: int, device: torch.device) -> NormBackwardLaunch:
+    """The backward's persistent grid: TUNING's where the row is held in registers, else RMSNorm's
+    streamed geometry (with two partial rows a band)."""
+    if not norm_launch(num_rows, hidden, backward=True).single_pass:
+        return norm_backward_launch(num_rows, hidden, row_bytes, 2, device)
+    return _fused_backward_launch(num_rows, hidden, device, TUNING)
+
+
+@cache_by_size
+def _fused_backward_launch(num_rows, hidden, device, tuning) -> NormBackwardLaunch:
+    tile = _fused_tile(num_rows, hidden, tuning.bwd_tile_elements, tuning.bwd_elements_per_warp, tuning.bwd_max_warps)
+    target = max(1, round(persistent_programs(device, tuning.bwd_programs_per_sm)))
+    bands = max(1, min(target, triton.cdiv(num_rows, tile.block_m)))
+    rows_per_band = triton.cdiv(triton.cdiv(num_rows, bands), tile.block_m) * tile.block_m
+    return NormBackwardLaunch(
+        tile.block_m, tile.block_n, tile.num_warps, True,
+        bands=triton.cdiv(num_rows, rows_per_band), split=1, rows_per_band=rows_per_band,
+        stages=tuning.bwd_stages, evict_first=False,
+    )
+
+
 # ------------------------------------------------------------------------------------------ launchers
 
 
@@ -306,7 +500,7 @@ def _forward(x, weight, bias, eps):
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows == 0 or hidden == 0:
         return y, mean, rstd
-    cfg = norm_launch(num_rows, hidden, backward=False)
+    cfg = forward_launch(num_rows, hidden)
     grid = (triton.cdiv(num_rows, cfg.block_m),)
     wrap_triton(layer_norm_fwd_kernel)[grid](
         x2, x2.stride(0), x2.stride(1),
@@ -336,9 +530,9 @@ def _backward(dy, x, weight, bias, mean, rstd):
         db = torch.zeros_like(bias) if bias is not None else no_param()
         return dx, dw, db
     row_bytes = (dy.element_size() + x.element_size()) * hidden
-    cfg = norm_backward_launch(num_rows, hidden, row_bytes, (weight is not None) + (bias is not None), x.device)
+    cfg = backward_launch(num_rows, hidden, row_bytes, x.device)
     # Every element of a band's partial rows is written by the band's first group, so no zeroing.
-    # Without a weight (bias) the kernel never touches its partial pointer; dx stands in for it.
+    # Without a weight (bias) the kernels never touch its pointers; dx stands in for them.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
     db_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
     wrap_triton(layer_norm_bwd_kernel)[(cfg.programs,)](
@@ -349,12 +543,23 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dx, dw_partial, db_partial,
         num_rows, hidden, cfg.rows_per_band, cfg.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
+        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,
     )
-    dw = dw_partial.sum(dim=0).to(weight.dtype) if weight is not None else no_param()
-    db = db_partial.sum(dim=0).to(bias.dtype) if bias is not None else no_param()
+    if weight is None and bias is None:
+        return dx, no_param(), no_param()
+    dw = torch.empty(hidden, dtype=weight.dtype, device=x.device) if weight is not None else no_param()
+    db = torch.empty(hidden, dtype=bias.dtype, device=x.device) if bias is not None else no_param()
+    tuning = TUNING
+    wrap_triton(layer_norm_param_grad_kernel)[(triton.cdiv(hidden, tuning.reduce_cols),)](
+        dw_partial, db_partial,
+        dw if weight is not None else dx, db if bias is not None else dx,
+        cfg.bands, hidden,
+        BLOCK_BANDS=tuning.reduce_bands, BLOCK_COLS=tuning.reduce_cols,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        num_warps=tuning.reduce_warps,
+    )
     return dx, dw, db
 
 

@@ -396,7 +396,7 @@ class NormTuning:
     tile_elements: what a program's tile aims at for short rows (several rows per program, so that
       a hidden size of 96 still moves a useful amount per program).
     elements_per_warp / max_warps: warps = tile / elements_per_warp, capped.
-    programs_per_sm: persistent programs per multiprocessor (fused backward).
+    programs_per_sm: persistent programs per multiprocessor (fused backward; a fraction is allowed).
 
     The streamed backward (hidden > max_fused_hidden; see rms_norm_bwd_kernel):
     stream_rows: rows per [rows, chunk] tile (BLOCK_M, at most). The band's fp32 partial row is read
@@ -420,7 +420,7 @@ class NormTuning:
     tile_elements: int
     elements_per_warp: int
     max_warps: int
-    programs_per_sm: int = 1
+    programs_per_sm: float = 1
     stream_rows: int = 1
     stream_split: int = 1
     stream_l2_bytes: int | None = None
@@ -514,7 +514,7 @@ def _norm_backward_launch(
     tile = _norm_launch(num_rows, hidden, tuning)
     block_m, split, stages = tile.block_m, 1, 1
     if tile.single_pass:
-        target = persistent_programs(device, tuning.programs_per_sm)
+        target = max(1, round(persistent_programs(device, tuning.programs_per_sm)))
     else:
         target = max(1, round(tuning.stream_programs_per_sm * persistent_programs(device, 1)))
         max_split = max(1, min(tuning.stream_split, triton.cdiv(hidden, tuning.chunk), target))
