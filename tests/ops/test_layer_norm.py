@@ -340,7 +340,10 @@ def test_layer_norm_fused_geometry(monkeypatch, case):
     use_fused_tuning(monkeypatch, **knobs)
     cfg = backward_launch(rows, hidden, 4 * hidden, DEVICE)
     assert cfg.single_pass and cfg.split == 1
-    assert (cfg.block_m, cfg.bands, cfg.rows_per_band) == (block_m, bands, rows_per_band)
+    assert cfg.block_m == block_m
+    assert cfg.bands * cfg.rows_per_band >= rows > (cfg.bands - 1) * cfg.rows_per_band  # every row, no empty band
+    if DEVICE.type != "cuda":  # the band split FUSED_CASES gives is for the interpreter's program count
+        assert (cfg.bands, cfg.rows_per_band) == (bands, rows_per_band)
     assert cfg.stages == LN_MODULE.TUNING.bwd_stages
     fwd = forward_launch(rows, hidden)
     fwd_rows = LN_MODULE.TUNING.fwd_tile_elements // fwd.block_n

@@ -35,10 +35,14 @@ row of 1024 bf16 elements spans 4 warps, and each such sum is a round trip throu
 with barriers. The first design did four per tile (c1, c2, and a column sum for dw and one for db
 over the tile's rows) with one tile of loads in flight and 2 programs per SM (16 warps per SM, as
 its registers allow); LayerNorm reached 44% of SOL at N = 1024 where RMSNorm, with two per tile,
-reached 70% (H100, fwd+bwd), which points at those round trips rather than at memory (read from
-the code, not yet confirmed by a profile). Now dw and db are added lane by lane into [BLOCK_M, BLOCK_N] fp32 registers and reduced over
-the rows once per band, c1 and c2 share one reduction, and how the next tile's loads are kept in
-flight is a knob (registers, or Triton's pipeliner through shared memory). ``TUNING``
+reached 70% (H100, fwd+bwd), which points at those round trips rather than at memory. Now dw and
+db are added lane by lane into [BLOCK_M, BLOCK_N] fp32 registers and reduced over the rows once per
+band, c1 and c2 may share one reduction, and how the next tile's loads are kept in flight is a knob
+(registers, or Triton's pipeliner through shared memory). Measured on the H100 (kernel times by
+CUDA-graph replay, scripts/tune_norm.py fused-ln), this design's backward with the tuned knobs:
+0.0407 ms at 16384 x 896, 0.1485 at 65536 x 1024, 0.1498 at 16384 x 4096 (0.0612, 0.1863, 0.1841
+with its first knobs). The first design was not timed the same way, and the harness's fwd+bwd
+table has not been re-run since. ``TUNING``
 (:class:`LayerNormTuning`) holds every knob of this regime, forward and backward; scripts/tune_norm.py
 ``fused-ln`` sweeps them. Where rows are streamed (longer rows), the geometry is RMSNorm's
 (:func:`norm_launch`, :func:`norm_backward_launch`, rms_norm.py's docstring).
@@ -414,17 +418,22 @@ class LayerNormTuning:
       sums the partial rows (layer_norm_param_grad_kernel; also after the streamed backward).
     """
 
-    fwd_tile_elements: int = 4096
+    # Defaults: the one setting scripts/tune_norm.py fused-ln recommended for all shapes on the H100
+    # (2026-11-22, benchmarks/results/tune_norm_fused-*.log; kernel times by CUDA-graph replay):
+    # backward 0.0612 -> 0.0407 ms at 16384 x 896, 0.1863 -> 0.1485 at 65536 x 1024, 0.1841 ->
+    # 0.1498 at 16384 x 4096 against the knobs before the sweep. Triton's pipeliner (stages >= 1)
+    # won two shapes' descents, but this setting without it is faster on both.
+    fwd_tile_elements: int = 2048
     fwd_elements_per_warp: int = 512
     fwd_max_warps: int = 16
     bwd_tile_elements: int = 4096
-    bwd_elements_per_warp: int = 512
+    bwd_elements_per_warp: int = 1024
     bwd_max_warps: int = 16
     bwd_programs_per_sm: float = 2.0
     bwd_stages: int = 0
-    bwd_paired_sums: bool = True
+    bwd_paired_sums: bool = False
     reduce_bands: int = 32
-    reduce_cols: int = 64
+    reduce_cols: int = 32
     reduce_warps: int = 4
 
     def __post_init__(self):

@@ -443,8 +443,12 @@ FWD_TUNING = NormTuning(max_fused_hidden=65536, chunk=4096, tile_elements=4096, 
 # benchmarks/results/): one setting for every shape, backward at 81/73/62% of SOL for RMSNorm at
 # N = 16384/32768/65536, 87/76% for add_rms_norm and 69/56% for LayerNorm at 16384/32768 (the
 # previous setting, an L2 budget of 32 MiB with pipelined loops: 62/52/34, 70/59, 38/31).
+# Fused-backward geometry from scripts/tune_norm.py fused (H100, 2026-11-22, benchmarks/results/
+# tune_norm_fused-*.log): 1024 elements per warp (fewer warps per row, fewer cross-warp sums) took the
+# RMSNorm backward from 0.0603 to 0.0429 ms at 16384 x 896 and add_rms_norm from 0.2516 to 0.1936 at
+# 65536 x 1024 (kernel times, CUDA-graph replay).
 BWD_TUNING = NormTuning(
-    max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16, programs_per_sm=2,
+    max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=1024, max_warps=16, programs_per_sm=2,
     stream_rows=4, stream_split=2, stream_l2_bytes=None, stream_programs_per_sm=1.0, stream_stages=1,
     stream_evict_first=True,
 )
