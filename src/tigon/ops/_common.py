@@ -28,6 +28,35 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _interpreter_numpy_compat() -> None:
+    """Let Triton 3.6's interpreter run loops with runtime bounds under NumPy >= 2.4.
+
+    The interpreter holds a scalar kernel argument as a 1-element array and gives Python its index
+    with ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to
+    Python scalars"): every ``for start in range(0, n, BLOCK)`` fails. Triton 3.9 squeezes the array
+    first; this installs the same ``__index__`` after the interpreter patches ``tl.tensor``, on any
+    version (the same result where it was already right). Only under ``TRITON_INTERPRET=1``.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_tigon", False):
+        return
+
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        patch(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._tigon = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreter_active():
+    _interpreter_numpy_compat()
+
+
 def wrap_triton(kernel):
     """``torch.library.wrap_triton``, except under the interpreter, where the kernel is launched as is.
 

@@ -54,10 +54,10 @@ from tigon.ops.cross_entropy import (
     CROSS_ENTROPY_FWD,
     CROSS_ENTROPY_FWD_INPLACE,
     REDUCTION_SCALES,
+    RangeCheck,
     check_loss_options,
     check_target,
     cross_entropy_reference,
-    raise_if_out_of_range,
     scale_lazily,
 )
 
@@ -429,6 +429,7 @@ def fused_linear_cross_entropy(
     )
     check_target(target, input.shape[:-1], input.device)
     scales, bad = REDUCTION_SCALES(target.reshape(-1), weight, int(ignore_index), reduction, vocab)
+    check = RangeCheck(bad)
     grad_on = torch.is_grad_enabled()
     loss = FusedLinearCrossEntropyFunction.apply(
         input, linear_weight, linear_bias, target, weight, scales, int(ignore_index), float(label_smoothing),
@@ -437,7 +438,7 @@ def fused_linear_cross_entropy(
         grad_on and input.requires_grad, grad_on and linear_weight.requires_grad,
         grad_on and linear_bias is not None and linear_bias.requires_grad,
     )
-    raise_if_out_of_range(bad, vocab, ignore_index)  # after the launches: nothing was written to inputs
+    check.raise_if_bad(vocab, ignore_index)  # after the launches: nothing was written to inputs
     return loss
 
 
