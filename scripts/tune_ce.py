@@ -9,9 +9,9 @@ bf16 at V = 32000, 128256, 151936 and 256000 with softcap 30 (the benchmark's). 
 coordinate descent from the shipped knobs: every value of one knob with the others at the best so
 far, knob after knob, one pass (V = 32000 once in each regime: row in registers, and streamed).
 One line per setting (printed as it is measured, so a cut-off run still says something), then
-the best setting per shape and a summary. About 60 settings; expected 2-3 minutes on an H100,
-mostly Triton compiles (each distinct block/warps/pipeline combination compiles once per
-softcap flag).
+the best setting per shape and a summary. About 60 settings; on the H100 (2026-11-22) the sweep
+took under 3 minutes, mostly Triton compiles (each distinct block/warps/pipeline combination
+compiles once per softcap flag); its log is benchmarks/results/tune_ce-*.log.
 
 Times are GPU times of forward+backward from the benchmark harness (the step queued behind a
 sleeping GPU, L2 flushed before each step); SOL = one read of the logits and one write of the
