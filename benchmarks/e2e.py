@@ -122,9 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
     parser.add_argument("--profile", action="store_true",
                         help=f"after the timed steps, profile {PROFILE_STEPS} more: GPU time by kernel category")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs="?", const="", default=None, metavar="READY_PATH",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
+    if args.worker is not None:
         return args
 
     from tigon.patching import supported_models
@@ -307,6 +308,8 @@ def run_job(job: dict) -> dict:
 
     losses, seconds = [], []
     for step in range(warmup + steps):
+        if step == warmup:
+            wait_until_quiet(job.get("quiet_path"))
         if step == warmup and cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -356,13 +359,33 @@ def _is_oom(exc: BaseException) -> bool:
     return False
 
 
-def worker_main() -> int:
-    """Import everything, wait for one job on stdin, run it, print the result line."""
+QUIET_TIMEOUT_S = 300
+
+
+def wait_until_quiet(path: str | None) -> None:
+    """Before the timed steps: wait until the spare worker has finished importing (it touches ``path``).
+
+    The pool starts the next job's process while this one runs, so that its imports (torch,
+    transformers, tigon: seconds of CPU) overlap this job's model build and warm-up. They must not
+    overlap the timed steps: an eager step is bound by the host at some shapes (Qwen-0.5B), and a
+    second busy process slowed it by up to a third.
+    """
+    if path is None:
+        return
+    deadline = time.perf_counter() + QUIET_TIMEOUT_S
+    while not os.path.exists(path) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+
+
+def worker_main(ready_path: str | None = None) -> int:
+    """Import everything, say so (``ready_path``), wait for one job on stdin, run it, print the result line."""
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
     import tigon.patching  # noqa: F401  (imports tigon.ops)
 
+    if ready_path:
+        Path(ready_path).touch()
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # a spare worker nobody needed
@@ -389,7 +412,9 @@ class Worker:
     def __init__(self):
         self.stdout = tempfile.TemporaryFile(mode="w+")
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+        self._ready_dir = tempfile.TemporaryDirectory()
+        self.ready_path = os.path.join(self._ready_dir.name, "imported")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", self.ready_path], stdin=subprocess.PIPE,
                                      stdout=self.stdout, stderr=self.stderr, text=True)
 
     def run(self, job: dict, timeout: int) -> dict:
@@ -418,6 +443,7 @@ class Worker:
     def _close_files(self) -> None:
         self.stdout.close()
         self.stderr.close()
+        self._ready_dir.cleanup()
 
     def discard(self) -> None:
         """Stop an unused worker (it holds no GPU memory: it has only imported modules)."""
@@ -437,7 +463,8 @@ class WorkerPool:
 
     def run(self, job: dict) -> dict:
         current, self.spare = self.spare, Worker()
-        return current.run(job, self.timeout)
+        # The job times its steps only once the new spare has imported everything (wait_until_quiet).
+        return current.run({**job, "quiet_path": self.spare.ready_path}, self.timeout)
 
     def close(self) -> None:
         self.spare.discard()
@@ -734,8 +761,8 @@ def save(result: dict, out_dir: Path, log=print) -> list[Path]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return worker_main()
+    if args.worker is not None:
+        return worker_main(args.worker or None)
     import torch
 
     if args.device == "cpu":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -331,3 +332,17 @@ def test_e2e_pipeline_smoke_test_on_cpu(tmp_path, capsys):
     assert len(patched["losses"]) == 2 and patched["label"] == "tiny llama"
     assert patched["max_loss_rel_diff"] <= 3e-2  # bf16 autocast on the CPU
     assert len(list(tmp_path.glob("e2e-cpu-*.*"))) == 3
+
+
+def test_e2e_times_only_after_the_spare_worker_has_imported(tmp_path):
+    """The spare worker's imports must not overlap a job's timed steps (a host-bound step slows)."""
+    import threading
+
+    path = tmp_path / "imported"
+    threading.Timer(0.3, path.touch).start()
+    start = time.perf_counter()
+    e2e.wait_until_quiet(str(path))
+    assert path.exists() and time.perf_counter() - start >= 0.25
+    start = time.perf_counter()
+    e2e.wait_until_quiet(None)  # no spare (a job run by hand): no wait
+    assert time.perf_counter() - start < 0.05
