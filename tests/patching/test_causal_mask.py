@@ -8,6 +8,8 @@ before any backend sees the graph.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,9 +82,15 @@ def test_transformers_decides_outside_compile_and_for_unmarked_configs(monkeypat
 
 
 def test_patch_marks_and_revert_unmarks_without_touching_the_config():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    gc.collect()  # models of earlier tests, patched and dropped, unmark their configs
+    stock_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    stock_mask = getattr(stock_mask, causal_mask._ORIGINAL_KEY, stock_mask)
     model = tiny_model("llama")
     before = model.config.to_dict()
     patch = tigon.patch(model)
+    assert getattr(ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], "_tigon", False)
     assert causal_mask.marked(model.config)
     assert model.config.to_dict() == before  # nothing written into the config (or its saved JSON)
     again = tigon.patch(model)  # already patched: a no-op that must not take the mark on revert
@@ -91,6 +99,8 @@ def test_patch_marks_and_revert_unmarks_without_touching_the_config():
     patch.revert()
     assert not causal_mask.marked(model.config)
     assert not causal_mask.marked(tiny_model("llama").config)
+    if not causal_mask._MARKED:  # no other patched model alive: revert restores exactly what was there
+        assert ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is stock_mask
 
 
 def test_rope_switch_off_leaves_the_mask_alone():

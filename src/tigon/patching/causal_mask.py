@@ -19,9 +19,10 @@ calls transformers' own function, so the compiled model attends exactly as the e
 * no sliding window that the keys reach (``local_size`` None or longer than the keys);
 * ``q_length == 1`` or ``q_length == kv_length`` or an empty cache (``q_offset == 0`` as a number).
 
-It is registered once, in place of transformers' ``"sdpa"`` mask function, and changes nothing for a
-model that was not patched: patches mark their model's config (by identity, so nothing is written
-into the config or its saved JSON), and ``Patch.revert`` removes the mark.
+It is registered in place of transformers' ``"sdpa"`` mask function while a patched model is marked,
+and changes nothing for a model that was not patched: patches mark their model's config (by
+identity, so nothing is written into the config or its saved JSON); ``Patch.revert`` removes the
+mark, and with the last mark transformers' own function is registered again.
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def _install() -> bool:
     return True
 
 
+def _uninstall() -> None:
+    """Put transformers' own sdpa mask function back once no patched model is marked (if ours is
+    still the registered one: a function registered after ours stays)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    current = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
+    if getattr(current, "_tigon", False):
+        AttentionMaskInterface.register("sdpa", getattr(current, _ORIGINAL_KEY))
+
+
+def _forget(key: int) -> None:
+    """A marked config was garbage-collected (its model with it): drop the mark."""
+    if _MARKED.pop(key, None) is not None and not _MARKED:
+        _uninstall()
+
+
 class MarkConfig:
     """A patch change (``apply``/``undo``) that lets ``config``'s model skip the compiled dense mask."""
 
@@ -89,8 +106,10 @@ class MarkConfig:
     def apply(self):
         if _install():
             key = id(self.config)
-            _MARKED[key] = weakref.ref(self.config, lambda _, key=key: _MARKED.pop(key, None))
+            _MARKED[key] = weakref.ref(self.config, lambda _, key=key: _forget(key))
 
     def undo(self):
         if marked(self.config):
             del _MARKED[id(self.config)]
+            if not _MARKED:
+                _uninstall()
