@@ -27,6 +27,7 @@ mark, and with the last mark transformers' own function is registered again.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -83,12 +84,14 @@ def _install() -> bool:
 
 def _uninstall() -> None:
     """Put transformers' own sdpa mask function back once no patched model is marked (if ours is
-    still the registered one: a function registered after ours stays)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    current = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
+    still the registered one: a function registered after ours stays). No import: this also runs
+    from a weakref callback, possibly while the interpreter shuts down."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        return
+    current = masking.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
     if getattr(current, "_tigon", False):
-        AttentionMaskInterface.register("sdpa", getattr(current, _ORIGINAL_KEY))
+        masking.AttentionMaskInterface.register("sdpa", getattr(current, _ORIGINAL_KEY))
 
 
 def _forget(key: int) -> None:
