@@ -103,6 +103,18 @@ def check_layer_norm(x, weight, bias, dy, *, eps=1e-5):
             assert_close(grad, ref_grads[name], dtype, f"d{name}")
 
 
+def check_right_and_deterministic(rows, hidden):
+    """bf16 LayerNorm with weight and bias against fp64, and two backward runs bitwise equal."""
+    x = (randn(rows, hidden) * 2 + 3).to(torch.bfloat16).requires_grad_()
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    check_layer_norm(x, w, b, dy)
+    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", HIDDEN_SIZES)
 @pytest.mark.parametrize("rows", (1, 37))
@@ -281,15 +293,7 @@ def test_layer_norm_streamed_backward_gpu(monkeypatch, knobs):
     """Compiled for real (pipelined loads, two partial rows): right, and bitwise the same twice."""
     tuning = dataclasses.replace(RMS_MODULE.BWD_TUNING, stream_l2_bytes=None, **knobs)
     monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
-    rows, hidden = 2048, 5 * 4096 - 93
-    x = (randn(rows, hidden) * 2 + 3).to(torch.bfloat16).requires_grad_()
-    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
-    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
-    dy = randn(rows, hidden, dtype=torch.bfloat16)
-    check_layer_norm(x, w, b, dy)
-    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    check_right_and_deterministic(2048, 5 * 4096 - 93)
 
 
 @pytest.mark.gpu
@@ -413,12 +417,4 @@ GPU_FUSED_KNOBS = (
 def test_layer_norm_fused_knobs_gpu(monkeypatch, knobs, hidden):
     """Compiled for real (pipelined loads, paired sums, 2-D accumulators): right, and bitwise the same twice."""
     use_fused_tuning(monkeypatch, **knobs)
-    rows = 2**23 // hidden + 3
-    x = (randn(rows, hidden) * 2 + 3).to(torch.bfloat16).requires_grad_()
-    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
-    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
-    dy = randn(rows, hidden, dtype=torch.bfloat16)
-    check_layer_norm(x, w, b, dy)
-    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    check_right_and_deterministic(2**23 // hidden + 3, hidden)
