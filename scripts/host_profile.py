@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--ops", nargs="+", help="per-op host cost of these benchmark specs instead")
+    parser.add_argument("--phases", action="store_true",
+                        help="unprofiled host time of forward, backward and optimizer step (gc on and off), "
+                             "then torch.profiler's CPU-side op table instead of cProfile")
     args = parser.parse_args()
     if args.ops:
         op_host_costs(args.ops, args.top)
@@ -93,6 +97,9 @@ def main() -> None:
     for _ in range(3):
         step().item()
     torch.cuda.synchronize()
+    if args.phases:
+        phases(model, optimizer, ids, args)
+        return
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
@@ -113,6 +120,40 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats("tigon", 40)
     print(out.getvalue())
+
+
+def phases(model, optimizer, ids, args) -> None:
+    """Host time of each phase with no profiler (the GPU runs behind; each step ends with one sync),
+    with Python's garbage collector on and off; then where the host's time goes by torch op."""
+    import gc
+
+    def timed_step():
+        marks = [time.perf_counter()]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
+        loss.item()
+        marks.append(time.perf_counter())
+        return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+
+    for label, collect in (("gc on", True), ("gc off", False)):
+        (gc.enable if collect else gc.disable)()
+        rows = [timed_step() for _ in range(max(args.steps, 5))]
+        med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
+        print(f"{args.model} {args.provider} ({label}): forward {med[0]:.1f} ms, backward {med[1]:.1f}, "
+              f"optimizer {med[2]:.1f}, wait for GPU {med[3]:.1f}; host {sum(med[:3]):.1f} ms/step")
+    gc.enable()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            timed_step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
 
 
 if __name__ == "__main__":
