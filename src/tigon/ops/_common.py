@@ -6,16 +6,19 @@ op's file; this module only holds what several ops would otherwise each write ag
 
 from __future__ import annotations
 
+import inspect
 import os
 from functools import cache, wraps
 
 import torch
 import triton
 import triton.language as tl
-from torch._library.triton import set_wrap_triton_enabled
+from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.library import triton_op
 from torch.library import wrap_triton as _torch_wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from triton import knobs
+from triton.runtime.jit import JITFunction
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -26,6 +29,11 @@ INTERPRETER_PROGRAMS = 4
 def interpreter_active() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _is_jit_kernel(kernel) -> bool:
+    """A plain ``@triton.jit`` kernel (not interpreted, not autotuned): the kind FastLaunch runs."""
+    return type(kernel) is JITFunction
 
 
 def _interpreter_numpy_compat() -> None:
@@ -58,16 +66,135 @@ if interpreter_active():
 
 
 def wrap_triton(kernel):
-    """``torch.library.wrap_triton``, except under the interpreter, where the kernel is launched as is.
+    """``torch.library.wrap_triton``, except where nothing traces the launch.
 
-    Ops launch ``wrap_triton(kernel)[grid](...)`` so that torch.compile traces the launch. Under
-    ``TRITON_INTERPRET=1`` ``@triton.jit`` makes an ``InterpretedFunction``, which torch < 2.13's
-    ``wrap_triton`` refuses ("only works on functions annotated with triton.jit") even in eager mode;
-    nothing traces interpreted kernels, so they need no wrapper.
+    Ops launch ``wrap_triton(kernel)[grid](...)`` so that torch.compile traces the launch. Where
+    nothing traces:
+
+    - under ``TRITON_INTERPRET=1`` ``@triton.jit`` makes an ``InterpretedFunction``, which torch <
+      2.13's ``wrap_triton`` refuses ("only works on functions annotated with triton.jit") even in
+      eager mode: the kernel is launched as it is;
+    - in eager mode (``TigonOp``'s direct path, or the registered op run eagerly: both switch
+      ``wrap_triton`` off) a ``@triton.jit`` kernel is launched through :class:`FastLaunch`.
     """
-    if interpreter_active():
-        return kernel
-    return _torch_wrap_triton(kernel)
+    if not _is_jit_kernel(kernel):
+        return kernel if interpreter_active() else _torch_wrap_triton(kernel)
+    if is_wrap_triton_enabled():
+        return _torch_wrap_triton(kernel)
+    launcher = _FAST_LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _FAST_LAUNCHERS[kernel] = FastLaunch(kernel)
+    return launcher
+
+
+class FastLaunch:
+    """``kernel[grid](*args, **kwargs)`` for eager launches, without Triton's per-launch argument binding.
+
+    Why: Triton's ``JITFunction.run`` binds and specializes every argument on every launch (about
+    100 µs of Python per launch on the H100 machine's host, more for kernels with many arguments),
+    and a training step launches ~200 kernels, so in eager mode Qwen2.5-0.5B's step was bound by the
+    host, not the GPU (benchmarks/results/host_profile-*.log: ``rope_function`` 375 µs of Python per
+    forward call). Here the first launch of each *specialization* goes through Triton's own path,
+    which compiles (or finds) the kernel and returns it; the launch after that calls the compiled
+    kernel's launcher directly.
+
+    The cache key holds everything Triton's specialization (``native_specialize_impl``) depends on,
+    or more, so that a cached kernel is never launched with arguments it was not compiled for:
+
+    - a tensor: its dtype and whether its address is a multiple of 16 (Triton's "divisible by 16"
+      pointer attribute);
+    - an int: whether it equals 1 (Triton turns such an argument into a constant), whether it is a
+      multiple of 16, and whether it fits 32 bits (i32, i64 or u64 type);
+    - a float, a bool, None: their kinds (None and bools by value);
+    - keyword arguments (constexprs, ``num_warps`` ...) by name and value;
+    - the current device.
+
+    Anything else (a tensor subclass, a fake tensor, a callable grid, a launch hook set by a
+    profiler such as proton) takes Triton's path unchanged.
+    """
+
+    __slots__ = ("kernel", "cache", "constexpr_positions")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.cache = {}  # key -> (launcher, function, packed metadata, (name, default) of trailing params)
+        # A constexpr passed by position is keyed by its value, as keywords are.
+        self.constexpr_positions = tuple(kernel.constexprs)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        key = _specialization_key(args, kwargs, self.constexpr_positions)
+        if key is None or type(grid) is not tuple or not _launch_hooks_idle():
+            return self.kernel[grid](*args, **kwargs)
+        try:
+            entry = self.cache.get(key)
+        except TypeError:  # an unhashable keyword value
+            return self.kernel[grid](*args, **kwargs)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)  # compiles or finds it, and launches
+            if compiled is not None and hasattr(compiled, "packed_metadata"):
+                self.cache[key] = self._entry(compiled, len(args), kwargs)
+            return compiled
+        run, function, metadata, tail = entry
+        size = len(grid)
+        device = key[0]
+        run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
+            *args, *[kwargs[name] if name in kwargs else default for name, default in tail])
+        return None
+
+    def _entry(self, compiled, num_positional, kwargs):
+        """What a cached launch needs: the launcher, and the parameters after the positional
+        arguments in signature order, each taken from the keywords or its default (Triton's
+        launcher takes every parameter, constexprs included, in signature order)."""
+        params = list(self.kernel.signature.parameters.values())[num_positional:]
+        tail = tuple((p.name, p.default) for p in params)
+        for name, default in tail:
+            if name not in kwargs and default is inspect.Parameter.empty:
+                raise TypeError(f"{self.kernel.fn.__name__}: argument {name!r} missing")
+        return compiled.run, compiled.function, compiled.packed_metadata, tail
+
+
+def _launch_hooks_idle() -> bool:
+    """No launch hook is installed (Triton >= 3.5 keeps an empty ``HookChain`` there by default,
+    older versions None); a profiler's hook needs Triton's own launch, which calls it."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+_FAST_LAUNCHERS: dict = {}
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_I32 = (-(2**31), 2**31 - 1)
+_U64 = 2**63
+
+
+def _specialization_key(args, kwargs, constexpr_positions=()):
+    """The key :class:`FastLaunch` caches a compiled kernel under, or None to take Triton's path."""
+    key = [torch.cuda.current_device()]
+    append = key.append
+    for i in constexpr_positions:
+        if i < len(args):
+            append(("constexpr", i, args[i]))
+    for a in args:
+        t = type(a)
+        if t in _TENSOR_TYPES:
+            append(a.dtype)
+            append(a.data_ptr() & 15 == 0)
+        elif t is int:
+            append((a == 1, a & 15 == 0, 0 if _I32[0] <= a <= _I32[1] else 1 if a < _U64 else 2))
+        elif t is float:
+            append(float)
+        elif t is bool or a is None:
+            append((t, a))
+        else:
+            return None
+    for item in kwargs.items():
+        append(item)
+    return tuple(key)
 
 
 def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
