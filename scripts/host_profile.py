@@ -141,13 +141,36 @@ def phases(model, optimizer, ids, args) -> None:
         marks.append(time.perf_counter())
         return [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
-    for label, collect in (("gc on", True), ("gc off", False)):
-        (gc.enable if collect else gc.disable)()
-        rows = [timed_step() for _ in range(max(args.steps, 5))]
+    collections = {}  # generation -> [count, seconds]
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            entry = collections.setdefault(info["generation"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(on_gc)
+    for label in ("gc on", "gc off", "gc on, frozen"):
+        if label == "gc off":
+            gc.disable()
+        elif label == "gc on, frozen":
+            gc.enable()
+            gc.collect()
+            gc.freeze()
+        collections.clear()
+        n = max(args.steps, 8)
+        rows = [timed_step() for _ in range(n)]
         med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
+        mean = sum(sum(r[:3]) for r in rows) / n * 1e3
+        spent = ", ".join(f"gen{g}: {c / n:.1f}/step {t / n * 1e3:.1f} ms" for g, (c, t) in sorted(collections.items()))
         print(f"{args.model} {args.provider} ({label}): forward {med[0]:.1f} ms, backward {med[1]:.1f}, "
-              f"optimizer {med[2]:.1f}, wait for GPU {med[3]:.1f}; host {sum(med[:3]):.1f} ms/step")
-    gc.enable()
+              f"optimizer {med[2]:.1f}, wait for GPU {med[3]:.1f}; host {sum(med[:3]):.1f} ms/step "
+              f"(mean {mean:.1f}); collections {spent or 'none'}; tracked objects {len(gc.get_objects())}")
+    gc.callbacks.remove(on_gc)
+    gc.unfreeze()
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
