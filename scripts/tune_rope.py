@@ -1,50 +1,99 @@
-"""Sweep RoPE's launch geometry on a GPU, checking every setting against transformers' formula.
+"""Sweep RoPE's launch geometry on a GPU, both tilings and the rule between them, checking every
+setting against transformers' formula.
 
     PYTHONPATH=src python3 scripts/tune_rope.py                # every benchmark case
     PYTHONPATH=src python3 scripts/tune_rope.py Qwen2.5-0.5B   # only cases whose label holds a name
     PYTHONPATH=src python3 scripts/tune_rope.py --cpu          # a dry run of the logic (interpreter)
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the launch-config
-constants of src/tigon/ops/rope.py (TILE_ELEMENTS, ELEMENTS_PER_WARP, MAX_WARPS, MAX_BLOCK_H).
-Cases: the benchmark spec's (src/tigon/bench/specs/rope.py): Llama-3-8B heads in [B, H, T, D], and
-every model of the table in the projection layout, B = 8, T = 2048, bf16. Issue 4 measured tigon at
-89-94% of SOL on all but Qwen2.5-0.5B (14 / 2 heads of 64: 76%), and 1-4% behind the best of
-torch.compile and Liger per layout.
+constants of src/tigon/ops/rope.py, which the last line prints as assignments to copy. Cases: the
+benchmark spec's (src/tigon/bench/specs/rope.py): Llama-3-8B heads in [B, H, T, D], and every model
+of the table in the projection layout, B = 8, T = 2048, bf16. The first sweep (head-block tiling
+only; benchmarks/results/tune_rope-NVIDIA-H100-80GB-HBM3-2026-11-22.log, 55 s) set the head-block
+constants and left Qwen2.5-0.5B (14 / 2 heads of 64) at 77% of SOL, for which the token tiling
+was written.
 
-Per case a coordinate descent from the shipped constants (each knob over its values, the others
-held at the best so far, one pass), then every case's winner timed on every case, so that one
-setting can be picked for all (geometric mean of % SOL). One line per setting, printed as it is
-measured. Times are GPU times of forward + backward from the benchmark harness (the step queued
-behind a sleeping GPU, L2 flushed before each step); SOL = q and k read and written once forward
-and once backward over the copy bandwidth measured first. A setting whose output or gradients
-differ from the reference beyond bf16 rounding is reported and never chosen. The launch geometry
-is cached per shape in the package; the sweep calls the uncached function.
+rope.py has two tilings (its docstring): head-block (TILE_ELEMENTS, ELEMENTS_PER_WARP, MAX_WARPS,
+MAX_BLOCK_H) and token (TOKEN_TILE_ELEMENTS, TOKEN_ELEMENTS_PER_WARP, TOKEN_MAX_WARPS), and a rule
+choosing between them (TOKEN_TILING_BELOW_BLOCK_H; the token tiling also needs one position's heads
+to fit in TOKEN_TILE_ELEMENTS). The sweep, in one call:
+
+1. baseline: the shipped constants on every case;
+2. head-block: the token tiling switched off (TOKEN_TILING_BELOW_BLOCK_H = 0); per case a
+   coordinate descent over the head-block knobs from the shipped values (each knob over its
+   values, the others held at the best so far, one pass); then every case's winner on every case,
+   and the best geometric mean of % SOL is kept;
+3. token: the token tiling forced wherever it fits; the same over the token knobs (a setting under
+   which a case's heads do not fit in one token tile is skipped for that case, not timed);
+4. rule: for every token winner and every threshold, the % SOL each case would get (its time under
+   the tiling the rule picks, from steps 2 and 3, no new timing); the best geometric mean wins;
+5. confirm: the winning constants timed on every case through the real selection, next to the
+   baseline, and printed as the assignments to make in rope.py.
+
+One line per setting, printed as it is measured. Times are GPU times of forward + backward from
+the benchmark harness (the step queued behind a sleeping GPU, L2 flushed before each step); SOL =
+q and k read and written once forward and once backward over the copy bandwidth measured first. A
+setting whose output or gradients differ from the reference beyond bf16 rounding is reported and
+never chosen. The launch geometry is cached per shape in the package; the sweep calls the uncached
+function.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+from contextlib import contextmanager
 
-import torch
+if "--cpu" in sys.argv[1:]:  # before tigon defines its kernels: @triton.jit reads it then
+    os.environ["TRITON_INTERPRET"] = "1"
 
-import tigon.ops  # noqa: F401  (defines the kernels)
-from tigon.bench.specs import load_specs
+import torch  # noqa: E402
+
+import tigon.ops  # noqa: E402, F401  (defines the kernels)
+from tigon.bench.specs import load_specs  # noqa: E402
 
 rope_mod = sys.modules["tigon.ops.rope"]
 
-KNOBS = {
-    "TILE_ELEMENTS": (2048, 4096, 8192, 16384),
-    "ELEMENTS_PER_WARP": (256, 512, 1024, 2048),
+HEAD_BLOCK_KNOBS = {
+    "TILE_ELEMENTS": (1024, 2048, 4096, 8192),
+    "ELEMENTS_PER_WARP": (128, 256, 512, 1024),
     "MAX_WARPS": (4, 8, 16),
     "MAX_BLOCK_H": (1, 2, 4, 8, 16),
 }
+TOKEN_KNOBS = {
+    "TOKEN_TILE_ELEMENTS": (1024, 2048, 4096, 8192, 16384),
+    "TOKEN_ELEMENTS_PER_WARP": (128, 256, 512, 1024),
+    "TOKEN_MAX_WARPS": (4, 8, 16),
+}
+RULE = "TOKEN_TILING_BELOW_BLOCK_H"
+# Token tiling where the head-block tiling would hold fewer heads than this: 0 never, and a value
+# above every MAX_BLOCK_H swept wherever one position's heads fit in a token tile.
+THRESHOLDS = (0, 2, 4, 8, 16, 2 * max(HEAD_BLOCK_KNOBS["MAX_BLOCK_H"]))
+NEVER, ALWAYS = THRESHOLDS[0], THRESHOLDS[-1]
 TOLERANCE = 2e-2  # relative norm error of bf16 outputs and gradients against the fp32 reference
 
 
 def _fmt(setting: dict) -> str:
     return " ".join(f"{name.lower()}={value}" for name, value in setting.items())
+
+
+@contextmanager
+def _constants(setting: dict):
+    """rope.py's module constants set to ``setting`` (name -> value) for the block, then restored."""
+    shipped = {name: getattr(rope_mod, name) for name in setting}
+    for name, value in setting.items():
+        setattr(rope_mod, name, value)
+    try:
+        yield
+    finally:
+        for name, value in shipped.items():
+            setattr(rope_mod, name, value)
+
+
+def _geomean(percents) -> float:
+    return math.exp(sum(math.log(max(p, 1e-3)) for p in percents) / len(percents))
 
 
 class Case:
@@ -61,7 +110,14 @@ class Case:
         grads = torch.autograd.grad(outs, ref, (self.dq.float(), self.dk.float()))
         self.ref = [o.detach() for o in outs] + list(grads)
         self.sol_ms = case.sol_bytes["full"] / bandwidth * 1e3
-        self.device = device
+
+    def launch(self, setting: dict):
+        """The launch config rope.py picks for this case under ``setting`` (q, k are [B, H, T, D])."""
+        with _constants(setting):
+            return rope_mod.rope_launch(
+                self.q.shape[2], self.q.shape[1], self.k.shape[1], self.cos.shape[-1], self.q.shape[3],
+                self.q.dtype == self.k.dtype,
+            )
 
     def step(self):
         q_out, k_out = rope_mod.rope(self.q, self.k, self.cos, self.sin)
@@ -73,38 +129,98 @@ class Case:
         got = [q_out.detach(), k_out.detach(), *grads]
         return max(((g.float() - r).norm() / r.norm()).item() for g, r in zip(got, self.ref, strict=True))
 
-    def measure(self, setting: dict, timer):
-        """ms of one setting (constant name -> value), or None when it fails; prints one line."""
-        shipped = {name: getattr(rope_mod, name) for name in setting}
-        for name, value in setting.items():
-            setattr(rope_mod, name, value)
-        try:
-            err = self.errors()
-            ms = timer(self.step, self.sol_ms * 2)
-        except Exception as exc:  # a setting that does not compile is a result
-            print(f"  {self.label} {_fmt(setting)}: FAILED {type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''}", flush=True)
+    def measure(self, setting: dict, timer, token_only=False):
+        """ms of one setting (constant name -> value), or None when it fails, is wrong, or (with
+        ``token_only``) does not take the token tiling here; prints one line."""
+        cfg = self.launch(setting)
+        tiling = (f"{'token' if cfg.token_tiling else 'head-block'} h{cfg.block_h} t{cfg.block_t} "
+                  f"w{cfg.num_warps}")
+        if token_only and not cfg.token_tiling:
+            print(f"  {self.label} {_fmt(setting)}: skipped (a position's heads do not fit a token tile)",
+                  flush=True)
             return None
-        finally:
-            for name, value in shipped.items():
-                setattr(rope_mod, name, value)
+        with _constants(setting):
+            try:
+                err = self.errors()
+                ms = timer(self.step, self.sol_ms * 2)
+            except Exception as exc:  # a setting that does not compile is a result
+                print(f"  {self.label} {_fmt(setting)} [{tiling}]: FAILED {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}", flush=True)
+                return None
         mark = "" if err <= TOLERANCE else f"  WRONG (error {err:.1e})"
-        print(f"  {self.label} {_fmt(setting)}: {ms:.4f} ms ({100 * self.sol_ms / ms:.0f}% SOL){mark}", flush=True)
+        print(f"  {self.label} {_fmt(setting)} [{tiling}]: {ms:.4f} ms ({100 * self.sol_ms / ms:.0f}% SOL)"
+              f"{mark}", flush=True)
         return ms if err <= TOLERANCE else None
 
 
-def descend(case: Case, start: dict, timer):
-    """One coordinate-descent pass from ``start``: (best ms, best setting)."""
-    best, best_ms = dict(start), case.measure(start, timer)
-    for name, values in KNOBS.items():
+def descend(case: Case, start: dict, knobs: dict, fixed: dict, timer, token_only=False):
+    """One coordinate-descent pass over ``knobs`` from ``start`` (``fixed`` held): (best ms, best knobs)."""
+    best = dict(start)
+    best_ms = case.measure({**fixed, **best}, timer, token_only)
+    for name, values in knobs.items():
+        held = best[name]  # measured already, with the other knobs as they are now
         for value in values:
-            if value == best[name]:
+            if value == held:
                 continue
             trial = dict(best, **{name: value})
-            ms = case.measure(trial, timer)
+            ms = case.measure({**fixed, **trial}, timer, token_only)
             if ms is not None and (best_ms is None or ms < best_ms):
                 best_ms, best = ms, trial
     return best_ms, best
+
+
+def sweep(title, cases, knobs, fixed, timer, token_only=False):
+    """Steps 2 and 3: per-case descent, then every winner on every case. Returns the winners (knob
+    settings, the shipped one first) and per winner its ms on each case (None where it does not
+    apply or fails)."""
+    start = {name: getattr(rope_mod, name) for name in knobs}
+    print(f"=== {title}: {_fmt(fixed)}; from {_fmt(start)}", flush=True)
+    winners = [start]
+    for case in cases:
+        print(f"{case.label}: SOL {case.sol_ms:.4f} ms", flush=True)
+        ms, setting = descend(case, start, knobs, fixed, timer, token_only)
+        if ms is not None:
+            print(f"{case.label}: best {ms:.4f} ms ({100 * case.sol_ms / ms:.0f}% SOL) with {_fmt(setting)}",
+                  flush=True)
+            if setting not in winners:
+                winners.append(setting)
+    print(f"{title}: every winner on every case (% SOL, - where it does not apply; geometric mean last):",
+          flush=True)
+    times = []
+    for setting in winners:
+        times.append([case.measure({**fixed, **setting}, timer, token_only) for case in cases])
+        cells = " ".join("   -" if ms is None else f"{100 * c.sol_ms / ms:4.0f}"
+                         for c, ms in zip(cases, times[-1], strict=True))
+        print(f"  {cells}  {_geomean(_percents(cases, times[-1])):5.1f}  {_fmt(setting)}", flush=True)
+    return winners, times
+
+
+def _percents(cases, times):
+    """% SOL per case; 0 where a setting failed or did not apply."""
+    return [0.0 if ms is None else 100 * c.sol_ms / ms for c, ms in zip(cases, times, strict=True)]
+
+
+def choose_rule(cases, head_knobs, head_ms, token_winners, token_times):
+    """Step 4: the token winner and threshold with the best geometric mean, from measured times."""
+    print("=== rule: % SOL per case under each threshold (from the times above; geometric mean last)",
+          flush=True)
+    best = None
+    for index, token_knobs in enumerate(token_winners):
+        for threshold in THRESHOLDS:
+            setting = {**head_knobs, **token_knobs, RULE: threshold}
+            percents, cells = [], []
+            for i, case in enumerate(cases):
+                token = case.launch(setting).token_tiling
+                ms = token_times[index][i] if token else head_ms[i]
+                percents.append(0.0 if ms is None else 100 * case.sol_ms / ms)
+                cells.append(f"{percents[-1]:4.0f}{'*' if token else ' '}")
+            score = _geomean(percents)
+            print(f"  {' '.join(cells)}  {score:5.1f}  {_fmt(token_knobs)} {RULE.lower()}={threshold}",
+                  flush=True)
+            if best is None or score > best[0]:
+                best = (score, setting)
+    print("  (* = token tiling)", flush=True)
+    return best[1]
 
 
 def main(argv) -> None:
@@ -126,32 +242,26 @@ def main(argv) -> None:
         cases = [c for c in spec.cases() if not names or any(n in c.label for n in names)]
         print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
     rope_mod.rope_launch = getattr(rope_mod.rope_launch, "__wrapped__", rope_mod.rope_launch)  # uncached
-    shipped = {name: getattr(rope_mod, name) for name in KNOBS}
-    print("shipped: " + _fmt(shipped), flush=True)
+    shipped = {name: getattr(rope_mod, name) for name in (*HEAD_BLOCK_KNOBS, *TOKEN_KNOBS, RULE)}
     measured = [Case(c, device, bandwidth) for c in cases]
-    winners = []
-    for case in measured:
-        print(f"{case.label}: SOL {case.sol_ms:.4f} ms", flush=True)
-        ms, setting = descend(case, shipped, timer)
-        if ms is not None:
-            print(f"{case.label}: best {ms:.4f} ms ({100 * case.sol_ms / ms:.0f}% SOL) with {_fmt(setting)}",
-                  flush=True)
-            if setting not in winners:
-                winners.append(setting)
-    if shipped not in winners:
-        winners.insert(0, shipped)
-    print("every winner on every case (% SOL, geometric mean last):", flush=True)
-    scores = []
-    for setting in winners:
-        percents = []
-        for case in measured:
-            ms = case.measure(setting, timer)
-            percents.append(0.0 if ms is None else 100 * case.sol_ms / ms)
-        geomean = math.exp(sum(math.log(max(p, 1e-3)) for p in percents) / len(percents))
-        scores.append((geomean, setting))
-        print(f"  {' '.join(f'{p:4.0f}' for p in percents)}  {geomean:5.1f}  {_fmt(setting)}", flush=True)
-    geomean, setting = max(scores, key=lambda s: s[0])
-    print(f"--- recommended ({time.perf_counter() - t0:.0f} s): {_fmt(setting)} (geomean {geomean:.1f}% of SOL)")
+
+    print(f"=== baseline: {_fmt(shipped)}", flush=True)
+    baseline = [case.measure(shipped, timer) for case in measured]
+    head_winners, head_times = sweep("head-block", measured, HEAD_BLOCK_KNOBS, {RULE: NEVER}, timer)
+    scores = [_geomean(_percents(measured, times)) for times in head_times]
+    best = max(range(len(scores)), key=scores.__getitem__)
+    print(f"head-block: best {_fmt(head_winners[best])} (geomean {scores[best]:.1f}% of SOL)", flush=True)
+    token_winners, token_times = sweep("token", measured, TOKEN_KNOBS, {RULE: ALWAYS}, timer, token_only=True)
+    recommended = choose_rule(measured, head_winners[best], head_times[best], token_winners, token_times)
+
+    print("=== confirm: baseline and recommended, through the real selection (% SOL, geometric mean last)",
+          flush=True)
+    confirmed = [case.measure(recommended, timer) for case in measured]
+    for label, times in (("baseline", baseline), ("recommended", confirmed)):
+        percents = _percents(measured, times)
+        print(f"  {' '.join(f'{p:4.0f}' for p in percents)}  {_geomean(percents):5.1f}  {label}", flush=True)
+    print(f"--- recommended ({time.perf_counter() - t0:.0f} s), to set in src/tigon/ops/rope.py: "
+          + ", ".join(f"{name} = {value}" for name, value in recommended.items()), flush=True)
 
 
 if __name__ == "__main__":

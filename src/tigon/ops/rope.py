@@ -27,6 +27,23 @@ kernel with the strides permuted; nothing is copied. Outputs are dense in q's an
 the gradient flows back through ``view(...).transpose(1, 2)`` without a copy. cos/sin of shape
 ``[T, Dr]`` or ``[1, T, Dr]`` are read with batch stride 0.
 
+Tilings (:func:`rope_launch` picks one; both take the same arguments and share the rotation code)::
+
+    head-block  rope_kernel        a program: BLOCK_H heads of q OR of k × BLOCK_T positions
+    token       rope_token_kernel  a program: all Hq + Hk heads of q AND k × BLOCK_T positions
+
+The head-block tiling takes BLOCK_H = the largest power of two dividing both head counts, so that
+no block is partly masked; with many shared heads (32 / 8, 16 / 8) it reaches 89-94% of SOL on the
+H100. When that power of two is small it falls short: Qwen2.5-0.5B's 14 / 2 heads of 64 give
+BLOCK_H = 2, eight programs per block of positions, each reading 256 contiguous bytes per position
+of the ``[B, T, H, D]`` projection and the same cos/sin rows again (77% of SOL). The token tiling
+then makes the tile's rows the Hq + Hk heads (padded to a power of two, the padding masked): row h
+is q's head h for h < Hq, k's head h − Hq after, each row's pointers chosen with ``tl.where``. A
+program reads cos/sin once per position for every head, and a token's q and k rows in one tile. It
+is taken when the head-block tiling would hold fewer than ``TOKEN_TILING_BELOW_BLOCK_H`` heads, one
+position's padded heads fit in ``TOKEN_TILE_ELEMENTS``, and q and k (and their outputs) share a
+dtype (one pointer type for the select); the head-block tiling serves every other case.
+
 Bytes (speed of light), element size b, N_q = B·Hq·T·D, N_k = B·Hk·T·D::
 
     forward   read q, k; write q_out, k_out        2·(N_q + N_k)·b     (+ cos, sin: 2·B·T·Dr)
@@ -72,34 +89,20 @@ def _load_trig(
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, x_stride_b, x_stride_h, x_stride_t, x_stride_d,     # (B, H, T, D) rotated input, any strides
-    out_ptr, out_stride_b, out_stride_h, out_stride_t, out_stride_d,    # (B, H, T, D) out
+def _rotate_tile(
+    x1_ptrs, x2_ptrs, out1_ptrs, out2_ptrs, mask,  # (BLOCK_H, BLOCK_T, BLOCK_HALF) pointers and mask
     cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,         # (B, T, Dr); batch stride 0 if shared
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
-    batch, head_start, num_heads, positions, position_mask, half_rot, rot_dim, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
+    batch, positions, cols, half_rot,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
 ):
-    """Rotate one (BLOCK_H heads, BLOCK_T positions, D) tile of one batch element.
+    """out1 = x1·c1 + x2·a, out2 = x2·c2 + x1·b with (a, b) = (−s1, s2) forward, (s2, −s1) backward.
 
-    out1 = x1·c1 + x2·a, out2 = x2·c2 + x1·b with (a, b) = (−s1, s2) forward, (s2, −s1) backward.
-    Offsets are int64 per (head, position) row, so tensors past 2**31 elements address correctly.
+    x1/out1 point at each row's dims ``cols``, x2/out2 at ``cols + half_rot``; row (h, t) is at
+    position ``positions[t]`` of batch element ``batch``, whatever tensor it belongs to.
     """
-    heads = head_start + tl.arange(0, BLOCK_H)
-    row_mask = (heads < num_heads)[:, None] & position_mask[None, :]                 # (BLOCK_H, BLOCK_T)
-    x_rows = x_ptr + batch * x_stride_b + (
-        heads[:, None].to(tl.int64) * x_stride_h + positions[None, :].to(tl.int64) * x_stride_t
-    )
-    out_rows = out_ptr + batch * out_stride_b + (
-        heads[:, None].to(tl.int64) * out_stride_h + positions[None, :].to(tl.int64) * out_stride_t
-    )
-    cols = tl.arange(0, BLOCK_HALF)
-    mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
-    x1 = tl.load(x_rows[:, :, None] + (cols * x_stride_d)[None, None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(
-        x_rows[:, :, None] + ((cols + half_rot) * x_stride_d)[None, None, :], mask=mask, other=0.0
-    ).to(tl.float32)
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
     c1 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols, mask,
                     BLOCK_H, BLOCK_T, BLOCK_HALF)
     c2 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols + half_rot,
@@ -114,22 +117,59 @@ def _rotate_heads(
     else:
         out1 = x1 * c1 - x2 * s1
         out2 = x2 * c2 + x1 * s2
-    out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_rows[:, :, None] + (cols * out_stride_d)[None, None, :], out1.to(out_dtype), mask=mask)
-    tl.store(
-        out_rows[:, :, None] + ((cols + half_rot) * out_stride_d)[None, None, :], out2.to(out_dtype),
-        mask=mask,
+    out_dtype = out1_ptrs.dtype.element_ty
+    tl.store(out1_ptrs, out1.to(out_dtype), mask=mask)
+    tl.store(out2_ptrs, out2.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _copy_tile(x_ptrs, out_ptrs, mask):
+    """The pass-through dims (Dr <= d < D): upcast after the load, round once at the store."""
+    x_pass = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, x_pass.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, x_stride_b, x_stride_h, x_stride_t, x_stride_d,     # (B, H, T, D) rotated input, any strides
+    out_ptr, out_stride_b, out_stride_h, out_stride_t, out_stride_d,    # (B, H, T, D) out
+    cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,         # (B, T, Dr); batch stride 0 if shared
+    sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
+    batch, head_start, num_heads, positions, position_mask, half_rot, rot_dim, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    """Rotate one (BLOCK_H heads, BLOCK_T positions, D) tile of one tensor and one batch element.
+
+    Offsets are int64 per (head, position) row, so tensors past 2**31 elements address correctly.
+    """
+    heads = head_start + tl.arange(0, BLOCK_H)
+    row_mask = (heads < num_heads)[:, None] & position_mask[None, :]                 # (BLOCK_H, BLOCK_T)
+    x_rows = x_ptr + batch * x_stride_b + (
+        heads[:, None].to(tl.int64) * x_stride_h + positions[None, :].to(tl.int64) * x_stride_t
+    )
+    out_rows = out_ptr + batch * out_stride_b + (
+        heads[:, None].to(tl.int64) * out_stride_h + positions[None, :].to(tl.int64) * out_stride_t
+    )
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
+    _rotate_tile(
+        x_rows[:, :, None] + (cols * x_stride_d)[None, None, :],
+        x_rows[:, :, None] + ((cols + half_rot) * x_stride_d)[None, None, :],
+        out_rows[:, :, None] + (cols * out_stride_d)[None, None, :],
+        out_rows[:, :, None] + ((cols + half_rot) * out_stride_d)[None, None, :],
+        mask,
+        cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
+        sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
+        batch, positions, cols, half_rot,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD,
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
-        pass_mask = row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :]
-        x_pass = tl.load(
-            x_rows[:, :, None] + (pass_cols * x_stride_d)[None, None, :], mask=pass_mask, other=0.0
-        )
-        tl.store(
+        _copy_tile(
+            x_rows[:, :, None] + (pass_cols * x_stride_d)[None, None, :],
             out_rows[:, :, None] + (pass_cols * out_stride_d)[None, None, :],
-            x_pass.to(tl.float32).to(out_dtype),
-            mask=pass_mask,
+            row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
         )
 
 
@@ -145,7 +185,8 @@ def rope_kernel(
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
 ):
-    """One program: BLOCK_H heads of q (or of k) × BLOCK_T positions of one batch element.
+    """Head-block tiling. One program: BLOCK_H heads of q (or of k) × BLOCK_T positions of one batch
+    element.
 
     The flat grid runs over (batch, position block) × head block with the head block fastest, so the
     programs that share a cos/sin tile run side by side and all but the first read it from L2.
@@ -178,24 +219,114 @@ def rope_kernel(
         )
 
 
+@triton.jit
+def _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols):
+    """(BLOCK_H, BLOCK_T, len(cols)) pointers to dims ``cols`` of each tile row: q's row where
+    ``is_q`` (BLOCK_H,) holds, k's row elsewhere.
+
+    Selecting whole pointers (not strides) keeps each side's contiguity along the dims: the
+    condition is constant along them, so Triton's alignment analysis still sees unit-stride runs
+    and vectorises the loads and stores as it does for one tensor.
+    """
+    return tl.where(
+        is_q[:, None, None],
+        q_rows[:, :, None] + (cols * q_stride_d)[None, None, :],
+        k_rows[:, :, None] + (cols * k_stride_d)[None, None, :],
+    )
+
+
+@triton.jit
+def rope_token_kernel(
+    q_ptr, q_stride_b, q_stride_h, q_stride_t, q_stride_d,         # (B, Hq, T, D) q, or d(q_out) backward
+    k_ptr, k_stride_b, k_stride_h, k_stride_t, k_stride_d,         # (B, Hk, T, D) k, or d(k_out)
+    q_out_ptr, qo_stride_b, qo_stride_h, qo_stride_t, qo_stride_d,  # (B, Hq, T, D) out: q_out, or dq
+    k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t, ko_stride_d,  # (B, Hk, T, D) out: k_out, or dk
+    cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,             # (B, T, Dr) cos; batch stride 0 if shared
+    sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,             # (B, T, Dr) sin
+    seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    """Token tiling. One program: every head of q AND k × BLOCK_T positions of one batch element.
+
+    Tile row h (of BLOCK_H = Hq + Hk padded to a power of two) is q's head h for h < Hq and k's head
+    h − Hq after that; rows past Hq + Hk are masked. Each row's pointers are chosen between q's and
+    k's (and between q_out's and k_out's) with ``tl.where``, so q and k must share a dtype, as must
+    the outputs (the launcher falls back to the head-block tiling otherwise). cos/sin are loaded at
+    the full tile shape by the same ``_load_trig`` as the head-block tiling: one compiled form, the
+    tile's own layout, and the rows repeated over heads are L1 hits; each position's cos/sin row
+    comes from memory once, for all heads. Offsets are int64 per (head, position) row, as in
+    ``_rotate_heads``.
+    """
+    pid = tl.program_id(0)
+    position_blocks = tl.cdiv(seq_len, BLOCK_T)
+    batch = (pid // position_blocks).to(tl.int64)
+    positions = (pid % position_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    heads = tl.arange(0, BLOCK_H)
+    is_q = heads < num_q_heads
+    row_mask = (heads < num_q_heads + num_k_heads)[:, None] & (positions < seq_len)[None, :]
+    q_heads = heads[:, None].to(tl.int64)                                                    # (BLOCK_H, 1)
+    k_heads = q_heads - num_q_heads          # negative on q's rows: selected away, never dereferenced
+    t = positions[None, :].to(tl.int64)                                                      # (1, BLOCK_T)
+    q_rows = q_ptr + batch * q_stride_b + (q_heads * q_stride_h + t * q_stride_t)    # (BLOCK_H, BLOCK_T)
+    k_rows = k_ptr + batch * k_stride_b + (k_heads * k_stride_h + t * k_stride_t)
+    qo_rows = q_out_ptr + batch * qo_stride_b + (q_heads * qo_stride_h + t * qo_stride_t)
+    ko_rows = k_out_ptr + batch * ko_stride_b + (k_heads * ko_stride_h + t * ko_stride_t)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
+    _rotate_tile(
+        _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols),
+        _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols + half_rot),
+        _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols),
+        _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols + half_rot),
+        mask,
+        cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
+        sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
+        batch, positions, cols, half_rot,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD,
+    )
+    if HAS_PASS:
+        pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
+        _copy_tile(
+            _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, pass_cols),
+            _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, pass_cols),
+            row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
+        )
+
+
 # -------------------------------------------------------------------------------------- launch config
 
-# Elements (heads × positions × padded head dim) one program moves per tensor. 4096 bf16 values are
-# 8 KB read and 8 KB written per program; with 4 warps that is 32 values per thread, i.e. two 16-byte
-# vector loads per half-row, and enough programs resident per SM to keep the memory system busy.
-TILE_ELEMENTS = 4096
-ELEMENTS_PER_WARP = 1024
+# Head-block tiling (rope_kernel). Elements (heads × positions × padded head dim) one program moves
+# per tensor, and warps per program: one per ELEMENTS_PER_WARP elements, at most MAX_WARPS. Set from
+# scripts/tune_rope.py on the H100 (benchmarks/results/tune_rope-NVIDIA-H100-80GB-HBM3-2026-11-22.log):
+# 2048 / 256 / 8 / 16 reached a geometric mean of 90.3% of SOL over the benchmark cases against 88.1%
+# for the 4096 / 1024 / 8 / 16 shipped before (2048 bf16 values are 4 KB read and 4 KB written per
+# program; 8 warps give each thread 8 values, so many small programs keep every SM's loads in flight).
+TILE_ELEMENTS = 2048
+ELEMENTS_PER_WARP = 256
 MAX_WARPS = 8
 # Heads per program: the largest power of two dividing both head counts (so neither q's nor k's last
 # block is partly masked), at most this many; positions fill the rest of the tile.
 MAX_BLOCK_H = 16
 
+# Token tiling (rope_token_kernel): taken where the head-block tiling would put fewer than
+# TOKEN_TILING_BELOW_BLOCK_H heads in a program (gcd(Hq, Hk) has a small power-of-two part: 14 / 2
+# gives 2) and one position's Hq + Hk heads, padded to a power of two, fit in TOKEN_TILE_ELEMENTS.
+# Set TOKEN_TILING_BELOW_BLOCK_H to 0 to never take it, above MAX_BLOCK_H to take it wherever it
+# fits. The tile knobs mean what the head-block ones do. Not yet tuned on a GPU: the head-block
+# tiling's tuned values; scripts/tune_rope.py sweeps all four.
+TOKEN_TILING_BELOW_BLOCK_H = 4
+TOKEN_TILE_ELEMENTS = 2048
+TOKEN_ELEMENTS_PER_WARP = 256
+TOKEN_MAX_WARPS = 8
+
 
 @dataclass(frozen=True)
 class RopeLaunch:
-    """Block geometry for one rope_kernel launch (forward and backward use the same)."""
+    """Block geometry for one launch (forward and backward use the same)."""
 
-    block_h: int
+    token_tiling: bool  # rope_token_kernel (every q and k head per program), else rope_kernel
+    block_h: int  # tile rows: a block of q's or of k's heads; Hq + Hk padded in the token tiling
     block_t: int
     block_half: int
     block_pass: int
@@ -209,17 +340,29 @@ def _floor_power_of_2(n: int) -> int:
 
 
 @cache_by_size
-def rope_launch(seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, head_dim: int) -> RopeLaunch:
+def rope_launch(
+    seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, head_dim: int, same_dtypes: bool
+) -> RopeLaunch:
+    """The tiling and its blocks. ``same_dtypes``: q and k share a dtype, and so do their outputs
+    (the token tiling selects between their pointers, which must then have one type)."""
     block_half = next_power_of_2(rot_dim // 2)
     has_pass = head_dim > rot_dim
     block_pass = next_power_of_2(head_dim - rot_dim) if has_pass else 1
     row = 2 * block_half + (block_pass if has_pass else 0)
     common = math.gcd(num_q_heads, num_k_heads) or max(num_q_heads, num_k_heads, 1)
     block_h = min(common & -common, MAX_BLOCK_H, _floor_power_of_2(TILE_ELEMENTS // row))
-    block_t = min(_floor_power_of_2(TILE_ELEMENTS // (block_h * row)), next_power_of_2(seq_len))
+    all_heads = next_power_of_2(num_q_heads + num_k_heads)
+    token_tiling = (
+        same_dtypes and block_h < TOKEN_TILING_BELOW_BLOCK_H and all_heads * row <= TOKEN_TILE_ELEMENTS
+    )
+    if token_tiling:
+        block_h, tile, per_warp, max_warps = all_heads, TOKEN_TILE_ELEMENTS, TOKEN_ELEMENTS_PER_WARP, TOKEN_MAX_WARPS
+    else:
+        tile, per_warp, max_warps = TILE_ELEMENTS, ELEMENTS_PER_WARP, MAX_WARPS
+    block_t = min(_floor_power_of_2(tile // (block_h * row)), next_power_of_2(seq_len))
     # A padded row of 2·block_half + block_pass need not be a power of two; Triton's warps must be.
-    num_warps = _floor_power_of_2(max(1, min(block_h * block_t * row // ELEMENTS_PER_WARP, MAX_WARPS)))
-    return RopeLaunch(block_h, block_t, block_half, block_pass, has_pass, num_warps)
+    num_warps = _floor_power_of_2(max(1, min(block_h * block_t * row // per_warp, max_warps)))
+    return RopeLaunch(token_tiling, block_h, block_t, block_half, block_pass, has_pass, num_warps)
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -266,22 +409,28 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
     rot_dim = cos.shape[-1]
     if batch == 0 or seq_len == 0 or head_dim == 0 or num_q_heads + num_k_heads == 0:
         return
-    cfg = rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim)
-    q_head_blocks = triton.cdiv(num_q_heads, cfg.block_h)
-    head_blocks = q_head_blocks + triton.cdiv(num_k_heads, cfg.block_h)
-    grid = (batch * triton.cdiv(seq_len, cfg.block_t) * head_blocks,)
-    wrap_triton(rope_kernel)[grid](
+    same_dtypes = x_q.dtype == x_k.dtype and out_q.dtype == out_k.dtype
+    cfg = rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtypes)
+    batch_position_blocks = batch * triton.cdiv(seq_len, cfg.block_t)
+    tensors = (
         x_q, *_bhtd_strides(x_q, unsqueeze_dim),
         x_k, *_bhtd_strides(x_k, unsqueeze_dim),
         out_q, *_bhtd_strides(out_q, unsqueeze_dim),
         out_k, *_bhtd_strides(out_k, unsqueeze_dim),
         cos, *_cos_sin_strides(cos),
         sin, *_cos_sin_strides(sin),
-        seq_len, num_q_heads, num_k_heads, rot_dim // 2, rot_dim, head_dim, q_head_blocks, head_blocks,
-        BLOCK_H=cfg.block_h, BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, BLOCK_PASS=cfg.block_pass,
-        HAS_PASS=cfg.has_pass, BACKWARD=backward,
-        num_warps=cfg.num_warps,
+        seq_len, num_q_heads, num_k_heads, rot_dim // 2, rot_dim, head_dim,
     )
+    blocks = dict(
+        BLOCK_H=cfg.block_h, BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, BLOCK_PASS=cfg.block_pass,
+        HAS_PASS=cfg.has_pass, BACKWARD=backward, num_warps=cfg.num_warps,
+    )
+    if cfg.token_tiling:
+        wrap_triton(rope_token_kernel)[(batch_position_blocks,)](*tensors, **blocks)
+        return
+    q_head_blocks = triton.cdiv(num_q_heads, cfg.block_h)
+    head_blocks = q_head_blocks + triton.cdiv(num_k_heads, cfg.block_h)
+    wrap_triton(rope_kernel)[(batch_position_blocks * head_blocks,)](*tensors, q_head_blocks, head_blocks, **blocks)
 
 
 # ------------------------------------------------------------------------------- torch ops + autograd
