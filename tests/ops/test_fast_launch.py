@@ -14,6 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensorMode
 from triton import knobs
 
 from tigon.ops import _common
@@ -171,10 +172,12 @@ def test_wrap_triton_picks_the_path(monkeypatch):
     kernel = FakeKernel()
     monkeypatch.setattr(_common, "_is_jit_kernel", lambda k: k is kernel)
     monkeypatch.setattr(_common, "_torch_wrap_triton", lambda k: ("traceable", k))
-    assert wrap_triton(kernel) == ("traceable", kernel)         # wrap_triton on: torch.compile may trace
-    with _direct_launch():
-        first = wrap_triton(kernel)
-        assert type(first) is FastLaunch and wrap_triton(kernel) is first   # one launcher per kernel
+    with FakeTensorMode():                                      # a dispatch mode: something traces
+        assert wrap_triton(kernel) == ("traceable", kernel)
+    with _direct_launch(), FakeTensorMode():                    # the registered op's eager run
+        assert type(wrap_triton(kernel)) is FastLaunch
+    first = wrap_triton(kernel)                                 # nothing traces (a backward, say)
+    assert type(first) is FastLaunch and wrap_triton(kernel) is first   # one launcher per kernel
     other = object()
     if _common.interpreter_active():
         assert wrap_triton(other) is other                      # interpreted kernels launch as they are

@@ -74,12 +74,14 @@ def wrap_triton(kernel):
     - under ``TRITON_INTERPRET=1`` ``@triton.jit`` makes an ``InterpretedFunction``, which torch <
       2.13's ``wrap_triton`` refuses ("only works on functions annotated with triton.jit") even in
       eager mode: the kernel is launched as it is;
-    - in eager mode (``TigonOp``'s direct path, or the registered op run eagerly: both switch
-      ``wrap_triton`` off) a ``@triton.jit`` kernel is launched through :class:`FastLaunch`.
+    - in eager mode a ``@triton.jit`` kernel is launched through :class:`FastLaunch`: where
+      ``wrap_triton`` is switched off (``TigonOp``'s direct path, the registered op run eagerly), and
+      where nothing traces (a backward run by the autograd engine, which ``TigonOp`` does not wrap:
+      there torch's wrapper would dispatch a higher-order op only to launch the kernel).
     """
     if not _is_jit_kernel(kernel):
         return kernel if interpreter_active() else _torch_wrap_triton(kernel)
-    if is_wrap_triton_enabled():
+    if is_wrap_triton_enabled() and _tracing_active():
         return _torch_wrap_triton(kernel)
     launcher = _FAST_LAUNCHERS.get(kernel)
     if launcher is None:
@@ -317,9 +319,14 @@ def _tracing(args) -> bool:
     AOTAutograd / make_fx tracing a backward, which is not Dynamo but runs under a dispatch mode
     with fake or functional tensors. Those need the registered op; real tensors take the direct path.
     """
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if _tracing_active():
         return True
     return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS for a in args)
+
+
+def _tracing_active() -> bool:
+    """Dynamo is tracing, or a dispatch mode (fake tensors, make_fx, functionalization) is on."""
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def _direct_launch():
