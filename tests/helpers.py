@@ -81,3 +81,12 @@ def fp64_reference(fn, tensors: dict, grad_output=None, **kwargs):
         )
         grads = {n: t.grad for n, t in leaves.items() if isinstance(t, torch.Tensor) and t.grad is not None}
     return out, grads
+
+
+def repeatable_grads(fn, inputs, grad_outputs):
+    """Gradients of ``fn()`` w.r.t. ``inputs``, computed twice and asserted bitwise equal (reductions
+    without atomics give the same result run to run); returns the first."""
+    first = torch.autograd.grad(fn(), inputs, grad_outputs)
+    second = torch.autograd.grad(fn(), inputs, grad_outputs)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    return first

@@ -28,6 +28,7 @@ from tests.helpers import (
     fp64_reference,
     noncontiguous,
     randn,
+    repeatable_grads,
     stride0_like,
 )
 from tests.ops.test_rms_norm import GPU_STREAM_KNOBS, RMS_MODULE, STREAM_CASES, use_stream_tuning
@@ -110,9 +111,7 @@ def check_right_and_deterministic(rows, hidden):
     b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = randn(rows, hidden, dtype=torch.bfloat16)
     check_layer_norm(x, w, b, dy)
-    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    repeatable_grads(lambda: layer_norm(x, w, b), (x, w, b), dy)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -206,9 +205,7 @@ def test_layer_norm_deterministic(monkeypatch, hidden):
     w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
     b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = randn(rows, hidden, dtype=torch.bfloat16)
-    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    repeatable_grads(lambda: layer_norm(x, w, b), (x, w, b), dy)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -281,9 +278,7 @@ def test_layer_norm_deterministic_gpu_many_rows(hidden):
     w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
     b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = randn(rows, hidden, dtype=torch.bfloat16)
-    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    repeatable_grads(lambda: layer_norm(x, w, b), (x, w, b), dy)
     check_layer_norm(x, w, b, dy)
 
 
@@ -387,9 +382,7 @@ def test_layer_norm_fused_knobs_deterministic(monkeypatch, case):
     w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
     b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = randn(rows, hidden, dtype=torch.bfloat16)
-    first = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    second = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    repeatable_grads(lambda: layer_norm(x, w, b), (x, w, b), dy)
 
 
 @pytest.mark.parametrize(

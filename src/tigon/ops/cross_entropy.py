@@ -216,6 +216,12 @@ def _load_scaled_with_slope(
 ):
     """Load one block of logits (fp32 at once) and return z and ∂z/∂l."""
     l = tl.load(row_in + cols * in_col_stride, mask=mask, other=0.0).to(tl.float32)
+    return _scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+
+
+@triton.jit
+def _scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP: tl.constexpr):
+    """z = softcap·tanh(l·softcap_scale) (softcap_scale folds logit_scale in), or l·logit_scale; and ∂z/∂l."""
     if HAS_SOFTCAP:
         t = _tanh(l * softcap_scale)
         z = softcap * t
@@ -303,13 +309,7 @@ def _grad_store(
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """∂loss/∂l of one streamed block of fp32 logits ``l``, stored in the output's dtype."""
-    if HAS_SOFTCAP:
-        t = _tanh(l * softcap_scale)
-        z = softcap * t
-        slope = logit_scale * (1.0 - t * t)
-    else:
-        z = l * logit_scale
-        slope = logit_scale
+    z, slope = _scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
     p = tl.exp(z - lse)
     g = _grad_block(p, slope, cols, mask, t_local, weight_ptr, p_coef, target_coef, smooth_coef,
                     HAS_WEIGHT, HAS_SMOOTHING)
