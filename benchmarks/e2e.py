@@ -346,7 +346,35 @@ def profile_steps(train_step, batches, *, cuda: bool, timed_step_s: float) -> di
             train_step(ids)
         profiled_s = time.perf_counter() - start
     summary = summarise_profile(profiled_kernels(prof, cuda), steps=len(batches), wall_ms=timed_step_s * 1e3)
+    if cuda:
+        summary["idle"] = idle_gaps(prof, steps=len(batches))
     return {**summary, "activity": "cuda" if cuda else "cpu", "profiled_wall_ms": profiled_s * 1e3 / len(batches)}
+
+
+IDLE_GAP_US = 20.0  # a gap between two kernels longer than this is the GPU waiting on the host
+TOP_GAPS = 8
+
+
+def idle_gaps(prof, *, steps: int) -> dict:
+    """Where the GPU waited, in the profiled steps: the summed gaps between kernels (longer than
+    IDLE_GAP_US) per step, and the longest gaps with the kernels on either side. The profiler slows
+    the host, so the gaps are longer than in the timed steps; where they fall is what they show."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    gaps, end, last = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start - end > IDLE_GAP_US:
+            gaps.append((start - end, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    gaps.sort(reverse=True)
+    return {
+        "idle_ms": sum(g[0] for g in gaps) / 1e3 / steps, "gaps": len(gaps) / steps,
+        "longest": [{"us": round(us, 1), "after": a[:KERNEL_NAME_CHARS], "before": b[:KERNEL_NAME_CHARS]}
+                    for us, a, b in gaps[:TOP_GAPS]],
+    }
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -25,6 +25,14 @@ stream: the streamed backward's knobs (the ``stream_*`` fields and ``chunk``, ``
         every shape, so that one setting can be picked for all. About 3-4 minutes on an H100.
 boundary: RMSNorm's forward and backward over hidden sizes 896..65536 with where rows stop being
         held in registers (max_fused_hidden) moved; inputs replayed from L2 at the small sizes.
+wide:   RMSNorm, add_rms_norm and LayerNorm at 4096x16384 with the row held in registers (the
+        backward's max_fused_hidden raised to 16384) and up to 32 warps a row, against the shipped
+        streamed backward; each setting checked against torch first. About 1-2 minutes. Fifth
+        session (benchmarks/results/tune_norm_wide-*.log): the fused backward loses (RMSNorm 0.30 ms
+        against the streamed 0.20; LayerNorm 0.62 against 0.23); without its software prefetch (a
+        kernel variant tried then, not kept) RMSNorm reached 0.194 and add_rms_norm 0.247 against
+        0.203 and 0.254: 3-5% on one size, not enough to catch Liger-Kernel there, so the streamed
+        backward stays.
 host:   the eager host cost of one small forward+backward, with a profile.
 
 Times are of the kernels alone (CUDA-graph replay). In fused-ln and fused, each timed call reads
@@ -603,6 +611,46 @@ def sweep_fused_rms(bandwidth):
     sweep_fused_ops(bandwidth, ("rms_norm", "add_rms_norm"))
 
 
+# ------------------------------------------------------- wide rows held in registers (N = 16384)
+
+WIDE_SHAPE = (4096, 16384)
+WIDE_RMS = {
+    "fwd": [dict(max_warps=w, elements_per_warp=e) for w in (16, 32) for e in (256, 512)],
+    "bwd": [
+        dict(max_fused_hidden=16384, max_warps=w, elements_per_warp=e, programs_per_sm=p)
+        for w in (16, 32) for e in (256, 512) for p in (1, 2)
+    ],
+}
+WIDE_LN = {
+    "fwd": [dict(fwd_max_warps=w, fwd_elements_per_warp=e) for w in (16, 32) for e in (256, 512)],
+    "bwd": [
+        dict(bwd_max_warps=w, bwd_elements_per_warp=e, bwd_programs_per_sm=p, bwd_stages=st)
+        for w in (16, 32) for e in (256, 512) for p in (1, 2) for st in (0, 1)
+    ],
+}
+
+
+def sweep_wide(bandwidth):
+    """Rows of 16384 in registers: every setting of WIDE_* against the shipped launch, per op."""
+    for op in ("rms_norm", "add_rms_norm", "layer_norm"):
+        case = make_fused_case(op, *WIDE_SHAPE)
+        for direction in ("fwd", "bwd"):
+            timer = FusedTimer(case, direction, bandwidth)
+            shipped = timer({})
+            print(f"{case.name} {direction}: shipped {shipped:.4f} ms ({timer.percent(shipped):.0f}% SOL)", flush=True)
+            settings = (WIDE_LN if op == "layer_norm" else WIDE_RMS)[direction]
+            results = []
+            for knobs in settings:
+                with contextlib.ExitStack() as stack:
+                    if op == "layer_norm" and direction == "bwd":  # the regime boundary is RMSNorm's
+                        stack.enter_context(tuned("rms", "bwd", {"max_fused_hidden": 16384}))
+                    ms = timer(knobs)
+                results.append((ms, knobs))
+            ms, knobs = min(results, key=lambda r: r[0])
+            print(f"{case.name} {direction}: best {describe_knobs(knobs)} {ms:.4f} ms ({timer.percent(ms):.0f}% SOL)"
+                  f" against shipped {shipped:.4f}\n", flush=True)
+
+
 def host_overhead():
     # CPU cost of one eager forward+backward through the public function, on a tensor so small
     # that the GPU waits on the CPU: this is the per-call overhead a training step pays.
@@ -631,7 +679,7 @@ def host_overhead():
 
 SECTIONS = {
     "fused-ln": sweep_fused_ln, "fused": sweep_fused_rms, "stream": sweep_stream, "boundary": sweep_boundary,
-    "host": None,
+    "wide": sweep_wide, "host": None,
 }
 
 
