@@ -329,13 +329,18 @@ def test_cross_entropy_cpu_needs_interpreter(monkeypatch):
 # Every geometry the launch knobs can select (scripts/tune_ce.py sweeps them on the GPU), shrunk so
 # that a vocabulary of 101 classes walks four blocks of 32 (the last one partial): streamed with
 # one or two blocks prefetched into registers, with Triton's pipelined loop (STREAM_STAGES), with
-# L2 hints and an L2 budget that leaves a single program for all rows; and held in registers with
-# several warps (values spread over 4 warps).
+# L2 hints and an L2 budget that leaves a single program for all rows, past the hinted budget; and held in registers with
+# several warps (values spread over 4 warps), with and without each program's next row loaded ahead.
 SMALL_STREAM = dict(MAX_SINGLE_BLOCK_V=32, MAX_SINGLE_BLOCK_V_SOFTCAP=32, STREAM_BLOCK_V=32, STREAM_WARPS=1)
 VARIANTS = {
-    "single": dict(SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2),
+    "single": dict(SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2, SINGLE_ROW_PREFETCH=False),
+    "single_row_prefetch": dict(
+        SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2, SINGLE_ROW_PREFETCH=True
+    ),
     "prefetch1": dict(SMALL_STREAM, STREAM_PREFETCH=1),
     "prefetch2": dict(SMALL_STREAM, STREAM_PREFETCH=2),
+    # rows in flight over the hinted budget: STREAM_WIDE_PREFETCH blocks ahead, no L2 hints
+    "wide": dict(SMALL_STREAM, STREAM_HINTED_MAX_BYTES=0, STREAM_WIDE_PREFETCH=2),
     "stages3": dict(SMALL_STREAM, STREAM_STAGES=3, STREAM_PREFETCH=1),
     "hints_budget": dict(
         SMALL_STREAM, STREAM_PREFETCH=2, STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=256, STREAM_PROGRAMS_PER_SM=0.5
@@ -364,8 +369,9 @@ def _variant_target(rows, vocab, **kw):
 def test_variants_select_their_geometry(variant):
     device = torch.device(DEVICE)
     cfg = ce_module.row_launch(5, VARIANT_VOCAB, device)
-    assert cfg.single_block == (variant == "single")
-    if variant == "single":
+    assert cfg.single_block == variant.startswith("single")
+    assert cfg.row_prefetch == (variant == "single_row_prefetch")
+    if cfg.single_block:
         assert cfg.num_warps == 4
     else:
         assert cfg.block_v == 32 and cfg.num_warps == 1
@@ -373,6 +379,13 @@ def test_variants_select_their_geometry(variant):
     if variant == "hints_budget":
         assert cfg.programs == 1 and cfg.first_read_policy == ce_module.EVICT_LAST
         assert cfg.second_read_policy == cfg.store_policy == ce_module.EVICT_FIRST
+    if variant == "wide":
+        assert cfg.prefetch == 2 and cfg.first_read_policy == cfg.store_policy == ce_module.EVICT_NORMAL
+    if variant == "prefetch1":
+        assert cfg.prefetch == 1 and cfg.first_read_policy == ce_module.EVICT_LAST  # hinted (shipped hints)
+    # the fused linear loss's vocabulary chunks always take the wide setting
+    chunk_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, streamed=True)
+    assert chunk_cfg.prefetch == ce_module.STREAM_WIDE_PREFETCH and chunk_cfg.first_read_policy == ce_module.EVICT_NORMAL
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -540,10 +553,12 @@ def test_cross_entropy_all_options_streaming(dtype):
 GPU_VARIANTS = {
     "shipped": {},
     "single16warps": dict(SINGLE_MAX_WARPS=16, SINGLE_PROGRAMS_PER_SM=1),
+    "single_row_prefetch": dict(SINGLE_ROW_PREFETCH=not ce_module.SINGLE_ROW_PREFETCH),
     "stream8192_prefetch1": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=1),
     "stream8192_prefetch2_2per_sm": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=2,
                                          STREAM_PROGRAMS_PER_SM=2.0),
     "stages3": dict(STREAM_STAGES=3),
+    "stream_prefetch2_no_hints": dict(STREAM_PREFETCH=2, STREAM_L2_HINTS=False),  # the fourth session's
     "hints_budget": dict(STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=24 << 20, STREAM_PROGRAMS_PER_SM=0.5),
 }
 

@@ -373,6 +373,7 @@ def cross_entropy_fwd_kernel(
     loss_ptr,                                           # (N,) out, fp32: each row's α·ℓ + β·ζ
     num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
     BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    ROW_PREFETCH: tl.constexpr,                                             # single-block rows: next row ahead
     PREFETCH: tl.constexpr, STAGES: tl.constexpr,                           # streamed rows: loads in flight
     FIRST_READ_POLICY: tl.constexpr, SECOND_READ_POLICY: tl.constexpr,     # streamed rows: L2 hints
     STORE_POLICY: tl.constexpr,
@@ -383,6 +384,11 @@ def cross_entropy_fwd_kernel(
 
     The target logit is loaded before pass 1: the block reductions of pass 1 are barriers, so that
     load is ordered before any gradient store of pass 2 (which may overwrite it, in place).
+
+    ROW_PREFETCH (single-block rows): the program's next row is loaded, in the logits' dtype, before
+    this row is reduced and its gradient stored, so that an SM (one program fits its registers)
+    always has a row of loads in flight instead of alternating between loading and storing. In
+    place it is safe: the row loaded ahead is another row, not yet written.
     """
     label_smoothing, z_loss, logit_scale = as_fp32(label_smoothing), as_fp32(z_loss), as_fp32(logit_scale)
     softcap, softcap_scale = as_fp32(softcap), as_fp32(softcap_scale)
@@ -390,7 +396,21 @@ def cross_entropy_fwd_kernel(
     z_scale = tl.load(scales_ptr + 1)
     weight_sum = tl.load(scales_ptr + 2)
     inv_vocab = 1.0 / vocab
+    if SINGLE_BLOCK:
+        if ROW_PREFETCH:
+            row_cols = tl.arange(0, BLOCK_V)
+            first = tl.program_id(0).to(tl.int64)
+            # (a row past the last is fully masked: its width is taken as 0; `mask & scalar` would
+            # do the same, but the interpreter mis-types it)
+            ahead = tl.load(logits_ptr + first * logits_row_stride + row_cols * logits_col_stride,
+                            mask=row_cols < vocab * (first < num_rows).to(tl.int32), other=0.0)
     for row64 in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):
+        if SINGLE_BLOCK:
+            if ROW_PREFETCH:
+                raw = ahead
+                nxt = row64 + tl.num_programs(0)
+                ahead = tl.load(logits_ptr + nxt * logits_row_stride + row_cols * logits_col_stride,
+                                mask=row_cols < vocab * (nxt < num_rows).to(tl.int32), other=0.0)
         row_in = logits_ptr + row64 * logits_row_stride
         row_out = grad_ptr + row64 * grad_row_stride
         t = tl.load(target_ptr + row64 * target_stride).to(tl.int64)
@@ -414,9 +434,13 @@ def cross_entropy_fwd_kernel(
                 # The whole row stays in registers: one read, and p = exp(z − shift)/s with no second exp.
                 cols = tl.arange(0, BLOCK_V)
                 mask = cols < vocab
-                z, slope = _load_scaled_with_slope(
-                    row_in, logits_col_stride, cols, mask, logit_scale, softcap, softcap_scale, HAS_SOFTCAP
-                )
+                if ROW_PREFETCH:
+                    z, slope = _scaled_with_slope(raw.to(tl.float32), logit_scale, softcap, softcap_scale,
+                                                  HAS_SOFTCAP)
+                else:
+                    z, slope = _load_scaled_with_slope(
+                        row_in, logits_col_stride, cols, mask, logit_scale, softcap, softcap_scale, HAS_SOFTCAP
+                    )
                 z_masked = tl.where(mask, z, float("-inf"))
                 m = tl.max(z_masked, axis=0)
                 shift = tl.where(m == float("-inf"), 0.0, m)
@@ -670,6 +694,10 @@ SINGLE_MAX_WARPS = 32
 # Persistent grid of this many programs per SM (those that do not fit an SM's registers wait
 # their turn; rows are dealt round-robin, so the waves stay even).
 SINGLE_PROGRAMS_PER_SM = 4
+# Each program loads its next row (in the logits' dtype: 16 registers a thread at 32 warps) before
+# reducing the current one (cross_entropy_fwd_kernel's ROW_PREFETCH). Harness on the H100 (fifth
+# session, one process): V = 32000 forward + backward 0.405 ms (86% of SOL) against 0.440 without.
+SINGLE_ROW_PREFETCH = True
 # Streamed regime (longer rows, read twice): blocks of this width, this many warps (32 warps:
 # 16 values per thread, 50 registers with two blocks prefetched; ptxas -v, sm_90).
 STREAM_BLOCK_V = 16384
@@ -678,7 +706,18 @@ STREAM_WARPS = 32
 # stages the loop's plain loads through shared memory (tl.range(num_stages=...), cp.async);
 # otherwise the next STREAM_PREFETCH (1 or 2) blocks are loaded into registers ahead (2 × 32 KB of
 # bf16 at the defaults; one block of 8192, 16 KB per SM, measured ~40% of SOL: latency bound).
-STREAM_PREFETCH = 2
+# Fifth session (benchmarks/results/tune_ce-*.log and ce-*.md; targets as the benchmark's, the
+# range check no longer idling the GPU): one block ahead with the L2 hints below takes V = 128256 /
+# 151936 from 2.00 / 2.44 ms to 1.84 / 2.29 (forward + backward, harness), but V = 256000 + softcap
+# from 5.81 to 6.20: there the rows in flight (264 programs x 512 KB = 135 MB) are far beyond the
+# 50 MB L2, so pass 1's evict-last hint only crowds pass 2's blocks out. Hence two settings, chosen
+# by the bytes of the rows in flight (programs x row bytes): up to STREAM_HINTED_MAX_BYTES, one
+# block ahead with hints (128256: 68 MB; 151936: 80 MB); beyond, STREAM_WIDE_PREFETCH blocks ahead
+# and no hints. The vocabulary-chunk kernels of the fused linear loss keep the wide setting, the
+# one they were measured with.
+STREAM_PREFETCH = 1
+STREAM_WIDE_PREFETCH = 2
+STREAM_HINTED_MAX_BYTES = 96 << 20
 STREAM_STAGES = 1
 # Programs per SM (may be fractional: fewer rows in flight, less L2 needed by the second read).
 # Measured on the H100 (scripts/tune_ce.py, benchmarks/results/tune_ce-*.log; N = 8192, bf16, GPU
@@ -693,8 +732,9 @@ STREAM_PROGRAMS_PER_SM = 2.0
 # between a block's first and second read must stay in L2; the H100 has 50 MB). 0: no cap.
 STREAM_L2_BUDGET_BYTES = 0
 # L2 eviction hints on the streamed passes: pass 1 reads evict_last (read again soon), pass 2 reads
-# and the gradient stores evict_first (never touched again by this kernel).
-STREAM_L2_HINTS = False
+# and the gradient stores evict_first (never touched again by this kernel). Only where the rows in
+# flight take at most STREAM_HINTED_MAX_BYTES (above).
+STREAM_L2_HINTS = True
 # The reduction-factor kernel: one program walks the targets (and class weights) in blocks of this.
 REDUCTION_SCALES_BLOCK = 1024
 REDUCTION_SCALES_WARPS = 4
@@ -710,7 +750,8 @@ def tuning() -> tuple:
     """The current values of every row-kernel knob (the geometry cache's key)."""
     return (
         MAX_SINGLE_BLOCK_V, MAX_SINGLE_BLOCK_V_SOFTCAP, SINGLE_VALUES_PER_THREAD, SINGLE_MAX_WARPS,
-        SINGLE_PROGRAMS_PER_SM, STREAM_BLOCK_V, STREAM_WARPS, STREAM_PREFETCH, STREAM_STAGES,
+        SINGLE_PROGRAMS_PER_SM, SINGLE_ROW_PREFETCH, STREAM_BLOCK_V, STREAM_WARPS, STREAM_PREFETCH,
+        STREAM_WIDE_PREFETCH, STREAM_HINTED_MAX_BYTES, STREAM_STAGES,
         STREAM_PROGRAMS_PER_SM, STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS,
     )
 
@@ -728,6 +769,7 @@ class RowLaunch:
     first_read_policy: int = EVICT_NORMAL
     second_read_policy: int = EVICT_NORMAL
     store_policy: int = EVICT_NORMAL
+    row_prefetch: bool = False  # single block: the next row loaded ahead
 
 
 def row_launch(num_rows: int, width: int, device: torch.device, *, softcap: bool = False,
@@ -750,7 +792,8 @@ def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -
     padded = next_power_of_2(width)
     if padded <= max_single and not streamed:
         programs = _programs(device, SINGLE_PROGRAMS_PER_SM)
-        return RowLaunch(padded, _single_warps(padded), True, max(1, min(num_rows, programs)))
+        return RowLaunch(padded, _single_warps(padded), True, max(1, min(num_rows, programs)),
+                         row_prefetch=SINGLE_ROW_PREFETCH)
     if padded < STREAM_BLOCK_V:  # one block (a narrow vocabulary chunk)
         block_v, num_warps = padded, _single_warps(padded)
     else:
@@ -758,10 +801,11 @@ def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -
     programs = _programs(device, STREAM_PROGRAMS_PER_SM)
     if STREAM_L2_BUDGET_BYTES > 0:
         programs = min(programs, STREAM_L2_BUDGET_BYTES // (width * elem_bytes))
-    hints = (EVICT_LAST, EVICT_FIRST, EVICT_FIRST) if STREAM_L2_HINTS else (EVICT_NORMAL,) * 3
-    return RowLaunch(
-        block_v, num_warps, False, max(1, min(num_rows, programs)), STREAM_PREFETCH, STREAM_STAGES, *hints,
-    )
+    programs = max(1, min(num_rows, programs))
+    hinted = not streamed and programs * width * elem_bytes <= STREAM_HINTED_MAX_BYTES
+    hints = (EVICT_LAST, EVICT_FIRST, EVICT_FIRST) if hinted and STREAM_L2_HINTS else (EVICT_NORMAL,) * 3
+    prefetch = STREAM_PREFETCH if hinted else STREAM_WIDE_PREFETCH
+    return RowLaunch(block_v, num_warps, False, programs, prefetch, STREAM_STAGES, *hints)
 
 
 def _programs(device: torch.device, per_sm: float) -> int:
@@ -833,7 +877,7 @@ def launch_cross_entropy_rows(
         loss_rows,
         num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
         BLOCK_V=cfg.block_v, SINGLE_BLOCK=cfg.single_block, COMPUTE_GRAD=grad is not None,
-        FIRST_READ_POLICY=cfg.first_read_policy, SECOND_READ_POLICY=cfg.second_read_policy,
+        ROW_PREFETCH=cfg.row_prefetch, FIRST_READ_POLICY=cfg.first_read_policy, SECOND_READ_POLICY=cfg.second_read_policy,
         STORE_POLICY=cfg.store_policy, HAS_ROW_SCALE=row_scale is not None, **flags,
     )
 
