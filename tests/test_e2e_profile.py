@@ -175,6 +175,28 @@ def test_profiled_kernels_take_device_events_only():
     assert e2e.profiled_kernels(prof, cuda=False) == [("aten::mm", 30.0)]
 
 
+def test_idle_gaps_between_kernels():
+    """Gaps longer than IDLE_GAP_US between GPU events (overlaps merged, host events and annotations
+    ignored), summed per step, the longest first with the kernels on either side."""
+
+    def event(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end),
+                               is_user_annotation=annotation)
+
+    events = [
+        event("a", DeviceType.CUDA, 0, 100),
+        event("b", DeviceType.CUDA, 50, 120),  # overlaps a: no gap, and the span now ends at 120
+        event("c", DeviceType.CUDA, 130, 200),  # 10 us after b: below the threshold
+        event("d", DeviceType.CUDA, 500, 600),  # 300 us idle before it
+        event("host", DeviceType.CPU, 200, 500),
+        event("Optimizer.step", DeviceType.CUDA, 0, 1000, annotation=True),
+        event("e", DeviceType.CUDA, 650, 700),  # 50 us idle before it
+    ]
+    idle = e2e.idle_gaps(SimpleNamespace(events=lambda: events), steps=2)
+    assert idle["gaps"] == 1.0 and idle["idle_ms"] == pytest.approx((300 + 50) / 1e3 / 2)
+    assert [(g["us"], g["after"], g["before"]) for g in idle["longest"]] == [(300, "c", "d"), (50, "d", "e")]
+
+
 def _profile(categories: dict, busy: float, wall: float, top: str) -> dict:
     return {"steps": 2, "busy_ms": busy, "wall_ms": wall, "busy_fraction": busy / wall, "activity": "cuda",
             "profiled_wall_ms": wall * 1.1,
