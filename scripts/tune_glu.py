@@ -18,7 +18,7 @@ import itertools
 import math
 import sys
 import time
-from contextlib import contextmanager
+from unittest import mock
 
 import torch
 
@@ -36,16 +36,9 @@ KNOBS = {
 TOLERANCE = 2e-2  # relative norm error of bf16 outputs and gradients against the fp32 reference
 
 
-@contextmanager
 def constants(setting: dict):
-    shipped = {name: getattr(glu_mod, name) for name in setting}
-    for name, value in setting.items():
-        setattr(glu_mod, name, value)
-    try:
-        yield
-    finally:
-        for name, value in shipped.items():
-            setattr(glu_mod, name, value)
+    """glu.py's launch constants set to ``setting`` (name -> value) for the block, then restored."""
+    return mock.patch.multiple(glu_mod, **setting)
 
 
 def relative_error(fn, inputs, activation) -> float:

@@ -44,7 +44,8 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
+from unittest import mock
 
 if "--cpu" in sys.argv[1:]:  # before tigon defines its kernels: @triton.jit reads it then
     os.environ["TRITON_INTERPRET"] = "1"
@@ -79,17 +80,9 @@ def _fmt(setting: dict) -> str:
     return " ".join(f"{name.lower()}={value}" for name, value in setting.items())
 
 
-@contextmanager
 def _constants(setting: dict):
     """rope.py's module constants set to ``setting`` (name -> value) for the block, then restored."""
-    shipped = {name: getattr(rope_mod, name) for name in setting}
-    for name, value in setting.items():
-        setattr(rope_mod, name, value)
-    try:
-        yield
-    finally:
-        for name, value in shipped.items():
-            setattr(rope_mod, name, value)
+    return mock.patch.multiple(rope_mod, **setting) if setting else nullcontext()
 
 
 def _geomean(percents) -> float:
