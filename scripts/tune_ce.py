@@ -50,13 +50,10 @@ SINGLE_KNOBS = {
     "SINGLE_PROGRAMS_PER_SM": (1, 2, 4),
     "SINGLE_ROW_PREFETCH": (False, True),
 }
-# Split rows: chunk = warps × 32 × values per thread; programs per SM as the registers allow (all
-# of a grid's programs must fit at once: at most 64 registers a thread for 2048 threads an SM;
-# sm_90 register counts from cuobjdump -res-usage: 32 warps × 16 values 64, × 8 60, 16 × 8 61,
-# 8 × 8 60; 16 warps × 16 values take 124, so only one such program fits an SM).
+# Split rows: chunk = warps × 32 × values per thread; programs per SM as the registers allow.
 SPLIT_KNOBS = {
     ("SPLIT_WARPS", "SPLIT_VALUES_PER_THREAD", "SPLIT_PROGRAMS_PER_SM"): (
-        (32, 16, 1), (32, 8, 1), (16, 8, 2), (8, 8, 4), (16, 16, 1),
+        (32, 16, 1), (32, 32, 1), (16, 16, 2), (16, 32, 2), (16, 16, 1), (8, 16, 4), (32, 8, 2),
     ),
     "SPLIT_PREFETCH": (False, True),
     "SPLIT_POLLS": (16, 64, 512),

@@ -593,7 +593,7 @@ def _split_gather(
             seen = words != 0
         polls += 1
     m_all, s_all = _unpack(words)
-    wz_all, marker = _unpack(extra)
+    wz_all, _ = _unpack(extra)
     m_all = tl.where(valid, m_all, float("-inf"))
     s_all = tl.where(valid, s_all, 0.0)
     wz_all = tl.where(valid, wz_all, 0.0)
@@ -603,7 +603,7 @@ def _split_gather(
                 cols = other * CHUNK + tl.arange(0, CHUNK)
                 mask = cols < vocab
                 l = tl.load(row_in + cols * in_col_stride, mask=mask, other=0.0).to(tl.float32)
-                h_o, m_o, s_o, wz_o = _split_chunk_stats(
+                _, m_o, s_o, wz_o = _split_chunk_stats(
                     l, cols, mask, weight_ptr, logit_scale, softcap, softcap_scale,
                     HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                 )
