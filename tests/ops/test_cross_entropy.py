@@ -388,11 +388,8 @@ def test_variants_select_their_geometry(variant):
         assert cfg.num_warps == 4
     elif cfg.chunks:
         chunk = 64 if variant == "split_two_warps" else 32
-        assert cfg.block_v == chunk and cfg.chunks == -(-VARIANT_VOCAB // chunk)
-        assert cfg.polls == ce_module.split_polls(device)
+        assert cfg.block_v == chunk and cfg.chunks == -(-VARIANT_VOCAB // chunk) and cfg.polls == 0
         assert cfg.programs % cfg.chunks == 0 and cfg.prefetch == (variant != "split_no_prefetch")
-        # in place, the rows stream
-        assert not ce_module.row_launch(5, VARIANT_VOCAB, device, inplace=True).chunks
     else:
         assert cfg.block_v == 32 and cfg.num_warps == 1
         assert cfg.stages == VARIANTS[variant].get("STREAM_STAGES", 1)
@@ -457,7 +454,8 @@ def test_variants_deterministic(variant):
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
-def test_split_paths_bitwise_equal(monkeypatch):
+@pytest.mark.parametrize("inplace", (False, True))
+def test_split_paths_bitwise_equal(monkeypatch, inplace):
     """Statistics published by their owner or made by a partner are bitwise the same: one program
     for every item and four side by side give the same loss and gradient to the bit."""
     for name, value in dict(SMALL_SPLIT, SPLIT_PREFETCH=True).items():
@@ -470,7 +468,8 @@ def test_split_paths_bitwise_equal(monkeypatch):
     for programs in (1, 4):
         monkeypatch.setattr(ce_module, "SPLIT_PROGRAMS_PER_SM", programs)
         x = logits.clone().requires_grad_()
-        loss = cross_entropy(x, target, label_smoothing=0.1, softcap=5.0, reduction="none")
+        loss = cross_entropy(x * 1.0, target, label_smoothing=0.1, softcap=5.0, reduction="none",
+                             inplace_backward=inplace)
         assert ce_module.row_launch(5, VARIANT_VOCAB, x.device).programs == programs
         runs.append((loss, torch.autograd.grad(loss.sum(), x)[0]))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
@@ -592,7 +591,7 @@ def test_cross_entropy_all_options_streaming(dtype):
 GPU_VARIANTS = {
     "shipped": {},
     "streamed": dict(SPLIT_ROWS=False),
-    # partners' statistics made from the logits where not yet published (no polls)
+    # every partner's statistics made from the logits (no polls): the in-place recheck at full size
     "split_no_polls": dict(SPLIT_POLLS=0),
     "split_no_prefetch": dict(SPLIT_PREFETCH=False),
     "split_16warps_2per_sm": dict(SPLIT_WARPS=16, SPLIT_PROGRAMS_PER_SM=2),
@@ -631,24 +630,25 @@ def test_cross_entropy_gpu_variants(name, monkeypatch):
 def test_cross_entropy_split_many_rows(vocab, softcap, monkeypatch):
     """Split rows at a benchmark's scale (every SM busy, waves of rows): against the streamed
     regime, and bitwise the same whether partners' statistics are awaited or made from the logits
-    (no polls)."""
+    (no polls), out of place and in place."""
     rows = 1536
     logits = randn(rows, vocab, scale=3.0, dtype=torch.bfloat16)
     target = make_target((rows,), vocab, ignored=rows // 64)
     options = dict(softcap=softcap, label_smoothing=0.05, z_loss=1e-4, reduction="none")
 
-    def run(**knobs):
+    def run(inplace, **knobs):
         with monkeypatch.context() as patch:
             for knob, value in knobs.items():
                 patch.setattr(ce_module, knob, value)
             x = logits.clone().requires_grad_()
-            loss = cross_entropy(x, target, **options)
+            loss = cross_entropy(x * 1.0, target, inplace_backward=inplace, **options)
             return loss, torch.autograd.grad(loss.sum(), x)[0]
 
-    loss, grad = run()
-    loss_streamed, grad_streamed = run(SPLIT_ROWS=False)
+    loss, grad = run(False)
+    loss_streamed, grad_streamed = run(False, SPLIT_ROWS=False)
     assert_close(loss, loss_streamed, torch.float32, "loss vs streamed", tolerance=LOSS_TOLERANCE)
     assert_close(grad, grad_streamed, torch.bfloat16, "dlogits vs streamed")
-    for knobs in ({}, dict(SPLIT_POLLS=0), dict(SPLIT_POLLS=1)):
-        again, again_grad = run(**knobs)
-        assert torch.equal(again, loss) and torch.equal(again_grad, grad), knobs
+    for inplace in (False, True):
+        awaited, made = run(inplace), run(inplace, SPLIT_POLLS=0)
+        assert torch.equal(awaited[0], loss) and torch.equal(awaited[1], grad)
+        assert torch.equal(made[0], loss) and torch.equal(made[1], grad)

@@ -538,68 +538,44 @@ def _split_load(logits_ptr, row_stride, col_stride, item, num_items, num_chunks,
 
 
 @triton.jit
-def _pack(hi, lo):
-    """Two fp32 values in one int64 word (hi in the upper half)."""
-    hi_bits = hi.to(tl.int32, bitcast=True).to(tl.int64)
-    lo_bits = lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    return (hi_bits << 32) | lo_bits
-
-
-@triton.jit
-def _unpack(word):
-    hi = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    lo = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    return hi, lo
-
-
-@triton.jit
 def _split_gather(
-    row_in, in_col_stride, words_ptr, word_plane, slot, num_chunks, max_polls, vocab,
+    row_in, in_col_stride, stats_ptr, stat_plane, flags_ptr, slot, num_chunks, max_polls, vocab,
     weight_ptr, logit_scale, softcap, softcap_scale,
     CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Every chunk's (max, Σ exp, Σ w·z) of one row: published by its owner, or made here.
 
-    A chunk's statistics travel as 64-bit words that are their own flag (no fence, no ordering
-    between stores): word 0 = (max, Σ exp), never 0 once written since Σ exp ≥ 1 (or max = -inf,
-    or NaN); word 1 = (Σ w·z, 1.0) with smoothing. The words are polled (volatile loads: L2, not
-    this SM's L1) up to ``max_polls`` times. Every decision is taken on a reduction, so the whole
-    program takes it alike (a small tensor is replicated over threads, and two copies of a word
-    loaded at different moments may differ): a chunk counts as published only when every copy
-    saw it, and then every copy holds the same word. A chunk not published by then is read from
-    the logits and its statistics are made here with the owner's code (_split_chunk_stats).
-    Bounded polls: no program ever waits on one that is not running (a GPU shared with other
-    kernels, or the interpreter, which runs programs one after another). Out of place only: in
-    place, the owner may already be overwriting its chunk with the gradient.
+    The flags are polled up to ``max_polls`` times (volatile loads: L2, not this SM's L1). A chunk
+    still unpublished after that is read from the logits and its statistics made here with the
+    owner's code (_split_chunk_stats). In place, its owner may meanwhile have published and begun
+    to overwrite it with the gradient, so the flag is read once more by an acq_rel atomic after the
+    read: the owner publishes with an acq_rel exchange before any store of its gradient, and the
+    two read-modify-writes of one flag are ordered; if this one comes first (reads 0), the loads
+    above happen-before the owner's stores and saw the logits; otherwise the owner's published
+    statistics are taken instead. Bounded polls: no program ever waits on one that is not running
+    (a GPU shared with other kernels, or the interpreter, which runs programs one after another).
     """
     chunk_ids = tl.arange(0, CHUNKS_PAD)
     valid = chunk_ids < num_chunks
-    ptrs = words_ptr + slot + chunk_ids
-    words = tl.load(ptrs, mask=valid, other=1, volatile=True)
-    if HAS_SMOOTHING:
-        extra = tl.load(ptrs + word_plane, mask=valid, other=1, volatile=True)
-        seen = (words != 0) & (extra != 0)
-    else:
-        extra = tl.zeros([CHUNKS_PAD], tl.int64)
-        seen = words != 0
+    flag_ptrs = flags_ptr + slot + chunk_ids
+    ready = tl.load(flag_ptrs, mask=valid, other=1, volatile=True)
     polls = 0
-    while (tl.min(seen.to(tl.int32), axis=0) == 0) & (polls < max_polls):
-        words = tl.load(ptrs, mask=valid, other=1, volatile=True)
-        if HAS_SMOOTHING:
-            extra = tl.load(ptrs + word_plane, mask=valid, other=1, volatile=True)
-            seen = (words != 0) & (extra != 0)
-        else:
-            seen = words != 0
+    while (tl.min(ready, axis=0) == 0) & (polls < max_polls):
+        ready = tl.load(flag_ptrs, mask=valid, other=1, volatile=True)
         polls += 1
-    m_all, s_all = _unpack(words)
-    wz_all, _ = _unpack(extra)
-    m_all = tl.where(valid, m_all, float("-inf"))
-    s_all = tl.where(valid, s_all, 0.0)
-    wz_all = tl.where(valid, wz_all, 0.0)
-    if tl.min(seen.to(tl.int32), axis=0) == 0:
+    published = valid & (ready != 0)
+    m_all = tl.load(stats_ptr + slot + chunk_ids, mask=published, other=float("-inf"), volatile=True)
+    s_all = tl.load(stats_ptr + stat_plane + slot + chunk_ids, mask=published, other=0.0, volatile=True)
+    if HAS_SMOOTHING:
+        wz_all = tl.load(stats_ptr + 2 * stat_plane + slot + chunk_ids, mask=published, other=0.0,
+                         volatile=True)
+    else:
+        wz_all = tl.zeros([CHUNKS_PAD], tl.float32)
+    if tl.min(ready, axis=0) == 0:
         for other in range(0, num_chunks):
-            if tl.min(tl.where(chunk_ids == other, seen, True).to(tl.int32), axis=0) == 0:
+            missing = tl.max(((chunk_ids == other) & (ready == 0)).to(tl.int32), axis=0)
+            if missing != 0:
                 cols = other * CHUNK + tl.arange(0, CHUNK)
                 mask = cols < vocab
                 l = tl.load(row_in + cols * in_col_stride, mask=mask, other=0.0).to(tl.float32)
@@ -607,6 +583,11 @@ def _split_gather(
                     l, cols, mask, weight_ptr, logit_scale, softcap, softcap_scale,
                     HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                 )
+                if tl.atomic_add(flags_ptr + slot + other, 0, sem="acq_rel") != 0:
+                    m_o = tl.load(stats_ptr + slot + other, volatile=True)
+                    s_o = tl.load(stats_ptr + stat_plane + slot + other, volatile=True)
+                    if HAS_SMOOTHING:
+                        wz_o = tl.load(stats_ptr + 2 * stat_plane + slot + other, volatile=True)
                 m_all = tl.where(chunk_ids == other, m_o, m_all)
                 s_all = tl.where(chunk_ids == other, s_o, s_all)
                 wz_all = tl.where(chunk_ids == other, wz_o, wz_all)
@@ -622,7 +603,8 @@ def cross_entropy_split_kernel(
     row_scale_ptr, row_scale_stride,                    # (N,) factor on each row's gradient [HAS_ROW_SCALE]
     grad_ptr, grad_row_stride, grad_col_stride,         # (N, V) out: ∂loss/∂logits; may be logits itself
     loss_ptr,                                           # (N,) out, fp32: each row's α·ℓ + β·ζ
-    words_ptr,                                          # int64 (2, N, CHUNKS_PAD), zeroed: published statistics
+    stats_ptr,                                          # fp32 (3, N, CHUNKS_PAD) scratch: each chunk's statistics
+    flags_ptr,                                          # int32 (N, CHUNKS_PAD), zeroed: 1 once published
     num_rows, vocab, num_chunks, max_polls,
     ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
     CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, COMPUTE_GRAD: tl.constexpr, PREFETCH: tl.constexpr,
@@ -640,8 +622,9 @@ def cross_entropy_split_kernel(
     when the target is out of range). With PREFETCH the next item's logits are loaded before this
     one is reduced, so loads stay in flight while the program waits for its partners.
 
-    Out of place only (_split_gather reads other programs' chunks); the program holding the target
-    loads its logit from its own chunk.
+    In place it is safe: a program stores only its own chunk, after publishing it; its target logit
+    (in its own chunk) is loaded before its stores; another program reads the chunk only as
+    _split_gather allows.
     """
     label_smoothing, z_loss, logit_scale = as_fp32(label_smoothing), as_fp32(z_loss), as_fp32(logit_scale)
     softcap, softcap_scale = as_fp32(softcap), as_fp32(softcap_scale)
@@ -650,7 +633,7 @@ def cross_entropy_split_kernel(
     weight_sum = tl.load(scales_ptr + 2)
     inv_vocab = 1.0 / vocab
     num_items = num_rows * num_chunks
-    word_plane = num_rows.to(tl.int64) * CHUNKS_PAD
+    stat_plane = num_rows.to(tl.int64) * CHUNKS_PAD
     if PREFETCH:
         ahead = _split_load(logits_ptr, logits_row_stride, logits_col_stride, tl.program_id(0), num_items,
                             num_chunks, vocab, CHUNK)
@@ -686,11 +669,16 @@ def cross_entropy_split_kernel(
                 logit_scale, softcap, softcap_scale, HAS_WEIGHT, HAS_SOFTCAP,
             )
             slot = row64 * CHUNKS_PAD
-            tl.store(words_ptr + slot + chunk, _pack(m_c, s_c))
+            tl.store(stats_ptr + slot + chunk, m_c)
+            tl.store(stats_ptr + stat_plane + slot + chunk, s_c)
             if HAS_SMOOTHING:
-                tl.store(words_ptr + word_plane + slot + chunk, _pack(wz_c, tl.full((), 1.0, tl.float32)))
+                tl.store(stats_ptr + 2 * stat_plane + slot + chunk, wz_c)
+            # all of this program's statistics stores, then the flag: release (and acquire: no
+            # gradient store of this chunk may become visible before it)
+            tl.debug_barrier()
+            tl.atomic_xchg(flags_ptr + slot + chunk, 1, sem="acq_rel")
             m_all, s_all, wz_all = _split_gather(
-                row_in, logits_col_stride, words_ptr, word_plane, slot, num_chunks, max_polls,
+                row_in, logits_col_stride, stats_ptr, stat_plane, flags_ptr, slot, num_chunks, max_polls,
                 vocab, weight_ptr, logit_scale, softcap, softcap_scale, CHUNK, CHUNKS_PAD,
                 HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
             )
@@ -1034,14 +1022,13 @@ def split_polls(device: torch.device) -> int:
 
 
 def row_launch(num_rows: int, width: int, device: torch.device, *, softcap: bool = False,
-               elem_bytes: int = 2, streamed: bool = False, inplace: bool = False) -> RowLaunch:
+               elem_bytes: int = 2, streamed: bool = False) -> RowLaunch:
     """Geometry for rows of ``width`` classes (a whole vocabulary, or one chunk of it).
 
     ``streamed``: for the vocabulary-chunk kernels, which always stream (blocks of at most
-    STREAM_BLOCK_V; a narrower chunk is one block). ``inplace``: the gradient overwrites the
-    logits, which split rows cannot do (they stream).
+    STREAM_BLOCK_V; a narrower chunk is one block).
     """
-    return _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, inplace, tuning())
+    return _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, tuning())
 
 
 def _single_warps(block_v: int) -> int:
@@ -1049,14 +1036,14 @@ def _single_warps(block_v: int) -> int:
 
 
 @cache_by_size
-def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, inplace, knobs) -> RowLaunch:
+def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -> RowLaunch:
     max_single = MAX_SINGLE_BLOCK_V_SOFTCAP if softcap else MAX_SINGLE_BLOCK_V
     padded = next_power_of_2(width)
     if padded <= max_single and not streamed:
         programs = _programs(device, SINGLE_PROGRAMS_PER_SM)
         return RowLaunch(padded, _single_warps(padded), True, max(1, min(num_rows, programs)),
                          row_prefetch=SINGLE_ROW_PREFETCH)
-    if SPLIT_ROWS and not streamed and not inplace:
+    if SPLIT_ROWS and not streamed:
         chunk = SPLIT_WARPS * 32 * SPLIT_VALUES_PER_THREAD
         chunks = -(-width // chunk)
         programs = _programs(device, SPLIT_PROGRAMS_PER_SM)
@@ -1105,12 +1092,12 @@ def _softcap_args(softcap, logit_scale):
     return float(softcap), float(logit_scale) / float(softcap)
 
 
-def _row_setup(rows, weight, label_smoothing, z_loss, softcap, logit_scale, *, streamed=False, inplace=False):
+def _row_setup(rows, weight, label_smoothing, z_loss, softcap, logit_scale, *, streamed=False):
     """What every row-kernel launch computes the same way: the geometry for ``rows`` (N, width),
     the softcap pair and the keyword arguments of the option flags, warps and streaming pipeline."""
     num_rows, width = rows.shape
     cfg = row_launch(num_rows, width, rows.device, softcap=softcap is not None,
-                     elem_bytes=rows.element_size(), streamed=streamed, inplace=inplace)
+                     elem_bytes=rows.element_size(), streamed=streamed)
     flags = dict(
         **_option_flags(weight, label_smoothing, z_loss, softcap),
         PREFETCH=cfg.prefetch, STAGES=cfg.stages, num_warps=cfg.num_warps,
@@ -1135,12 +1122,13 @@ def launch_cross_entropy_rows(
     if num_rows == 0:
         return
     cfg, (softcap_value, softcap_scale), flags = _row_setup(
-        logits, weight, label_smoothing, z_loss, softcap, logit_scale, inplace=grad is logits
+        logits, weight, label_smoothing, z_loss, softcap, logit_scale
     )
     out = grad if grad is not None else logits
     if cfg.chunks:
         chunks_pad = next_power_of_2(cfg.chunks)
-        words = torch.zeros(2 * num_rows * chunks_pad, dtype=torch.int64, device=logits.device)
+        stats = torch.empty(3 * num_rows * chunks_pad, dtype=torch.float32, device=logits.device)
+        published = torch.zeros(num_rows * chunks_pad, dtype=torch.int32, device=logits.device)
         wrap_triton(cross_entropy_split_kernel)[(cfg.programs,)](
             logits, logits.stride(0), logits.stride(1),
             target, target.stride(0),
@@ -1148,7 +1136,7 @@ def launch_cross_entropy_rows(
             scales,
             *_row_scale_args(row_scale, scales),
             out, out.stride(0), out.stride(1),
-            loss_rows, words,
+            loss_rows, stats, published,
             num_rows, vocab, cfg.chunks, cfg.polls,
             ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
             CHUNK=cfg.block_v, CHUNKS_PAD=chunks_pad, COMPUTE_GRAD=grad is not None, PREFETCH=cfg.prefetch > 0,
