@@ -2,7 +2,6 @@
 
     PYTHONPATH=src python3 scripts/tune_ce.py            # all four shapes
     PYTHONPATH=src python3 scripts/tune_ce.py 128256     # only the shapes whose V is named
-    PYTHONPATH=src python3 scripts/tune_ce.py split 128256   # rows past the register regime: split only
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the UPPER_CASE
 knobs of src/tigon/ops/cross_entropy.py (the launch-config section). Shapes: N = 8192 tokens in
@@ -49,14 +48,6 @@ SINGLE_KNOBS = {
     "SINGLE_MAX_WARPS": (16, 32),
     "SINGLE_PROGRAMS_PER_SM": (1, 2, 4),
     "SINGLE_ROW_PREFETCH": (False, True),
-}
-# Split rows: chunk = warps × 32 × values per thread; programs per SM as the registers allow.
-SPLIT_KNOBS = {
-    ("SPLIT_WARPS", "SPLIT_VALUES_PER_THREAD", "SPLIT_PROGRAMS_PER_SM"): (
-        (32, 16, 1), (32, 32, 1), (16, 16, 2), (16, 32, 2), (16, 16, 1), (8, 16, 4), (32, 8, 2),
-    ),
-    "SPLIT_PREFETCH": (False, True),
-    "SPLIT_POLLS": (16, 64, 512),
 }
 STREAM_KNOBS = {
     ("STREAM_BLOCK_V", "STREAM_WARPS"): ((8192, 16), (16384, 32), (16384, 16), (8192, 8)),
@@ -130,7 +121,7 @@ class Shape:
         finally:
             for name, value in shipped.items():
                 setattr(ce, name, value)
-        geometry = (f"[{'single' if cfg.single_block else 'split' if cfg.chunks else 'stream'} block={cfg.block_v} warps={cfg.num_warps} "
+        geometry = (f"[{'single' if cfg.single_block else 'stream'} block={cfg.block_v} warps={cfg.num_warps} "
                     f"programs={cfg.programs}]")
         mark = "" if ok else f"  WRONG (loss {loss_err:.1e}, grad {grad_err:.1e})"
         print(f"  {self.label} {_fmt(setting)} {geometry}: {ms:.3f} ms ({100 * self.sol_ms / ms:.0f}% SOL)"
@@ -171,7 +162,7 @@ def _start(knobs: dict, **overrides) -> dict:
     return setting
 
 
-def main(vocabs=None, split_only=False) -> None:
+def main(vocabs=None) -> None:
     t0 = time.perf_counter()
     bandwidth = copy_bandwidth() if DEVICE == "cuda" else 1e12
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
@@ -187,12 +178,9 @@ def main(vocabs=None, split_only=False) -> None:
         single_key = "MAX_SINGLE_BLOCK_V_SOFTCAP" if softcap else "MAX_SINGLE_BLOCK_V"
         if ce.next_power_of_2(vocab) <= 32768:  # fits the register regime: try it, then streaming
             runs.append(descend(shape, SINGLE_KNOBS, _start(SINGLE_KNOBS, **{single_key: 32768})))
-            runs.append(descend(shape, SPLIT_KNOBS, _start(SPLIT_KNOBS, SPLIT_ROWS=True, **{single_key: 8192})))
-            runs.append(descend(shape, STREAM_KNOBS, _start(STREAM_KNOBS, SPLIT_ROWS=False, **{single_key: 8192})))
+            runs.append(descend(shape, STREAM_KNOBS, _start(STREAM_KNOBS, **{single_key: 8192})))
         else:
-            runs.append(descend(shape, SPLIT_KNOBS, _start(SPLIT_KNOBS, SPLIT_ROWS=True)))
-            if not split_only:
-                runs.append(descend(shape, STREAM_KNOBS, _start(STREAM_KNOBS, SPLIT_ROWS=False)))
+            runs.append(descend(shape, STREAM_KNOBS, _start(STREAM_KNOBS)))
         found = [(ms, setting) for ms, setting in runs if ms is not None]
         if found:
             ms, setting = min(found, key=lambda r: r[0])
@@ -208,13 +196,12 @@ def main(vocabs=None, split_only=False) -> None:
 
 
 def _knob_names():
-    names = ["MAX_SINGLE_BLOCK_V", "MAX_SINGLE_BLOCK_V_SOFTCAP", "SPLIT_ROWS"]
-    for knobs in (SINGLE_KNOBS, SPLIT_KNOBS, STREAM_KNOBS):
+    names = ["MAX_SINGLE_BLOCK_V", "MAX_SINGLE_BLOCK_V_SOFTCAP"]
+    for knobs in (SINGLE_KNOBS, STREAM_KNOBS):
         for knob in knobs:
             names.extend(_names(knob))
     return names
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main({int(arg) for arg in args if arg != "split"} or None, split_only="split" in args)
+    main({int(arg) for arg in sys.argv[1:]} or None)

@@ -1,10 +1,8 @@
 """tigon.ops.cross_entropy against the fp64 reference (torch's F.cross_entropy plus softcap, scale, z-loss).
 
 Regimes (cross_entropy.py's launch config): a row of V ≤ MAX_SINGLE_BLOCK_V classes is held in
-registers (read once); a longer one is split over several programs that each hold a chunk (read
-once; SPLIT_ROWS), or, with SPLIT_ROWS off and in the fused linear loss's vocabulary chunks,
-streamed twice, block by block (V = MAX_SINGLE_BLOCK_V + 1 has a one-element second block or
-chunk, V > 65536 several). Options switch kernel branches (HAS_WEIGHT,
+registers (read once); a longer one is streamed twice, block by block (V = MAX_SINGLE_BLOCK_V + 1
+has a one-element second block, V > 65536 several). Options switch kernel branches (HAS_WEIGHT,
 HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers their full product at a small V and
 the size test runs every branch at once in both regimes.
 """
@@ -333,14 +331,7 @@ def test_cross_entropy_cpu_needs_interpreter(monkeypatch):
 # one or two blocks prefetched into registers, with Triton's pipelined loop (STREAM_STAGES), with
 # L2 hints and an L2 budget that leaves a single program for all rows, past the hinted budget; and held in registers with
 # several warps (values spread over 4 warps), with and without each program's next row loaded ahead.
-SMALL_STREAM = dict(
-    MAX_SINGLE_BLOCK_V=32, MAX_SINGLE_BLOCK_V_SOFTCAP=32, STREAM_BLOCK_V=32, STREAM_WARPS=1, SPLIT_ROWS=False
-)
-# Split rows of 101 classes into four programs' chunks of 32. The interpreter runs programs one
-# after another and never polls: each program finds the chunks of lower program ids published and
-# makes the others' statistics itself (both paths of _split_gather). One program for all items
-# (rows in order) and four (a row's chunks side by side) mix the two paths differently.
-SMALL_SPLIT = dict(MAX_SINGLE_BLOCK_V=32, MAX_SINGLE_BLOCK_V_SOFTCAP=32, SPLIT_WARPS=1, SPLIT_VALUES_PER_THREAD=1)
+SMALL_STREAM = dict(MAX_SINGLE_BLOCK_V=32, MAX_SINGLE_BLOCK_V_SOFTCAP=32, STREAM_BLOCK_V=32, STREAM_WARPS=1)
 VARIANTS = {
     "single": dict(SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2, SINGLE_ROW_PREFETCH=False),
     "single_row_prefetch": dict(
@@ -354,9 +345,6 @@ VARIANTS = {
     "hints_budget": dict(
         SMALL_STREAM, STREAM_PREFETCH=2, STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=256, STREAM_PROGRAMS_PER_SM=0.5
     ),
-    "split": dict(SMALL_SPLIT, SPLIT_PREFETCH=True),
-    "split_no_prefetch": dict(SMALL_SPLIT, SPLIT_PREFETCH=False),
-    "split_two_warps": dict(SMALL_SPLIT, SPLIT_WARPS=2),  # chunks of 64: two, the second partial
 }
 VARIANT_VOCAB = 101
 
@@ -383,13 +371,8 @@ def test_variants_select_their_geometry(variant):
     cfg = ce_module.row_launch(5, VARIANT_VOCAB, device)
     assert cfg.single_block == variant.startswith("single")
     assert cfg.row_prefetch == (variant == "single_row_prefetch")
-    assert bool(cfg.chunks) == variant.startswith("split")
     if cfg.single_block:
         assert cfg.num_warps == 4
-    elif cfg.chunks:
-        chunk = 64 if variant == "split_two_warps" else 32
-        assert cfg.block_v == chunk and cfg.chunks == -(-VARIANT_VOCAB // chunk) and cfg.polls == 0
-        assert cfg.programs % cfg.chunks == 0 and cfg.prefetch == (variant != "split_no_prefetch")
     else:
         assert cfg.block_v == 32 and cfg.num_warps == 1
         assert cfg.stages == VARIANTS[variant].get("STREAM_STAGES", 1)
@@ -451,27 +434,6 @@ def test_variants_deterministic(variant):
     for _ in range(2):
         loss = cross_entropy(logits, target, z_loss=1e-3, label_smoothing=0.1)
         runs.append((loss, torch.autograd.grad(loss, logits)[0]))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-
-
-@pytest.mark.parametrize("inplace", (False, True))
-def test_split_paths_bitwise_equal(monkeypatch, inplace):
-    """Statistics published by their owner or made by a partner are bitwise the same: one program
-    for every item and four side by side give the same loss and gradient to the bit."""
-    for name, value in dict(SMALL_SPLIT, SPLIT_PREFETCH=True).items():
-        monkeypatch.setattr(ce_module, name, value)
-    logits = randn(5, VARIANT_VOCAB, scale=3.0, dtype=torch.bfloat16)
-    target = _variant_target(5, VARIANT_VOCAB)
-    monkeypatch.setattr(ce_module, "_programs", lambda device, per_sm: per_sm)  # the knob, also on the CPU
-    monkeypatch.setattr(ce_module, "_row_launch", ce_module._row_launch.__wrapped__)  # uncached
-    runs = []
-    for programs in (1, 4):
-        monkeypatch.setattr(ce_module, "SPLIT_PROGRAMS_PER_SM", programs)
-        x = logits.clone().requires_grad_()
-        loss = cross_entropy(x * 1.0, target, label_smoothing=0.1, softcap=5.0, reduction="none",
-                             inplace_backward=inplace)
-        assert ce_module.row_launch(5, VARIANT_VOCAB, x.device).programs == programs
-        runs.append((loss, torch.autograd.grad(loss.sum(), x)[0]))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
@@ -590,21 +552,14 @@ def test_cross_entropy_all_options_streaming(dtype):
 # Full-size geometries the tuner can pick, for the GPU (the interpreter ignores pipelining and hints).
 GPU_VARIANTS = {
     "shipped": {},
-    "streamed": dict(SPLIT_ROWS=False),
-    # every partner's statistics made from the logits (no polls): the in-place recheck at full size
-    "split_no_polls": dict(SPLIT_POLLS=0),
-    "split_no_prefetch": dict(SPLIT_PREFETCH=False),
-    "split_16warps_2per_sm": dict(SPLIT_WARPS=16, SPLIT_PROGRAMS_PER_SM=2),
-    "split_32values": dict(SPLIT_VALUES_PER_THREAD=32),
     "single16warps": dict(SINGLE_MAX_WARPS=16, SINGLE_PROGRAMS_PER_SM=1),
     "single_row_prefetch": dict(SINGLE_ROW_PREFETCH=not ce_module.SINGLE_ROW_PREFETCH),
-    "stream8192_prefetch1": dict(SPLIT_ROWS=False, STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=1),
-    "stream8192_prefetch2_2per_sm": dict(SPLIT_ROWS=False, STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=2,
+    "stream8192_prefetch1": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=1),
+    "stream8192_prefetch2_2per_sm": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=2,
                                          STREAM_PROGRAMS_PER_SM=2.0),
-    "stages3": dict(SPLIT_ROWS=False, STREAM_STAGES=3),
-    "stream_prefetch2_no_hints": dict(SPLIT_ROWS=False, STREAM_PREFETCH=2, STREAM_L2_HINTS=False),
-    "hints_budget": dict(SPLIT_ROWS=False, STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=24 << 20,
-                         STREAM_PROGRAMS_PER_SM=0.5),
+    "stages3": dict(STREAM_STAGES=3),
+    "stream_prefetch2_no_hints": dict(STREAM_PREFETCH=2, STREAM_L2_HINTS=False),  # the fourth session's
+    "hints_budget": dict(STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=24 << 20, STREAM_PROGRAMS_PER_SM=0.5),
 }
 
 
@@ -623,32 +578,3 @@ def test_cross_entropy_gpu_variants(name, monkeypatch):
         (dx,) = torch.autograd.grad(loss, x)
         _, grads = fp64_reference(cross_entropy_reference, {"logits": x}, None, target=target, softcap=softcap)
         assert_close(dx, grads["logits"], torch.bfloat16, "dlogits in place")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("vocab,softcap", ((128256, None), (256000, 30.0)))
-def test_cross_entropy_split_many_rows(vocab, softcap, monkeypatch):
-    """Split rows at a benchmark's scale (every SM busy, waves of rows): against the streamed
-    regime, and bitwise the same whether partners' statistics are awaited or made from the logits
-    (no polls), out of place and in place."""
-    rows = 1536
-    logits = randn(rows, vocab, scale=3.0, dtype=torch.bfloat16)
-    target = make_target((rows,), vocab, ignored=rows // 64)
-    options = dict(softcap=softcap, label_smoothing=0.05, z_loss=1e-4, reduction="none")
-
-    def run(inplace, **knobs):
-        with monkeypatch.context() as patch:
-            for knob, value in knobs.items():
-                patch.setattr(ce_module, knob, value)
-            x = logits.clone().requires_grad_()
-            loss = cross_entropy(x * 1.0, target, inplace_backward=inplace, **options)
-            return loss, torch.autograd.grad(loss.sum(), x)[0]
-
-    loss, grad = run(False)
-    loss_streamed, grad_streamed = run(False, SPLIT_ROWS=False)
-    assert_close(loss, loss_streamed, torch.float32, "loss vs streamed", tolerance=LOSS_TOLERANCE)
-    assert_close(grad, grad_streamed, torch.bfloat16, "dlogits vs streamed")
-    for inplace in (False, True):
-        awaited, made = run(inplace), run(inplace, SPLIT_POLLS=0)
-        assert torch.equal(awaited[0], loss) and torch.equal(awaited[1], grad)
-        assert torch.equal(made[0], loss) and torch.equal(made[1], grad)

@@ -489,229 +489,6 @@ def cross_entropy_fwd_kernel(
 
 
 @triton.jit
-def _split_held(l, logit_scale, softcap_scale, HAS_SOFTCAP: tl.constexpr):
-    """What a split-row program holds per element: t = tanh(σ·l/κ) with softcap (z = κ·t and
-    ∂z/∂l = σ·(1 − t²) both follow from it), else z = σ·l."""
-    if HAS_SOFTCAP:
-        h = _tanh(l * softcap_scale)
-    else:
-        h = l * logit_scale
-    return h
-
-
-@triton.jit
-def _split_z(h, softcap, HAS_SOFTCAP: tl.constexpr):
-    if HAS_SOFTCAP:
-        z = softcap * h
-    else:
-        z = h
-    return z
-
-
-@triton.jit
-def _split_chunk_stats(
-    l, cols, mask, weight_ptr, logit_scale, softcap, softcap_scale,
-    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-):
-    """(h, max, Σ exp(z − max), Σ w·z) of one whole chunk of fp32 logits ``l``.
-
-    The one function that makes a chunk's statistics, whether its owner makes them from the chunk
-    it holds or another program from the logits (``_split_gather``): same code, same layout, same
-    reduction order, so the two are bitwise equal and the result does not depend on who made them.
-    """
-    h = _split_held(l, logit_scale, softcap_scale, HAS_SOFTCAP)
-    z = _split_z(h, softcap, HAS_SOFTCAP)
-    none = tl.zeros((), tl.float32)
-    m, s, wz = _stats_update(z, mask, cols, weight_ptr, none - float("inf"), none, none,
-                             HAS_WEIGHT, HAS_SMOOTHING)
-    return h, m, s, wz
-
-
-@triton.jit
-def _split_load(logits_ptr, row_stride, col_stride, item, num_items, num_chunks, vocab, CHUNK: tl.constexpr):
-    """The logits of work item ``item`` = (row, chunk) in their own dtype; nothing past the last item."""
-    row64 = (item // num_chunks).to(tl.int64)
-    cols = (item % num_chunks) * CHUNK + tl.arange(0, CHUNK)
-    # (an item past the last is fully masked: its width is taken as 0; see cross_entropy_fwd_kernel)
-    limit = vocab * (item < num_items).to(tl.int32)
-    return tl.load(logits_ptr + row64 * row_stride + cols * col_stride, mask=cols < limit, other=0.0)
-
-
-@triton.jit
-def _split_gather(
-    row_in, in_col_stride, stats_ptr, stat_plane, flags_ptr, slot, num_chunks, max_polls, vocab,
-    weight_ptr, logit_scale, softcap, softcap_scale,
-    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-):
-    """Every chunk's (max, Σ exp, Σ w·z) of one row: published by its owner, or made here.
-
-    The flags are polled up to ``max_polls`` times (volatile loads: L2, not this SM's L1). A chunk
-    still unpublished after that is read from the logits and its statistics made here with the
-    owner's code (_split_chunk_stats). In place, its owner may meanwhile have published and begun
-    to overwrite it with the gradient, so the flag is read once more by an acq_rel atomic after the
-    read: the owner publishes with an acq_rel exchange before any store of its gradient, and the
-    two read-modify-writes of one flag are ordered; if this one comes first (reads 0), the loads
-    above happen-before the owner's stores and saw the logits; otherwise the owner's published
-    statistics are taken instead. Bounded polls: no program ever waits on one that is not running
-    (a GPU shared with other kernels, or the interpreter, which runs programs one after another).
-    """
-    chunk_ids = tl.arange(0, CHUNKS_PAD)
-    valid = chunk_ids < num_chunks
-    flag_ptrs = flags_ptr + slot + chunk_ids
-    ready = tl.load(flag_ptrs, mask=valid, other=1, volatile=True)
-    polls = 0
-    while (tl.min(ready, axis=0) == 0) & (polls < max_polls):
-        ready = tl.load(flag_ptrs, mask=valid, other=1, volatile=True)
-        polls += 1
-    published = valid & (ready != 0)
-    m_all = tl.load(stats_ptr + slot + chunk_ids, mask=published, other=float("-inf"), volatile=True)
-    s_all = tl.load(stats_ptr + stat_plane + slot + chunk_ids, mask=published, other=0.0, volatile=True)
-    if HAS_SMOOTHING:
-        wz_all = tl.load(stats_ptr + 2 * stat_plane + slot + chunk_ids, mask=published, other=0.0,
-                         volatile=True)
-    else:
-        wz_all = tl.zeros([CHUNKS_PAD], tl.float32)
-    if tl.min(ready, axis=0) == 0:
-        for other in range(0, num_chunks):
-            missing = tl.max(((chunk_ids == other) & (ready == 0)).to(tl.int32), axis=0)
-            if missing != 0:
-                cols = other * CHUNK + tl.arange(0, CHUNK)
-                mask = cols < vocab
-                l = tl.load(row_in + cols * in_col_stride, mask=mask, other=0.0).to(tl.float32)
-                _, m_o, s_o, wz_o = _split_chunk_stats(
-                    l, cols, mask, weight_ptr, logit_scale, softcap, softcap_scale,
-                    HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                )
-                if tl.atomic_add(flags_ptr + slot + other, 0, sem="acq_rel") != 0:
-                    m_o = tl.load(stats_ptr + slot + other, volatile=True)
-                    s_o = tl.load(stats_ptr + stat_plane + slot + other, volatile=True)
-                    if HAS_SMOOTHING:
-                        wz_o = tl.load(stats_ptr + 2 * stat_plane + slot + other, volatile=True)
-                m_all = tl.where(chunk_ids == other, m_o, m_all)
-                s_all = tl.where(chunk_ids == other, s_o, s_all)
-                wz_all = tl.where(chunk_ids == other, wz_o, wz_all)
-    return m_all, s_all, wz_all
-
-
-@triton.jit
-def cross_entropy_split_kernel(
-    logits_ptr, logits_row_stride, logits_col_stride,   # (N, V) logits, any strides
-    target_ptr, target_stride,                          # (N,) class indices, int32 or int64
-    weight_ptr,                                         # (V,) class weights                 [HAS_WEIGHT]
-    scales_ptr,                                         # fp32 (3,): α, β, W = Σ class weights
-    row_scale_ptr, row_scale_stride,                    # (N,) factor on each row's gradient [HAS_ROW_SCALE]
-    grad_ptr, grad_row_stride, grad_col_stride,         # (N, V) out: ∂loss/∂logits; may be logits itself
-    loss_ptr,                                           # (N,) out, fp32: each row's α·ℓ + β·ζ
-    stats_ptr,                                          # fp32 (3, N, CHUNKS_PAD) scratch: each chunk's statistics
-    flags_ptr,                                          # int32 (N, CHUNKS_PAD), zeroed: 1 once published
-    num_rows, vocab, num_chunks, max_polls,
-    ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
-    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, COMPUTE_GRAD: tl.constexpr, PREFETCH: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-):
-    """Split rows: a row too long for one program's registers is held by num_chunks programs at once.
-
-    Work items are (row, chunk) pairs, dealt round-robin over a persistent grid whose size is a
-    multiple of num_chunks, so the chunks of a row run side by side. Each program loads its chunk
-    once and holds it (h: z, or tanh with softcap), publishes the chunk's (max, Σ exp(z − max),
-    Σ w·z) and a flag, gathers the other chunks' statistics (_split_gather), combines them into the
-    row's lse, and writes its chunk's gradient from what it holds: one read of the logits instead
-    of the streamed regime's two. The program holding the target stores the row's loss (chunk 0
-    when the target is out of range). With PREFETCH the next item's logits are loaded before this
-    one is reduced, so loads stay in flight while the program waits for its partners.
-
-    In place it is safe: a program stores only its own chunk, after publishing it; its target logit
-    (in its own chunk) is loaded before its stores; another program reads the chunk only as
-    _split_gather allows.
-    """
-    label_smoothing, z_loss, logit_scale = as_fp32(label_smoothing), as_fp32(z_loss), as_fp32(logit_scale)
-    softcap, softcap_scale = as_fp32(softcap), as_fp32(softcap_scale)
-    ce_scale = tl.load(scales_ptr)
-    z_scale = tl.load(scales_ptr + 1)
-    weight_sum = tl.load(scales_ptr + 2)
-    inv_vocab = 1.0 / vocab
-    num_items = num_rows * num_chunks
-    stat_plane = num_rows.to(tl.int64) * CHUNKS_PAD
-    if PREFETCH:
-        ahead = _split_load(logits_ptr, logits_row_stride, logits_col_stride, tl.program_id(0), num_items,
-                            num_chunks, vocab, CHUNK)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        if PREFETCH:
-            raw = ahead
-            ahead = _split_load(logits_ptr, logits_row_stride, logits_col_stride, item + tl.num_programs(0),
-                                num_items, num_chunks, vocab, CHUNK)
-        row64 = (item // num_chunks).to(tl.int64)
-        chunk = item % num_chunks
-        col0 = chunk * CHUNK
-        cols = col0 + tl.arange(0, CHUNK)
-        mask = cols < vocab
-        row_in = logits_ptr + row64 * logits_row_stride
-        row_out = grad_ptr + row64 * grad_row_stride
-        t = tl.load(target_ptr + row64 * target_stride).to(tl.int64)
-        if t == ignore_index:
-            # every chunk of the row sees the same target: none of them publishes or waits
-            if chunk == 0:
-                tl.store(loss_ptr + row64, 0.0)
-            if COMPUTE_GRAD:
-                zeros = tl.zeros([CHUNK], dtype=tl.float32).to(row_out.dtype.element_ty)
-                tl.store(row_out + cols * grad_col_stride, zeros, mask=mask)
-        else:
-            if not PREFETCH:
-                raw = tl.load(row_in + cols * logits_col_stride, mask=mask, other=0.0)
-            h, m_c, s_c, wz_c = _split_chunk_stats(
-                raw.to(tl.float32), cols, mask, weight_ptr, logit_scale, softcap, softcap_scale,
-                HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-            )
-            w_y, z_y, holds_target = _target_terms(
-                row_in + col0 * logits_col_stride, logits_col_stride, t, col0, CHUNK, vocab, weight_ptr,
-                logit_scale, softcap, softcap_scale, HAS_WEIGHT, HAS_SOFTCAP,
-            )
-            slot = row64 * CHUNKS_PAD
-            tl.store(stats_ptr + slot + chunk, m_c)
-            tl.store(stats_ptr + stat_plane + slot + chunk, s_c)
-            if HAS_SMOOTHING:
-                tl.store(stats_ptr + 2 * stat_plane + slot + chunk, wz_c)
-            # all of this program's statistics stores, then the flag: release (and acquire: no
-            # gradient store of this chunk may become visible before it)
-            tl.debug_barrier()
-            tl.atomic_xchg(flags_ptr + slot + chunk, 1, sem="acq_rel")
-            m_all, s_all, wz_all = _split_gather(
-                row_in, logits_col_stride, stats_ptr, stat_plane, flags_ptr, slot, num_chunks, max_polls,
-                vocab, weight_ptr, logit_scale, softcap, softcap_scale, CHUNK, CHUNKS_PAD,
-                HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-            )
-            # lse = M + log Σ_c s_c·exp(m_c − M), M the largest chunk max (0 for an all -inf row)
-            row_max = tl.max(m_all, axis=0)
-            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-            lse = shift + tl.log(tl.sum(s_all * tl.exp(m_all - shift), axis=0))
-            in_range = (t >= 0) & (t < vocab)
-            if holds_target | ((chunk == 0) & ~in_range):
-                wz = tl.sum(wz_all, axis=0)
-                loss = _row_loss(lse, z_y, w_y, wz, weight_sum, inv_vocab, label_smoothing, z_loss,
-                                 ce_scale, z_scale, HAS_SMOOTHING, HAS_Z_LOSS)
-                tl.store(loss_ptr + row64, loss)
-            if COMPUTE_GRAD:
-                if HAS_ROW_SCALE:
-                    row_scale = tl.load(row_scale_ptr + row64 * row_scale_stride).to(tl.float32)
-                else:
-                    row_scale = 1.0
-                p_coef, target_coef, smooth_coef = _grad_coefficients(
-                    lse, w_y, weight_sum, inv_vocab, label_smoothing, z_loss, ce_scale, z_scale,
-                    row_scale, HAS_SMOOTHING, HAS_Z_LOSS,
-                )
-                p = tl.exp(_split_z(h, softcap, HAS_SOFTCAP) - lse)
-                if HAS_SOFTCAP:
-                    slope = logit_scale * (1.0 - h * h)
-                else:
-                    slope = logit_scale
-                g = _grad_block(p, slope, cols, mask, t, weight_ptr, p_coef, target_coef, smooth_coef,
-                                HAS_WEIGHT, HAS_SMOOTHING)
-                tl.store(row_out + cols * grad_col_stride, g.to(row_out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def cross_entropy_chunk_stats_kernel(
     chunk_ptr, chunk_row_stride,            # (N, width) logits of classes [col0, col0 + width), unit stride
     target_ptr, target_stride,              # (N,) class indices
@@ -967,22 +744,6 @@ REDUCTION_SCALES_WARPS = 4
 SCALE_ROWS_BLOCK = 4096
 SCALE_ROWS_WARPS = 8
 
-# Split regime (cross_entropy_split_kernel): rows too long for one program are held by several
-# programs at once, one chunk of SPLIT_WARPS × 32 × SPLIT_VALUES_PER_THREAD classes each (one fp32
-# register per class), and read once. Off (SPLIT_ROWS = False): such rows stream, read twice.
-SPLIT_ROWS = True
-SPLIT_WARPS = 32
-SPLIT_VALUES_PER_THREAD = 16
-# Programs per SM of the persistent grid; all of them should fit at once (their partners wait for
-# them), so at most what the registers allow: 65536 / (SPLIT_WARPS × 32 × registers per thread).
-SPLIT_PROGRAMS_PER_SM = 1
-# Next item's logits loaded ahead (in their own dtype: half a register per class in bf16).
-SPLIT_PREFETCH = True
-# How many times a program polls for its partners' statistics before it makes them itself from
-# the logits (an extra read of those chunks; _split_gather). Only bounds the wait: a program never
-# depends on another one being resident. The interpreter runs programs one at a time: 0 there.
-SPLIT_POLLS = 64
-
 # L2 eviction policies as the kernels take them (_load_hinted / _store_hinted).
 EVICT_NORMAL, EVICT_LAST, EVICT_FIRST = 0, 1, 2
 
@@ -994,7 +755,6 @@ def tuning() -> tuple:
         SINGLE_PROGRAMS_PER_SM, SINGLE_ROW_PREFETCH, STREAM_BLOCK_V, STREAM_WARPS, STREAM_PREFETCH,
         STREAM_WIDE_PREFETCH, STREAM_HINTED_MAX_BYTES, STREAM_STAGES,
         STREAM_PROGRAMS_PER_SM, STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS,
-        SPLIT_ROWS, SPLIT_WARPS, SPLIT_VALUES_PER_THREAD, SPLIT_PROGRAMS_PER_SM, SPLIT_PREFETCH, SPLIT_POLLS,
     )
 
 
@@ -1012,13 +772,6 @@ class RowLaunch:
     second_read_policy: int = EVICT_NORMAL
     store_policy: int = EVICT_NORMAL
     row_prefetch: bool = False  # single block: the next row loaded ahead
-    chunks: int = 0             # split: programs per row (chunks of block_v classes); 0 otherwise
-    polls: int = 0              # split: polls for the partners' statistics before making them
-
-
-def split_polls(device: torch.device) -> int:
-    """SPLIT_POLLS on a GPU; 0 under the interpreter (its programs run one after another)."""
-    return SPLIT_POLLS if device.type == "cuda" else 0
 
 
 def row_launch(num_rows: int, width: int, device: torch.device, *, softcap: bool = False,
@@ -1043,15 +796,6 @@ def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -
         programs = _programs(device, SINGLE_PROGRAMS_PER_SM)
         return RowLaunch(padded, _single_warps(padded), True, max(1, min(num_rows, programs)),
                          row_prefetch=SINGLE_ROW_PREFETCH)
-    if SPLIT_ROWS and not streamed:
-        chunk = SPLIT_WARPS * 32 * SPLIT_VALUES_PER_THREAD
-        chunks = -(-width // chunk)
-        programs = _programs(device, SPLIT_PROGRAMS_PER_SM)
-        if programs >= chunks:  # whole rows per wave: a row's chunks run side by side
-            programs -= programs % chunks
-        programs = max(1, min(num_rows * chunks, programs))
-        return RowLaunch(chunk, SPLIT_WARPS, False, programs, prefetch=int(SPLIT_PREFETCH), chunks=chunks,
-                         polls=split_polls(device))
     if padded < STREAM_BLOCK_V:  # one block (a narrow vocabulary chunk)
         block_v, num_warps = padded, _single_warps(padded)
     else:
@@ -1125,25 +869,6 @@ def launch_cross_entropy_rows(
         logits, weight, label_smoothing, z_loss, softcap, logit_scale
     )
     out = grad if grad is not None else logits
-    if cfg.chunks:
-        chunks_pad = next_power_of_2(cfg.chunks)
-        stats = torch.empty(3 * num_rows * chunks_pad, dtype=torch.float32, device=logits.device)
-        published = torch.zeros(num_rows * chunks_pad, dtype=torch.int32, device=logits.device)
-        wrap_triton(cross_entropy_split_kernel)[(cfg.programs,)](
-            logits, logits.stride(0), logits.stride(1),
-            target, target.stride(0),
-            weight if weight is not None else scales,
-            scales,
-            *_row_scale_args(row_scale, scales),
-            out, out.stride(0), out.stride(1),
-            loss_rows, stats, published,
-            num_rows, vocab, cfg.chunks, cfg.polls,
-            ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
-            CHUNK=cfg.block_v, CHUNKS_PAD=chunks_pad, COMPUTE_GRAD=grad is not None, PREFETCH=cfg.prefetch > 0,
-            HAS_ROW_SCALE=row_scale is not None, **_option_flags(weight, label_smoothing, z_loss, softcap),
-            num_warps=cfg.num_warps,
-        )
-        return
     wrap_triton(cross_entropy_fwd_kernel)[(cfg.programs,)](
         logits, logits.stride(0), logits.stride(1),
         target, target.stride(0),
