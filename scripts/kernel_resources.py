@@ -71,13 +71,13 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", name)
 
 
-def resources(module: str, kernel_name: str, constexprs: dict, *, warps: int, stages: int = 1,
+def resources(module: str, kernel_name: str, constexprs: dict, *, warps: int, stages: int = 1, ctas: int = 1,
               pointers: dict | None = None, floats: set | None = None) -> tuple[str, collections.Counter]:
     """(cuobjdump's resource line, SASS opcode counts) of the kernel compiled for sm_90."""
     kernel = getattr(importlib.import_module(f"tigon.ops.{module}"), kernel_name)
     source = _signature(kernel, constexprs, pointers or {}, floats or set())
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+                              options={"num_warps": warps, "num_stages": stages, "num_ctas": ctas})
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as cubin:
         cubin.write(compiled.asm["cubin"])
     try:
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("constexprs", nargs="*", help="NAME=int for every constexpr argument")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--ctas", type=int, default=1, help="CTAs per program (a Hopper cluster)")
     parser.add_argument("--ptr", action="append", default=[], help="NAME=dtype (bf16, fp16, fp32, i32, i64)")
     parser.add_argument("--float", action="append", default=[], help="an fp32 scalar argument")
     args = parser.parse_args()
@@ -113,11 +114,12 @@ def main() -> None:
         constexprs[name] = int(value)
     pointers = dict(item.split("=", 1) for item in args.ptr)
     line, opcodes = resources(args.module, args.kernel, constexprs, warps=args.warps, stages=args.stages,
+                              ctas=args.ctas,
                               pointers=pointers, floats=set(args.float))
     registers = int(line.split("REG:")[1].split()[0]) if "REG:" in line else 0
     threads = 32 * args.warps
     fit = 65536 // max(1, registers * threads)
-    print(f"{args.kernel} warps={args.warps}: {line}")
+    print(f"{args.kernel} warps={args.warps} ctas={args.ctas}: {line}")
     print(f"programs that fit an SM by registers: {fit} (of {threads} threads at {registers} registers)")
     print(f"SASS: {sum(opcodes.values())} instructions; " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
 
