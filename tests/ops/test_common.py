@@ -1,6 +1,10 @@
 """Shared launcher helpers."""
 
-from tigon.ops._common import cache_by_size
+import pytest
+import torch
+
+from tests.helpers import ON_GPU, randn
+from tigon.ops._common import cache_by_size, matmul_to
 
 
 class _SymbolicSize(int):
@@ -20,3 +24,27 @@ def test_cache_by_size_caches_ints_and_passes_symbolic_sizes_through():
     assert geometry(3) == geometry(3) == 6 and calls == [3]
     assert geometry(3, backward=True) == 7 and calls == [3, 3]
     assert geometry(_SymbolicSize(5)) == geometry(_SymbolicSize(5)) == 10 and calls == [3, 3, 5, 5]
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+def test_matmul_to_returns_the_product_in_the_dtype_asked(dtype):
+    """A weight gradient (aᵀ·b, a transposed view) in the weight's dtype. Off the GPU, and for the
+    operands' own dtype, it is the plain product (cast): bitwise what ``(a @ b).to(dtype)`` gives."""
+    a, b = randn(24, 40, dtype=torch.bfloat16).t(), randn(24, 12, dtype=torch.bfloat16)
+    got = matmul_to(a, b, dtype)
+    assert got.dtype == dtype and got.shape == (40, 12)
+    if dtype == torch.bfloat16 or not ON_GPU:
+        assert torch.equal(got, (a @ b).to(dtype))
+
+
+@pytest.mark.gpu
+def test_matmul_to_fp32_is_the_unrounded_product_on_the_gpu():
+    """On the GPU the bf16 matmul writes its fp32 accumulator: nearer the exact product than the
+    bf16 product cast to fp32, by about bf16's rounding."""
+    a, b = randn(4096, 512, dtype=torch.bfloat16).t(), randn(4096, 256, dtype=torch.bfloat16)
+    exact = a.double() @ b.double()
+    got = matmul_to(a, b, torch.float32)
+    rounded = (a @ b).float()
+    err = ((got.double() - exact).norm() / exact.norm()).item()
+    err_rounded = ((rounded.double() - exact).norm() / exact.norm()).item()
+    assert got.dtype == torch.float32 and err < 1e-5 < err_rounded, (err, err_rounded)

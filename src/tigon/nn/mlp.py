@@ -29,8 +29,9 @@ before the node (the casts stay in the graph), and the node runs with autocast o
 cast inside the node, and cast again in the backward rather than saved: autocast's ``nn.Linear``
 keeps a bf16 copy of every weight from the forward to the backward (2 bytes per MLP parameter:
 1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves are there anyway.
-The gradients are the bf16 products cast to the weights' dtype, as autocast's cast returns them:
-bitwise the same.
+The weight gradients are the bf16 products in the weights' dtype (:func:`tigon.ops._common.matmul_to`):
+on the CPU the bf16 product cast, as autocast's cast returns it (bitwise the same); on the GPU the
+matmul's fp32 accumulator written as it is (no cast kernel, and no rounding to bf16 on the way).
 
 Reference: :func:`gated_mlp_reference` (``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers'
 ``LlamaMLP`` / ``GemmaMLP``).
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.ops._common import FLOAT_DTYPES, check_tensor
+from tigon.ops._common import FLOAT_DTYPES, check_tensor, matmul_to
 from tigon.ops.glu import ACTIVATIONS, GLU, activation_reference, gelu_activation_name, glu, glu_backward_into
 
 
@@ -89,7 +90,7 @@ class _GatedMLPFunction(torch.autograd.Function):
         if need_down_w:
             if h is None:
                 h = GLU(gate2, up2, ctx.activation)                 # (M, I)
-            d_down_w = (dy2.t() @ h).to(down_weight.dtype)          # (H, I)
+            d_down_w = matmul_to(dy2.t(), h, down_weight.dtype)     # (H, I)
             h = None
         if need_down_b:
             d_down_b = dy2.sum(0)
@@ -98,11 +99,11 @@ class _GatedMLPFunction(torch.autograd.Function):
             dx.addmm_(dup, up_weight.to(ctx.dtype))
             dx = dx.reshape(x.shape)
         if need_gate_w:
-            d_gate_w = (dgate.t() @ x2).to(gate_weight.dtype)       # (I, H)
+            d_gate_w = matmul_to(dgate.t(), x2, gate_weight.dtype)  # (I, H)
         if need_gate_b:
             d_gate_b = dgate.sum(0)
         if need_up_w:
-            d_up_w = (dup.t() @ x2).to(up_weight.dtype)
+            d_up_w = matmul_to(dup.t(), x2, up_weight.dtype)
         if need_up_b:
             d_up_b = dup.sum(0)
         return dx, d_gate_w, d_gate_b, d_up_w, d_up_b, d_down_w, d_down_b, None, None

@@ -224,6 +224,33 @@ def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | No
     )
 
 
+# cuBLAS can write a bf16/fp16 product into an fp32 output (and accumulate into it) directly:
+# aten::addmm's out_dtype overload (torch 2.8+, CUDA).
+HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def fp32_product_in_place(a: torch.Tensor) -> bool:
+    """Whether a matmul of ``a`` (bf16/fp16) can write or accumulate an fp32 result itself."""
+    return HAS_MM_OUT_DTYPE and a.is_cuda and a.dtype != torch.float32 and not torch.compiler.is_compiling()
+
+
+def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` returned in ``dtype``: the weight gradient of a weight held in another dtype.
+
+    Under autocast, an fp32 master weight's gradient is the bf16 product cast to fp32 (stock
+    autograd: the matmul rounds its fp32 accumulator to bf16, a cast kernel reads that and writes
+    fp32). On the GPU the matmul writes its fp32 accumulator itself instead: no cast kernel (2
+    bytes read and 2 written less per weight element, one launch less per weight) and no rounding
+    to bf16 on the way, so the gradient is closer to the exact product than the stock one.
+    """
+    if dtype == a.dtype:
+        return a @ b
+    if dtype == torch.float32 and fp32_product_in_place(a):
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+        return torch.addmm(out, a, b, beta=0.0, out_dtype=dtype, out=out)
+    return (a @ b).to(dtype)
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """View ``t`` as ``(rows, last_dim)`` without copying where the strides allow it.
 

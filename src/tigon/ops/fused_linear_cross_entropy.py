@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon.ops._common import check_tensor
+from tigon.ops._common import check_tensor, fp32_product_in_place
 from tigon.ops.cross_entropy import (
     CHUNK_GRAD,
     CHUNK_STATS,
@@ -151,10 +151,6 @@ def _mm_into(out, a, b):
         out.copy_(a @ b)
 
 
-# cuBLAS can write a bf16/fp16 product into an fp32 output (and accumulate into it) directly.
-_HAS_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
-
-
 def _accumulate_mm(out, a, b, *, first):
     """out = a @ b (first) or out + a @ b, summed in ``out``'s dtype.
 
@@ -165,7 +161,7 @@ def _accumulate_mm(out, a, b, *, first):
     beta = 0.0 if first else 1.0
     if out.dtype == a.dtype:
         out.addmm_(a, b, beta=beta)
-    elif _HAS_OUT_DTYPE and out.is_cuda and not torch.compiler.is_compiling():
+    elif fp32_product_in_place(a) and out.dtype == torch.float32:
         torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
     elif first:
         out.copy_(a @ b)

@@ -14,7 +14,9 @@ cast in the forward and again in the backward instead of being saved. The backwa
 products as the stock linear's (``dy·W`` for the input, ``dyᵀ·x`` for the weight, ``Σ dy`` for the
 bias, in the autocast dtype) and casts them back to the dtypes of input, weight and bias as
 autocast's casts do; each node returns its own fp32 input gradient and autograd sums the three in
-fp32 as for the stock casts: losses and gradients are bitwise the stock ones. Nothing changes
+fp32 as for the stock casts: losses and gradients are bitwise the stock ones, except, on the GPU,
+the gradient of an fp32 weight, which the matmul writes in fp32 itself (its accumulator not
+rounded to bf16 first; :func:`tigon.ops._common.matmul_to`). Nothing changes
 outside autocast, without grad, under torch.compile (Inductor plans its own buffers), or for a
 projection that is not a plain ``nn.Linear`` (a LoRA wrapper keeps its own forward).
 """
@@ -25,6 +27,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+
+from tigon.ops._common import matmul_to
 
 
 class _AutocastLinear(torch.autograd.Function):
@@ -47,7 +51,7 @@ class _AutocastLinear(torch.autograd.Function):
         if need_x:
             dx = (dy2 @ weight.to(ctx.dtype)).reshape(cast.shape).to(ctx.x_dtype)     # (..., I)
         if need_w:
-            dw = (dy2.t() @ cast.reshape(-1, cast.shape[-1])).to(weight.dtype)         # (O, I)
+            dw = matmul_to(dy2.t(), cast.reshape(-1, cast.shape[-1]), weight.dtype)   # (O, I)
         if need_b:
             db = dy2.sum(0).to(ctx.bias_dtype)
         return dx, None, dw, db, None
