@@ -1,6 +1,6 @@
 """The attention patch (the ``rope`` switch) also makes q/k/v projections save one autocast cast of
 their input instead of three, and the projections save no bf16 weight copies, with bitwise the same
-loss and gradients (on the GPU, fp32 weight gradients unrounded); nothing changes outside autocast; revert restores. Compared against the same
+loss and gradients (on the GPU, the fp32 products unrounded); nothing changes outside autocast; revert restores. Compared against the same
 patch with the projections' own forwards taken back off (the stock ``nn.Linear`` under autocast)."""
 
 from __future__ import annotations
@@ -63,18 +63,19 @@ def models(request):
 
 
 def _assert_same_gradients(got, want, *, autocast=True):
-    """Bitwise the stock gradients; on the GPU under autocast, a projection's fp32 weight gradient
-    is the matmul's unrounded fp32 product (ops._common.matmul_to), of which the stock one is the
-    bf16 rounding."""
+    """Bitwise the stock gradients. On the GPU under autocast the projections' fp32 gradients (of
+    their weights and their fp32 input) are the matmuls' unrounded fp32 products
+    (ops._common.matmul_to), of which the stock ones are the bf16 roundings: every gradient
+    upstream of them moves by about bf16's rounding, and the projections' weight gradients are no
+    longer bf16 values."""
+    on_gpu = autocast and DEVICE.type == "cuda"
     for name, g in want.items():
-        fp32_product = autocast and DEVICE.type == "cuda" and name.endswith(
-            tuple(f"{p}.weight" for p in PROJECTIONS)
-        )
-        if fp32_product:
-            assert_close(got[name], g, torch.bfloat16, name)
-            assert not torch.equal(got[name], g), f"{name}: the fp32 gradient was rounded to bf16"
-        else:
+        if not on_gpu:
             assert torch.equal(got[name], g), name
+            continue
+        assert_close(got[name], g, torch.bfloat16, name)
+        if name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS)):
+            assert not torch.equal(got[name], g), f"{name}: the fp32 gradient was rounded to bf16"
 
 
 def test_one_saved_cast_no_weight_copies_and_bitwise_the_same_gradients(models):

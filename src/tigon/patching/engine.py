@@ -16,7 +16,7 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
 - with rope, under autocast: each attention module's ``q_proj``/``k_proj``/``v_proj`` cast their
   common fp32 input once and save one copy instead of three, and its projections (``o_proj`` too)
   cast their weights again in the backward instead of saving bf16 copies (shared_cast.py); bitwise
-  the same results, but for fp32 weights' gradients on the GPU, which the matmul writes in fp32.
+  the same results (on the GPU, fp32 gradients are written in fp32 by the matmuls, not rounded to bf16).
 - with rope: the model's config is marked so that, under torch.compile, sdpa attention runs causal
   without a dense mask wherever eager mode does (causal_mask.py); exactly the same attention.
 - loss: the CausalLM instance gets the generic forward of loss.py and ``lm_head`` learns to take a

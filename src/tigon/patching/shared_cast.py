@@ -14,9 +14,11 @@ cast in the forward and again in the backward instead of being saved. The backwa
 products as the stock linear's (``dy·W`` for the input, ``dyᵀ·x`` for the weight, ``Σ dy`` for the
 bias, in the autocast dtype) and casts them back to the dtypes of input, weight and bias as
 autocast's casts do; each node returns its own fp32 input gradient and autograd sums the three in
-fp32 as for the stock casts: losses and gradients are bitwise the stock ones, except, on the GPU,
-the gradient of an fp32 weight, which the matmul writes in fp32 itself (its accumulator not
-rounded to bf16 first; :func:`tigon.ops._common.matmul_to`). Nothing changes
+fp32 as for the stock casts: losses and gradients are bitwise the stock ones. On the GPU the fp32
+gradients (of an fp32 input, of an fp32 weight) are written in fp32 by the matmuls themselves
+(:func:`tigon.ops._common.matmul_to`): their accumulators are not rounded to bf16 first, so those
+gradients, and every gradient upstream of them, are nearer the exact ones than the stock's, and a
+cast kernel per product is saved. Nothing changes
 outside autocast, without grad, under torch.compile (Inductor plans its own buffers), or for a
 projection that is not a plain ``nn.Linear`` (a LoRA wrapper keeps its own forward).
 """
@@ -49,7 +51,7 @@ class _AutocastLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])                           # (M, O)
         dx = dw = db = None
         if need_x:
-            dx = (dy2 @ weight.to(ctx.dtype)).reshape(cast.shape).to(ctx.x_dtype)     # (..., I)
+            dx = matmul_to(dy2, weight.to(ctx.dtype), ctx.x_dtype).reshape(cast.shape)   # (..., I)
         if need_w:
             dw = matmul_to(dy2.t(), cast.reshape(-1, cast.shape[-1]), weight.dtype)   # (O, I)
         if need_b:
