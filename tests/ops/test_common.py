@@ -38,10 +38,11 @@ def test_matmul_to_returns_the_product_in_the_dtype_asked(dtype):
 
 
 @pytest.mark.gpu
-def test_matmul_to_fp32_is_the_unrounded_product_on_the_gpu():
-    """On the GPU the bf16 matmul writes its fp32 accumulator: nearer the exact product than the
-    bf16 product cast to fp32, by about bf16's rounding."""
-    a, b = randn(4096, 512, dtype=torch.bfloat16).t(), randn(4096, 256, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_matmul_to_fp32_is_the_unrounded_product_on_the_gpu(dtype):
+    """On the GPU the bf16 (fp16) matmul writes its fp32 accumulator: nearer the exact product than
+    the product rounded to bf16 (fp16) and cast to fp32."""
+    a, b = randn(4096, 512, dtype=dtype).t(), randn(4096, 256, dtype=dtype)
     exact = a.double() @ b.double()
     got = matmul_to(a, b, torch.float32)
     rounded = (a @ b).float()
