@@ -235,13 +235,13 @@ def fp32_product_in_place(a: torch.Tensor) -> bool:
 
 
 def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` returned in ``dtype``: the weight gradient of a weight held in another dtype.
+    """``a @ b`` returned in ``dtype``: the gradient of a tensor (an fp32 master weight, an fp32
+    input) that autocast cast to the operands' dtype.
 
-    Under autocast, an fp32 master weight's gradient is the bf16 product cast to fp32 (stock
-    autograd: the matmul rounds its fp32 accumulator to bf16, a cast kernel reads that and writes
-    fp32). On the GPU the matmul writes its fp32 accumulator itself instead: no cast kernel (2
-    bytes read and 2 written less per weight element, one launch less per weight) and no rounding
-    to bf16 on the way, so the gradient is closer to the exact product than the stock one.
+    Stock autograd makes it the bf16 product cast to fp32: the matmul rounds its fp32 accumulator
+    to bf16, then a cast kernel reads that and writes fp32. On the GPU the matmul writes its fp32
+    accumulator itself instead: no cast kernel (2 bytes read and 2 written less per element, one
+    launch less) and no rounding to bf16 on the way, so the gradient is nearer the exact product.
     """
     if dtype == a.dtype:
         return a @ b
