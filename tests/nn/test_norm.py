@@ -102,3 +102,21 @@ def test_layer_norm_matches_torch(dtype, bias):
     ours = LayerNorm(200, eps=1e-6, bias=bias).to(DEVICE, dtype)
     ours.load_state_dict(theirs.state_dict())
     _check_same(ours, theirs, randn(2, 5, 200, dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
+def test_rms_norm_autocast_output(casting, offset):
+    """With ``autocast_output`` the module gives, under autocast, the autocast copy a linear would
+    make of its output (bitwise), and outside autocast exactly what it gives without the flag."""
+    norm = RMSNorm(64, 1e-6, offset=offset, casting=casting).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(randn(64))
+    flagged = RMSNorm(64, 1e-6, offset=offset, casting=casting).to(DEVICE)
+    flagged.load_state_dict(norm.state_dict())
+    flagged.autocast_output = True
+    x = randn(3, 5, 64)
+    assert torch.equal(flagged(x), norm(x)) and flagged(x).dtype == torch.float32
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        got, plain = flagged(x), norm(x)
+        assert got.dtype == torch.bfloat16 and plain.dtype == torch.float32
+        assert torch.equal(got, plain.to(torch.bfloat16))

@@ -119,6 +119,61 @@ def test_rms_norm_sum_backward_uses_expanded_grad():
     assert_close(w.grad, grads["weight"], torch.float32, "dw")
 
 
+# (x dtype, weight dtype, out_dtype): autocast's case (fp32 residual stream and weights, bf16 out)
+# and a narrowing to fp16.
+NARROWING_CASES = (
+    (torch.float32, torch.float32, torch.bfloat16),
+    (torch.float32, torch.bfloat16, torch.float16),
+)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", NARROWING_CASES, ids=str)
+@pytest.mark.parametrize("hidden", (96, MAX_FUSED_HIDDEN_BWD + 1))  # fused; streamed backward
+@pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
+def test_rms_norm_out_dtype_is_the_cast_output(x_dtype, w_dtype, out_dtype, hidden, casting, offset):
+    """A narrower ``out_dtype`` gives bitwise ``rms_norm(...).to(out_dtype)``, and its gradient
+    (taken in out_dtype) bitwise the gradients through that cast: the cast's backward widens the same
+    dy exactly, and the kernel upcasts whatever dy it reads."""
+    x = randn(3, 7, hidden, dtype=x_dtype, requires_grad=True)
+    w = randn(hidden, dtype=w_dtype, requires_grad=True)
+    dy = randn(3, 7, hidden, dtype=out_dtype)
+    y = rms_norm(x, w, offset=offset, casting=casting, out_dtype=out_dtype)
+    want = rms_norm(x, w, offset=offset, casting=casting).to(out_dtype)
+    assert y.dtype == out_dtype and torch.equal(y, want)
+    got_grads = torch.autograd.grad(y, (x, w), dy)
+    want_grads = torch.autograd.grad(want, (x, w), dy)
+    for g, wg in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == wg.dtype and torch.equal(g, wg)
+
+
+@pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
+def test_rms_norm_wider_out_dtype_rounds_once(casting, offset):
+    """bf16 in, fp32 out: the reference's own roundings (llama: x̂ to bf16), not the final one."""
+    x = randn(5, 300, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(300, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(5, 300, dtype=torch.float32)
+    y = rms_norm(x, w, offset=offset, casting=casting, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    ref, ref_grads = fp64_reference(
+        rms_norm_reference, {"x": x, "weight": w}, dy, offset=offset, casting=casting, io_dtype=torch.bfloat16
+    )
+    if casting == "gemma":  # the reference rounds its result to bf16; out_dtype=fp32 does not
+        ref = ref.float()
+    assert_close(y, ref, torch.bfloat16, "y")
+    for name, g in zip(("x", "weight"), torch.autograd.grad(y, (x, w), dy), strict=True):
+        assert g.dtype == torch.bfloat16
+        assert_close(g, ref_grads[name], torch.bfloat16, f"d{name}")
+
+
+def test_rms_norm_bad_out_dtype():
+    x, w = randn(4, 8), randn(8)
+    before = x.clone()
+    for bad in (torch.int32, torch.float64):
+        with pytest.raises(TypeError, match="out_dtype"):
+            rms_norm(x, w, out_dtype=bad)
+    assert torch.equal(x, before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", (7, 1000, MAX_FUSED_HIDDEN_FWD + 1))
 @pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
@@ -423,3 +478,21 @@ def test_rms_norm_fused_programs_per_sm_gpu(monkeypatch, programs_per_sm, fn):
     else:
         r = randn(rows, hidden, dtype=torch.bfloat16)
         repeatable_grads(lambda: add_rms_norm(x, r, w)[0], (x, w), dy)
+
+
+@pytest.mark.gpu
+def test_rms_norm_out_dtype_torch_compile_fullgraph():
+    """The fp32 residual stream normalised straight into bf16, traced whole by torch.compile."""
+    x = randn(64, 2048, dtype=torch.float32, requires_grad=True)
+    w = randn(2048, dtype=torch.float32, requires_grad=True)
+
+    def f(x, w):
+        return rms_norm(x, w, out_dtype=torch.bfloat16).float().square().sum()
+
+    loss = torch.compile(f, fullgraph=True)(x, w)
+    grads = torch.autograd.grad(loss, (x, w))
+    ref_loss = f(x, w)
+    ref_grads = torch.autograd.grad(ref_loss, (x, w))
+    assert torch.equal(loss, ref_loss)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        assert_close(g, rg, torch.bfloat16, "grad")

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tigon
 from tests.helpers import DEVICE, assert_close
@@ -55,6 +56,10 @@ def models(request):
     shared, separate = copy.deepcopy(base), copy.deepcopy(base)
     tigon.patch(shared)
     tigon.patch(separate)
+    for model in (shared, separate):  # fp32 attention inputs, as OLMo-2 feeds its raw residual stream
+        for m in model.modules():
+            if getattr(m, "autocast_output", False):
+                m.autocast_output = False
     for layer in separate.model.layers:
         for name in PROJECTIONS:
             projection = getattr(layer.self_attn, name)
@@ -134,3 +139,41 @@ def test_wrapped_projection_is_left_alone():
     assert all("forward" not in vars(getattr(attention, n)) for n in ("k_proj", "v_proj"))
     other = model.model.layers[1].self_attn
     assert all("forward" in vars(getattr(other, n)) for n in PROJECTIONS)
+
+
+class _ActivationCasts(TorchDispatchMode):
+    """Counts fp32 -> bf16 casts of (tokens, hidden) activations."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if src.dtype == torch.float32 and out.dtype == AUTOCAST and out.numel() == self.numel:
+                self.count += 1
+        return out
+
+
+def test_bf16_norm_outputs_need_no_casts():
+    """With the default patch the attention and MLP input norms give bf16 under autocast
+    (RMSNorm.autocast_output), so the forward makes two casts a layer fewer than with fp32 norm
+    outputs (the attention input's, shared by q/k/v, and the MLP's)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").to(DEVICE)
+    tigon.patch(model)
+    plain = copy.deepcopy(model)
+    for m in plain.modules():
+        if getattr(m, "autocast_output", False):
+            m.autocast_output = False
+    ids = _ids(3)
+    counts = []
+    for m in (model, plain):
+        mode = _ActivationCasts(ids.numel() * m.config.hidden_size)
+        with mode, torch.autocast(DEVICE.type, dtype=AUTOCAST):
+            m(input_ids=ids, labels=ids)
+        counts.append(mode.count)
+    layers = model.config.num_hidden_layers
+    assert counts[1] - counts[0] == 2 * layers

@@ -14,7 +14,19 @@ class RMSNorm(nn.Module):
 
     ``weight`` starts at ones, or at zeros when ``offset=1.0`` (Gemma stores ``w`` and scales by
     ``1 + w``), so a fresh module is the identity scale either way and checkpoints load unchanged.
+
+    ``autocast_output`` (default False; ``tigon.patch`` sets it on the norms of a decoder layer whose
+    output goes only into linear projections): under ``torch.autocast`` the output comes in the
+    autocast dtype, the copy those projections would make of it anyway. Stock, the norm writes fp32
+    (its input is the fp32 residual stream) and every projection reads that and casts it; in the
+    backward each projection's bf16 input gradient is cast to fp32 and they are summed in fp32. Here
+    the norm writes the bf16 copy itself and takes its gradient in bf16, summed in bf16 as autograd
+    sums any bf16 activation's: the same forward values bitwise, the norm's input gradient within
+    bf16 rounding of the stock one, and per norm one cast kernel and one fp32 write less forward, one
+    cast kernel and half the gradient bytes backward.
     """
+
+    autocast_output = False
 
     def __init__(self, hidden_size, eps=1e-6, *, offset=0.0, casting="llama", device=None, dtype=None):
         super().__init__()
@@ -31,8 +43,14 @@ class RMSNorm(nn.Module):
         return self.variance_epsilon
 
     def forward(self, hidden_states):
+        out_dtype = None
+        if self.autocast_output:
+            device_type = hidden_states.device.type
+            if torch.is_autocast_enabled(device_type):
+                out_dtype = torch.get_autocast_dtype(device_type)
         return rms_norm(
-            hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting
+            hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting,
+            out_dtype=out_dtype,
         )
 
     def extra_repr(self) -> str:

@@ -61,8 +61,39 @@ def _interpreter_numpy_compat() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _interpreter_bf16_rounding() -> None:
+    """Make the interpreter round fp32 to bf16 to nearest-even, as the GPU's ``cvt.rn.bf16.f32`` does.
+
+    The interpreter converts by cutting the mantissa (its "round to nearest" branch adds the cut bit
+    without carrying into the exponent and without ties to even), so every bf16 value a kernel stores
+    could be one ulp off the GPU's, and a kernel output could never be bitwise the cast that a
+    reference makes. This converts through torch instead, which rounds as the GPU does.
+    """
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    cast = getattr(builder, "cast_impl", None)
+    if cast is None or getattr(cast, "_tigon", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            wide = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            data = wide.to(torch.bfloat16).view(torch.uint16).numpy().reshape(src.data.shape)
+            return interpreter.TensorHandle(data, dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    cast_impl._tigon = True
+    builder.cast_impl = cast_impl
+    # the builder's create_fp_trunc & co. are lambdas that look cast_impl up on the instance
+
+
 if interpreter_active():
     _interpreter_numpy_compat()
+    _interpreter_bf16_rounding()
 
 
 def wrap_triton(kernel):

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import (
+    FLOAT_DTYPES,
     TigonOp,
     as_fp32,
     as_rows,
@@ -550,13 +551,23 @@ def _norm_backward_launch(
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def _forward(x, residual, weight, eps, offset, casting):
-    """Launch the forward on any-shaped x; returns (y, s or None, rstd) with y, s shaped like x."""
+def output_dtype(x_dtype, weight_dtype, casting):
+    """The dtype transformers' norm returns: llama casting promotes x with the weight (fp32 weights
+    with bf16 x give fp32), gemma casting keeps x's."""
+    return torch.promote_types(x_dtype, weight_dtype) if (casting == "llama" and weight_dtype is not None) else x_dtype
+
+
+def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
+    """Launch the forward on any-shaped x; returns (y, s or None, rstd) with y, s shaped like x.
+
+    ``out_dtype`` (None: :func:`output_dtype`) is y's dtype: the kernel rounds its fp32 result to it
+    once, as a cast of the reference's output would.
+    """
     hidden = x.shape[-1]
     x2 = as_rows(x)
     num_rows = x2.shape[0]
     llama = casting == "llama"
-    y_dtype = torch.promote_types(x.dtype, weight.dtype) if (llama and weight is not None) else x.dtype
+    y_dtype = out_dtype or output_dtype(x.dtype, weight.dtype if weight is not None else None, casting)
     y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
@@ -617,9 +628,10 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
 
 
 def _rms_norm_impl(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str,
+    out_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, rstd = _forward(x, None, weight, eps, offset, casting)
+    y, _, rstd = _forward(x, None, weight, eps, offset, casting, out_dtype)
     return y, rstd
 
 
@@ -647,7 +659,7 @@ RMS_NORM_BACKWARD = TigonOp("rms_norm_backward", _rms_norm_backward_impl)
 
 
 def _setup_rms_norm(ctx, inputs, output):
-    x, weight, eps, offset, casting = inputs
+    x, weight, eps, offset, casting, _out_dtype = inputs
     _y, rstd = output
     ctx.save_for_backward(x, weight, rstd)
     ctx.eps, ctx.offset, ctx.casting = eps, offset, casting
@@ -657,7 +669,7 @@ def _setup_rms_norm(ctx, inputs, output):
 def _rms_norm_grad(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = RMS_NORM_BACKWARD(dy, x, weight, rstd, None, ctx.eps, ctx.offset, ctx.casting)
-    return dx, (dw if weight is not None else None), None, None, None
+    return dx, (dw if weight is not None else None), None, None, None, None
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
@@ -703,15 +715,22 @@ def _check_args(x, weight, eps, casting, *, residual=None):
         raise ValueError(f"eps must be >= 0, got {eps}")
 
 
-def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama"):
+def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None):
     """RMSNorm over the last dim of ``x``; see the module docstring for the math.
 
     ``weight=None`` means no scale (``offset`` is then unused). Gemma's ``1 + weight`` is
     ``offset=1.0``. Output dtype: llama casting promotes x with the weight (fp32 weights with bf16 x
     give fp32, as transformers does); gemma casting returns x's dtype.
+
+    ``out_dtype`` (a float dtype, or None for the above): the output in that dtype, the same values
+    as ``rms_norm(...).to(out_dtype)`` without the cast's pass over the output, and the gradient
+    taken in that dtype. Under autocast a norm whose output only feeds linear layers (which cast it
+    to the autocast dtype anyway) gives it already cast: ``tigon.nn.RMSNorm.autocast_output``.
     """
     _check_args(x, weight, eps, casting)
-    y, _ = RMS_NORM(x, weight, float(eps), float(offset), casting)
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
+    y, _ = RMS_NORM(x, weight, float(eps), float(offset), casting, out_dtype)
     return y
 
 

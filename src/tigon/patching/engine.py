@@ -218,6 +218,7 @@ class _Classes:
     layer_norm: type | None
     mlp: type | None
     attention: type | None
+    decoder_layer: type | None
 
 
 def _lookup(module, dotted: str):
@@ -248,6 +249,7 @@ def _resolve(family: Family) -> _Classes:
         layer_norm=get(family.layer_norm),
         mlp=get(family.mlp),
         attention=get(family.attention),
+        decoder_layer=get(family.decoder_layer),
     )
     if classes.attention is not None:
         code = classes.attention.forward.__code__
@@ -314,7 +316,21 @@ def _norm_eps(module, path):
 
 def _rms_norm_line(family, classes):
     spec = family.norm
-    return f"{classes.norm.__name__} -> tigon.nn.RMSNorm(casting={spec.casting!r}, offset={spec.offset})"
+    line = f"{classes.norm.__name__} -> tigon.nn.RMSNorm(casting={spec.casting!r}, offset={spec.offset})"
+    if family.projection_norms:
+        line += f"; {'/'.join(family.projection_norms)} give their output in the autocast dtype under autocast"
+    return line
+
+
+def _feeds_projections(sites, family, classes) -> bool:
+    """Whether every place a norm sits is one of the ``projection_norms`` of a decoder layer that runs
+    transformers' own forward (a subclass or a wrapper might route the output elsewhere)."""
+    layer = classes.decoder_layer
+    return layer is not None and all(
+        isinstance(parent, layer) and type(parent).forward is layer.forward and _own_forward(parent) is None
+        and name in family.projection_norms
+        for parent, name in sites
+    )
 
 
 def _layer_norm_line(classes):
@@ -353,6 +369,8 @@ def _plan_rms_norms(plan, root, family, classes):
         size = weight.shape[0]
         new = _on_meta(lambda n=size, e=eps: RMSNorm(n, e, offset=spec.offset, casting=spec.casting))
         new.weight = weight
+        if _feeds_projections(sites, family, classes):
+            new.autocast_output = True
         new.train(old.training)
         plan.add(_SwapModule(old, new, sites), line)
 

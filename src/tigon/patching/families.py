@@ -13,6 +13,14 @@ A row names, in the family's transformers modeling module, what the engine may r
 - ``attention``: the attention class whose forward calls the module-level rotate-half
   ``apply_rotary_pos_emb`` (None where the family's rotary is not rotate-half, e.g. GLM-4's
   interleaved pairs: it keeps its own).
+- ``projection_norms``: the decoder layer's norms whose output goes only into linear projections
+  (attention's q/k/v, the MLP's gate/up), named as attributes of ``<prefix>DecoderLayer``. Under
+  autocast those projections cast it to bf16 anyway, so the patched norm writes that copy itself
+  (``tigon.nn.RMSNorm.autocast_output``). Pre-norm layers: ``input_layernorm`` and
+  ``post_attention_layernorm``; Gemma-2/3's sandwich: ``input_layernorm`` and
+  ``pre_feedforward_layernorm`` (their post-norms feed the residual add); OLMo-2/3 normalise the
+  sublayers' outputs (none); MoE layers only ``input_layernorm`` (the experts' matmuls are not all
+  autocast ops).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
   final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
   MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
@@ -63,14 +71,21 @@ class Family:
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
     router_aux_loss: str | None = None  # name of the load-balancing loss function in the module
+    decoder_layer: str | None = None
+    projection_norms: tuple[str, ...] = ()
 
     @property
     def module_name(self) -> str:
         return f"transformers.models.{self.package}.modeling_{self.package}"
 
 
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
+SANDWICH_NORMS = ("input_layernorm", "pre_feedforward_layernorm")
+MOE_NORMS = ("input_layernorm",)
+
+
 def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="act_fn", rope=True,
-            model=None, **quirks):
+            model=None, projection_norms=PRE_NORMS, **quirks):
     """One row with transformers' usual class names (``<prefix>RMSNorm``, ``<prefix>MLP``, ...)."""
     return Family(
         model_type=model_type,
@@ -80,6 +95,8 @@ def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="ac
         norm=norm(f"{prefix}RMSNorm") if norm else None,
         mlp=Mlp(f"{prefix}MLP", mlp, act_attr) if mlp else None,
         attention=f"{prefix}Attention" if rope else None,
+        decoder_layer=f"{prefix}DecoderLayer" if norm and projection_norms else None,
+        projection_norms=projection_norms if norm else (),
         **quirks,
     )
 
@@ -97,17 +114,20 @@ FAMILIES: dict[str, Family] = {
     for f in (
         _family("llama", "llama", "Llama"),
         _family("mistral", "mistral", "Mistral"),
-        _family("mixtral", "mixtral", "Mixtral", mlp=None, router_aux_loss="load_balancing_loss_func"),
+        _family("mixtral", "mixtral", "Mixtral", mlp=None, router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS),
         _family("qwen2", "qwen2", "Qwen2"),
         _family("qwen3", "qwen3", "Qwen3"),
-        _family("qwen3_moe", "qwen3_moe", "Qwen3Moe", router_aux_loss="load_balancing_loss_func"),
+        _family("qwen3_moe", "qwen3_moe", "Qwen3Moe", router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS),
         _family("gemma", "gemma", "Gemma", norm=_gemma_norm),
-        _family("gemma2", "gemma2", "Gemma2", norm=_gemma_norm, final_logit_softcapping=True),
+        _family("gemma2", "gemma2", "Gemma2", norm=_gemma_norm, final_logit_softcapping=True,
+                projection_norms=SANDWICH_NORMS),
         _family("gemma3_text", "gemma3", "Gemma3", norm=_gemma_norm, model="Gemma3TextModel",
-                final_logit_softcapping=True),
+                final_logit_softcapping=True, projection_norms=SANDWICH_NORMS),
         _family("phi3", "phi3", "Phi3", mlp="fused", act_attr="activation_fn"),
-        _family("olmo2", "olmo2", "Olmo2", norm=_olmo_norm),
-        _family("olmo3", "olmo3", "Olmo3", norm=_olmo_norm),
+        _family("olmo2", "olmo2", "Olmo2", norm=_olmo_norm, projection_norms=()),
+        _family("olmo3", "olmo3", "Olmo3", norm=_olmo_norm, projection_norms=()),
         _family("granite", "granite", "Granite", logits_scaling=True),
         _family("smollm3", "smollm3", "SmolLM3"),
         _family("glm4", "glm4", "Glm4", mlp="fused", act_attr="activation_fn", rope=False),
