@@ -177,3 +177,87 @@ def test_bf16_norm_outputs_need_no_casts():
         counts.append(mode.count)
     layers = model.config.num_hidden_layers
     assert counts[1] - counts[0] == 2 * layers
+
+
+def _qkv_outputs(model, ids):
+    attention = model.model.layers[0].self_attn
+    outputs = {}
+    handles = [
+        getattr(attention, name).register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out))
+        for name in QKV_PROJECTIONS
+    ]
+    with torch.autocast(DEVICE.type, dtype=AUTOCAST):
+        loss = model(input_ids=ids, labels=ids).loss
+    for handle in handles:
+        handle.remove()
+    return loss, [outputs[name] for name in QKV_PROJECTIONS]
+
+
+@pytest.mark.parametrize("norm_output", ("bf16", "fp32"))
+def test_qkv_is_one_node_and_nothing_waits_after_the_forward(norm_output):
+    """q, k, v come from one node whichever dtype the norm gives (bf16: the default patch; fp32: the
+    shared cast), and after the forward nothing is left waiting in the cache."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen2").to(DEVICE)
+    tigon.patch(model)
+    if norm_output == "fp32":
+        for m in model.modules():
+            if getattr(m, "autocast_output", False):
+                m.autocast_output = False
+    loss, (q, k, v) = _qkv_outputs(model, _ids(3))
+    assert q.grad_fn is k.grad_fn is v.grad_fn
+    assert "AutocastQKV" in type(q.grad_fn).__name__
+    cache = model.model.layers[0].self_attn.q_proj._tigon_cast_cache
+    assert not cache._pending  # k_proj and v_proj took their outputs
+    loss.backward()
+    copied = copy.deepcopy(model)  # the group travels, mapped to the copy's own projections
+    attention = copied.model.layers[0].self_attn
+    assert attention.q_proj._tigon_cast_cache.group == tuple(getattr(attention, n) for n in QKV_PROJECTIONS)
+
+
+def test_qkv_node_input_gradient_in_bf16_sums_the_products_once():
+    """With a bf16 input (the norm's bf16 output) the node's input gradient is dv·Wv + dk·Wk + dq·Wq
+    summed by the matmuls: within one bf16 rounding of the fp64 sum; three separate nodes summed
+    by autograd round each product first."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen2").to(DEVICE)
+    tigon.patch(model)
+    attention = model.model.layers[0].self_attn
+    hidden = model.config.hidden_size
+    x = torch.randn(2, 5, hidden, device=DEVICE, dtype=AUTOCAST, requires_grad=True)
+    with torch.autocast(DEVICE.type, dtype=AUTOCAST):
+        outs = [getattr(attention, n)(x) for n in QKV_PROJECTIONS]
+    assert outs[0].grad_fn is outs[2].grad_fn
+    dys = [torch.randn_like(o) for o in outs]
+    (dx,) = torch.autograd.grad(outs, (x,), dys)
+    assert dx.dtype == AUTOCAST
+    want = sum(
+        dy.double().reshape(-1, dy.shape[-1]) @ getattr(attention, n).weight.to(AUTOCAST).double()
+        for dy, n in zip(dys, QKV_PROJECTIONS, strict=True)
+    ).reshape(dx.shape)
+    assert_close(dx, want, AUTOCAST, "dx")
+
+
+def test_sibling_on_another_input_or_alone(models):
+    shared, separate = models
+    attention = shared.model.layers[0].self_attn
+    reference = separate.model.layers[0].self_attn
+    hidden = shared.config.hidden_size
+    x1 = torch.randn(2, 5, hidden, device=DEVICE, requires_grad=True)
+    x2 = torch.randn(2, 5, hidden, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE.type, dtype=AUTOCAST):
+        q = attention.q_proj(x1)
+        k = attention.k_proj(x2)          # not what q_proj's node made k from: computed for x2
+        q_ref, k_ref = reference.q_proj(x1), reference.k_proj(x2)
+        v_alone = attention.v_proj(x1)    # k_proj's call dropped x1's waiting outputs: computed again
+        v_ref = reference.v_proj(x1)
+    for out, ref in ((q, q_ref), (k, k_ref), (v_alone, v_ref)):
+        assert torch.equal(out, ref)
+    (q.float().sum() + k.float().sum()).backward()  # v and two of each node's outputs unused
+    x1.grad = x2.grad = None
+    with torch.autocast(DEVICE.type, dtype=AUTOCAST):
+        attention.q_proj(x1)              # k and v of x1 wait
+        with torch.no_grad():
+            x1.add_(1.0)                  # a new version of x1: what waits may not be returned
+        k = attention.k_proj(x1)
+        assert torch.equal(k, reference.k_proj(x1))

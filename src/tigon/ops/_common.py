@@ -282,6 +282,25 @@ def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return (a @ b).to(dtype)
 
 
+def matmul_accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
+    """out = a @ b (``first``) or out += a @ b, summed in ``out``'s dtype, in place.
+
+    In the operands' dtype the matmul adds its product to ``out`` itself (beta = 1): each sum is
+    rounded once and no product is written on its own. An fp32 ``out`` (the gradient of an fp32
+    tensor) is summed in fp32: on the GPU by the matmul itself (``out_dtype``); elsewhere as autograd
+    sums the products of separate nodes, each rounded to the operands' dtype and widened.
+    """
+    beta = 0.0 if first else 1.0
+    if out.dtype == a.dtype:
+        out.addmm_(a, b, beta=beta)
+    elif out.dtype == torch.float32 and fp32_product_in_place(a):
+        torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
+    elif first:
+        out.copy_(a @ b)
+    else:
+        out += a @ b
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """View ``t`` as ``(rows, last_dim)`` without copying where the strides allow it.
 

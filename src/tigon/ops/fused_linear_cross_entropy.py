@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon.ops._common import check_tensor, fp32_product_in_place
+from tigon.ops._common import check_tensor, matmul_accumulate
 from tigon.ops.cross_entropy import (
     CHUNK_GRAD,
     CHUNK_STATS,
@@ -151,24 +151,6 @@ def _mm_into(out, a, b):
         out.copy_(a @ b)
 
 
-def _accumulate_mm(out, a, b, *, first):
-    """out = a @ b (first) or out + a @ b, summed in ``out``'s dtype.
-
-    In the operands' dtype each chunk's sum is rounded once (drift bounded by MAX_TOKEN_CHUNKS). An
-    fp32 ``out`` (fp32 master weight) is summed in fp32: on the GPU by the matmul itself
-    (``out_dtype``), without a (V, H) temporary in the operands' dtype and a separate addition.
-    """
-    beta = 0.0 if first else 1.0
-    if out.dtype == a.dtype:
-        out.addmm_(a, b, beta=beta)
-    elif fp32_product_in_place(a) and out.dtype == torch.float32:
-        torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
-    elif first:
-        out.copy_(a @ b)
-    else:
-        out += a @ b
-
-
 def _chunk_buffer(numel, dtype, device):
     if torch.compiler.is_compiling():
         return None
@@ -206,7 +188,7 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, chu
         if need_dx:
             _mm_into(dx[c0:c1], dlogits, w)                                # (C, H)
         if need_dw:
-            _accumulate_mm(dw, dlogits.t(), x_c, first=c0 == 0)            # (V, H)
+            matmul_accumulate(dw, dlogits.t(), x_c, first=c0 == 0)            # (V, H)
         if need_db:
             db += dlogits.sum(0, dtype=torch.float32)
     loss_rows = torch.cat(losses) if len(losses) > 1 else losses[0]
@@ -268,7 +250,7 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
         if need_dw:
             _mm_into(dw[c0:c1], dlogits.t(), x)                            # (Vc, H): one matmul, K = N
         if need_dx:
-            _accumulate_mm(dx32, dlogits, w_c, first=i == 0)               # (N, H), fp32 sum over chunks
+            matmul_accumulate(dx32, dlogits, w_c, first=i == 0)               # (N, H), fp32 sum over chunks
         if need_db:
             db[c0:c1] = dlogits.sum(0, dtype=torch.float32)
         logits = None

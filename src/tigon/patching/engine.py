@@ -542,7 +542,7 @@ def _plan_shared_cast(plan, root, classes):
         output = attention._modules.get(OUTPUT_PROJECTION)
         if type(output) is nn.Linear and _own_forward(output) is None:
             projections.append(output)  # its input is in the autocast dtype already: no cast to share
-        cache = CastCache()
+        cache = CastCache(group=tuple(projections[: len(QKV_PROJECTIONS)]))
         for projection in projections:
             plan.add(_SetAttr(projection, CACHE_ATTR, cache))
             plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))

@@ -8,13 +8,17 @@ needed at Llama-3.2-1B's 8192 tokens × 2048 (1 GB over its 16 layers). Each lin
 bf16 copy of its weight that autocast made, until the backward: 2 bytes per projection parameter
 (0.34 GB at Llama-3.2-1B, 0.74 GB at Gemma-2-2B) while the fp32 weights are there anyway.
 
-Here each projection (``o_proj`` too) runs :class:`_AutocastLinear`: the input is cast once per
-attention module (:class:`CastCache`) and that one cast is what the three nodes save; the weight is
-cast in the forward and again in the backward instead of being saved. The backward makes the same
-products as the stock linear's (``dy·W`` for the input, ``dyᵀ·x`` for the weight, ``Σ dy`` for the
-bias, in the autocast dtype) and casts them back to the dtypes of input, weight and bias as
-autocast's casts do; each node returns its own fp32 input gradient and autograd sums the three in
-fp32 as for the stock casts: losses and gradients are bitwise the stock ones. On the GPU the fp32
+Here q, k and v run as one node (:class:`_AutocastQKV`) and ``o_proj`` as :class:`_AutocastLinear`:
+the input is cast once per attention module (:class:`CastCache`) and that one cast is what the node
+saves; the weights are cast in the forward and again in the backward instead of being saved. The
+backward makes the same products as the stock linears' (``dy·W`` for the input, ``dyᵀ·x`` for the
+weight, ``Σ dy`` for the bias, in the autocast dtype) and returns them in the dtypes of input, weight
+and bias as autocast's casts do. The three input gradients are summed by the matmuls into one
+buffer, in the order and the dtype autograd summed the stock casts' (fp32), so that losses and
+gradients are bitwise the stock ones on the CPU; no (tokens, hidden) gradient is written three times
+and added twice. When the norm before the attention gives its output in bf16 already (the default
+patch: ``tigon.nn.RMSNorm.autocast_output``) there is no cast at all, and the input gradient is
+summed in bf16, each sum rounded once. On the GPU the fp32
 gradients (of an fp32 input, of an fp32 weight) are written in fp32 by the matmuls themselves
 (:func:`tigon.ops._common.matmul_to`): their accumulators are not rounded to bf16 first, so those
 gradients, and every gradient upstream of them, are nearer the exact ones than the stock's, and a
@@ -30,7 +34,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._common import matmul_to
+from tigon.ops._common import matmul_accumulate, matmul_to
 
 
 class _AutocastLinear(torch.autograd.Function):
@@ -59,13 +63,83 @@ class _AutocastLinear(torch.autograd.Function):
         return dx, None, dw, db, None
 
 
+class _AutocastQKV(torch.autograd.Function):
+    """q, k and v of one attention module as one node: each ``F.linear(cast, W.to(dtype), b.to(dtype))``.
+
+    The same products as three :class:`_AutocastLinear` nodes, and the input gradient
+    ``dv·Wv + dk·Wk + dq·Wq`` summed by the matmuls themselves into one buffer
+    (:func:`tigon.ops._common.matmul_accumulate`) instead of written three times and added by autograd
+    (two addition kernels of the whole activation): v, k, q, the order autograd summed the separate
+    nodes' gradients in. In the autocast dtype (a bf16 input: the norm gave it in bf16) each sum is
+    rounded once, the products are not; an fp32 input's gradient is summed in fp32 (on the CPU
+    bitwise as autograd summed the separate nodes').
+    """
+
+    @staticmethod
+    def forward(ctx, x, cast, dtype, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias):
+        ctx.set_materialize_grads(False)  # an unused output gets no gradient, not a zero one
+        ctx.save_for_backward(cast, q_weight, k_weight, v_weight)
+        ctx.x_dtype, ctx.dtype = x.dtype, dtype
+        biases = (q_bias, k_bias, v_bias)
+        ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in biases)
+        return tuple(
+            F.linear(cast, w.to(dtype), b.to(dtype) if b is not None else None)
+            for w, b in zip((q_weight, k_weight, v_weight), biases, strict=True)
+        )
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cast, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # x, cast, dtype, then (weight, bias) of q, k, v
+        grads = [None] * len(needs)
+        cast2 = cast.reshape(-1, cast.shape[-1])                                  # (M, I)
+        dx = None
+        for i in (2, 1, 0):  # v, k, q
+            dy = (dq, dk, dv)[i]
+            if dy is None:
+                continue
+            dy2 = dy.reshape(-1, dy.shape[-1])                                    # (M, O)
+            weight = weights[i]
+            if needs[0]:
+                first = dx is None
+                if first:
+                    dx = torch.empty(cast2.shape, dtype=ctx.x_dtype, device=cast.device)
+                matmul_accumulate(dx, dy2, weight.to(ctx.dtype), first=first)     # (M, I)
+            if needs[3 + 2 * i]:
+                grads[3 + 2 * i] = matmul_to(dy2.t(), cast2, weight.dtype)        # (O, I)
+            if needs[4 + 2 * i]:
+                grads[4 + 2 * i] = dy2.sum(0).to(ctx.bias_dtypes[i])
+        grads[0] = dx.view(cast.shape) if dx is not None else None
+        return tuple(grads)
+
+
 class CastCache:
     """The last input the projections of one attention module saw, and its cast (both held weakly:
-    the nodes that saved the cast keep it alive exactly as long as the backward needs it)."""
+    the nodes that saved the cast keep it alive exactly as long as the backward needs it).
 
-    def __init__(self):
+    ``group`` (set by the patch): the module's q, k and v projections, computed as one node
+    (:class:`_AutocastQKV`) by whichever of them sees an input first; the other two outputs wait
+    here for their own projection's call on the same input (same tensor, same version), which takes
+    them. A call on another input drops what waits.
+    """
+
+    def __init__(self, group=None):
         self._input = self._cast = None
         self._version = self._dtype = None
+        self.group = group
+        self._pending = {}
+        self._pending_input = self._pending_version = None
+
+    def put(self, x: torch.Tensor, outputs: dict) -> None:
+        self._pending = outputs
+        self._pending_input, self._pending_version = weakref.ref(x), x._version
+
+    def take(self, projection, x: torch.Tensor):
+        """The output made for ``projection`` from this very input, or None."""
+        if self._pending and self._pending_input() is x and self._pending_version == x._version:
+            return self._pending.pop(projection, None)
+        self._pending = {}
+        return None
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self._input is not None and self._input() is x and self._version == x._version and self._dtype == dtype:
@@ -77,11 +151,11 @@ class CastCache:
         self._version, self._dtype = x._version, dtype
         return cast
 
-    def __getstate__(self):  # pickling or deep-copying a patched model drops the references
-        return {}
+    def __getstate__(self):  # pickling or deep-copying a patched model drops the tensors
+        return {"group": self.group}
 
     def __setstate__(self, state):
-        self.__init__()
+        self.__init__(state.get("group"))
 
 
 CACHE_ATTR = "_tigon_cast_cache"
@@ -104,9 +178,26 @@ def shared_cast_linear(self, input):
         self.bias is not None and self.bias.dtype not in eligible
     ):
         return F.linear(input, self.weight, self.bias)
-    cast = input if input.dtype == dtype else getattr(self, CACHE_ATTR).cast(input, dtype)
+    cache = getattr(self, CACHE_ATTR)
+    group = cache.group
+    if group is not None and self in group:
+        output = cache.take(self, input)
+        if output is not None:
+            return output
+        if all(_eligible(p, eligible) for p in group):
+            cast = input if input.dtype == dtype else cache.cast(input, dtype)
+            parameters = [t for p in group for t in (p.weight, p.bias)]
+            with torch.autocast(device_type, enabled=False):
+                outputs = _AutocastQKV.apply(input, cast, dtype, *parameters)
+            cache.put(input, {p: out for p, out in zip(group, outputs, strict=True) if p is not self})
+            return outputs[group.index(self)]
+    cast = input if input.dtype == dtype else cache.cast(input, dtype)
     with torch.autocast(device_type, enabled=False):
         return _AutocastLinear.apply(input, cast, self.weight, self.bias, dtype)
+
+
+def _eligible(projection, dtypes) -> bool:
+    return projection.weight.dtype in dtypes and (projection.bias is None or projection.bias.dtype in dtypes)
 
 
 shared_cast_linear._tigon = True
