@@ -25,6 +25,7 @@ from tests.helpers import (
     fp64_reference,
     noncontiguous,
     randn,
+    rel_err,
     repeatable_grads,
     stride0_like,
 )
@@ -132,8 +133,9 @@ NARROWING_CASES = (
 @pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
 def test_rms_norm_out_dtype_is_the_cast_output(x_dtype, w_dtype, out_dtype, hidden, casting, offset):
     """A narrower ``out_dtype`` gives bitwise ``rms_norm(...).to(out_dtype)``, and its gradient
-    (taken in out_dtype) bitwise the gradients through that cast: the cast's backward widens the same
-    dy exactly, and the kernel upcasts whatever dy it reads."""
+    (taken in out_dtype) the gradients through that cast: the cast's backward widens the same dy
+    exactly and the kernel upcasts whatever dy it reads, but on the GPU a kernel compiled for a bf16
+    dy may sum its row in another order than one for an fp32 dy (the last bit of an fp32 gradient)."""
     x = randn(3, 7, hidden, dtype=x_dtype, requires_grad=True)
     w = randn(hidden, dtype=w_dtype, requires_grad=True)
     dy = randn(3, 7, hidden, dtype=out_dtype)
@@ -142,8 +144,9 @@ def test_rms_norm_out_dtype_is_the_cast_output(x_dtype, w_dtype, out_dtype, hidd
     assert y.dtype == out_dtype and torch.equal(y, want)
     got_grads = torch.autograd.grad(y, (x, w), dy)
     want_grads = torch.autograd.grad(want, (x, w), dy)
-    for g, wg in zip(got_grads, want_grads, strict=True):
-        assert g.dtype == wg.dtype and torch.equal(g, wg)
+    for name, g, wg in zip(("dx", "dw"), got_grads, want_grads, strict=True):
+        assert g.dtype == wg.dtype
+        assert torch.equal(g, wg) if not ON_GPU else rel_err(g, wg) <= 1e-6, name
 
 
 @pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
@@ -493,6 +496,6 @@ def test_rms_norm_out_dtype_torch_compile_fullgraph():
     grads = torch.autograd.grad(loss, (x, w))
     ref_loss = f(x, w)
     ref_grads = torch.autograd.grad(ref_loss, (x, w))
-    assert torch.equal(loss, ref_loss)
+    assert_close(loss, ref_loss, torch.float32, "loss")  # Inductor sums the squares in its own order
     for g, rg in zip(grads, ref_grads, strict=True):
         assert_close(g, rg, torch.bfloat16, "grad")
