@@ -258,13 +258,17 @@ def test_chunk_plan_at_benchmark_shapes(hidden, vocab, tokens_expected):
 @pytest.mark.parametrize("hidden,vocab", ((896, 151936), (2048, 128256), (2304, 256000), (4096, 128256)))
 def test_chunk_plan_fp32_master_weight(hidden, vocab):
     """Mixed precision (bf16 logits, fp32 input and weight gradients, as the e2e benchmark trains):
-    dW is summed in fp32, so token chunks are used past MAX_TOKEN_CHUNKS, each of at least
-    MIN_FP32_TOKEN_CHUNK tokens, and the chunk of logits stays within the budget."""
-    tokens = 8192
-    plan = chunk_plan(tokens, vocab, hidden, 2, dx_size=4, dw_size=4)
-    gradient_bytes = (tokens + vocab) * hidden * 4
-    assert plan.by_tokens and plan.size >= flce_module.MIN_FP32_TOKEN_CHUNK
-    assert plan.size * vocab * 2 <= flce_module.WORKSPACE_FRACTION * gradient_bytes
+    dW is summed in fp32, so token chunks are used past MAX_TOKEN_CHUNKS, each of FP32_TOKEN_CHUNK
+    tokens at least (fewer chunks: each reads and writes the fp32 dW), and the chunk of logits stays
+    within the budget or that many tokens of logits."""
+    for tokens in (8192, 4096, 1500):
+        plan = chunk_plan(tokens, vocab, hidden, 2, dx_size=4, dw_size=4)
+        gradient_bytes = (tokens + vocab) * hidden * 4
+        assert plan.by_tokens and plan.size >= min(tokens, flce_module.FP32_TOKEN_CHUNK)
+        budget = max(flce_module.WORKSPACE_FRACTION * gradient_bytes, flce_module.FP32_TOKEN_CHUNK * vocab * 2)
+        assert plan.size * vocab * 2 <= budget
+    # bf16 weights (the benchmark's): the budget alone, as before
+    assert chunk_plan(8192, 151936, 896, 2) == chunk_plan(8192, 151936, 896, 2, dw_size=2)
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -71,8 +71,14 @@ MIN_WORKSPACE_BYTES = 64 << 20
 # By tokens, dW is a sum of this many partials at most in the weight's dtype (accuracy, see above).
 MAX_TOKEN_CHUNKS = 12
 # By tokens with an fp32 dW, each chunk's dW matmul reads and writes all of dW (8·V·H bytes) for
-# 2·C·V·H flops: at C ≥ 512 tokens that is ≥ 128 flops per byte, near the H100's balance point.
+# 2·C·V·H flops, C/4 flops per byte: at C ≥ 512 tokens that is ≥ 128 flops per byte.
 MIN_FP32_TOKEN_CHUNK = 512
+# ... and the H100's matmul needs ~300 flops per byte (990 Tflop/s over 3.35 TB/s) not to wait on
+# that read and write: with an fp32 dW, token chunks get at least this many tokens (when there are
+# as many) even past the workspace budget, C·V·2 bytes of logits (1 GB at V = 256000). Measured in
+# the e2e profiles before: Qwen2.5-0.5B's 16 chunks of 512 tokens spent 9.5 ms in dW matmuls whose
+# flops take 3.2, Gemma-2-2B's 4 chunks of 1024 tokens 2.7 ms per accumulating chunk against 1.6 ms.
+FP32_TOKEN_CHUNK = 2048
 # Chunk sizes are multiples of these (whole matmul tiles; column blocks of the CE kernel).
 TOKEN_ALIGN = 64
 CLASS_ALIGN = 256
@@ -97,14 +103,17 @@ def chunk_plan(
     ``dx_size`` and ``dw_size`` are the element sizes of the gradients returned for the input and
     the weight (default: ``elem_size``). An fp32 weight gradient (the fp32 master weight of mixed
     precision) is summed over token chunks in fp32, so the MAX_TOKEN_CHUNKS accuracy limit does not
-    apply to it; its chunks are only kept at MIN_FP32_TOKEN_CHUNK tokens or more, the K of the dW
-    matmul at which it stays bound by its flops rather than by the read and write of dW.
+    apply to it; its chunks get FP32_TOKEN_CHUNK tokens at least, past the workspace budget if need
+    be, so that the dW matmul (K = the chunk's tokens) is bound by its flops rather than by the read
+    and write of the fp32 dW.
     """
     dx_size = elem_size if dx_size is None else dx_size
     dw_size = elem_size if dw_size is None else dw_size
     gradient_bytes = num_tokens * hidden * dx_size + vocab * hidden * dw_size
     workspace = max(WORKSPACE_FRACTION * gradient_bytes, MIN_WORKSPACE_BYTES)
     tokens_fit = int(workspace // (vocab * elem_size))
+    if dw_size >= 4:
+        tokens_fit = max(tokens_fit, FP32_TOKEN_CHUNK)
     if tokens_fit >= num_tokens:
         return ChunkPlan(True, max(num_tokens, 1))
     tokens_fit = tokens_fit // TOKEN_ALIGN * TOKEN_ALIGN
