@@ -205,20 +205,35 @@ _I32 = (-(2**31), 2**31 - 1)
 _U64 = 2**63
 
 
+_INT_KEYS: dict = {}  # int -> its specialization; ints are sizes and strides, a few hundred values
+_INT_KEYS_MAX = 4096
+
+
+def _int_key(a: int):
+    key = (a == 1, a & 15 == 0, 0 if _I32[0] <= a <= _I32[1] else 1 if a < _U64 else 2)
+    if len(_INT_KEYS) < _INT_KEYS_MAX:
+        _INT_KEYS[a] = key
+    return key
+
+
 def _specialization_key(args, kwargs, constexpr_positions=()):
-    """The key :class:`FastLaunch` caches a compiled kernel under, or None to take Triton's path."""
-    key = [torch.cuda.current_device()]
+    """The key :class:`FastLaunch` caches a compiled kernel under, or None to take Triton's path.
+
+    This runs on every eager launch (a few hundred a training step), so it is kept lean: one entry
+    per tensor, ints' specializations looked up rather than recomputed.
+    """
+    key = [_current_device()]
     append = key.append
     for i in constexpr_positions:
         if i < len(args):
             append(("constexpr", i, args[i]))
+    int_keys = _INT_KEYS
     for a in args:
         t = type(a)
-        if t in _PLAIN_TENSORS:
-            append(a.dtype)
-            append(a.data_ptr() & 15 == 0)
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            append((a.dtype, not a.data_ptr() & 15))
         elif t is int:
-            append((a == 1, a & 15 == 0, 0 if _I32[0] <= a <= _I32[1] else 1 if a < _U64 else 2))
+            append(int_keys.get(a) or _int_key(a))
         elif t is float:
             append(float)
         elif t is bool or a is None:
@@ -228,6 +243,11 @@ def _specialization_key(args, kwargs, constexpr_positions=()):
     for item in kwargs.items():
         append(item)
     return tuple(key)
+
+
+# torch.cuda.current_device() without its Python wrapper (lazy init check, device-index conversion):
+# FastLaunch only runs after a kernel has run through Triton on this process's GPU.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | None = None) -> None:
