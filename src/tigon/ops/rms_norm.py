@@ -551,7 +551,7 @@ def _norm_backward_launch(
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def output_dtype(x_dtype, weight_dtype, casting):
+def _output_dtype(x_dtype, weight_dtype, casting):
     """The dtype transformers' norm returns: llama casting promotes x with the weight (fp32 weights
     with bf16 x give fp32), gemma casting keeps x's."""
     return torch.promote_types(x_dtype, weight_dtype) if (casting == "llama" and weight_dtype is not None) else x_dtype
@@ -560,14 +560,14 @@ def output_dtype(x_dtype, weight_dtype, casting):
 def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     """Launch the forward on any-shaped x; returns (y, s or None, rstd) with y, s shaped like x.
 
-    ``out_dtype`` (None: :func:`output_dtype`) is y's dtype: the kernel rounds its fp32 result to it
+    ``out_dtype`` (None: :func:`_output_dtype`) is y's dtype: the kernel rounds its fp32 result to it
     once, as a cast of the reference's output would.
     """
     hidden = x.shape[-1]
     x2 = as_rows(x)
     num_rows = x2.shape[0]
     llama = casting == "llama"
-    y_dtype = out_dtype or output_dtype(x.dtype, weight.dtype if weight is not None else None, casting)
+    y_dtype = out_dtype or _output_dtype(x.dtype, weight.dtype if weight is not None else None, casting)
     y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
@@ -722,9 +722,9 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None
     ``offset=1.0``. Output dtype: llama casting promotes x with the weight (fp32 weights with bf16 x
     give fp32, as transformers does); gemma casting returns x's dtype.
 
-    ``out_dtype`` (a float dtype, or None for the above): the output in that dtype, the same values
-    as ``rms_norm(...).to(out_dtype)`` without the cast's pass over the output, and the gradient
-    taken in that dtype. Under autocast a norm whose output only feeds linear layers (which cast it
+    ``out_dtype`` (a float dtype, or None for the above): the fp32 result rounded once to that dtype
+    (for a narrower one, bitwise ``rms_norm(...).to(out_dtype)`` without the cast's pass over the
+    output), and the gradient taken in that dtype. Under autocast a norm whose output only feeds linear layers (which cast it
     to the autocast dtype anyway) gives it already cast: ``tigon.nn.RMSNorm.autocast_output``.
     """
     _check_args(x, weight, eps, casting)
