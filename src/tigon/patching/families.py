@@ -19,8 +19,8 @@ A row names, in the family's transformers modeling module, what the engine may r
   (``tigon.nn.RMSNorm.autocast_output``). Pre-norm layers: ``input_layernorm`` and
   ``post_attention_layernorm``; Gemma-2/3's sandwich: ``input_layernorm`` and
   ``pre_feedforward_layernorm`` (their post-norms feed the residual add); OLMo-2/3 normalise the
-  sublayers' outputs (none); MoE layers only ``input_layernorm`` (the experts' matmuls are not all
-  autocast ops).
+  sublayers' outputs (none); MoE layers only ``input_layernorm`` (the MoE block's expert matmuls go
+  through transformers' experts dispatch, not checked here to treat a bf16 input as they treat fp32).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
   final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
   MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
