@@ -174,25 +174,22 @@ def shared_cast_linear(self, input):
         return F.linear(input, self.weight, self.bias)
     dtype = torch.get_autocast_dtype(device_type)
     eligible = (torch.float32, dtype)  # what autocast casts to dtype (or leaves as it is)
-    if dtype == torch.float32 or input.dtype not in eligible or self.weight.dtype not in eligible or (
-        self.bias is not None and self.bias.dtype not in eligible
-    ):
+    if dtype == torch.float32 or input.dtype not in eligible or not _eligible(self, eligible):
         return F.linear(input, self.weight, self.bias)
     cache = getattr(self, CACHE_ATTR)
     group = cache.group
-    if group is not None and self in group:
+    in_group = group is not None and self in group
+    if in_group:
         output = cache.take(self, input)
         if output is not None:
             return output
-        if all(_eligible(p, eligible) for p in group):
-            cast = input if input.dtype == dtype else cache.cast(input, dtype)
-            parameters = [t for p in group for t in (p.weight, p.bias)]
-            with torch.autocast(device_type, enabled=False):
-                outputs = _AutocastQKV.apply(input, cast, dtype, *parameters)
-            cache.put(input, {p: out for p, out in zip(group, outputs, strict=True) if p is not self})
-            return outputs[group.index(self)]
     cast = input if input.dtype == dtype else cache.cast(input, dtype)
     with torch.autocast(device_type, enabled=False):
+        if in_group and all(_eligible(p, eligible) for p in group):
+            parameters = [t for p in group for t in (p.weight, p.bias)]
+            outputs = _AutocastQKV.apply(input, cast, dtype, *parameters)
+            cache.put(input, {p: out for p, out in zip(group, outputs, strict=True) if p is not self})
+            return outputs[group.index(self)]
         return _AutocastLinear.apply(input, cast, self.weight, self.bias, dtype)
 
 
