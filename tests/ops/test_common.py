@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from tests.helpers import ON_GPU, randn
-from tigon.ops._common import cache_by_size, matmul_to
+from tests.helpers import DEVICE, ON_GPU, randn
+from tigon.ops._common import cache_by_size, copysign_nonnegative, fast_exp, fast_reciprocal, matmul_to
 
 
 class _SymbolicSize(int):
@@ -49,3 +51,35 @@ def test_matmul_to_fp32_is_the_unrounded_product_on_the_gpu(dtype):
     err = ((got.double() - exact).norm() / exact.norm()).item()
     err_rounded = ((rounded.double() - exact).norm() / exact.norm()).item()
     assert got.dtype == torch.float32 and err < 1e-5 < err_rounded, (err, err_rounded)
+
+
+@triton.jit
+def _transcendentals_kernel(x_ptr, exp_ptr, rcp_ptr, sign_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask, other=1.0)
+    tl.store(exp_ptr + offsets, fast_exp(x), mask=mask)
+    tl.store(rcp_ptr + offsets, fast_reciprocal(x), mask=mask)
+    tl.store(sign_ptr + offsets, copysign_nonnegative(tl.abs(x * 3.0), x), mask=mask)
+
+
+def test_fast_transcendentals_match_fp64():
+    """fast_exp within the ex2 approximation's few ulp (relative 2^-21 plus what the argument's
+    rounding carries: |x|·2^-24), flushing to 0 only below 2^-126; fast_reciprocal within 1 ulp
+    (PTX rcp.approx.ftz on the GPU, a division in the interpreter); copysign exact, -0 included."""
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 80.0, -80.0, -87.0, -88.0, -104.0, -120.0],
+                           device=DEVICE)
+    x = torch.cat([special, randn(1000, scale=20.0)])
+    got_exp, got_rcp, got_sign = (torch.empty_like(x) for _ in range(3))
+    _transcendentals_kernel[(triton.cdiv(x.numel(), 256),)](x, got_exp, got_rcp, got_sign, x.numel(), BLOCK=256)
+    x64 = x.double()
+    exact_exp = x64.exp()
+    normal = exact_exp >= 2.0**-126
+    exp_err = ((got_exp.double() - exact_exp).abs() / exact_exp)[normal]
+    assert (exp_err <= 2.0**-21 + x64.abs()[normal] * 2.0**-24 * 1.5).all(), exp_err.max()
+    assert (got_exp[~normal] <= 2.0**-126).all()
+    nonzero = x != 0
+    exact_rcp = 1.0 / x64[nonzero]
+    assert ((got_rcp.double()[nonzero] - exact_rcp).abs() <= exact_rcp.abs() * 2.0**-23).all()
+    expected_sign = torch.copysign((x * 3.0).abs(), x)
+    assert torch.equal(got_sign.view(torch.int32), expected_sign.view(torch.int32))

@@ -42,6 +42,7 @@ TRANSFORMS = {
     "z_loss+softcap": dict(z_loss=1e-2, softcap=4.0),
     "z_loss+scale": dict(z_loss=1e-2, logit_scale=2.0),
     "softcap+scale": dict(softcap=4.0, logit_scale=2.0),
+    "softcap+negative scale": dict(softcap=4.0, logit_scale=-1.5),  # the sign of σ folded into κ
     "all": dict(z_loss=1e-2, softcap=4.0, logit_scale=0.5),
 }
 ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=0.7)
@@ -207,6 +208,27 @@ def test_cross_entropy_huge_logits(dtype, vocab):
     logits.requires_grad_()
     loss = check_cross_entropy(logits, make_target((3,), vocab, ignored=0), reduction="none", z_loss=1e-4)
     assert torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("vocab", (64, MAX_SINGLE_BLOCK_V + 100))
+def test_cross_entropy_softcap_saturated(dtype, vocab):
+    """Logits far past the softcap (|σ·l/κ| from 0 to ~100): the slope σ·(1 − tanh²u) is tiny but
+    not 0 until e^(−2|u|) leaves fp32's range, and the kernel must get it to relative accuracy.
+    fp64 autograd cannot be the reference here: its 1 − tanh² cancels to 0 once tanh rounds to ±1
+    (|u| > 19). The exact gradient is ∂loss/∂z · σ/cosh²(u), from the reference's ∂loss/∂z."""
+    softcap, logit_scale = 30.0, 0.5
+    logits = randn(3, vocab, scale=2e3).to(dtype).requires_grad_()
+    target = make_target((3,), vocab, ignored=0)
+    loss = cross_entropy(logits, target, reduction="none", softcap=softcap, logit_scale=logit_scale)
+    g = randn(3)
+    (dlogits,) = torch.autograd.grad(loss, logits, g)
+    u = logits.detach().double() * (logit_scale / softcap)
+    z = (softcap * torch.tanh(u)).requires_grad_()
+    ref = cross_entropy_reference(z, target, reduction="none")
+    (dz,) = torch.autograd.grad(ref, z, g.double())
+    assert_close(loss, ref, torch.float32, "loss", tolerance=LOSS_TOLERANCE)
+    assert_close(dlogits, dz * logit_scale / torch.cosh(u).square(), dtype, "dlogits")
 
 
 @pytest.mark.parametrize("reduction", ("mean", "sum", "none"))

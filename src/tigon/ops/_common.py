@@ -455,3 +455,45 @@ def as_fp32(value):
     interpreter's plain Python float into a scalar tensor.
     """
     return (tl.zeros((), tl.float32) + value).to(tl.float32)
+
+
+# ------------------------------------------------------------------ transcendentals in few instructions
+# A kernel whose loop evaluates exp or tanh on every element of a streamed row (cross-entropy with
+# softcap: three per element and pass) is bound by instruction issue, not by memory, unless each
+# costs little more than its one MUFU instruction. Measured on the sm_90 SASS (scripts/
+# kernel_resources.py): ``tl.exp`` is 5 instructions (ptxas guards the non-ftz ex2 against a
+# denormal result: a compare, two predicated multiplies), an fp32 ``/`` is 7 (div.full's range
+# guards); the forms below are 1-2 and 1.
+
+LOG2E = tl.constexpr(1.4426950408889634)
+SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
+# Inline PTX only where a CUDA compiler reads it: the interpreter (and ROCm) take the plain division.
+PTX_MATH = tl.constexpr(not interpreter_active() and torch.version.hip is None)
+
+
+@triton.jit
+def fast_exp(x):
+    """e^x as ``ex2.approx.ftz(x·log2 e)``: the MUFU instruction ``tl.exp`` uses (2 ulp), without the
+    denormal fix-up. A result below 2^-126 flushes to 0: negligible beside any sum it joins that holds
+    a term of at least 1 (a softmax's, shifted by its maximum). Take the difference before calling
+    (``fast_exp(z - m)``, not ``exp2(z·log2 e − m·log2 e)``): its absolute error is what the
+    exponent carries into a relative error of the result."""
+    return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def fast_reciprocal(x):
+    """1/x as one ``rcp.approx.ftz`` (≤ 1 ulp) for x of normal magnitude (no range guards: the caller
+    knows x, e.g. in (1, 2]); the interpreter divides."""
+    if PTX_MATH:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def copysign_nonnegative(magnitude, sign):
+    """``magnitude`` (≥ 0, its sign bit clear) with the sign of ``sign``: one bitwise instruction."""
+    bits = magnitude.to(tl.int32, bitcast=True) | (sign.to(tl.int32, bitcast=True) & SIGN_BIT)
+    return bits.to(tl.float32, bitcast=True)
