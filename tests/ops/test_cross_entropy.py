@@ -408,14 +408,28 @@ def test_variants_select_their_geometry(variant):
     # the fused linear loss's vocabulary chunks always take the wide setting
     chunk_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, streamed=True)
     assert chunk_cfg.prefetch == ce_module.STREAM_WIDE_PREFETCH and chunk_cfg.first_read_policy == ce_module.EVICT_NORMAL
+    # softcap rows, bound by MUFU rather than load latency, take their own prefetch, streamed or not,
+    # and the L2 hints whatever their bytes in flight (not the vocabulary chunks, which never do)
+    for streamed in (False, True):
+        softcap_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, softcap=True, streamed=streamed)
+        assert softcap_cfg.single_block or softcap_cfg.prefetch == ce_module.STREAM_SOFTCAP_PREFETCH
+        hinted = not streamed and ce_module.STREAM_L2_HINTS and not softcap_cfg.single_block
+        assert (softcap_cfg.first_read_policy == ce_module.EVICT_LAST) == hinted
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("options", ("plain", "all"))
+@pytest.mark.parametrize("options", ("plain", "all", "softcap_running_max"))
 def test_variants_dtypes(variant, dtype, options):
-    logits = randn(5, VARIANT_VOCAB, scale=3.0, dtype=dtype, requires_grad=True)
+    """Every geometry; "all" takes the softcap's fixed shift (κ = 5 ≤ MAX_SHIFT_SOFTCAP), the last
+    option a softcap too large for it (the running maximum, with logits of up to ~100)."""
+    logits = randn(5, VARIANT_VOCAB, scale=3.0 if options != "softcap_running_max" else 30.0, dtype=dtype,
+                   requires_grad=True)
     target = _variant_target(5, VARIANT_VOCAB)
-    kwargs = dict(ALL_OPTIONS, weight=class_weight(VARIANT_VOCAB), reduction="none") if options == "all" else {}
+    kwargs = {}
+    if options != "plain":
+        kwargs = dict(ALL_OPTIONS, weight=class_weight(VARIANT_VOCAB), reduction="none")
+    if options == "softcap_running_max":
+        kwargs["softcap"] = ce_module.MAX_SHIFT_SOFTCAP + 20.0
     check_cross_entropy(logits, target, **kwargs)
 
 

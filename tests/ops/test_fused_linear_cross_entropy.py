@@ -94,6 +94,16 @@ def test_flce_chunked(plan, dtype, reduction):
     check_flce(x, w, target, b, reduction=reduction, weight=weight, **ALL_OPTIONS)
 
 
+@pytest.mark.parametrize("plan", ("tokens", "classes"), indirect=True)
+@pytest.mark.parametrize("softcap", (30.0, 60.0), ids=("fixed_shift", "running_max"))
+def test_flce_chunked_softcap(plan, softcap):
+    """Class chunks carry each row's (max, Σ exp) from chunk to chunk: with softcap ≤
+    MAX_SHIFT_SOFTCAP every chunk shifts by κ, past it by the running maximum."""
+    x, w, b = make_inputs((10,), 24, 300, torch.float32, bias=True)
+    x = x * 4.0  # logits of tens: some tanh saturated
+    check_flce(x, w, make_target((10,), 300, ignored=2), b, reduction="sum", softcap=softcap, logit_scale=1.5)
+
+
 @pytest.mark.parametrize("plan", ("default", "tokens", "classes"), indirect=True)
 def test_flce_3d_input(plan):
     x, w, _ = make_inputs((2, 3), 16, 260, torch.bfloat16)

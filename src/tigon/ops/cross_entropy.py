@@ -49,6 +49,13 @@ scripts/tune_ce.py):
   50 MB, about a third at 256000). Fewer programs (``STREAM_PROGRAMS_PER_SM`` < 1, or the cap
   ``STREAM_L2_BUDGET_BYTES`` on programs × row bytes) trade SMs for L2 hits; ``STREAM_L2_HINTS``
   marks pass 1's reads evict_last and pass 2's reads and the gradient stores evict_first.
+- Softcap shift: softcapped logits lie in [−κ, κ], so κ is as good a softmax shift as the row's
+  maximum (e^(z − κ) ≥ e^(−2κ) stays a normal fp32 number for κ ≤ ``MAX_SHIFT_SOFTCAP``). The
+  streamed pass 1 then needs no running maximum: each lane adds e^(z − κ) into its own sum, and the
+  lanes are reduced once after the row, not once a block (no cross-warp reduction, no barrier in
+  the loop). With three MUFU instructions an element in each pass (two for tanh, one for the
+  exponential) softcap rows are bound by the MUFU pipe rather than by memory, so every
+  instruction saved around them shows (benchmarks/results/tune_ce-*fast-transcendentals.log).
 
 Every regime computes the same formulas in fp32 with a fixed order of reductions per geometry
 (no atomics): deterministic, and any two geometries agree to fp32 rounding.
@@ -89,6 +96,7 @@ from tigon.ops._common import (
     copysign_nonnegative,
     fast_exp,
     fast_reciprocal,
+    reciprocal_1_to_2,
     next_power_of_2,
     persistent_programs,
     wrap_triton,
@@ -102,24 +110,45 @@ TARGET_DTYPES = (torch.int64, torch.int32)
 
 
 @triton.jit
-def _softcapped(l, logit_scale, softcap, softcap_scale):
-    """(z, ∂z/∂l) for z = κ·tanh(u), u = σ·l/κ (softcap_scale = σ/κ).
+def _tanh_parts(l, softcap_scale, RECIPROCAL_ON_FMA: tl.constexpr = False):
+    """(t, e·r, r) with t = tanh(|σ/κ|·l), e = e^(−2|σ·l/κ|), r = 1/(1 + e) (softcap_scale = σ/κ).
 
-    tanh(u) = sign(u)·(1 − e)/(1 + e) with e = e^(−2|u|) ∈ (0, 1] (no overflow for any u), and
-    (1 − e)/(1 + e) = r − e·r with r = 1/(1 + e), 1 + e ∈ (1, 2]: a reciprocal that needs no range
-    guard. The slope σ·(1 − tanh²u) is taken as σ·4e·r²: 1 − t² from a rounded t ≈ ±1 cancels (a 6%
-    error at |u| ≈ 7 in fp32), 4e/(1 + e)² does not. With the constants folded into scalars
-    (e = 2^(c·|l|), c = −2·log2(e)·|σ/κ|; the sign of σ on κ) and the sign of z set by a bitwise or,
-    z costs 6 instructions an element (two of them MUFU) where ``tl.exp`` and ``/`` took 18 (see
-    _common's transcendentals), and the slope 3 more.
+    tanh(a) = sign(a)·(1 − e)/(1 + e) with e = e^(−2|a|) ∈ (0, 1] (no overflow for any a), and
+    (1 − e)/(1 + e) = r − e·r with 1 + e ∈ (1, 2]: a reciprocal that needs no range guard. With the
+    constants folded into one scalar (e = 2^(c·|l|), c = −2·log2(e)·|σ/κ|) and the sign set by a
+    bitwise or, t costs 6 instructions an element, two of them MUFU, where tanh from ``tl.exp`` and
+    ``/`` took 18 (see _common's transcendentals). The sign of σ is left to the caller's κ
+    (:func:`_signed_softcap`): z = κ·tanh(σ·l/κ) = κ_s·t. RECIPROCAL_ON_FMA takes r on the FMA pipe
+    (_common.reciprocal_1_to_2): for the statistics pass, whose ~14 other instructions an element
+    leave the issue slots idle while its three MUFU instructions wait on that pipe.
     """
     e = tl.exp2(tl.abs(l) * (tl.abs(softcap_scale) * (-2.0 * LOG2E)))
-    r = fast_reciprocal(1.0 + e)
+    if RECIPROCAL_ON_FMA:
+        r = reciprocal_1_to_2(1.0 + e)
+    else:
+        r = fast_reciprocal(1.0 + e)
     e_r = e * r
-    t = copysign_nonnegative(r - e_r, l)
-    z = tl.where(softcap_scale < 0, -softcap, softcap) * t
-    slope = e_r * (r * (4.0 * logit_scale))
-    return z, slope
+    return copysign_nonnegative(r - e_r, l), e_r, r
+
+
+@triton.jit
+def _signed_softcap(softcap, softcap_scale):
+    """κ_s = κ with the sign of σ, so that z = κ_s·t for t from :func:`_tanh_parts`."""
+    return tl.where(softcap_scale < 0, -softcap, softcap)
+
+
+@triton.jit
+def _softcap_slope(e_r, r, logit_scale):
+    """∂z/∂l = σ·(1 − tanh²) taken as σ·4e·r²: 1 − t² from a rounded t ≈ ±1 cancels (a 6% error at
+    |σ·l/κ| ≈ 7 in fp32, and 0 past 9), 4e/(1 + e)² does not."""
+    return e_r * (r * (4.0 * logit_scale))
+
+
+@triton.jit
+def _softcapped(l, logit_scale, softcap, softcap_scale):
+    """(z, ∂z/∂l) for z = κ·tanh(σ·l/κ)."""
+    t, e_r, r = _tanh_parts(l, softcap_scale)
+    return _signed_softcap(softcap, softcap_scale) * t, _softcap_slope(e_r, r, logit_scale)
 
 
 @triton.jit
@@ -150,6 +179,34 @@ def _stats_update(
         else:
             wz += tl.sum(tl.where(mask, z, 0.0), axis=0)
     return m_new, s, wz
+
+
+@triton.jit
+def _stats_block(
+    l, mask, cols, weight_ptr, m, s, wz, sums, wz_sums, logit_scale, softcap, softcap_scale,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    SOFTCAP_SHIFT: tl.constexpr,
+):
+    """Fold one block of fp32 logits ``l`` into the row statistics.
+
+    SOFTCAP_SHIFT (see the module docstring): per-lane sums of e^(z − κ) (``sums``) and w·z
+    (``wz_sums``), reduced once after the row; otherwise the running (m, s, wz) of _stats_update.
+    """
+    if SOFTCAP_SHIFT:
+        t, _e_r, _r = _tanh_parts(l, softcap_scale, RECIPROCAL_ON_FMA=True)
+        k2 = _signed_softcap(softcap, softcap_scale) * LOG2E
+        sums += tl.where(mask, tl.exp2(t * k2 - softcap * LOG2E), 0.0)  # e^(κ_s·t − κ), z ≤ κ
+        if HAS_SMOOTHING:
+            z = t * _signed_softcap(softcap, softcap_scale)
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                wz_sums += tl.where(mask, w * z, 0.0)
+            else:
+                wz_sums += tl.where(mask, z, 0.0)
+    else:
+        z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+        m, s, wz = _stats_update(z, mask, cols, weight_ptr, m, s, wz, HAS_WEIGHT, HAS_SMOOTHING)
+    return m, s, wz, sums, wz_sums
 
 
 @triton.jit
@@ -208,6 +265,14 @@ def _grad_coefficients(
     p_coef = p_coef * row_scale
     smooth_coef = label_smoothing * inv_vocab * ce_scale * row_scale
     return p_coef, target_coef, smooth_coef
+
+
+@triton.jit
+def _local_column(t, col0, width):
+    """Target t's column in a row of ``width`` classes starting at class col0, as an int32, or −1
+    when t is elsewhere (another chunk, out of range): the per-element test ``cols == column`` is
+    then one 32-bit compare, where an int64 target cost four instructions an element."""
+    return tl.where((t >= col0) & (t < col0 + width), t - col0, -1).to(tl.int32)
 
 
 @triton.jit
@@ -281,6 +346,7 @@ def _stream_stats(
     row_in, in_col_stride, width, weight_ptr, m, s, wz, logit_scale, softcap, softcap_scale,
     BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, READ_POLICY: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    SOFTCAP_SHIFT: tl.constexpr,
 ):
     """Pass 1 over a row, first block first, folding each block into (m, s, wz).
 
@@ -288,14 +354,19 @@ def _stream_stats(
     STAGES > 1 lets Triton's pipeliner stage the plain loads of the loop through shared memory
     (``tl.range(num_stages=STAGES)``); otherwise the next PREFETCH (1 or 2) blocks are loaded into
     registers before the current block is reduced. Loads past the row are masked off entirely.
+    With SOFTCAP_SHIFT the blocks add into per-lane sums, reduced here once, after the row.
     """
+    sums = tl.zeros([BLOCK_V], tl.float32)
+    wz_sums = tl.zeros([BLOCK_V], tl.float32)
     if STAGES > 1:
         for start in tl.range(0, width, BLOCK_V, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < width
             l = _load_hinted(row_in + cols * in_col_stride, mask, READ_POLICY).to(tl.float32)
-            z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
-            m, s, wz = _stats_update(z, mask, cols, weight_ptr, m, s, wz, HAS_WEIGHT, HAS_SMOOTHING)
+            m, s, wz, sums, wz_sums = _stats_block(
+                l, mask, cols, weight_ptr, m, s, wz, sums, wz_sums, logit_scale, softcap, softcap_scale,
+                HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
+            )
     else:
         cols = tl.arange(0, BLOCK_V)
         ahead = _load_hinted(row_in + cols * in_col_stride, cols < width, READ_POLICY)
@@ -312,8 +383,15 @@ def _stream_stats(
                 ahead2 = _load_hinted(row_in + next_cols * in_col_stride, next_cols < width, READ_POLICY)
             else:
                 ahead = _load_hinted(row_in + next_cols * in_col_stride, next_cols < width, READ_POLICY)
-            z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
-            m, s, wz = _stats_update(z, mask, cols, weight_ptr, m, s, wz, HAS_WEIGHT, HAS_SMOOTHING)
+            m, s, wz, sums, wz_sums = _stats_block(
+                l, mask, cols, weight_ptr, m, s, wz, sums, wz_sums, logit_scale, softcap, softcap_scale,
+                HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
+            )
+    if SOFTCAP_SHIFT:
+        # the incoming state (a previous vocabulary chunk's, or m = −inf, s = 0) moved to shift κ
+        s = s * fast_exp(m - softcap) + tl.sum(sums, axis=0)
+        wz += tl.sum(wz_sums, axis=0)
+        m = softcap
     return m, s, wz
 
 
@@ -324,8 +402,15 @@ def _grad_store(
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """∂loss/∂l of one streamed block of fp32 logits ``l``, stored in the output's dtype."""
-    z, slope = _scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
-    p = fast_exp(z - lse)
+    if HAS_SOFTCAP:
+        # p = e^(z − lse) as 2^(t·κ_s·log2 e − lse·log2 e): one fma, as z and lse are bounded by
+        # κ + ln V the rounding of lse·log2 e stays within a few fp32 ulp of the exponent.
+        t, e_r, r = _tanh_parts(l, softcap_scale)
+        p = tl.exp2(t * (_signed_softcap(softcap, softcap_scale) * LOG2E) - lse * LOG2E)
+        slope = _softcap_slope(e_r, r, logit_scale)
+    else:
+        p = fast_exp(l * logit_scale - lse)
+        slope = logit_scale
     g = _grad_block(p, slope, cols, mask, t_local, weight_ptr, p_coef, target_coef, smooth_coef,
                     HAS_WEIGHT, HAS_SMOOTHING)
     _store_hinted(row_out + cols * out_col_stride, g.to(row_out.dtype.element_ty), mask, STORE_POLICY)
@@ -393,7 +478,7 @@ def cross_entropy_fwd_kernel(
     FIRST_READ_POLICY: tl.constexpr, SECOND_READ_POLICY: tl.constexpr,     # streamed rows: L2 hints
     STORE_POLICY: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, SOFTCAP_SHIFT: tl.constexpr,
 ):
     """Persistent over rows: program p takes rows p, p + P, p + 2P, ...; loss and gradient per row.
 
@@ -438,6 +523,7 @@ def cross_entropy_fwd_kernel(
                 row_in, logits_col_stride, t, 0, vocab, vocab, weight_ptr, logit_scale, softcap,
                 softcap_scale, HAS_WEIGHT, HAS_SOFTCAP,
             )
+            t_col = _local_column(t, 0, vocab)
             if HAS_ROW_SCALE:
                 row_scale = tl.load(row_scale_ptr + row64 * row_scale_stride).to(tl.float32)
             else:
@@ -477,14 +563,14 @@ def cross_entropy_fwd_kernel(
                         row_scale, HAS_SMOOTHING, HAS_Z_LOSS,
                     )
                     p = e * (1.0 / s)
-                    g = _grad_block(p, slope, cols, mask, t, weight_ptr, p_coef, target_coef, smooth_coef,
+                    g = _grad_block(p, slope, cols, mask, t_col, weight_ptr, p_coef, target_coef, smooth_coef,
                                     HAS_WEIGHT, HAS_SMOOTHING)
                     tl.store(row_out + cols * grad_col_stride, g.to(row_out.dtype.element_ty), mask=mask)
             else:
                 m, s, wz = _stream_stats(
                     row_in, logits_col_stride, vocab, weight_ptr, m, s, wz, logit_scale, softcap,
                     softcap_scale, BLOCK_V, PREFETCH, STAGES, FIRST_READ_POLICY,
-                    HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                    HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
                 )
                 lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
                 loss = _row_loss(lse, z_y, w_y, wz, weight_sum, inv_vocab, label_smoothing, z_loss,
@@ -496,7 +582,7 @@ def cross_entropy_fwd_kernel(
                         row_scale, HAS_SMOOTHING, HAS_Z_LOSS,
                     )
                     _stream_grad(
-                        row_in, logits_col_stride, row_out, grad_col_stride, vocab, t, weight_ptr, lse,
+                        row_in, logits_col_stride, row_out, grad_col_stride, vocab, t_col, weight_ptr, lse,
                         p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
                         BLOCK_V, PREFETCH, STAGES, SECOND_READ_POLICY, STORE_POLICY,
                         HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
@@ -514,7 +600,7 @@ def cross_entropy_chunk_stats_kernel(
     num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
     BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, IS_LAST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, SOFTCAP_SHIFT: tl.constexpr,
 ):
     """Vocabulary-chunked pass 1 (fused linear CE): fold one chunk of classes into each row's state.
 
@@ -535,7 +621,7 @@ def cross_entropy_chunk_stats_kernel(
             wz = tl.load(state_ptr + 2 * num_rows + row64)
             m, s, wz = _stream_stats(
                 row_in, 1, width, weight_ptr + col0, m, s, wz, logit_scale, softcap, softcap_scale,
-                BLOCK_V, PREFETCH, STAGES, 0, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                BLOCK_V, PREFETCH, STAGES, 0, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
             )
             w_y, z_y, in_chunk = _target_terms(
                 row_in, 1, t, col0, width, vocab, weight_ptr, logit_scale, softcap, softcap_scale,
@@ -599,8 +685,7 @@ def cross_entropy_chunk_grad_kernel(
                 lse, w_y, weight_sum, 1.0 / vocab, label_smoothing, z_loss, ce_scale, z_scale, row_scale,
                 HAS_SMOOTHING, HAS_Z_LOSS,
             )
-            # t − col0 is outside [0, width) when the target is in another chunk: no column matches.
-            t_local = tl.where(in_range, t - col0, -1)
+            t_local = _local_column(t, col0, width)  # −1 when the target is in another chunk
             _stream_grad(
                 row_ptr, 1, row_ptr, 1, width, t_local, weight_ptr + col0, lse,
                 p_coef, target_coef, smooth_coef, logit_scale, softcap, softcap_scale,
@@ -701,6 +786,9 @@ def scale_rows_kernel(
 # with softcap, which also keeps ∂z/∂l), so the softcap limit is lower.
 MAX_SINGLE_BLOCK_V = 32768
 MAX_SINGLE_BLOCK_V_SOFTCAP = 16384
+# Streamed pass 1 with softcap takes κ as its fixed shift up to this κ: 2κ·log2(e) = 115 < 126, so
+# e^(z − κ) never leaves fp32's normal range (the smallest term, e^(−2κ), flushes to 0 past κ ≈ 43.6).
+MAX_SHIFT_SOFTCAP = 40.0
 # fp32 row values per thread: warps = padded width / (32 × this), at most SINGLE_MAX_WARPS (32
 # warps hold 32768 values at 32 per thread: 63 registers, no spills without options; 16 warps need
 # 128). The whole row's loads are issued at once: 64 KB of bf16 in flight per program at V = 32000.
@@ -719,6 +807,11 @@ SINGLE_ROW_PREFETCH = True
 # 16 values per thread, 50 registers with two blocks prefetched; ptxas -v, sm_90).
 STREAM_BLOCK_V = 16384
 STREAM_WARPS = 32
+# Softcap rows (module docstring: bound by MUFU, their pass 1 without reductions) in blocks of 8192
+# over 16 warps, two programs an SM: 4.25 ms at V = 256000 against 4.47 with the blocks above
+# (eighth session's sweep, tune_ce-*-softcap-shift.log).
+STREAM_SOFTCAP_BLOCK_V = 8192
+STREAM_SOFTCAP_WARPS = 16
 # Loads kept in flight while a block is reduced. STREAM_STAGES > 1: Triton's software pipeliner
 # stages the loop's plain loads through shared memory (tl.range(num_stages=...), cp.async);
 # otherwise the next STREAM_PREFETCH (1 or 2) blocks are loaded into registers ahead (2 × 32 KB of
@@ -734,6 +827,14 @@ STREAM_WARPS = 32
 # one they were measured with.
 STREAM_PREFETCH = 1
 STREAM_WIDE_PREFETCH = 2
+# Softcap rows, bound by the MUFU pipe rather than by load latency (module docstring), take this
+# many blocks ahead whatever their width: a second block ahead only costs registers. Eighth session's
+# sweep at V = 256000 (tune_ce-*-fast-transcendentals.log, before the fixed shift): 1 ahead 4.83 ms
+# against 5.06 with 2 (after it, tune_ce-*-softcap-shift.log: 4.25 either way).
+STREAM_SOFTCAP_PREFETCH = 1
+# ... and the L2 hints below whatever the bytes of their rows in flight: the same sweep after the
+# fixed shift, V = 256000 (264 programs x 512 KB in flight): 4.30 ms with the hints, 4.41 without.
+STREAM_SOFTCAP_HINTED = True
 STREAM_HINTED_MAX_BYTES = 96 << 20
 STREAM_STAGES = 1
 # Programs per SM (may be fractional: fewer rows in flight, less L2 needed by the second read).
@@ -750,7 +851,7 @@ STREAM_PROGRAMS_PER_SM = 2.0
 STREAM_L2_BUDGET_BYTES = 0
 # L2 eviction hints on the streamed passes: pass 1 reads evict_last (read again soon), pass 2 reads
 # and the gradient stores evict_first (never touched again by this kernel). Only where the rows in
-# flight take at most STREAM_HINTED_MAX_BYTES (above).
+# flight take at most STREAM_HINTED_MAX_BYTES, or the rows are softcapped (above).
 STREAM_L2_HINTS = True
 # The reduction-factor kernel: one program walks the targets (and class weights) in blocks of this.
 REDUCTION_SCALES_BLOCK = 1024
@@ -767,8 +868,10 @@ def tuning() -> tuple:
     """The current values of every row-kernel knob (the geometry cache's key)."""
     return (
         MAX_SINGLE_BLOCK_V, MAX_SINGLE_BLOCK_V_SOFTCAP, SINGLE_VALUES_PER_THREAD, SINGLE_MAX_WARPS,
-        SINGLE_PROGRAMS_PER_SM, SINGLE_ROW_PREFETCH, STREAM_BLOCK_V, STREAM_WARPS, STREAM_PREFETCH,
-        STREAM_WIDE_PREFETCH, STREAM_HINTED_MAX_BYTES, STREAM_STAGES,
+        SINGLE_PROGRAMS_PER_SM, SINGLE_ROW_PREFETCH, STREAM_BLOCK_V, STREAM_WARPS, STREAM_SOFTCAP_BLOCK_V,
+        STREAM_SOFTCAP_WARPS, STREAM_PREFETCH,
+        STREAM_WIDE_PREFETCH, STREAM_SOFTCAP_PREFETCH, STREAM_SOFTCAP_HINTED, STREAM_HINTED_MAX_BYTES,
+        STREAM_STAGES,
         STREAM_PROGRAMS_PER_SM, STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS,
     )
 
@@ -811,17 +914,22 @@ def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -
         programs = _programs(device, SINGLE_PROGRAMS_PER_SM)
         return RowLaunch(padded, _single_warps(padded), True, max(1, min(num_rows, programs)),
                          row_prefetch=SINGLE_ROW_PREFETCH)
-    if padded < STREAM_BLOCK_V:  # one block (a narrow vocabulary chunk)
+    stream_block_v, stream_warps = (
+        (STREAM_SOFTCAP_BLOCK_V, STREAM_SOFTCAP_WARPS) if softcap else (STREAM_BLOCK_V, STREAM_WARPS)
+    )
+    if padded < stream_block_v:  # one block (a narrow vocabulary chunk)
         block_v, num_warps = padded, _single_warps(padded)
     else:
-        block_v, num_warps = STREAM_BLOCK_V, STREAM_WARPS
+        block_v, num_warps = stream_block_v, stream_warps
     programs = _programs(device, STREAM_PROGRAMS_PER_SM)
     if STREAM_L2_BUDGET_BYTES > 0:
         programs = min(programs, STREAM_L2_BUDGET_BYTES // (width * elem_bytes))
     programs = max(1, min(num_rows, programs))
-    hinted = not streamed and programs * width * elem_bytes <= STREAM_HINTED_MAX_BYTES
+    hinted = not streamed and (
+        (softcap and STREAM_SOFTCAP_HINTED) or programs * width * elem_bytes <= STREAM_HINTED_MAX_BYTES
+    )
     hints = (EVICT_LAST, EVICT_FIRST, EVICT_FIRST) if hinted and STREAM_L2_HINTS else (EVICT_NORMAL,) * 3
-    prefetch = STREAM_PREFETCH if hinted else STREAM_WIDE_PREFETCH
+    prefetch = STREAM_SOFTCAP_PREFETCH if softcap else STREAM_PREFETCH if hinted else STREAM_WIDE_PREFETCH
     return RowLaunch(block_v, num_warps, False, programs, prefetch, STREAM_STAGES, *hints)
 
 
@@ -849,6 +957,12 @@ def _softcap_args(softcap, logit_scale):
     if softcap is None:
         return 0.0, 0.0
     return float(softcap), float(logit_scale) / float(softcap)
+
+
+def _softcap_shift(softcap) -> bool:
+    """Whether pass 1 takes κ as its fixed softmax shift (module docstring): softcapped logits lie in
+    [−κ, κ], and e^(z − κ) ≥ e^(−2κ) must stay a normal fp32 number (κ ≤ MAX_SHIFT_SOFTCAP)."""
+    return softcap is not None and softcap <= MAX_SHIFT_SOFTCAP
 
 
 def _row_setup(rows, weight, label_smoothing, z_loss, softcap, logit_scale, *, streamed=False):
@@ -895,7 +1009,8 @@ def launch_cross_entropy_rows(
         num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
         BLOCK_V=cfg.block_v, SINGLE_BLOCK=cfg.single_block, COMPUTE_GRAD=grad is not None,
         ROW_PREFETCH=cfg.row_prefetch, FIRST_READ_POLICY=cfg.first_read_policy, SECOND_READ_POLICY=cfg.second_read_policy,
-        STORE_POLICY=cfg.store_policy, HAS_ROW_SCALE=row_scale is not None, **flags,
+        STORE_POLICY=cfg.store_policy, HAS_ROW_SCALE=row_scale is not None,
+        SOFTCAP_SHIFT=_softcap_shift(softcap), **flags,
     )
 
 
@@ -916,7 +1031,7 @@ def launch_chunk_stats(
         scales, state, loss_rows, lse,
         num_rows, vocab, col0, width, ignore_index, label_smoothing, z_loss, logit_scale,
         softcap_value, softcap_scale,
-        BLOCK_V=cfg.block_v, IS_LAST=is_last, **flags,
+        BLOCK_V=cfg.block_v, IS_LAST=is_last, SOFTCAP_SHIFT=_softcap_shift(softcap), **flags,
     )
 
 
