@@ -177,7 +177,8 @@ def test_profiled_kernels_take_device_events_only():
 
 def test_idle_gaps_between_kernels():
     """Gaps longer than IDLE_GAP_US between GPU events (overlaps merged, host events and annotations
-    ignored), summed per step, the longest first with the kernels on either side."""
+    ignored), summed per step, the longest first with the kernels on either side and the host events
+    that ran through them (those spanning a whole phase left out)."""
 
     def event(name, device, start, end, annotation=False):
         return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end),
@@ -189,12 +190,17 @@ def test_idle_gaps_between_kernels():
         event("c", DeviceType.CUDA, 130, 200),  # 10 us after b: below the threshold
         event("d", DeviceType.CUDA, 500, 600),  # 300 us idle before it
         event("host", DeviceType.CPU, 200, 500),
+        event("guards", DeviceType.CPU, 210, 300),  # 90 of the 300 us: 30%, listed after "host"
+        event("tiny", DeviceType.CPU, 400, 410),  # 10 us: not what the GPU waited on
+        event("whole step", DeviceType.CPU, 0, 20_000),  # spans a phase: never listed
         event("Optimizer.step", DeviceType.CUDA, 0, 1000, annotation=True),
         event("e", DeviceType.CUDA, 650, 700),  # 50 us idle before it
     ]
     idle = e2e.idle_gaps(SimpleNamespace(events=lambda: events), steps=2)
     assert idle["gaps"] == 1.0 and idle["idle_ms"] == pytest.approx((300 + 50) / 1e3 / 2)
     assert [(g["us"], g["after"], g["before"]) for g in idle["longest"]] == [(300, "c", "d"), (50, "d", "e")]
+    assert idle["longest"][0]["host"] == [{"name": "host", "us": 300.0}, {"name": "guards", "us": 90.0}]
+    assert idle["longest"][1]["host"] == []
 
 
 def _profile(categories: dict, busy: float, wall: float, top: str) -> dict:
