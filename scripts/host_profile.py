@@ -1,6 +1,7 @@
 """Where the host's time goes in one eager training step (the e2e benchmark's model and step).
 
     PYTHONPATH=src:. python scripts/host_profile.py --model qwen2 --provider tigon [--steps 3]
+    PYTHONPATH=src:. python scripts/host_profile.py --model gemma2 --provider tigon+compile  # the compiled step
     PYTHONPATH=src:. python scripts/host_profile.py --ops rms_norm rope swiglu   # per-op host cost
 
 A step whose GPU time is below its wall time is bound by the host (the e2e profile's busy / wall
@@ -60,7 +61,7 @@ def op_host_costs(names, top: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2")
-    parser.add_argument("--provider", default="tigon", choices=("stock", "tigon"))
+    parser.add_argument("--provider", default="tigon", choices=("stock", "tigon", "compile", "tigon+compile"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=45)
@@ -80,15 +81,16 @@ def main() -> None:
     spec = model_spec(args.model)
     torch.manual_seed(SEED)
     model = build_model(spec.config, device=device)
-    if args.provider == "tigon":
+    if args.provider.startswith("tigon"):
         tigon.patch(model)
+    forward = torch.compile(model) if args.provider.endswith("compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     batch = batch_for(args.model, None)
     ids = torch.randint(spec.config.vocab_size, (batch, args.seq), device=device)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -98,7 +100,7 @@ def main() -> None:
         step().item()
     torch.cuda.synchronize()
     if args.phases:
-        phases(model, optimizer, ids, args)
+        phases(forward, optimizer, ids, args)
         return
     profiler = cProfile.Profile()
     start = time.perf_counter()
