@@ -3,8 +3,8 @@
     python3 scripts/kernel_resources.py cross_entropy cross_entropy_fwd_kernel \
         BLOCK_V=16384 SINGLE_BLOCK=0 COMPUTE_GRAD=1 ROW_PREFETCH=0 PREFETCH=2 STAGES=1 \
         FIRST_READ_POLICY=0 SECOND_READ_POLICY=0 STORE_POLICY=0 HAS_WEIGHT=0 HAS_SMOOTHING=0 \
-        HAS_Z_LOSS=0 HAS_SOFTCAP=1 HAS_ROW_SCALE=0 SOFTCAP_SHIFT=1 --warps 32 --ptr logits_ptr=bf16 --ptr grad_ptr=bf16 \
-        --ptr target_ptr=i64
+        HAS_Z_LOSS=0 HAS_SOFTCAP=1 HAS_ROW_SCALE=0 SOFTCAP_SHIFT=1 --warps 32 --ptr logits_ptr=bf16 \
+        --ptr grad_ptr=bf16 --ptr target_ptr=i64
 
 An experiment tool kept out of the package (STYLE: llm.c habit). The interpreter that CI runs never
 compiles a kernel, so it cannot see what only Triton's compiler and ptxas see: a compile error (the

@@ -87,18 +87,18 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import (
+    LOG2E,
     TigonOp,
     as_fp32,
     as_rows,
     cache_by_size,
     check_tensor,
-    LOG2E,
     copysign_nonnegative,
     fast_exp,
     fast_reciprocal,
-    reciprocal_1_to_2,
     next_power_of_2,
     persistent_programs,
+    reciprocal_1_to_2,
     wrap_triton,
 )
 
@@ -829,11 +829,11 @@ STREAM_PREFETCH = 1
 STREAM_WIDE_PREFETCH = 2
 # Softcap rows, bound by the MUFU pipe rather than by load latency (module docstring), take this
 # many blocks ahead whatever their width: a second block ahead only costs registers. Eighth session's
-# sweep at V = 256000 (tune_ce-*-fast-transcendentals.log, before the fixed shift): 1 ahead 4.83 ms
-# against 5.06 with 2 (after it, tune_ce-*-softcap-shift.log: 4.25 either way).
+# sweeps at V = 256000: 1 ahead 4.83 ms against 5.06 with 2 (tune_ce-*-fast-transcendentals.log,
+# before the fixed shift); 4.25 against 4.41 after it (tune_ce-*-softcap-shift.log, run 2).
 STREAM_SOFTCAP_PREFETCH = 1
-# ... and the L2 hints below whatever the bytes of their rows in flight: the same sweep after the
-# fixed shift, V = 256000 (264 programs x 512 KB in flight): 4.30 ms with the hints, 4.41 without.
+# ... and the L2 hints below whatever the bytes of their rows in flight (264 programs x 512 KB at
+# V = 256000): 4.25 ms with them, 4.38 without (the same run 2).
 STREAM_SOFTCAP_HINTED = True
 STREAM_HINTED_MAX_BYTES = 96 << 20
 STREAM_STAGES = 1
@@ -869,10 +869,9 @@ def tuning() -> tuple:
     return (
         MAX_SINGLE_BLOCK_V, MAX_SINGLE_BLOCK_V_SOFTCAP, SINGLE_VALUES_PER_THREAD, SINGLE_MAX_WARPS,
         SINGLE_PROGRAMS_PER_SM, SINGLE_ROW_PREFETCH, STREAM_BLOCK_V, STREAM_WARPS, STREAM_SOFTCAP_BLOCK_V,
-        STREAM_SOFTCAP_WARPS, STREAM_PREFETCH,
-        STREAM_WIDE_PREFETCH, STREAM_SOFTCAP_PREFETCH, STREAM_SOFTCAP_HINTED, STREAM_HINTED_MAX_BYTES,
-        STREAM_STAGES,
-        STREAM_PROGRAMS_PER_SM, STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS,
+        STREAM_SOFTCAP_WARPS, STREAM_PREFETCH, STREAM_WIDE_PREFETCH, STREAM_SOFTCAP_PREFETCH,
+        STREAM_SOFTCAP_HINTED, STREAM_HINTED_MAX_BYTES, STREAM_STAGES, STREAM_PROGRAMS_PER_SM,
+        STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS,
     )
 
 
@@ -1008,7 +1007,8 @@ def launch_cross_entropy_rows(
         loss_rows,
         num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
         BLOCK_V=cfg.block_v, SINGLE_BLOCK=cfg.single_block, COMPUTE_GRAD=grad is not None,
-        ROW_PREFETCH=cfg.row_prefetch, FIRST_READ_POLICY=cfg.first_read_policy, SECOND_READ_POLICY=cfg.second_read_policy,
+        ROW_PREFETCH=cfg.row_prefetch, FIRST_READ_POLICY=cfg.first_read_policy,
+        SECOND_READ_POLICY=cfg.second_read_policy,
         STORE_POLICY=cfg.store_policy, HAS_ROW_SCALE=row_scale is not None,
         SOFTCAP_SHIFT=_softcap_shift(softcap), **flags,
     )
