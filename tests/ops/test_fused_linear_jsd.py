@@ -92,6 +92,19 @@ def test_fused_linear_jsd_3d_inputs_and_upstream_scale(small_chunks):
     check_fljsd(tensors, scale=-1.5, beta=0.5, labels=make_labels((2, 5)))
 
 
+def test_fused_linear_jsd_backward_repeated_upstream_factors(small_chunks):
+    """retain_graph with upstream factors 1, −2, 0.5: each backward scales the saved gradients from
+    whatever factor they last held, on the GPU (no host read of the factor)."""
+    tensors = make_inputs(7, 12, 20, 300, torch.float32)
+    loss = fused_linear_jsd(**tensors, beta=0.5)
+    _, ref_grads = fp64_reference(lambda **kw: fused_linear_jsd_reference(**kw, beta=0.5), tensors, None)
+    student = [tensors["student_input"], tensors["student_weight"]]
+    for factor in (1.0, -2.0, 0.5):
+        grads = torch.autograd.grad(loss, student, torch.tensor(factor, device=DEVICE), retain_graph=True)
+        for name, grad in zip(("student_input", "student_weight"), grads, strict=True):
+            assert_close(grad, ref_grads[name] * factor, torch.float32, f"d{name} x {factor}")
+
+
 def test_fused_linear_jsd_frozen_weight_or_input():
     """Only the gradients that are asked for are computed (a frozen lm_head is common)."""
     tensors = make_inputs(5, 16, 16, 200, torch.float32)

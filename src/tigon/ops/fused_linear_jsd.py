@@ -17,7 +17,8 @@ Tokens are processed in chunks of ``C`` rows (:func:`chunk_rows`): per chunk the
 ``[C, V]`` are formed by cuBLAS, one Triton program per row computes its loss and writes ``∂z_s``
 over the student block in place, and two more matmuls turn it into this chunk's rows of ``∂x_s`` and
 its share of ``∂W_s``. So the gradient is complete when the forward returns; the backward only
-multiplies it by the upstream gradient (skipped, in eager mode, when that is 1). Peak extra memory:
+multiplies it by the upstream gradient (cross_entropy's lazy row scaling: rows that already hold the
+factor, 1 usually, are skipped on the GPU). Peak extra memory:
 two ``[C, V]`` blocks, ``∂x_s`` and ``∂W_s``. ``∂W_s`` is accumulated over chunks in the weight's
 dtype by ``addmm`` (fp32 accumulation inside each matmul, one rounding per chunk).
 
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import TigonOp, as_fp32, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops.cross_entropy import scale_lazily
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -216,17 +218,23 @@ class _FusedLinearJSD(torch.autograd.Function):
             student_input, student_weight, teacher_input, teacher_weight, labels, beta, temperature,
             ignore_index, input_grad, weight_grad,
         )
-        ctx.save_for_backward(grad_input, grad_weight)
+        # The factor each gradient row holds (1: the forward computed them for grad_output = 1).
+        applied = [torch.ones(g.reshape(-1, g.shape[-1]).shape[0], dtype=torch.float32, device=g.device)
+                   if g is not None else None for g in (grad_input, grad_weight)]
+        ctx.save_for_backward(grad_input, grad_weight, *applied)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_input, grad_weight = ctx.saved_tensors
-        # The loss is usually the graph's root (grad_output = 1): in eager mode, one sync saves a
-        # pass over V·H. Inside torch.compile the multiply is always done.
-        if torch.compiler.is_compiling() or grad_output.item() != 1.0:
-            grad_input = grad_input * grad_output if grad_input is not None else None
-            grad_weight = grad_weight * grad_output if grad_weight is not None else None
+        grad_input, grad_weight, applied_input, applied_weight = ctx.saved_tensors
+        # The loss is usually the graph's root (grad_output = 1). The row-scaling kernel compares the
+        # factor with each row's applied one on the GPU and skips the rows that already hold it: no
+        # pass over V·H then, and no host read of grad_output (an ``.item()`` here stalled the GPU
+        # until the whole forward had run, every step), eager or compiled alike.
+        if grad_input is not None:
+            grad_input = scale_lazily(grad_input, grad_output, applied_input)
+        if grad_weight is not None:
+            grad_weight = scale_lazily(grad_weight, grad_output, applied_weight)
         return grad_input, grad_weight, None, None, None, None, None, None
 
 
