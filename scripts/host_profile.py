@@ -1,4 +1,4 @@
-"""Where the host's time goes in one eager training step (the e2e benchmark's model and step).
+"""Where the host's time goes in one training step (the e2e benchmark's model and step), eager or compiled.
 
     PYTHONPATH=src:. python scripts/host_profile.py --model qwen2 --provider tigon [--steps 3]
     PYTHONPATH=src:. python scripts/host_profile.py --model gemma2 --provider tigon+compile  # the compiled step
