@@ -197,7 +197,7 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, chu
         if need_dx:
             _mm_into(dx[c0:c1], dlogits, w)                                # (C, H)
         if need_dw:
-            matmul_accumulate(dw, dlogits.t(), x_c, first=c0 == 0)            # (V, H)
+            matmul_accumulate(dw, dlogits.t(), x_c, first=c0 == 0)         # (V, H)
         if need_db:
             db += dlogits.sum(0, dtype=torch.float32)
     loss_rows = torch.cat(losses) if len(losses) > 1 else losses[0]
@@ -259,7 +259,7 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
         if need_dw:
             _mm_into(dw[c0:c1], dlogits.t(), x)                            # (Vc, H): one matmul, K = N
         if need_dx:
-            matmul_accumulate(dx32, dlogits, w_c, first=i == 0)               # (N, H), fp32 sum over chunks
+            matmul_accumulate(dx32, dlogits, w_c, first=i == 0)            # (N, H), fp32 sum over chunks
         if need_db:
             db[c0:c1] = dlogits.sum(0, dtype=torch.float32)
         logits = None

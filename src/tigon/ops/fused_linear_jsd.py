@@ -38,6 +38,8 @@ Reference: :func:`fused_linear_jsd_reference` (matmuls, ``log_softmax`` in fp32,
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -219,8 +221,8 @@ class _FusedLinearJSD(torch.autograd.Function):
             ignore_index, input_grad, weight_grad,
         )
         # The factor each gradient row holds (1: the forward computed them for grad_output = 1).
-        applied = [torch.ones(g.reshape(-1, g.shape[-1]).shape[0], dtype=torch.float32, device=g.device)
-                   if g is not None else None for g in (grad_input, grad_weight)]
+        applied = [torch.ones(math.prod(g.shape[:-1]), dtype=torch.float32, device=g.device) if g is not None
+                   else None for g in (grad_input, grad_weight)]
         ctx.save_for_backward(grad_input, grad_weight, *applied)
         return loss
 

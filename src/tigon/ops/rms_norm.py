@@ -724,8 +724,9 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None
 
     ``out_dtype`` (a float dtype, or None for the above): the fp32 result rounded once to that dtype
     (for a narrower one, bitwise ``rms_norm(...).to(out_dtype)`` without the cast's pass over the
-    output), and the gradient taken in that dtype. Under autocast a norm whose output only feeds linear layers (which cast it
-    to the autocast dtype anyway) gives it already cast: ``tigon.nn.RMSNorm.autocast_output``.
+    output), and the gradient taken in that dtype. Under autocast a norm whose output only feeds
+    linear layers (which cast it to the autocast dtype anyway) gives it already cast:
+    ``tigon.nn.RMSNorm.autocast_output``.
     """
     _check_args(x, weight, eps, casting)
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
