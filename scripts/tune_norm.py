@@ -5,7 +5,8 @@ An experiment kept out of the package (STYLE: llm.c habit): its findings go into
 src/tigon/ops/layer_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
 
     PYTHONPATH=src python3 scripts/tune_norm.py                 # every section
-    PYTHONPATH=src python3 scripts/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary host
+    PYTHONPATH=src python3 scripts/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary
+                                                                # wide long-fwd host
 
 fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of layer_norm.py's
         LayerNormTuning (forward tile and warps; backward tile, warps, programs per SM, how loads are
@@ -33,6 +34,8 @@ wide:   RMSNorm, add_rms_norm and LayerNorm at 4096x16384 with the row held in r
         kernel variant tried then, not kept) RMSNorm reached 0.194 and add_rms_norm 0.247 against
         0.203 and 0.254: 3-5% on one size, not enough to catch Liger-Kernel there, so the streamed
         backward stays.
+long-fwd: the forward of rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: where rows stop
+        being held in registers (max_fused_hidden) and the streamed forward's chunk and warps.
 host:   the eager host cost of one small forward+backward, with a profile.
 
 Times are of the kernels alone (CUDA-graph replay). In fused-ln and fused, each timed call reads
@@ -131,7 +134,7 @@ def sweep_boundary(bandwidth):
 
 STREAM_SHAPES = {
     "rms_norm": ((4096, 16384), (2048, 32768), (1024, 65536)),
-    "add_rms_norm": ((4096, 16384), (2048, 32768)),
+    "add_rms_norm": ((4096, 16384), (2048, 32768), (1024, 65536)),
     "layer_norm": ((4096, 16384), (2048, 32768)),
 }
 # The descent's space: each knob's values (the ``stream_*`` ones exact: stream_l2_bytes=None).
@@ -143,6 +146,7 @@ STREAM_SPACE = {
     "elements_per_warp": (256, 512),  # fewer warps spill: each thread holds ~5 fp32 values an element
     "stream_programs_per_sm": (1.0, 2.0),
     "stream_evict_first": (False, True),
+    "stream_overlap": (False, True),
 }
 STREAM_ROUNDS = 2
 STREAM_REP = 20  # ms of replays per timing: the descent times ~200 configurations
@@ -203,7 +207,8 @@ def knobs_of(tuning):
 
 def describe(knobs):
     short = {"stream_rows": "rows", "stream_split": "split", "stream_stages": "stages", "chunk": "chunk",
-             "elements_per_warp": "epw", "stream_programs_per_sm": "pps", "stream_evict_first": "evict"}
+             "elements_per_warp": "epw", "stream_programs_per_sm": "pps", "stream_evict_first": "evict",
+             "stream_overlap": "overlap"}
     parts = [f"{short[k]}={knobs[k]}" for k in STREAM_SPACE if k in knobs]
     if "stream_l2_bytes" in knobs:
         budget = knobs["stream_l2_bytes"]
@@ -216,12 +221,22 @@ class StreamTimer:
 
     def __init__(self, case, base):
         self.case, self.base, self.seen = case, base, {}
+        self.expected = [g.float().clone() for g in case.backward() if g is not None and g.numel()]
+
+    def check(self):
+        """The setting's gradients against the shipped setting's (the same math, other launch)."""
+        got = [g for g in self.case.backward() if g is not None and g.numel()]
+        for out, ref in zip(got, self.expected, strict=True):
+            err = rel_err(out, ref)
+            if not err < CHECK_TOLERANCE:
+                raise AssertionError(f"gradient off by {err:.2e} relative")
 
     def __call__(self, **overrides):
         key = tuple(sorted(overrides.items()))
         if key not in self.seen:
             rms.BWD_TUNING = dataclasses.replace(self.base, **overrides)
             try:
+                self.check()
                 self.seen[key] = bench(self.case.backward, rep=STREAM_REP)
             except Exception as exc:  # a setting past the shared memory or the registers: skip it
                 print(f"      {describe(overrides)}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
@@ -299,6 +314,13 @@ def sweep_stream(bandwidth):
 
     for knobs in winners:
         score({**knobs, "stream_l2_bytes": None})
+    # The overlapped passes hold two groups' tiles at once, so they want smaller tiles than the
+    # descent (one knob at a time from the shipped setting) may reach: a few of those on every shape.
+    for rows, chunk, split in ((2, 4096, 1), (2, 4096, 2), (4, 2048, 1), (4, 2048, 2), (2, 2048, 2)):
+        score({
+            **knobs_of(base), "stream_rows": rows, "chunk": chunk, "stream_split": split, "stream_stages": 1,
+            "stream_overlap": True, "stream_l2_bytes": None,
+        })
     best_exact = candidates[max(scores)[1]]
     for budget in STREAM_BUDGETS:
         score({**best_exact, "stream_rows": 4, "stream_split": 4, "stream_l2_bytes": budget})
@@ -306,6 +328,43 @@ def sweep_stream(bandwidth):
     geo, i = max(scores)
     fields = ", ".join(f"{k}={v!r}" for k, v in candidates[i].items())
     print(f"best single setting: #{i} (geomean {geo:.1f}% of SOL): BWD_TUNING fields {fields}")
+
+
+# ------------------------------------------------------------------------- long rows, forward
+
+LONG_FWD_SHAPES = ((4096, 16384), (2048, 32768), (1024, 65536))
+LONG_FWD_SPACE = [
+    dict(max_fused_hidden=mf, chunk=chunk, elements_per_warp=epw)
+    for mf in (8192, 16384, 32768, 65536)
+    for chunk in (2048, 4096, 8192)
+    for epw in (256, 512)
+]
+
+
+def sweep_long_forward(bandwidth):
+    """The forward of rows of 16K-64K: where rows stop being held in registers (a row held whole
+    spills past ~32K values a program) and the streamed forward's chunk and warps, per op."""
+    base = rms.FWD_TUNING
+    for op in ("rms_norm", "add_rms_norm", "layer_norm"):
+        for rows, hidden in LONG_FWD_SHAPES:
+            case = make_case(op, rows, hidden)
+            sol_ms = case.fwd_bytes / bandwidth * 1e3
+            results = []
+            for knobs in LONG_FWD_SPACE:
+                if knobs["max_fused_hidden"] >= hidden and knobs["chunk"] != base.chunk:
+                    continue  # a row held whole: the chunk is unused
+                rms.FWD_TUNING = dataclasses.replace(base, residual_max_fused_hidden=None, **knobs)
+                try:
+                    results.append((bench(case.forward, rep=STREAM_REP), knobs))
+                except Exception as exc:
+                    print(f"      {op} {rows}x{hidden} {knobs}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+                finally:
+                    rms.FWD_TUNING = base
+            shipped = bench(case.forward, rep=STREAM_REP)
+            results.sort(key=lambda r: r[0])
+            print(f"{case.name} fwd: shipped {shipped:.4f} ms ({100 * sol_ms / shipped:.0f}% SOL)")
+            for ms, knobs in results[:4]:
+                print(f"    {knobs}: {ms:.4f} ms ({100 * sol_ms / ms:.0f}% SOL)")
 
 
 # ------------------------------------------------------------------- fused (rows held in registers)
@@ -679,7 +738,7 @@ def host_overhead():
 
 SECTIONS = {
     "fused-ln": sweep_fused_ln, "fused": sweep_fused_rms, "stream": sweep_stream, "boundary": sweep_boundary,
-    "wide": sweep_wide, "host": None,
+    "wide": sweep_wide, "long-fwd": sweep_long_forward, "host": None,
 }
 
 

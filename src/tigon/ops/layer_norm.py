@@ -249,7 +249,7 @@ def layer_norm_bwd_kernel(
     num_rows, hidden,
     rows_per_band, split,                   # program p: band p // split, part p % split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, PAIRED_SUMS: tl.constexpr,
+    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, PAIRED_SUMS: tl.constexpr, OVERLAP: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and its own fp32 partial
@@ -327,40 +327,107 @@ def layer_norm_bwd_kernel(
             tl.store(db_row_ptr + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
         num_chunks, first_chunk, my_chunks = part_chunks(hidden, part, split, BLOCK_N)
-        for row_start in range(row_begin, row_end, BLOCK_M):
-            rows = row_start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            # Pass 1, c1 = mean(g·x̂) and c2 = mean(g), summed lane by lane and reduced once.
-            gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for chunk in tl.range(0, num_chunks, num_stages=STAGES):
-                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < hidden)[None, :]
-                _dy, x_hat, g = grad_tile(
+        if OVERLAP:
+            # As in RMSNorm's OVERLAP: pass 1 of the next group beside pass 2 of this one.
+            rows = row_begin + tl.arange(0, BLOCK_M)
+            c1, c2 = _ln_row_cs(
+                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                mean_ptr, rstd_ptr, rows, rows < row_end, num_chunks, hidden, HAS_WEIGHT, BLOCK_M, BLOCK_N, STAGES,
+            )
+            for row_start in range(row_begin, row_end, BLOCK_M):
+                rows = row_start + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                nxt = rows + BLOCK_M
+                nxt_mask = nxt < row_end
+                mean_next = tl.load(mean_ptr + nxt, mask=nxt_mask, other=0.0)
+                rstd_next = tl.load(rstd_ptr + nxt, mask=nxt_mask, other=0.0)
+                gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for i in range(0, num_chunks):
+                    cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+                    _dy, x_hat, g = grad_tile(
+                        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                        nxt, cols, nxt_mask[:, None] & (cols < hidden)[None, :], mean_next, rstd_next, hidden,
+                        0.0, HAS_WEIGHT, True, "",
+                    )
+                    gx += g * x_hat
+                    gs += g
+                    if i < my_chunks:
+                        _ln_finish_chunk(
+                            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                            dx_ptr, dw_row_ptr, db_row_ptr,
+                            rows, row_mask, (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N),
+                            mean, rstd, c1, c2, hidden, row_start > row_begin, HAS_WEIGHT, HAS_BIAS, LAST_USE,
+                        )
+                c1 = _row_mean(tl.sum(gx, axis=1), hidden)
+                c2 = _row_mean(tl.sum(gs, axis=1), hidden)
+                tl.debug_barrier()
+        else:
+            for row_start in range(row_begin, row_end, BLOCK_M):
+                rows = row_start + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                c1, c2 = _ln_row_cs(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, "",
+                    mean_ptr, rstd_ptr, rows, row_mask, num_chunks, hidden, HAS_WEIGHT, BLOCK_M, BLOCK_N, STAGES,
                 )
-                gx += g * x_hat
-                gs += g
-            c1 = _row_mean(tl.sum(gx, axis=1), hidden)
-            c2 = _row_mean(tl.sum(gs, axis=1), hidden)
-            # Pass 2 over this part's chunks, last first (the most recently read are still in L2).
-            for i in tl.range(0, my_chunks, num_stages=STAGES):
-                cols = (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < hidden)[None, :]
-                dy, x_hat, g = grad_tile(
-                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, LAST_USE,
-                )
-                _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, LAST_USE)
-                if HAS_WEIGHT:
-                    accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), row_start > row_begin)
-                if HAS_BIAS:
-                    accumulate_partial(db_row_ptr, cols, hidden, tl.sum(dy, axis=0), row_start > row_begin)
-            # As in RMSNorm: the next group reads these partial-row stores back, maybe on other threads.
-            tl.debug_barrier()
+                # Pass 2 over this part's chunks, last first (the most recently read are still in L2).
+                for i in tl.range(0, my_chunks, num_stages=STAGES):
+                    _ln_finish_chunk(
+                        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                        dx_ptr, dw_row_ptr, db_row_ptr,
+                        rows, row_mask, (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N),
+                        mean, rstd, c1, c2, hidden, row_start > row_begin, HAS_WEIGHT, HAS_BIAS, LAST_USE,
+                    )
+                # As in RMSNorm: the next group reads these partial-row stores back, maybe on other threads.
+                tl.debug_barrier()
+
+
+@triton.jit
+def _ln_row_cs(
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr, mean_ptr, rstd_ptr,
+    rows, row_mask, num_chunks, hidden,
+    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Pass 1 of the streamed backward: c1 = mean(g·x̂) and c2 = mean(g) of BLOCK_M whole rows,
+    summed lane by lane over the chunks and reduced once."""
+    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for chunk in tl.range(0, num_chunks, num_stages=STAGES):
+        cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < hidden)[None, :]
+        _dy, x_hat, g = grad_tile(
+            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+            rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, "",
+        )
+        gx += g * x_hat
+        gs += g
+    return _row_mean(tl.sum(gx, axis=1), hidden), _row_mean(tl.sum(gs, axis=1), hidden)
+
+
+@triton.jit
+def _ln_finish_chunk(
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+    dx_ptr, dw_row_ptr, db_row_ptr, rows, row_mask, cols, mean, rstd, c1, c2, hidden, accumulate,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, POLICY: tl.constexpr,
+):
+    """Pass 2 of the streamed backward on one chunk of BLOCK_M rows whose c1, c2 are known: dx, and
+    the group's Σ dy·x̂ and Σ dy added to the band's partial rows."""
+    mask = row_mask[:, None] & (cols < hidden)[None, :]
+    dy, x_hat, g = grad_tile(
+        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+        rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, POLICY,
+    )
+    _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, POLICY)
+    if HAS_WEIGHT:
+        accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), accumulate)
+    if HAS_BIAS:
+        accumulate_partial(db_row_ptr, cols, hidden, tl.sum(dy, axis=0), accumulate)
 
 
 @triton.jit
@@ -552,7 +619,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dx, dw_partial, db_partial,
         num_rows, hidden, cfg.rows_per_band, cfg.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums,
+        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums, OVERLAP=cfg.overlap,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,
     )
