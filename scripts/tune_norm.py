@@ -146,7 +146,6 @@ STREAM_SPACE = {
     "elements_per_warp": (256, 512),  # fewer warps spill: each thread holds ~5 fp32 values an element
     "stream_programs_per_sm": (1.0, 2.0),
     "stream_evict_first": (False, True),
-    "stream_overlap": (False, True),
 }
 STREAM_ROUNDS = 2
 STREAM_REP = 20  # ms of replays per timing: the descent times ~200 configurations
@@ -207,8 +206,7 @@ def knobs_of(tuning):
 
 def describe(knobs):
     short = {"stream_rows": "rows", "stream_split": "split", "stream_stages": "stages", "chunk": "chunk",
-             "elements_per_warp": "epw", "stream_programs_per_sm": "pps", "stream_evict_first": "evict",
-             "stream_overlap": "overlap"}
+             "elements_per_warp": "epw", "stream_programs_per_sm": "pps", "stream_evict_first": "evict"}
     parts = [f"{short[k]}={knobs[k]}" for k in STREAM_SPACE if k in knobs]
     if "stream_l2_bytes" in knobs:
         budget = knobs["stream_l2_bytes"]
@@ -314,13 +312,6 @@ def sweep_stream(bandwidth):
 
     for knobs in winners:
         score({**knobs, "stream_l2_bytes": None})
-    # The overlapped passes hold two groups' tiles at once, so they want smaller tiles than the
-    # descent (one knob at a time from the shipped setting) may reach: a few of those on every shape.
-    for rows, chunk, split in ((2, 4096, 1), (2, 4096, 2), (4, 2048, 1), (4, 2048, 2), (2, 2048, 2)):
-        score({
-            **knobs_of(base), "stream_rows": rows, "chunk": chunk, "stream_split": split, "stream_stages": 1,
-            "stream_overlap": True, "stream_l2_bytes": None,
-        })
     best_exact = candidates[max(scores)[1]]
     for budget in STREAM_BUDGETS:
         score({**best_exact, "stream_rows": 4, "stream_split": 4, "stream_l2_bytes": budget})
@@ -353,7 +344,7 @@ def sweep_long_forward(bandwidth):
             for knobs in LONG_FWD_SPACE:
                 if knobs["max_fused_hidden"] >= hidden and knobs["chunk"] != base.chunk:
                     continue  # a row held whole: the chunk is unused
-                rms.FWD_TUNING = dataclasses.replace(base, residual_max_fused_hidden=None, **knobs)
+                rms.FWD_TUNING = dataclasses.replace(base, **knobs)
                 try:
                     results.append((bench(case.forward, rep=STREAM_REP), knobs))
                 except Exception as exc:

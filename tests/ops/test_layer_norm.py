@@ -210,7 +210,7 @@ def test_layer_norm_deterministic(monkeypatch, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("params", ("both", "weight", "bias", "none"))
-@pytest.mark.parametrize("case", STREAM_CASES)
+@pytest.mark.parametrize("case", ("1row-split2", "19rows-groups2-split2", "23rows-groups4-split3"))
 def test_layer_norm_streamed_backward(monkeypatch, dtype, params, case):
     rows, hidden, knobs = STREAM_CASES[case]
     use_stream_tuning(monkeypatch, **knobs)

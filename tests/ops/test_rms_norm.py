@@ -49,10 +49,6 @@ STREAM_CASES = {
     "19rows-groups2-split2": (19, 70, dict(stream_rows=2, stream_split=2, stream_stages=3)),
     # one band of 6 groups of 4 rows (the last 3 rows), 4 chunks split 3 ways: 2, 2 and none
     "23rows-groups4-split3": (23, 50, dict(stream_rows=4, stream_split=3, stream_stages=1, stream_evict_first=False)),
-    # pass 1 of each group beside pass 2 of the one before: 5 groups a band, the last "next" group
-    # past the band's end; and a split where one part has no chunk of its own but still reads ahead
-    "19rows-groups2-split2-overlap": (19, 70, dict(stream_rows=2, stream_split=2, stream_overlap=True)),
-    "23rows-groups4-split3-overlap": (23, 50, dict(stream_rows=4, stream_split=3, stream_overlap=True)),
 }
 
 
@@ -386,8 +382,6 @@ GPU_STREAM_KNOBS = (
     dict(stream_rows=4, stream_split=2, stream_stages=3, stream_evict_first=True),
     dict(stream_rows=2, stream_split=1, stream_stages=2, stream_evict_first=False),
     dict(stream_rows=1, stream_split=4, stream_stages=1, stream_evict_first=True),
-    dict(stream_rows=4, stream_split=2, stream_stages=1, stream_evict_first=True, stream_overlap=True),
-    dict(stream_rows=2, stream_split=1, stream_stages=2, stream_evict_first=False, stream_overlap=True),
 )
 
 

@@ -26,7 +26,7 @@ the identity::
 Only ``x``, ``mean`` and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` and ``db`` are reduced
 without atomics: the persistent backward grid cuts the rows into fixed bands, each band accumulates
 its own fp32 partial rows (always in the same order), and one small kernel sums the partials in a
-fixed order and rounds them (:func:`layer_norm_param_grad_kernel`), so the same input gives bitwise
+fixed order and rounds them (rms_norm.py's :func:`partial_rows_sum_kernel`), so the same input gives bitwise
 the same gradients on every run.
 
 Short rows. Where a row is held in registers (N up to ``BWD_TUNING.max_fused_hidden``) a backward
@@ -91,6 +91,7 @@ from tigon.ops.rms_norm import (
     norm_backward_launch,
     norm_launch,
     part_chunks,
+    sum_partial_rows,
 )
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -249,7 +250,7 @@ def layer_norm_bwd_kernel(
     num_rows, hidden,
     rows_per_band, split,                   # program p: band p // split, part p % split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, PAIRED_SUMS: tl.constexpr, OVERLAP: tl.constexpr,
+    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, PAIRED_SUMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and its own fp32 partial
@@ -327,138 +328,40 @@ def layer_norm_bwd_kernel(
             tl.store(db_row_ptr + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
         num_chunks, first_chunk, my_chunks = part_chunks(hidden, part, split, BLOCK_N)
-        if OVERLAP:
-            # As in RMSNorm's OVERLAP: pass 1 of the next group beside pass 2 of this one.
-            rows = row_begin + tl.arange(0, BLOCK_M)
-            c1, c2 = _ln_row_cs(
-                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                mean_ptr, rstd_ptr, rows, rows < row_end, num_chunks, hidden, HAS_WEIGHT, BLOCK_M, BLOCK_N, STAGES,
-            )
-            for row_start in range(row_begin, row_end, BLOCK_M):
-                rows = row_start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
-                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-                nxt = rows + BLOCK_M
-                nxt_mask = nxt < row_end
-                mean_next = tl.load(mean_ptr + nxt, mask=nxt_mask, other=0.0)
-                rstd_next = tl.load(rstd_ptr + nxt, mask=nxt_mask, other=0.0)
-                gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for i in range(0, num_chunks):
-                    cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
-                    _dy, x_hat, g = grad_tile(
-                        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                        nxt, cols, nxt_mask[:, None] & (cols < hidden)[None, :], mean_next, rstd_next, hidden,
-                        0.0, HAS_WEIGHT, True, "",
-                    )
-                    gx += g * x_hat
-                    gs += g
-                    if i < my_chunks:
-                        _ln_finish_chunk(
-                            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                            dx_ptr, dw_row_ptr, db_row_ptr,
-                            rows, row_mask, (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N),
-                            mean, rstd, c1, c2, hidden, row_start > row_begin, HAS_WEIGHT, HAS_BIAS, LAST_USE,
-                        )
-                c1 = _row_mean(tl.sum(gx, axis=1), hidden)
-                c2 = _row_mean(tl.sum(gs, axis=1), hidden)
-                tl.debug_barrier()
-        else:
-            for row_start in range(row_begin, row_end, BLOCK_M):
-                rows = row_start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
-                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-                c1, c2 = _ln_row_cs(
+        for row_start in range(row_begin, row_end, BLOCK_M):
+            rows = row_start + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            # Pass 1, c1 = mean(g·x̂) and c2 = mean(g), summed lane by lane and reduced once.
+            gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for chunk in tl.range(0, num_chunks, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < hidden)[None, :]
+                _dy, x_hat, g = grad_tile(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    mean_ptr, rstd_ptr, rows, row_mask, num_chunks, hidden, HAS_WEIGHT, BLOCK_M, BLOCK_N, STAGES,
+                    rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, "",
                 )
-                # Pass 2 over this part's chunks, last first (the most recently read are still in L2).
-                for i in tl.range(0, my_chunks, num_stages=STAGES):
-                    _ln_finish_chunk(
-                        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                        dx_ptr, dw_row_ptr, db_row_ptr,
-                        rows, row_mask, (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N),
-                        mean, rstd, c1, c2, hidden, row_start > row_begin, HAS_WEIGHT, HAS_BIAS, LAST_USE,
-                    )
-                # As in RMSNorm: the next group reads these partial-row stores back, maybe on other threads.
-                tl.debug_barrier()
-
-
-@triton.jit
-def _ln_row_cs(
-    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr, mean_ptr, rstd_ptr,
-    rows, row_mask, num_chunks, hidden,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Pass 1 of the streamed backward: c1 = mean(g·x̂) and c2 = mean(g) of BLOCK_M whole rows,
-    summed lane by lane over the chunks and reduced once."""
-    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-    gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for chunk in tl.range(0, num_chunks, num_stages=STAGES):
-        cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols < hidden)[None, :]
-        _dy, x_hat, g = grad_tile(
-            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-            rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, "",
-        )
-        gx += g * x_hat
-        gs += g
-    return _row_mean(tl.sum(gx, axis=1), hidden), _row_mean(tl.sum(gs, axis=1), hidden)
-
-
-@triton.jit
-def _ln_finish_chunk(
-    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-    dx_ptr, dw_row_ptr, db_row_ptr, rows, row_mask, cols, mean, rstd, c1, c2, hidden, accumulate,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, POLICY: tl.constexpr,
-):
-    """Pass 2 of the streamed backward on one chunk of BLOCK_M rows whose c1, c2 are known: dx, and
-    the group's Σ dy·x̂ and Σ dy added to the band's partial rows."""
-    mask = row_mask[:, None] & (cols < hidden)[None, :]
-    dy, x_hat, g = grad_tile(
-        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-        rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, POLICY,
-    )
-    _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, POLICY)
-    if HAS_WEIGHT:
-        accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), accumulate)
-    if HAS_BIAS:
-        accumulate_partial(db_row_ptr, cols, hidden, tl.sum(dy, axis=0), accumulate)
-
-
-@triton.jit
-def layer_norm_param_grad_kernel(
-    dw_partial_ptr, db_partial_ptr,         # (bands, N) fp32 each: the bands' partial rows
-    dw_ptr, db_ptr,                         # (N,) out each, in the weight's / bias's dtype
-    bands, hidden,
-    BLOCK_BANDS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    """dw = Σ_bands dw_partial, db = Σ_bands db_partial for BLOCK_COLS columns, rounded once.
-
-    Both sums in one launch (instead of a sum and a cast for each), lane by lane over blocks of
-    bands in a fixed order and reduced once at the end: the same bands give bitwise the same result.
-    """
-    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_mask = cols < hidden
-    dw_acc = tl.zeros([BLOCK_BANDS, BLOCK_COLS], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_BANDS, BLOCK_COLS], dtype=tl.float32)
-    for start in range(0, bands, BLOCK_BANDS):
-        band = start + tl.arange(0, BLOCK_BANDS)
-        mask = (band < bands)[:, None] & col_mask[None, :]
-        offsets = band.to(tl.int64)[:, None] * hidden + cols[None, :]
-        if HAS_WEIGHT:
-            dw_acc += tl.load(dw_partial_ptr + offsets, mask=mask, other=0.0)
-        if HAS_BIAS:
-            db_acc += tl.load(db_partial_ptr + offsets, mask=mask, other=0.0)
-    if HAS_WEIGHT:
-        tl.store(dw_ptr + cols, tl.sum(dw_acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
-    if HAS_BIAS:
-        tl.store(db_ptr + cols, tl.sum(db_acc, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+                gx += g * x_hat
+                gs += g
+            c1 = _row_mean(tl.sum(gx, axis=1), hidden)
+            c2 = _row_mean(tl.sum(gs, axis=1), hidden)
+            # Pass 2 over this part's chunks, last first (the most recently read are still in L2).
+            for i in tl.range(0, my_chunks, num_stages=STAGES):
+                cols = (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < hidden)[None, :]
+                dy, x_hat, g = grad_tile(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    rows, cols, mask, mean, rstd, hidden, 0.0, HAS_WEIGHT, True, LAST_USE,
+                )
+                _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, LAST_USE)
+                if HAS_WEIGHT:
+                    accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), row_start > row_begin)
+                if HAS_BIAS:
+                    accumulate_partial(db_row_ptr, cols, hidden, tl.sum(dy, axis=0), row_start > row_begin)
+            # As in RMSNorm: the next group reads these partial-row stores back, maybe on other threads.
+            tl.debug_barrier()
 
 
 # -------------------------------------------------------------------------------------- launch config
@@ -482,7 +385,7 @@ class LayerNormTuning:
       one tile prefetched into registers; k >= 1 = Triton's pipeliner, k − 1 tiles in shared memory.
     bwd_paired_sums: c1's and c2's row sums in one reduction (True) or two (_fused_rows).
     reduce_bands, reduce_cols, reduce_warps: the [bands, columns] tile and warps of the kernel that
-      sums the partial rows (layer_norm_param_grad_kernel; also after the streamed backward).
+      sums the partial rows (rms_norm.py's partial_rows_sum_kernel; also after the streamed backward).
     """
 
     # Defaults: the one setting scripts/tune_norm.py fused-ln recommended for all shapes on the H100
@@ -619,7 +522,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dx, dw_partial, db_partial,
         num_rows, hidden, cfg.rows_per_band, cfg.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums, OVERLAP=cfg.overlap,
+        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,
     )
@@ -627,14 +530,9 @@ def _backward(dy, x, weight, bias, mean, rstd):
         return dx, no_param(), no_param()
     dw = torch.empty(hidden, dtype=weight.dtype, device=x.device) if weight is not None else no_param()
     db = torch.empty(hidden, dtype=bias.dtype, device=x.device) if bias is not None else no_param()
-    tuning = TUNING
-    wrap_triton(layer_norm_param_grad_kernel)[(triton.cdiv(hidden, tuning.reduce_cols),)](
-        dw_partial, db_partial,
-        dw if weight is not None else dx, db if bias is not None else dx,
-        cfg.bands, hidden,
-        BLOCK_BANDS=tuning.reduce_bands, BLOCK_COLS=tuning.reduce_cols,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        num_warps=tuning.reduce_warps,
+    sum_partial_rows(
+        dw_partial, db_partial, dw if weight is not None else None, db if bias is not None else None, cfg.bands,
+        hidden, block_bands=TUNING.reduce_bands, block_cols=TUNING.reduce_cols, warps=TUNING.reduce_warps,
     )
     return dx, dw, db
 

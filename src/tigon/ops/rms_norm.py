@@ -276,7 +276,7 @@ def rms_norm_bwd_kernel(
     num_rows, hidden, eps, offset,
     rows_per_band, split,                           # program p: band p // split, part p % split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, OVERLAP: tl.constexpr,
+    STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr, LLAMA_CASTING: tl.constexpr,
 ):
     """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and one fp32 partial row.
@@ -345,114 +345,90 @@ def rms_norm_bwd_kernel(
             tl.store(dw_row_ptr + cols, dw_acc, mask=cols < hidden)
     else:
         num_chunks, first_chunk, my_chunks = part_chunks(hidden, part, split, BLOCK_N)
-        if OVERLAP:
-            # Pass 1 of each group runs in the same loop as pass 2 of the group before: every
-            # iteration issues one chunk's first read (HBM) beside one chunk's second read (L2), so
-            # that a first read is always in flight while the previous group is finished. The
-            # first group's c comes from a pass 1 of its own; a last "next" group past row_end loads
-            # nothing (masked).
-            rows = row_begin + tl.arange(0, BLOCK_M)
-            c = _rms_row_c(
-                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr, rstd_ptr,
-                rows, rows < row_end, num_chunks, hidden, offset, HAS_WEIGHT, BLOCK_M, BLOCK_N, STAGES,
-            )
-            for row_start in range(row_begin, row_end, BLOCK_M):
-                rows = row_start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
-                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-                nxt = rows + BLOCK_M
-                nxt_mask = nxt < row_end
-                rstd_next = tl.load(rstd_ptr + nxt, mask=nxt_mask, other=0.0)
-                gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for i in range(0, num_chunks):
-                    cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
-                    _dy, x_hat, g = grad_tile(
-                        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                        nxt, cols, nxt_mask[:, None] & (cols < hidden)[None, :], rstd_next, rstd_next, hidden,
-                        offset, HAS_WEIGHT, False, "",
-                    )
-                    gx += g * x_hat
-                    if i < my_chunks:
-                        _rms_finish_chunk(
-                            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                            dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, dw_row_ptr,
-                            rows, row_mask, (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N),
-                            c, rstd, hidden, eps, offset, row_start > row_begin,
-                            IO_DTYPE, HAS_WEIGHT, HAS_DSUM, LLAMA_CASTING, LAST_USE,
-                        )
-                c = tl.sum(gx, axis=1) / hidden
-                # The next group reads this group's partial-row stores back: see below.
-                tl.debug_barrier()
-        else:
-            for row_start in range(row_begin, row_end, BLOCK_M):
-                rows = row_start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
-                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-                c = _rms_row_c(
-                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr, rstd_ptr,
-                    rows, row_mask, num_chunks, hidden, offset, HAS_WEIGHT, BLOCK_M, BLOCK_N, STAGES,
+        for row_start in range(row_begin, row_end, BLOCK_M):
+            rows = row_start + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            # Pass 1, c = mean(g·x̂): summed lane by lane over the chunks and reduced across the tile
+            # once, so that the loop body holds no cross-warp reduction to stall the pipelined loads.
+            gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for chunk in tl.range(0, num_chunks, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < hidden)[None, :]
+                _dy, x_hat, g = grad_tile(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, "",
                 )
-                # Pass 2 over this part's chunks, last first.
-                for i in tl.range(0, my_chunks, num_stages=STAGES):
-                    _rms_finish_chunk(
-                        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                        dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, dw_row_ptr,
-                        rows, row_mask, (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N),
-                        c, rstd, hidden, eps, offset, row_start > row_begin,
-                        IO_DTYPE, HAS_WEIGHT, HAS_DSUM, LLAMA_CASTING, LAST_USE,
-                    )
-                # The next group reads this group's partial-row stores back, and a pipelined load may
-                # run on another thread than the store (it lands in shared memory in its own layout):
-                # a barrier orders them.
-                tl.debug_barrier()
+                gx += g * x_hat
+            c = tl.sum(gx, axis=1) / hidden
+            # Pass 2 over this part's chunks, last first.
+            for i in tl.range(0, my_chunks, num_stages=STAGES):
+                cols = (first_chunk + my_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_mask = cols < hidden
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, x_hat, g = grad_tile(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, LAST_USE,
+                )
+                _dx_store(
+                    g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
+                    hidden, eps, HAS_DSUM, LAST_USE,
+                )
+                if HAS_WEIGHT:
+                    if LLAMA_CASTING:
+                        x_hat = x_hat.to(IO_DTYPE).to(tl.float32)
+                    accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), row_start > row_begin)
+            # The next group reads this group's partial-row stores back, and a pipelined load may run
+            # on another thread than the store (it lands in shared memory in its own layout): a
+            # barrier orders them.
+            tl.debug_barrier()
 
 
 @triton.jit
-def _rms_row_c(
-    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr, rstd_ptr,
-    rows, row_mask, num_chunks, hidden, offset,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+def partial_rows_sum_kernel(
+    dw_partial_ptr, db_partial_ptr,         # (bands, N) fp32 each: the bands' partial rows [HAS_WEIGHT, HAS_BIAS]
+    dw_ptr, db_ptr,                         # (N,) out each, in the weight's / bias's dtype
+    bands, hidden,
+    BLOCK_BANDS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Pass 1 of the streamed backward: c = mean(g·x̂) of BLOCK_M whole rows, summed lane by lane over
-    the chunks and reduced across the tile once, so that the loop body holds no cross-warp reduction
-    to stall the pipelined loads."""
-    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-    gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for chunk in tl.range(0, num_chunks, num_stages=STAGES):
-        cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols < hidden)[None, :]
-        _dy, x_hat, g = grad_tile(
-            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-            rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, "",
-        )
-        gx += g * x_hat
-    return tl.sum(gx, axis=1) / hidden
+    """dw = Σ_bands dw_partial, db = Σ_bands db_partial for BLOCK_COLS columns, rounded once.
 
-
-@triton.jit
-def _rms_finish_chunk(
-    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-    dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, dw_row_ptr,
-    rows, row_mask, cols, c, rstd, hidden, eps, offset, accumulate,
-    IO_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr, LLAMA_CASTING: tl.constexpr,
-    POLICY: tl.constexpr,
-):
-    """Pass 2 of the streamed backward on one chunk of BLOCK_M rows whose c is known: dx, and the
-    group's Σ dy·r(x̂) added to the band's partial row (stored without a read where ``accumulate`` is
-    false)."""
-    mask = row_mask[:, None] & (cols < hidden)[None, :]
-    dy, x_hat, g = grad_tile(
-        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-        rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, POLICY,
-    )
-    _dx_store(
-        g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
-        hidden, eps, HAS_DSUM, POLICY,
-    )
+    The last step of both norms' backward (LayerNorm's dw and db, RMSNorm's dw): both sums in one
+    launch, each rounded to its parameter's dtype as it is stored (instead of a torch sum and a cast
+    for each), lane by lane over blocks of bands in a fixed order and reduced once at the end: the
+    same bands give bitwise the same result.
+    """
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < hidden
+    dw_acc = tl.zeros([BLOCK_BANDS, BLOCK_COLS], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_BANDS, BLOCK_COLS], dtype=tl.float32)
+    for start in range(0, bands, BLOCK_BANDS):
+        band = start + tl.arange(0, BLOCK_BANDS)
+        mask = (band < bands)[:, None] & col_mask[None, :]
+        offsets = band.to(tl.int64)[:, None] * hidden + cols[None, :]
+        if HAS_WEIGHT:
+            dw_acc += tl.load(dw_partial_ptr + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db_acc += tl.load(db_partial_ptr + offsets, mask=mask, other=0.0)
     if HAS_WEIGHT:
-        if LLAMA_CASTING:
-            x_hat = x_hat.to(IO_DTYPE).to(tl.float32)
-        accumulate_partial(dw_row_ptr, cols, hidden, tl.sum(dy * x_hat, axis=0), accumulate)
+        tl.store(dw_ptr + cols, tl.sum(dw_acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + cols, tl.sum(db_acc, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
+def sum_partial_rows(dw_partial, db_partial, dw, db, bands, hidden, *, block_bands=32, block_cols=32, warps=4):
+    """dw (db) = the column sums of the (bands, hidden) fp32 partial rows, in dw's (db's) dtype, in one
+    launch of :func:`partial_rows_sum_kernel`. None for a parameter that is not there. The default
+    geometry is LayerNorm's tuned one (scripts/tune_norm.py fused-ln), which passes its own."""
+    stand_in = dw if dw is not None else db
+    wrap_triton(partial_rows_sum_kernel)[(triton.cdiv(hidden, block_cols),)](
+        dw_partial if dw is not None else stand_in, db_partial if db is not None else stand_in,
+        stand_in if dw is None else dw, stand_in if db is None else db,
+        bands, hidden,
+        BLOCK_BANDS=block_bands, BLOCK_COLS=block_cols, HAS_WEIGHT=dw is not None, HAS_BIAS=db is not None,
+        num_warps=warps,
+    )
 
 
 # -------------------------------------------------------------------------------------- launch config
@@ -485,10 +461,6 @@ class NormTuning:
       the loads of the next stages-1 chunks are in flight while one is computed.
     stream_evict_first: loads of data read for the last time (pass 2) and the dx stores carry the
       L2 evict-first hint, so that pass 1's rows and the partial rows are what L2 keeps.
-    stream_overlap: pass 1 of each group of rows in the same loop as pass 2 of the group before
-      (one chunk of each an iteration), so that a first read from HBM is always in flight.
-    residual_max_fused_hidden: max_fused_hidden for add_rms_norm's forward (None: the same), whose
-      registers hold x and the residual as they are loaded.
     """
 
     max_fused_hidden: int
@@ -503,8 +475,6 @@ class NormTuning:
     stream_programs_per_sm: float = 1.0
     stream_stages: int = 1
     stream_evict_first: bool = False
-    stream_overlap: bool = False
-    residual_max_fused_hidden: int | None = None
 
     def __post_init__(self):
         # block sizes are tl.arange extents
@@ -512,15 +482,15 @@ class NormTuning:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"NormTuning.{name} must be a power of two, got {value}")
-        if self.residual_max_fused_hidden is not None and self.residual_max_fused_hidden & (
-            self.residual_max_fused_hidden - 1
-        ):
-            raise ValueError(f"NormTuning.residual_max_fused_hidden must be a power of two, got {self}")
         if self.stream_split < 1 or self.stream_stages < 1 or not self.stream_programs_per_sm > 0:
             raise ValueError(f"NormTuning: stream_split, stream_stages >= 1 and stream_programs_per_sm > 0 ({self})")
 
 
-FWD_TUNING = NormTuning(max_fused_hidden=65536, chunk=4096, tile_elements=4096, elements_per_warp=512, max_warps=16)
+# Forward: rows up to 32768 held in registers; longer ones streamed in 8192-wide chunks (scripts/
+# tune_norm.py long-fwd, H100, benchmarks/results/tune_norm_long-*.log): a 65536-wide row held whole
+# spills (ptxas: 1.3-3.4 KB of stack a thread), and streaming it took add_rms_norm's forward at 1024 x
+# 65536 from 0.386 to 0.279 ms and LayerNorm's from 0.192 to 0.142; RMSNorm's 0.134 -> 0.139.
+FWD_TUNING = NormTuning(max_fused_hidden=32768, chunk=8192, tile_elements=4096, elements_per_warp=512, max_warps=16)
 # Streamed-backward knobs from scripts/tune_norm.py's stream sweep on the H100 (2026-11-22, log in
 # benchmarks/results/): one setting for every shape, backward at 81/73/62% of SOL for RMSNorm at
 # N = 16384/32768/65536, 87/76% for add_rms_norm and 69/56% for LayerNorm at 16384/32768 (the
@@ -559,7 +529,6 @@ class NormBackwardLaunch(NormLaunch):
     rows_per_band: int
     stages: int
     evict_first: bool
-    overlap: bool = False
 
     @property
     def programs(self) -> int:
@@ -570,17 +539,14 @@ def _warps(tile: int, tuning: NormTuning) -> int:
     return max(1, min(tile // tuning.elements_per_warp, tuning.max_warps))
 
 
-def norm_launch(num_rows: int, hidden: int, *, backward: bool, residual: bool = False) -> NormLaunch:
-    return _norm_launch(num_rows, hidden, BWD_TUNING if backward else FWD_TUNING, residual)
+def norm_launch(num_rows: int, hidden: int, *, backward: bool) -> NormLaunch:
+    return _norm_launch(num_rows, hidden, BWD_TUNING if backward else FWD_TUNING)
 
 
 @cache_by_size  # keyed on the tuning too: tests and scripts/tune_norm.py swap it
-def _norm_launch(num_rows: int, hidden: int, tuning: NormTuning, residual: bool = False) -> NormLaunch:
+def _norm_launch(num_rows: int, hidden: int, tuning: NormTuning) -> NormLaunch:
     block_n = next_power_of_2(hidden)
-    max_fused = tuning.max_fused_hidden
-    if residual and tuning.residual_max_fused_hidden is not None:
-        max_fused = tuning.residual_max_fused_hidden
-    if block_n > max_fused:
+    if block_n > tuning.max_fused_hidden:
         return NormLaunch(1, tuning.chunk, _warps(tuning.chunk, tuning), False)
     block_m = max(1, min(tuning.tile_elements // block_n, next_power_of_2(num_rows)))
     return NormLaunch(block_m, block_n, _warps(block_m * block_n, tuning), True)
@@ -630,7 +596,6 @@ def _norm_backward_launch(
         block_m, tile.block_n, _warps(block_m * tile.block_n, tuning), tile.single_pass,
         bands=bands, split=split, rows_per_band=rows_per_band, stages=stages,
         evict_first=tuning.stream_evict_first and not tile.single_pass,
-        overlap=tuning.stream_overlap and not tile.single_pass,
     )
 
 
@@ -660,7 +625,7 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     if num_rows == 0 or hidden == 0:
         return y, s, rstd
     r2 = as_rows(residual) if residual is not None else x2
-    cfg = norm_launch(num_rows, hidden, backward=False, residual=residual is not None)
+    cfg = norm_launch(num_rows, hidden, backward=False)
     grid = (triton.cdiv(num_rows, cfg.block_m),)
     wrap_triton(rms_norm_fwd_kernel)[grid](
         x2, x2.stride(0), x2.stride(1),
@@ -700,12 +665,13 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
         dx, dw_partial,
         num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, OVERLAP=cfg.overlap,
+        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, LLAMA_CASTING=casting == "llama",
         num_warps=cfg.num_warps,
     )
     if weight is not None:
-        dw = dw_partial.sum(dim=0).to(weight.dtype)
+        dw = torch.empty_like(weight)
+        sum_partial_rows(dw_partial, None, dw, None, cfg.bands, hidden)
     return dx, dw
 
 
