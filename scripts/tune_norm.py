@@ -6,7 +6,7 @@ src/tigon/ops/layer_norm.py, with its logs in benchmarks/results/ (tune_norm*-<d
 
     PYTHONPATH=src python3 scripts/tune_norm.py                 # every section
     PYTHONPATH=src python3 scripts/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary
-                                                                # wide long-fwd host
+                                                                # wide long-fwd split host
 
 fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of layer_norm.py's
         LayerNormTuning (forward tile and warps; backward tile, warps, programs per SM, how loads are
@@ -34,6 +34,8 @@ wide:   RMSNorm, add_rms_norm and LayerNorm at 4096x16384 with the row held in r
         kernel variant tried then, not kept) RMSNorm reached 0.194 and add_rms_norm 0.247 against
         0.203 and 0.254: 3-5% on one size, not enough to catch Liger-Kernel there, so the streamed
         backward stays.
+split:  the backward of rows of 16K-64K split over programs that swap their partial row sums (the
+        split_* knobs of BWD_TUNING), each setting checked, against the streamed backward.
 long-fwd: the forward of rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: where rows stop
         being held in registers (max_fused_hidden) and the streamed forward's chunk and warps.
 host:   the eager host cost of one small forward+backward, with a profile.
@@ -319,6 +321,52 @@ def sweep_stream(bandwidth):
     geo, i = max(scores)
     fields = ", ".join(f"{k}={v!r}" for k, v in candidates[i].items())
     print(f"best single setting: #{i} (geomean {geo:.1f}% of SOL): BWD_TUNING fields {fields}")
+
+
+# ------------------------------------------------------------------------- split rows, backward
+
+SPLIT_SHAPES = ((4096, 16384), (2048, 32768), (1024, 65536))
+SPLIT_SPACE = [
+    dict(split_slice=slice_, split_warps=warps, split_programs_per_sm=pps)
+    for slice_ in (2048, 4096, 8192)
+    for warps in (8, 16)
+    for pps in (1.0, 2.0)
+]
+
+
+def sweep_split(bandwidth):
+    """The backward of rows of 16K-64K with each row split over programs that swap partial row sums
+    (split_max_hidden raised past the row), per slice width, warps and programs per SM, against the
+    streamed backward; every setting checked against the streamed one's gradients first."""
+    base = rms.BWD_TUNING
+    best_of = {}
+    for op in ("rms_norm", "add_rms_norm", "layer_norm"):
+        for rows, hidden in SPLIT_SHAPES:
+            case = make_case(op, rows, hidden)
+            sol_ms = case.bwd_bytes / bandwidth * 1e3
+            timer = StreamTimer(case, dataclasses.replace(base, split_max_hidden=0))
+            streamed = timer()
+            results = []
+            for knobs in SPLIT_SPACE:
+                ms = timer(split_max_hidden=1 << 20, **knobs)
+                if ms < math.inf:
+                    results.append((ms, knobs))
+            results.sort(key=lambda r: r[0])
+            print(f"{case.name} bwd: streamed {streamed:.4f} ms ({100 * sol_ms / streamed:.0f}% SOL)")
+            for ms, knobs in results[:5]:
+                print(f"    split {knobs}: {ms:.4f} ms ({100 * sol_ms / ms:.0f}% SOL)")
+            for ms, knobs in results:
+                key = tuple(sorted(knobs.items()))
+                best_of.setdefault(key, []).append(100 * sol_ms / ms)
+    count = len(SPLIT_SHAPES) * 3
+    ranked = sorted(
+        ((math.exp(sum(math.log(v) for v in vals) / len(vals)), dict(key)) for key, vals in best_of.items()
+         if len(vals) == count),
+        key=lambda r: -r[0],
+    )
+    print("\nsplit settings timed on every shape, by geomean % of SOL:")
+    for geo, knobs in ranked[:6]:
+        print(f"    {geo:5.1f}%  {knobs}")
 
 
 # ------------------------------------------------------------------------- long rows, forward
@@ -729,7 +777,7 @@ def host_overhead():
 
 SECTIONS = {
     "fused-ln": sweep_fused_ln, "fused": sweep_fused_rms, "stream": sweep_stream, "boundary": sweep_boundary,
-    "wide": sweep_wide, "long-fwd": sweep_long_forward, "host": None,
+    "wide": sweep_wide, "long-fwd": sweep_long_forward, "split": sweep_split, "host": None,
 }
 
 

@@ -31,7 +31,16 @@ from tests.helpers import (
     repeatable_grads,
     stride0_like,
 )
-from tests.ops.test_rms_norm import GPU_STREAM_KNOBS, RMS_MODULE, STREAM_CASES, use_stream_tuning
+from tests.ops.test_rms_norm import (
+    GPU_SPLIT_KNOBS,
+    GPU_STREAM_KNOBS,
+    RMS_MODULE,
+    SPLIT_CASES,
+    STREAM_CASES,
+    split_grads,
+    use_split_tuning,
+    use_stream_tuning,
+)
 from tigon.ops._common import next_power_of_2
 from tigon.ops.layer_norm import LayerNormTuning, backward_launch, forward_launch, layer_norm, layer_norm_reference
 from tigon.ops.rms_norm import MAX_FUSED_HIDDEN_BWD, MAX_FUSED_HIDDEN_FWD
@@ -220,6 +229,22 @@ def test_layer_norm_streamed_backward(monkeypatch, dtype, params, case):
     check_layer_norm(x, w, b, randn(rows, hidden, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("params", ("both", "weight", "none"))
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_layer_norm_split_rows(monkeypatch, dtype, params, case):
+    """Rows split over programs that swap both row sums (see test_rms_norm_split_rows)."""
+    rows, hidden = SPLIT_CASES[case]
+    use_split_tuning(monkeypatch)
+    x = (randn(rows, hidden) * 2 + 3).to(dtype).requires_grad_()
+    w = randn(hidden, dtype=dtype, requires_grad=True) if params in ("both", "weight") else None
+    b = randn(hidden, dtype=dtype, requires_grad=True) if params == "both" else None
+    dy = randn(rows, hidden, dtype=dtype)
+    check_layer_norm(x, w, b, dy)
+    inputs = tuple(t for t in (x, w, b) if t is not None)
+    repeatable_grads(lambda: layer_norm(x, w, b), inputs, dy)
+
+
 def test_layer_norm_empty_rows():
     x = randn(0, 64, requires_grad=True)
     w, b = randn(64, requires_grad=True), randn(64, requires_grad=True)
@@ -267,6 +292,25 @@ def test_layer_norm_cpu_needs_interpreter(monkeypatch):
 def test_layer_norm_cpu_tensor_on_gpu_machine_rejected():
     with pytest.raises(ValueError, match="CUDA tensors"):
         layer_norm(torch.randn(2, 8), torch.randn(8), torch.randn(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_SPLIT_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_layer_norm_split_rows_gpu(knobs):
+    """Split rows compiled for real: right, and bitwise the same twice and with no polling."""
+    rows, hidden = 2048, 5 * 4096 - 93
+    x = (randn(rows, hidden) * 2 + 3).to(torch.bfloat16).requires_grad_()
+    w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    b = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    first = split_grads(lambda: layer_norm(x, w, b), (x, w, b), dy, **knobs)
+    again = split_grads(lambda: layer_norm(x, w, b), (x, w, b), dy, **knobs)
+    no_polls = split_grads(lambda: layer_norm(x, w, b), (x, w, b), dy, split_max_polls=0, **knobs)
+    for a, b_, c in zip(first, again, no_polls, strict=True):
+        assert torch.equal(a, b_) and torch.equal(a, c)
+    _, grads = fp64_reference(layer_norm_reference, {"x": x, "weight": w, "bias": b}, dy)
+    for got, name in zip(first, ("x", "weight", "bias"), strict=True):
+        assert_close(got, grads[name], torch.bfloat16, "d" + name)
 
 
 @pytest.mark.gpu

@@ -60,6 +60,20 @@ def use_stream_tuning(monkeypatch, **knobs):
     monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
 
 
+# Split rows under the interpreter: rows over 16 wide cut into 16-wide slices, one program each.
+# (rows, hidden): (1, 20) two parts; (7, 40) three (a masked fourth slot); (19, 50)
+# four, the last 2 wide.
+SPLIT_CASES = {"1row-2parts": (1, 20), "7rows-3parts": (7, 40), "19rows-4parts": (19, 50)}
+
+
+def use_split_tuning(monkeypatch, **knobs):
+    """Make rows of 17..64 take the split-row backward (16-wide slices)."""
+    tuning = dataclasses.replace(
+        RMS_MODULE.BWD_TUNING, max_fused_hidden=16, split_max_hidden=64, split_slice=16, split_warps=1, **knobs
+    )
+    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+
+
 def check_rms_norm(x, weight, dy, *, eps=1e-6, offset=0.0, casting="llama"):
     dtype = x.dtype
     y = rms_norm(x, weight, eps, offset=offset, casting=casting)
@@ -263,6 +277,49 @@ def test_add_rms_norm_streamed_backward(monkeypatch, dtype, case):
     assert_close(dw, grads["weight"], dtype, "dw")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_rms_norm_split_rows(monkeypatch, dtype, case):
+    """Rows split over programs that swap their partial sums: under the interpreter the first part
+    of each row finds no partner yet and recomputes their sums, the later parts find them published."""
+    rows, hidden = SPLIT_CASES[case]
+    use_split_tuning(monkeypatch)
+    cfg = RMS_MODULE.norm_backward_launch(rows, hidden, 4 * hidden, 1, torch.device(DEVICE))
+    assert cfg.single_pass and cfg.split == -(-hidden // 16) and cfg.parts_block >= cfg.split
+    x = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    check_rms_norm(x, w, randn(rows, hidden, dtype=dtype))
+    repeatable_grads(lambda: rms_norm(x, w), (x, w), randn(rows, hidden, dtype=dtype))
+
+
+@pytest.mark.parametrize("weight_kind", ("fp32-gemma", "none"))
+def test_rms_norm_split_rows_weights(monkeypatch, weight_kind):
+    rows, hidden = SPLIT_CASES["19rows-4parts"]
+    use_split_tuning(monkeypatch)
+    x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(hidden, requires_grad=True) if weight_kind == "fp32-gemma" else None
+    check_rms_norm(x, w, randn(rows, hidden, dtype=torch.bfloat16), offset=1.0, casting="gemma")
+
+
+@pytest.mark.parametrize("case", ("1row-2parts", "19rows-4parts"))
+def test_add_rms_norm_split_rows(monkeypatch, case):
+    rows, hidden = SPLIT_CASES[case]
+    use_split_tuning(monkeypatch)
+    dtype = torch.bfloat16
+    x = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    residual = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    dy, ds = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype)
+    y, s = add_rms_norm(x, residual, w)
+    _, grads = fp64_reference(
+        add_rms_norm_reference, {"x": x, "residual": residual, "weight": w}, (dy, ds), io_dtype=dtype
+    )
+    dx, dres, dw = torch.autograd.grad((y, s), (x, residual, w), (dy, ds))
+    assert_close(dx, grads["x"], dtype, "dx")
+    assert_close(dres, grads["residual"], dtype, "dresidual")
+    assert_close(dw, grads["weight"], dtype, "dw")
+
+
 def test_norm_backward_launch_geometry(monkeypatch):
     """The L2 budget picks the split first, then the rows per group; the grid covers every row."""
     tuning = dataclasses.replace(
@@ -406,6 +463,56 @@ def test_rms_norm_streamed_backward_gpu(monkeypatch, knobs, fn):
         )
         assert_close(first[0], grads["x"], torch.bfloat16, "dx")
         assert_close(first[1], grads["weight"], torch.bfloat16, "dw")
+
+
+# Compiled for real: programs that hold slices of the same rows swap their sums through global
+# memory while they run (16384 + 4003 = 20387 columns: 3 slices of 8192 or 5 of 4096, the last partial).
+GPU_SPLIT_KNOBS = (
+    dict(split_slice=8192, split_warps=16, split_programs_per_sm=1.0),
+    dict(split_slice=4096, split_warps=8, split_programs_per_sm=1.0),
+    dict(split_slice=2048, split_warps=8, split_programs_per_sm=2.0),
+)
+
+
+def split_grads(fn, inputs, grad_outputs, **knobs):
+    """Gradients with rows split (split_max_hidden past any row), under the given knobs."""
+    saved = RMS_MODULE.BWD_TUNING
+    RMS_MODULE.BWD_TUNING = dataclasses.replace(saved, split_max_hidden=1 << 20, **knobs)
+    try:
+        outputs = fn()
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        grad_outputs = grad_outputs if isinstance(grad_outputs, tuple) else (grad_outputs,)
+        return torch.autograd.grad(outputs, inputs, grad_outputs)
+    finally:
+        RMS_MODULE.BWD_TUNING = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_SPLIT_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
+@pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
+def test_rms_norm_split_rows_gpu(knobs, fn):
+    """Right against fp64; bitwise the same on a second run and with no polling at all (every
+    partner's sums then recomputed from the inputs wherever they were not already there)."""
+    rows, hidden = 2048, 5 * 4096 - 93
+    dtype = torch.bfloat16
+    x = randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w = randn(hidden, dtype=dtype, requires_grad=True)
+    dy = randn(rows, hidden, dtype=dtype)
+    if fn == "rms_norm":
+        call, inputs, grad_outputs, ref_fn = (lambda: rms_norm(x, w)), (x, w), dy, rms_norm_reference
+        tensors = {"x": x, "weight": w}
+    else:
+        r, ds = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype)
+        call, inputs, grad_outputs = (lambda: add_rms_norm(x, r, w)), (x, w), (dy, ds)
+        ref_fn, tensors = add_rms_norm_reference, {"x": x, "residual": r, "weight": w}
+    first = split_grads(call, inputs, grad_outputs, **knobs)
+    again = split_grads(call, inputs, grad_outputs, **knobs)
+    no_polls = split_grads(call, inputs, grad_outputs, split_max_polls=0, **knobs)
+    for a, b, c in zip(first, again, no_polls, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    _, grads = fp64_reference(ref_fn, tensors, grad_outputs, io_dtype=dtype)
+    assert_close(first[0], grads["x"], dtype, "dx")
+    assert_close(first[1], grads["weight"], dtype, "dw")
 
 
 @pytest.mark.gpu

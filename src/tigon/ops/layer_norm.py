@@ -65,6 +65,7 @@ Reference: :func:`layer_norm_reference` (``torch.nn.functional.layer_norm`` in f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -86,11 +87,13 @@ from tigon.ops.rms_norm import (
     NormBackwardLaunch,
     NormLaunch,
     accumulate_partial,
+    exchange_row_sums,
     grad_tile,
     load_grad_rows,
     norm_backward_launch,
     norm_launch,
     part_chunks,
+    split_rows_scratch,
     sum_partial_rows,
 )
 
@@ -206,18 +209,27 @@ def _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidde
 
 
 @triton.jit
-def _fused_rows(
-    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRED_SUMS: tl.constexpr,
+def _ln_slice_sums(
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+    rows, row_mask, cols, mean, rstd, hidden, HAS_WEIGHT: tl.constexpr, PAIRED_SUMS: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of whole rows (dy, x in the io dtype): stores dx, and adds dy·x̂ and
-    dy lane by lane to the band's [BLOCK_M, BLOCK_N] accumulators, which it returns (no reduction
-    across the rows until the band's last tile).
+    """(Σ g·x̂, Σ g) over one slice of BLOCK_M rows, from the inputs: what the slice's own program
+    publishes (the same operations on the same tile, so bitwise the same values)."""
+    mask = row_mask[:, None] & (cols < hidden)[None, :]
+    dy, x = load_grad_rows(
+        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, ""
+    )
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros([cols.shape[0]], dtype=tl.float32)  # unused
+    _x_hat, g, gx_sum, g_sum = _row_sums(dy, x, mean, rstd, w, HAS_WEIGHT, PAIRED_SUMS)
+    return gx_sum, g_sum
 
-    PAIRED_SUMS: c1's and c2's row sums as one reduction of the [BLOCK_M, BLOCK_N, 2] pair tile (one
-    exchange between the warps that share a row, not two). Not tl.reduce over a tuple: the
-    interpreter runs a custom combine function once per column, in Python.
-    """
+
+@triton.jit
+def _row_sums(dy, x, mean, rstd, w, HAS_WEIGHT: tl.constexpr, PAIRED_SUMS: tl.constexpr):
+    """x̂, g and the row sums Σ g·x̂, Σ g of one [BLOCK_M, BLOCK_N] tile (dy, x in the io dtype)."""
     dy = dy.to(tl.float32)
     x_hat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
@@ -228,6 +240,46 @@ def _fused_rows(
         gx_sum, g_sum = tl.split(tl.sum(tl.join(g * x_hat, g), axis=1))
     else:
         gx_sum, g_sum = tl.sum(g * x_hat, axis=1), tl.sum(g, axis=1)
+    return x_hat, g, gx_sum, g_sum
+
+
+@triton.jit
+def _fused_rows(
+    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden,
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+    part, split, scratch_ptr, scratch2_ptr, max_polls, row_end,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRED_SUMS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of whole rows (dy, x in the io dtype): stores dx, and adds dy·x̂ and
+    dy lane by lane to the band's [BLOCK_M, BLOCK_N] accumulators, which it returns (no reduction
+    across the rows until the band's last tile).
+
+    PAIRED_SUMS: c1's and c2's row sums as one reduction of the [BLOCK_M, BLOCK_N, 2] pair tile (one
+    exchange between the warps that share a row, not two). Not tl.reduce over a tuple: the
+    interpreter runs a custom combine function once per column, in Python.
+
+    PARTS_BLOCK > 1 (split rows): the tile is this program's slice of the rows, and the row sums
+    are the sums of every slice's, swapped with the partner programs (RMSNorm's exchange_row_sums).
+    """
+    x_hat, g, gx_sum, g_sum = _row_sums(dy, x, mean, rstd, w, HAS_WEIGHT, PAIRED_SUMS)
+    if PARTS_BLOCK > 1:
+        row_mask = rows < row_end
+        gx_parts, g_parts, there = exchange_row_sums(
+            gx_sum, g_sum, rows, row_mask, part, split, scratch_ptr, scratch2_ptr, max_polls, PARTS_BLOCK, True
+        )
+        if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
+            slots = tl.arange(0, PARTS_BLOCK)
+            for k in range(0, split):
+                redo_gx, redo_g = _ln_slice_sums(
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), mean, rstd, hidden, HAS_WEIGHT,
+                    PAIRED_SUMS,
+                )
+                missing = (slots == k)[None, :] & ~there
+                gx_parts = tl.where(missing, redo_gx[:, None], gx_parts)
+                g_parts = tl.where(missing, redo_g[:, None], g_parts)
+        gx_sum, g_sum = tl.sum(gx_parts, axis=1), tl.sum(g_parts, axis=1)
     c1 = _row_mean(gx_sum, hidden)
     c2 = _row_mean(g_sum, hidden)
     _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, "")
@@ -247,9 +299,11 @@ def layer_norm_bwd_kernel(
     dx_ptr,                                 # (M, N) out, contiguous
     dw_partial_ptr,                         # (bands, N) out, fp32: each band's Σ dy·x̂   [HAS_WEIGHT]
     db_partial_ptr,                         # (bands, N) out, fp32: each band's Σ dy      [HAS_BIAS]
+    scratch_ptr,                            # (2, M, split) int64, zeroed   [SINGLE_PASS, split > 1]
     num_rows, hidden,
     rows_per_band, split,                   # program p: band p // split, part p % split
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    max_polls,                              # split rows: see RMSNorm's exchange_row_sums
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, PAIRED_SUMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
@@ -257,7 +311,8 @@ def layer_norm_bwd_kernel(
     rows. The same scheme as RMSNorm's backward (see rms_norm_bwd_kernel for the streamed passes and
     the split), with two row reductions (c1, c2) and two partial rows (dw, db).
 
-    SINGLE_PASS (split == 1): the band's rows go BLOCK_M at a time as whole-row tiles in registers;
+    SINGLE_PASS: the band's rows go BLOCK_M at a time as whole-row tiles in registers (with split > 1,
+    each of ``split`` programs holds one BLOCK_N-wide slice of the rows: see rms_norm_bwd_kernel);
     dw and db are accumulated in [BLOCK_M, BLOCK_N] fp32 registers (lane by lane, no reduction per
     tile) and reduced over the BLOCK_M lanes once, when the band's partial rows are stored. The next
     tile's loads are in flight while one is computed: STAGES == 0 prefetches one tile into
@@ -273,8 +328,9 @@ def layer_norm_bwd_kernel(
     dw_row_ptr = dw_partial_ptr + band.to(tl.int64) * hidden
     db_row_ptr = db_partial_ptr + band.to(tl.int64) * hidden
     if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK_N)
+        cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
+        scratch2_ptr = scratch_ptr + num_rows.to(tl.int64) * split  # the second sum's slots
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         else:
@@ -304,8 +360,10 @@ def layer_norm_bwd_kernel(
                 mean_next = tl.load(mean_ptr + nxt, mask=nxt < row_end, other=0.0)
                 rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < row_end, other=0.0)
                 dw_acc, db_acc = _fused_rows(
-                    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden, HAS_WEIGHT, HAS_BIAS,
-                    PAIRED_SUMS,
+                    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden,
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    part, split, scratch_ptr, scratch2_ptr, max_polls, row_end,
+                    HAS_WEIGHT, HAS_BIAS, PAIRED_SUMS, PARTS_BLOCK, BLOCK_N,
                 )
         else:
             num_groups = tl.cdiv(row_end - row_begin, BLOCK_M).to(tl.int32)
@@ -319,8 +377,10 @@ def layer_norm_bwd_kernel(
                 mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
                 dw_acc, db_acc = _fused_rows(
-                    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden, HAS_WEIGHT, HAS_BIAS,
-                    PAIRED_SUMS,
+                    dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden,
+                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                    part, split, scratch_ptr, scratch2_ptr, max_polls, row_end,
+                    HAS_WEIGHT, HAS_BIAS, PAIRED_SUMS, PARTS_BLOCK, BLOCK_N,
                 )
         if HAS_WEIGHT:
             tl.store(dw_row_ptr + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -439,9 +499,11 @@ def _forward_launch(num_rows, hidden, tuning, shared) -> NormLaunch:
 
 def backward_launch(num_rows: int, hidden: int, row_bytes: int, device: torch.device) -> NormBackwardLaunch:
     """The backward's persistent grid: TUNING's where the row is held in registers, else RMSNorm's
-    streamed geometry (with two partial rows a band)."""
+    split-row or streamed geometry (with two partial rows a band; split rows keep the next tile in
+    flight the way TUNING's bwd_stages says)."""
     if not norm_launch(num_rows, hidden, backward=True).single_pass:
-        return norm_backward_launch(num_rows, hidden, row_bytes, 2, device)
+        cfg = norm_backward_launch(num_rows, hidden, row_bytes, 2, device)
+        return dataclasses.replace(cfg, stages=TUNING.bwd_stages) if cfg.single_pass else cfg
     return _fused_backward_launch(num_rows, hidden, device, TUNING)
 
 
@@ -514,14 +576,15 @@ def _backward(dy, x, weight, bias, mean, rstd):
     # Without a weight (bias) the kernels never touch its pointers; dx stands in for them.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
     db_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
+    scratch, max_polls = split_rows_scratch(cfg, num_rows, 2, x.device)
     wrap_triton(layer_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
         x2, x2.stride(0), x2.stride(1),
         weight if weight is not None else x2,
         mean, rstd,
-        dx, dw_partial, db_partial,
-        num_rows, hidden, cfg.rows_per_band, cfg.split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        dx, dw_partial, db_partial, scratch,
+        num_rows, hidden, cfg.rows_per_band, cfg.split, max_polls,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,

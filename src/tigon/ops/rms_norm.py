@@ -57,6 +57,7 @@ from tigon.ops._common import (
     as_rows,
     cache_by_size,
     check_tensor,
+    interpreter_active,
     next_power_of_2,
     persistent_programs,
     wrap_triton,
@@ -243,6 +244,56 @@ def part_chunks(hidden, part, split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tagged(value):
+    """An fp32 value in the high half of a 64-bit word whose lowest bit is set: a program reading the
+    word whole sees either 0 (not yet written) or the value, so no fence orders value and flag."""
+    return (value.to(tl.int32, bitcast=True).to(tl.int64) << 32) | 1
+
+
+@triton.jit
+def _untagged(word):
+    return (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exchange_row_sums(
+    own, own2, rows, row_mask, part, parts, scratch_ptr, scratch2_ptr, max_polls,
+    PARTS_BLOCK: tl.constexpr, PAIRED: tl.constexpr,
+):
+    """Split rows: the programs that hold parts of the same rows swap their partial row sums.
+
+    Publishes this part's partial sums of BLOCK_M rows (``own``, and ``own2`` with PAIRED) in
+    ``scratch[row, part]`` (an int64 buffer zeroed before the launch, one slot per row and part), then
+    reads every part's slot, polling up to ``max_polls`` more times while one is still 0. Returns the
+    [BLOCK_M, PARTS_BLOCK] values (0 in slots past ``parts``) and which slots were there.
+
+    The partners are the programs next to this one in the grid, launched together and persistent,
+    so they normally publish within a few µs. Nothing here waits on them for good: a slot still
+    missing after the polls is for the caller to recompute from the inputs (the same code on the
+    same data gives bitwise the same sum), so a partner that is not running yet (another kernel
+    holding its SM) cannot deadlock the launch, and the result never depends on which path ran.
+    """
+    slots = tl.arange(0, PARTS_BLOCK)
+    own_slot = rows * parts + part
+    tl.atomic_xchg(scratch_ptr + own_slot, _tagged(own), mask=row_mask, sem="relaxed")
+    if PAIRED:
+        tl.atomic_xchg(scratch2_ptr + own_slot, _tagged(own2), mask=row_mask, sem="relaxed")
+    offsets = rows[:, None] * parts + slots[None, :]
+    live = row_mask[:, None] & (slots < parts)[None, :]
+    words = tl.load(scratch_ptr + offsets, mask=live, other=1, volatile=True)
+    words2 = words
+    if PAIRED:
+        words2 = tl.load(scratch2_ptr + offsets, mask=live, other=1, volatile=True)
+    polls = 0
+    while (tl.min(words & words2 & 1) == 0) & (polls < max_polls):
+        words = tl.load(scratch_ptr + offsets, mask=live, other=1, volatile=True)
+        if PAIRED:
+            words2 = tl.load(scratch2_ptr + offsets, mask=live, other=1, volatile=True)
+        polls += 1
+    return _untagged(words), _untagged(words2), (words & words2 & 1) != 0
+
+
+@triton.jit
 def _dx_store(
     g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask, hidden, eps,
     HAS_DSUM: tl.constexpr, POLICY: tl.constexpr,
@@ -265,6 +316,21 @@ def _dx_store(
 
 
 @triton.jit
+def _rms_slice_sum(
+    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+    rows, row_mask, cols, rstd, hidden, offset, HAS_WEIGHT: tl.constexpr,
+):
+    """Σ g·x̂ over one slice of BLOCK_M rows, from the inputs: what the slice's own program publishes
+    (the same operations on the same [BLOCK_M, BLOCK_N] tile, so bitwise the same value)."""
+    mask = row_mask[:, None] & (cols < hidden)[None, :]
+    _dy, x_hat, g = grad_tile(
+        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+        rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, "",
+    )
+    return tl.sum(g * x_hat, axis=1)
+
+
+@triton.jit
 def rms_norm_bwd_kernel(
     dy_ptr, dy_row_stride, dy_col_stride,           # (M, N) gradient of y, any strides (stride 0 too)
     x_ptr, x_row_stride, x_col_stride,              # (M, N) the normalised input (x, or s = x + res)
@@ -273,16 +339,23 @@ def rms_norm_bwd_kernel(
     dsum_ptr, dsum_row_stride, dsum_col_stride,     # (M, N) gradient of the s output   [HAS_DSUM]
     dx_ptr,                                         # (M, N) out, contiguous
     dw_partial_ptr,                                 # (bands, N) out, fp32: each band's Σ dy·r(x̂)
+    scratch_ptr,                                    # (M, split) int64, zeroed     [SINGLE_PASS, split > 1]
     num_rows, hidden, eps, offset,
     rows_per_band, split,                           # program p: band p // split, part p % split
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    max_polls,                                      # split rows: see exchange_row_sums
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr, LLAMA_CASTING: tl.constexpr,
 ):
     """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and one fp32 partial row.
 
-    SINGLE_PASS (split == 1): the row tile is held in registers, and the band's dw partial in
-    registers across all its rows, stored once at the end.
+    SINGLE_PASS: the row tile is held in registers, and the band's dw partial in registers across
+    all its rows, stored once at the end. With split > 1 (split rows; PARTS_BLOCK = the next power
+    of two), each of a band's ``split`` programs holds its own BLOCK_N-wide slice of every row: the
+    row sum c is the sum of the slices' partial sums, swapped through ``scratch`` as each tile is
+    reached (:func:`exchange_row_sums`), and each program writes dx and the partial dw row of its
+    slice only. Every element is read from HBM once, as in the fused regime, for rows too long for
+    one program's registers.
 
     Streamed: rows go BLOCK_M at a time as [BLOCK_M, BLOCK_N] tiles over column chunks, in two
     passes. Pass 1 reads the whole rows for c; pass 2 reads them again (from L2, where pass 1 left
@@ -302,7 +375,7 @@ def rms_norm_bwd_kernel(
     row_end = tl.minimum(row_begin + rows_per_band, num_rows)
     dw_row_ptr = dw_partial_ptr + band.to(tl.int64) * hidden
     if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK_N)
+        cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -332,7 +405,23 @@ def rms_norm_bwd_kernel(
                 g = dy * w[None, :]
             else:
                 g = dy
-            c = tl.sum(g * x_hat, axis=1) / hidden
+            gx = tl.sum(g * x_hat, axis=1)
+            if PARTS_BLOCK > 1:
+                row_mask = rows < row_end
+                sums, _sums, there = exchange_row_sums(
+                    gx, gx, rows, row_mask, part, split, scratch_ptr, scratch_ptr, max_polls, PARTS_BLOCK, False
+                )
+                if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
+                    slots = tl.arange(0, PARTS_BLOCK)
+                    for k in range(0, split):
+                        redo = _rms_slice_sum(
+                            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride,
+                            weight_ptr, rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), rstd, hidden,
+                            offset, HAS_WEIGHT,
+                        )
+                        sums = tl.where((slots == k)[None, :] & ~there, redo[:, None], sums)
+                gx = tl.sum(sums, axis=1)
+            c = gx / hidden
             _dx_store(
                 g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
                 hidden, eps, HAS_DSUM, "",
@@ -461,6 +550,12 @@ class NormTuning:
       the loads of the next stages-1 chunks are in flight while one is computed.
     stream_evict_first: loads of data read for the last time (pass 2) and the dx stores carry the
       L2 evict-first hint, so that pass 1's rows and the partial rows are what L2 keeps.
+
+    Split rows (backward only; rows longer than max_fused_hidden, up to split_max_hidden; see
+    rms_norm_bwd_kernel): each row is cut into split_slice-wide slices, one program a slice (one
+    row at a time, split_warps warps), split_programs_per_sm programs per multiprocessor.
+    split_max_polls: how long a program polls for a partner's partial sums (one L2 round trip
+      each, ~1 µs) before it computes them itself from the inputs (exchange_row_sums).
     """
 
     max_fused_hidden: int
@@ -475,10 +570,15 @@ class NormTuning:
     stream_programs_per_sm: float = 1.0
     stream_stages: int = 1
     stream_evict_first: bool = False
+    split_max_hidden: int = 0
+    split_slice: int = 4096
+    split_warps: int = 8
+    split_programs_per_sm: float = 1.0
+    split_max_polls: int = 4096
 
     def __post_init__(self):
         # block sizes are tl.arange extents
-        for name in ("max_fused_hidden", "chunk", "tile_elements", "stream_rows"):
+        for name in ("max_fused_hidden", "chunk", "tile_elements", "stream_rows", "split_slice"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"NormTuning.{name} must be a power of two, got {value}")
@@ -534,6 +634,11 @@ class NormBackwardLaunch(NormLaunch):
     def programs(self) -> int:
         return self.bands * self.split
 
+    @property
+    def parts_block(self) -> int:
+        """Split rows (single_pass with split > 1): the power of two that holds the parts; else 1."""
+        return next_power_of_2(self.split) if self.single_pass else 1
+
 
 def _warps(tile: int, tuning: NormTuning) -> int:
     return max(1, min(tile // tuning.elements_per_warp, tuning.max_warps))
@@ -569,7 +674,13 @@ def _norm_backward_launch(
 ) -> NormBackwardLaunch:
     tile = _norm_launch(num_rows, hidden, tuning)
     block_m, split, stages = tile.block_m, 1, 1
-    if tile.single_pass:
+    warps = None  # from the tile
+    if not tile.single_pass and hidden <= tuning.split_max_hidden:
+        # split rows: one program a slice of each row, cdiv(hidden, slice) programs a band
+        tile = NormLaunch(1, tuning.split_slice, tuning.split_warps, True)
+        block_m, split, warps = 1, triton.cdiv(hidden, tile.block_n), tuning.split_warps
+        target = max(split, round(persistent_programs(device, 1) * tuning.split_programs_per_sm))
+    elif tile.single_pass:
         target = max(1, round(persistent_programs(device, tuning.programs_per_sm)))
     else:
         target = max(1, round(tuning.stream_programs_per_sm * persistent_programs(device, 1)))
@@ -593,13 +704,27 @@ def _norm_backward_launch(
     rows_per_band = triton.cdiv(triton.cdiv(num_rows, bands), block_m) * block_m
     bands = triton.cdiv(num_rows, rows_per_band)
     return NormBackwardLaunch(
-        block_m, tile.block_n, _warps(block_m * tile.block_n, tuning), tile.single_pass,
+        block_m, tile.block_n, warps or _warps(block_m * tile.block_n, tuning), tile.single_pass,
         bands=bands, split=split, rows_per_band=rows_per_band, stages=stages,
         evict_first=tuning.stream_evict_first and not tile.single_pass,
     )
 
 
 # ------------------------------------------------------------------------------------------ launchers
+
+
+def split_rows_scratch(cfg: NormBackwardLaunch, num_rows: int, sums: int, device: torch.device):
+    """(scratch, max_polls) for a backward launch: where rows are split, an int64 buffer of ``sums``
+    slots per row and part, zeroed (exchange_row_sums reads 0 as "not yet there"); else a stand-in.
+
+    Under Triton's interpreter the programs run one after another, so a program can never see a
+    later partner's sums however long it polls: it polls 0 times and recomputes them (CPU tests so
+    take both paths: the first part of each row recomputes, the others find it published).
+    """
+    if cfg.parts_block == 1:
+        return torch.empty(1, dtype=torch.int64, device=device), 0
+    scratch = torch.zeros((sums, num_rows, cfg.split), dtype=torch.int64, device=device)
+    return scratch, (0 if interpreter_active() else BWD_TUNING.split_max_polls)
 
 
 def _output_dtype(x_dtype, weight_dtype, casting):
@@ -655,6 +780,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
     cfg = norm_backward_launch(num_rows, hidden, row_bytes, 1, x.device)
     # Every element of a band's partial row is written by the band's first group, so no zeroing.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else rstd
+    scratch, max_polls = split_rows_scratch(cfg, num_rows, 1, x.device)
     ds2 = as_rows(dsum) if dsum is not None else dy2
     wrap_triton(rms_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
@@ -662,9 +788,9 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
         weight if weight is not None else x2,
         rstd,
         ds2, ds2.stride(0), ds2.stride(1),
-        dx, dw_partial,
-        num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        dx, dw_partial, scratch,
+        num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split, max_polls,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, LLAMA_CASTING=casting == "llama",
         num_warps=cfg.num_warps,
