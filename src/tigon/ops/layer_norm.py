@@ -93,6 +93,7 @@ from tigon.ops.rms_norm import (
     norm_backward_launch,
     norm_launch,
     part_chunks,
+    part_sum,
     split_rows_scratch,
     sum_partial_rows,
 )
@@ -268,18 +269,19 @@ def _fused_rows(
         gx_parts, g_parts, there = exchange_row_sums(
             gx_sum, g_sum, rows, row_mask, part, split, scratch_ptr, scratch2_ptr, max_polls, PARTS_BLOCK, True
         )
-        if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
-            slots = tl.arange(0, PARTS_BLOCK)
-            for k in range(0, split):
-                redo_gx, redo_g = _ln_slice_sums(
+        # the parts' sums added in part order, whichever way each arrived
+        gx_sum = tl.zeros_like(gx_sum)
+        g_sum = tl.zeros_like(g_sum)
+        for k in range(0, split):
+            part_gx, missing = part_sum(gx_parts, there, k, PARTS_BLOCK)
+            part_g, _missing = part_sum(g_parts, there, k, PARTS_BLOCK)
+            if missing:  # a partner late: its sums from the inputs
+                part_gx, part_g = _ln_slice_sums(
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), mean, rstd, hidden, HAS_WEIGHT,
-                    PAIRED_SUMS,
+                    rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), mean, rstd, hidden, HAS_WEIGHT, PAIRED_SUMS,
                 )
-                missing = (slots == k)[None, :] & ~there
-                gx_parts = tl.where(missing, redo_gx[:, None], gx_parts)
-                g_parts = tl.where(missing, redo_g[:, None], g_parts)
-        gx_sum, g_sum = tl.sum(gx_parts, axis=1), tl.sum(g_parts, axis=1)
+            gx_sum += part_gx
+            g_sum += part_g
     c1 = _row_mean(gx_sum, hidden)
     c2 = _row_mean(g_sum, hidden)
     _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, "")
@@ -299,7 +301,7 @@ def layer_norm_bwd_kernel(
     dx_ptr,                                 # (M, N) out, contiguous
     dw_partial_ptr,                         # (bands, N) out, fp32: each band's Σ dy·x̂   [HAS_WEIGHT]
     db_partial_ptr,                         # (bands, N) out, fp32: each band's Σ dy      [HAS_BIAS]
-    scratch_ptr,                            # (2, M, split) int64, zeroed   [SINGLE_PASS, split > 1]
+    scratch_ptr, scratch2_ptr,              # (M, split) int64 each, zeroed [SINGLE_PASS, split > 1]
     num_rows, hidden,
     rows_per_band, split,                   # program p: band p // split, part p % split
     max_polls,                              # split rows: see RMSNorm's exchange_row_sums
@@ -330,7 +332,6 @@ def layer_norm_bwd_kernel(
     if SINGLE_PASS:
         cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
-        scratch2_ptr = scratch_ptr + num_rows.to(tl.int64) * split  # the second sum's slots
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         else:
@@ -582,7 +583,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
         x2, x2.stride(0), x2.stride(1),
         weight if weight is not None else x2,
         mean, rstd,
-        dx, dw_partial, db_partial, scratch,
+        dx, dw_partial, db_partial, scratch[0], scratch[-1],
         num_rows, hidden, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums,

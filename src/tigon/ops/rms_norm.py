@@ -64,6 +64,7 @@ from tigon.ops._common import (
 )
 
 CASTINGS = ("llama", "gemma")
+INTERPRETER_POLLS = 2  # split rows: see split_rows_scratch
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -265,7 +266,8 @@ def exchange_row_sums(
     Publishes this part's partial sums of BLOCK_M rows (``own``, and ``own2`` with PAIRED) in
     ``scratch[row, part]`` (an int64 buffer zeroed before the launch, one slot per row and part), then
     reads every part's slot, polling up to ``max_polls`` more times while one is still 0. Returns the
-    [BLOCK_M, PARTS_BLOCK] values (0 in slots past ``parts``) and which slots were there.
+    [BLOCK_M, PARTS_BLOCK] values (0 in slots past ``parts``) and which slots were there; the
+    caller adds them up with :func:`part_sum`, part by part in order.
 
     The partners are the programs next to this one in the grid, launched together and persistent,
     so they normally publish within a few µs. Nothing here waits on them for good: a slot still
@@ -287,10 +289,21 @@ def exchange_row_sums(
     polls = 0
     while (tl.min(words & words2 & 1) == 0) & (polls < max_polls):
         words = tl.load(scratch_ptr + offsets, mask=live, other=1, volatile=True)
+        words2 = words
         if PAIRED:
             words2 = tl.load(scratch2_ptr + offsets, mask=live, other=1, volatile=True)
         polls += 1
     return _untagged(words), _untagged(words2), (words & words2 & 1) != 0
+
+
+@triton.jit
+def part_sum(sums, there, k, PARTS_BLOCK: tl.constexpr):
+    """Part k's column of the [BLOCK_M, PARTS_BLOCK] exchanged sums (exact: one nonzero term a row),
+    and whether a row of the tile lacks it."""
+    pick = (tl.arange(0, PARTS_BLOCK) == k)[None, :]
+    value = tl.sum(tl.where(pick, sums, 0.0), axis=1)
+    lacking = tl.sum(tl.where(pick & (there == 0), 1, 0), axis=1)
+    return value, tl.max(lacking) > 0
 
 
 @triton.jit
@@ -411,16 +424,17 @@ def rms_norm_bwd_kernel(
                 sums, _sums, there = exchange_row_sums(
                     gx, gx, rows, row_mask, part, split, scratch_ptr, scratch_ptr, max_polls, PARTS_BLOCK, False
                 )
-                if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
-                    slots = tl.arange(0, PARTS_BLOCK)
-                    for k in range(0, split):
-                        redo = _rms_slice_sum(
+                # the parts' sums added in part order, whichever way each arrived
+                gx = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for k in range(0, split):
+                    part_gx, missing = part_sum(sums, there, k, PARTS_BLOCK)
+                    if missing:  # a partner late: its sums from the inputs
+                        part_gx = _rms_slice_sum(
                             dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride,
                             weight_ptr, rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), rstd, hidden,
                             offset, HAS_WEIGHT,
                         )
-                        sums = tl.where((slots == k)[None, :] & ~there, redo[:, None], sums)
-                gx = tl.sum(sums, axis=1)
+                    gx += part_gx
             c = gx / hidden
             _dx_store(
                 g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
@@ -714,17 +728,18 @@ def _norm_backward_launch(
 
 
 def split_rows_scratch(cfg: NormBackwardLaunch, num_rows: int, sums: int, device: torch.device):
-    """(scratch, max_polls) for a backward launch: where rows are split, an int64 buffer of ``sums``
-    slots per row and part, zeroed (exchange_row_sums reads 0 as "not yet there"); else a stand-in.
+    """(scratch, max_polls) for a backward launch: where rows are split, an int64 buffer (sums, rows,
+    parts), a slot per exchanged row sum, row and part, zeroed (exchange_row_sums reads 0 as "not
+    yet there"); else a stand-in.
 
     Under Triton's interpreter the programs run one after another, so a program can never see a
-    later partner's sums however long it polls: it polls 0 times and recomputes them (CPU tests so
-    take both paths: the first part of each row recomputes, the others find it published).
+    later partner's sums however long it polls: it polls twice (the loop runs) and recomputes them
+    (CPU tests so take both paths: the first part of each row recomputes, the others find it published).
     """
     if cfg.parts_block == 1:
-        return torch.empty(1, dtype=torch.int64, device=device), 0
+        return torch.empty((sums, 1, 1), dtype=torch.int64, device=device), 0
     scratch = torch.zeros((sums, num_rows, cfg.split), dtype=torch.int64, device=device)
-    return scratch, (0 if interpreter_active() else BWD_TUNING.split_max_polls)
+    return scratch, min(BWD_TUNING.split_max_polls, INTERPRETER_POLLS if interpreter_active() else 1 << 30)
 
 
 def _output_dtype(x_dtype, weight_dtype, casting):
@@ -788,7 +803,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
         weight if weight is not None else x2,
         rstd,
         ds2, ds2.stride(0), ds2.stride(1),
-        dx, dw_partial, scratch,
+        dx, dw_partial, scratch[0],
         num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
