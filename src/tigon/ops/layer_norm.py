@@ -87,13 +87,16 @@ from tigon.ops.rms_norm import (
     NormBackwardLaunch,
     NormLaunch,
     accumulate_partial,
+    add_parts,
     exchange_row_sums,
     grad_tile,
+    lacking_part,
     load_grad_rows,
     norm_backward_launch,
     norm_launch,
     part_chunks,
-    part_sum,
+    publish_part_sums,
+    read_row_sums,
     split_rows_scratch,
     sum_partial_rows,
 )
@@ -269,19 +272,22 @@ def _fused_rows(
         gx_parts, g_parts, there = exchange_row_sums(
             gx_sum, g_sum, rows, row_mask, part, split, scratch_ptr, scratch2_ptr, max_polls, PARTS_BLOCK, True
         )
-        # the parts' sums added in part order, whichever way each arrived
-        gx_sum = tl.zeros_like(gx_sum)
-        g_sum = tl.zeros_like(g_sum)
-        for k in range(0, split):
-            part_gx, missing = part_sum(gx_parts, there, k, PARTS_BLOCK)
-            part_g, _missing = part_sum(g_parts, there, k, PARTS_BLOCK)
-            if missing:  # a partner late: its sums from the inputs
-                part_gx, part_g = _ln_slice_sums(
-                    dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
-                    rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), mean, rstd, hidden, HAS_WEIGHT, PAIRED_SUMS,
-                )
-            gx_sum += part_gx
-            g_sum += part_g
+        if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
+            for k in range(0, split):
+                lacking = row_mask & lacking_part(there, k, PARTS_BLOCK)
+                if tl.max(lacking.to(tl.int32)) > 0:
+                    redo_gx, redo_g = _ln_slice_sums(
+                        dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
+                        rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), mean, rstd, hidden, HAS_WEIGHT,
+                        PAIRED_SUMS,
+                    )
+                    publish_part_sums(redo_gx, redo_g, rows, lacking, k, split, scratch_ptr, scratch2_ptr, True)
+            tl.debug_barrier()  # this program's slot writes before its threads read them back
+            gx_parts, g_parts, there = read_row_sums(
+                rows, row_mask, split, scratch_ptr, scratch2_ptr, PARTS_BLOCK, True
+            )
+        gx_sum = add_parts(gx_parts, split, PARTS_BLOCK)  # in part order, whichever way each arrived
+        g_sum = add_parts(g_parts, split, PARTS_BLOCK)
     c1 = _row_mean(gx_sum, hidden)
     c2 = _row_mean(g_sum, hidden)
     _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidden, "")

@@ -257,6 +257,20 @@ def _untagged(word):
 
 
 @triton.jit
+def read_row_sums(rows, row_mask, parts, scratch_ptr, scratch2_ptr, PARTS_BLOCK: tl.constexpr, PAIRED: tl.constexpr):
+    """Every part's slot of BLOCK_M rows: the [BLOCK_M, PARTS_BLOCK] sums (0 where missing and in
+    slots past ``parts``), the second sums with PAIRED (else the first again), and which are there."""
+    slots = tl.arange(0, PARTS_BLOCK)
+    offsets = rows[:, None] * parts + slots[None, :]
+    live = row_mask[:, None] & (slots < parts)[None, :]
+    words = tl.load(scratch_ptr + offsets, mask=live, other=1, volatile=True)
+    words2 = words
+    if PAIRED:
+        words2 = tl.load(scratch2_ptr + offsets, mask=live, other=1, volatile=True)
+    return _untagged(words), _untagged(words2), (words & words2 & 1) != 0
+
+
+@triton.jit
 def exchange_row_sums(
     own, own2, rows, row_mask, part, parts, scratch_ptr, scratch2_ptr, max_polls,
     PARTS_BLOCK: tl.constexpr, PAIRED: tl.constexpr,
@@ -265,9 +279,9 @@ def exchange_row_sums(
 
     Publishes this part's partial sums of BLOCK_M rows (``own``, and ``own2`` with PAIRED) in
     ``scratch[row, part]`` (an int64 buffer zeroed before the launch, one slot per row and part), then
-    reads every part's slot, polling up to ``max_polls`` more times while one is still 0. Returns the
-    [BLOCK_M, PARTS_BLOCK] values (0 in slots past ``parts``) and which slots were there; the
-    caller adds them up with :func:`part_sum`, part by part in order.
+    reads every part's slot, polling up to ``max_polls`` more times while one is still 0. Returns
+    :func:`read_row_sums`'s three; the caller fills what is still missing with
+    :func:`publish_part_sums` and adds the parts up with :func:`add_parts`.
 
     The partners are the programs next to this one in the grid, launched together and persistent,
     so they normally publish within a few µs. Nothing here waits on them for good: a slot still
@@ -275,35 +289,42 @@ def exchange_row_sums(
     same data gives bitwise the same sum), so a partner that is not running yet (another kernel
     holding its SM) cannot deadlock the launch, and the result never depends on which path ran.
     """
-    slots = tl.arange(0, PARTS_BLOCK)
     own_slot = rows * parts + part
     tl.atomic_xchg(scratch_ptr + own_slot, _tagged(own), mask=row_mask, sem="relaxed")
     if PAIRED:
         tl.atomic_xchg(scratch2_ptr + own_slot, _tagged(own2), mask=row_mask, sem="relaxed")
-    offsets = rows[:, None] * parts + slots[None, :]
-    live = row_mask[:, None] & (slots < parts)[None, :]
-    words = tl.load(scratch_ptr + offsets, mask=live, other=1, volatile=True)
-    words2 = words
-    if PAIRED:
-        words2 = tl.load(scratch2_ptr + offsets, mask=live, other=1, volatile=True)
+    sums, sums2, there = read_row_sums(rows, row_mask, parts, scratch_ptr, scratch2_ptr, PARTS_BLOCK, PAIRED)
     polls = 0
-    while (tl.min(words & words2 & 1) == 0) & (polls < max_polls):
-        words = tl.load(scratch_ptr + offsets, mask=live, other=1, volatile=True)
-        words2 = words
-        if PAIRED:
-            words2 = tl.load(scratch2_ptr + offsets, mask=live, other=1, volatile=True)
+    while (tl.min(there.to(tl.int32)) == 0) & (polls < max_polls):
+        sums, sums2, there = read_row_sums(rows, row_mask, parts, scratch_ptr, scratch2_ptr, PARTS_BLOCK, PAIRED)
         polls += 1
-    return _untagged(words), _untagged(words2), (words & words2 & 1) != 0
+    return sums, sums2, there
 
 
 @triton.jit
-def part_sum(sums, there, k, PARTS_BLOCK: tl.constexpr):
-    """Part k's column of the [BLOCK_M, PARTS_BLOCK] exchanged sums (exact: one nonzero term a row),
-    and whether a row of the tile lacks it."""
+def lacking_part(there, k, PARTS_BLOCK: tl.constexpr):
+    """[BLOCK_M]: which rows still lack part k's sums."""
     pick = (tl.arange(0, PARTS_BLOCK) == k)[None, :]
-    value = tl.sum(tl.where(pick, sums, 0.0), axis=1)
-    lacking = tl.sum(tl.where(pick & (there == 0), 1, 0), axis=1)
-    return value, tl.max(lacking) > 0
+    return tl.sum(tl.where(pick & (there == 0), 1, 0), axis=1) > 0
+
+
+@triton.jit
+def publish_part_sums(value, value2, rows, lacking, k, parts, scratch_ptr, scratch2_ptr, PAIRED: tl.constexpr):
+    """A late partner's sums, recomputed from the inputs, published in its slots for the rows that
+    lack them (the partner may overwrite them with its own: the same bits)."""
+    slot = rows * parts + k
+    tl.atomic_xchg(scratch_ptr + slot, _tagged(value), mask=lacking, sem="relaxed")
+    if PAIRED:
+        tl.atomic_xchg(scratch2_ptr + slot, _tagged(value2), mask=lacking, sem="relaxed")
+
+
+@triton.jit
+def add_parts(sums, parts, PARTS_BLOCK: tl.constexpr):
+    """Σ over the parts of the [BLOCK_M, PARTS_BLOCK] sums, added in part order (exact picks)."""
+    total = tl.zeros([sums.shape[0]], dtype=tl.float32)
+    for k in range(0, parts):
+        total += tl.sum(tl.where((tl.arange(0, PARTS_BLOCK) == k)[None, :], sums, 0.0), axis=1)
+    return total
 
 
 @triton.jit
@@ -424,17 +445,21 @@ def rms_norm_bwd_kernel(
                 sums, _sums, there = exchange_row_sums(
                     gx, gx, rows, row_mask, part, split, scratch_ptr, scratch_ptr, max_polls, PARTS_BLOCK, False
                 )
-                # the parts' sums added in part order, whichever way each arrived
-                gx = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for k in range(0, split):
-                    part_gx, missing = part_sum(sums, there, k, PARTS_BLOCK)
-                    if missing:  # a partner late: its sums from the inputs
-                        part_gx = _rms_slice_sum(
-                            dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride,
-                            weight_ptr, rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), rstd, hidden,
-                            offset, HAS_WEIGHT,
-                        )
-                    gx += part_gx
+                if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
+                    for k in range(0, split):
+                        lacking = row_mask & lacking_part(there, k, PARTS_BLOCK)
+                        if tl.max(lacking.to(tl.int32)) > 0:
+                            redo = _rms_slice_sum(
+                                dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride,
+                                weight_ptr, rows, row_mask, k * BLOCK_N + tl.arange(0, BLOCK_N), rstd, hidden,
+                                offset, HAS_WEIGHT,
+                            )
+                            publish_part_sums(redo, redo, rows, lacking, k, split, scratch_ptr, scratch_ptr, False)
+                    tl.debug_barrier()  # this program's slot writes before its threads read them back
+                    sums, _sums, there = read_row_sums(
+                        rows, row_mask, split, scratch_ptr, scratch_ptr, PARTS_BLOCK, False
+                    )
+                gx = add_parts(sums, split, PARTS_BLOCK)  # in part order, whichever way each arrived
             c = gx / hidden
             _dx_store(
                 g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
