@@ -253,7 +253,7 @@ def _fused_rows(
     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
     part, split, scratch_ptr, scratch2_ptr, max_polls, row_end,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRED_SUMS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, RECOMPUTE_LATE: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of whole rows (dy, x in the io dtype): stores dx, and adds dy·x̂ and
     dy lane by lane to the band's [BLOCK_M, BLOCK_N] accumulators, which it returns (no reduction
@@ -272,7 +272,7 @@ def _fused_rows(
         gx_parts, g_parts, there = exchange_row_sums(
             gx_sum, g_sum, rows, row_mask, part, split, scratch_ptr, scratch2_ptr, max_polls, PARTS_BLOCK, True
         )
-        if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
+        if RECOMPUTE_LATE and tl.min(there.to(tl.int32)) == 0:  # interpreter: partners later
             for k in range(0, split):
                 lacking = row_mask & lacking_part(there, k, PARTS_BLOCK)
                 if tl.max(lacking.to(tl.int32)) > 0:
@@ -312,6 +312,7 @@ def layer_norm_bwd_kernel(
     rows_per_band, split,                   # program p: band p // split, part p % split
     max_polls,                              # split rows: see RMSNorm's exchange_row_sums
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+    RECOMPUTE_LATE: tl.constexpr,
     STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr, PAIRED_SUMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
@@ -370,7 +371,7 @@ def layer_norm_bwd_kernel(
                     dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden,
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
                     part, split, scratch_ptr, scratch2_ptr, max_polls, row_end,
-                    HAS_WEIGHT, HAS_BIAS, PAIRED_SUMS, PARTS_BLOCK, BLOCK_N,
+                    HAS_WEIGHT, HAS_BIAS, PAIRED_SUMS, PARTS_BLOCK, BLOCK_N, RECOMPUTE_LATE,
                 )
         else:
             num_groups = tl.cdiv(row_end - row_begin, BLOCK_M).to(tl.int32)
@@ -387,7 +388,7 @@ def layer_norm_bwd_kernel(
                     dy, x, mean, rstd, w, dw_acc, db_acc, dx_ptr, rows, cols, mask, hidden,
                     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
                     part, split, scratch_ptr, scratch2_ptr, max_polls, row_end,
-                    HAS_WEIGHT, HAS_BIAS, PAIRED_SUMS, PARTS_BLOCK, BLOCK_N,
+                    HAS_WEIGHT, HAS_BIAS, PAIRED_SUMS, PARTS_BLOCK, BLOCK_N, RECOMPUTE_LATE,
                 )
         if HAS_WEIGHT:
             tl.store(dw_row_ptr + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -583,7 +584,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
     # Without a weight (bias) the kernels never touch its pointers; dx stands in for them.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
     db_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
-    scratch, max_polls = split_rows_scratch(cfg, num_rows, 2, x.device)
+    scratch, max_polls, recompute_late = split_rows_scratch(cfg, num_rows, 2, x.device)
     wrap_triton(layer_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
         x2, x2.stride(0), x2.stride(1),
@@ -592,6 +593,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dx, dw_partial, db_partial, scratch[0], scratch[-1],
         num_rows, hidden, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
+        RECOMPUTE_LATE=recompute_late,
         STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,

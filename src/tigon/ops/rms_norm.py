@@ -64,7 +64,6 @@ from tigon.ops._common import (
 )
 
 CASTINGS = ("llama", "gemma")
-INTERPRETER_POLLS = 2  # split rows: see split_rows_scratch
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -280,14 +279,19 @@ def exchange_row_sums(
     Publishes this part's partial sums of BLOCK_M rows (``own``, and ``own2`` with PAIRED) in
     ``scratch[row, part]`` (an int64 buffer zeroed before the launch, one slot per row and part), then
     reads every part's slot, polling up to ``max_polls`` more times while one is still 0. Returns
-    :func:`read_row_sums`'s three; the caller fills what is still missing with
-    :func:`publish_part_sums` and adds the parts up with :func:`add_parts`.
+    :func:`read_row_sums`'s three; the caller adds the parts up with :func:`add_parts`, in part
+    order, so every program of a band gets bitwise the same row sums.
 
-    The partners are the programs next to this one in the grid, launched together and persistent,
-    so they normally publish within a few µs. Nothing here waits on them for good: a slot still
-    missing after the polls is for the caller to recompute from the inputs (the same code on the
-    same data gives bitwise the same sum), so a partner that is not running yet (another kernel
-    holding its SM) cannot deadlock the launch, and the result never depends on which path ran.
+    On a GPU ``max_polls`` is 2**31 − 1: a program waits for its partners. They are the programs
+    next to it in the grid (consecutive program ids, a band of rows each), the grid is at most one
+    program per multiprocessor, and programs start in id order, so the partners run at the same
+    time; if other kernels hold some multiprocessors, the bands wholly started finish and free
+    theirs, so a band started in part always gets its remaining programs (the forward-progress
+    argument of CUB's decoupled look-back, for a band instead of a predecessor). Under Triton's
+    interpreter programs run one after another and a partner later in the grid cannot have run:
+    the kernel polls twice and, with RECOMPUTE_LATE, computes the missing sums from the inputs
+    (:func:`publish_part_sums`). A first version recomputed them on the GPU too after a bounded
+    wait; its recomputed sums came out wrong there (NaN rows, cause not found), so the GPU waits.
     """
     own_slot = rows * parts + part
     tl.atomic_xchg(scratch_ptr + own_slot, _tagged(own), mask=row_mask, sem="relaxed")
@@ -310,8 +314,8 @@ def lacking_part(there, k, PARTS_BLOCK: tl.constexpr):
 
 @triton.jit
 def publish_part_sums(value, value2, rows, lacking, k, parts, scratch_ptr, scratch2_ptr, PAIRED: tl.constexpr):
-    """A late partner's sums, recomputed from the inputs, published in its slots for the rows that
-    lack them (the partner may overwrite them with its own: the same bits)."""
+    """A partner's sums, recomputed from the inputs, published in its slots for the rows that lack
+    them: under the interpreter only (see exchange_row_sums), where the partner has not run yet."""
     slot = rows * parts + k
     tl.atomic_xchg(scratch_ptr + slot, _tagged(value), mask=lacking, sem="relaxed")
     if PAIRED:
@@ -378,6 +382,7 @@ def rms_norm_bwd_kernel(
     rows_per_band, split,                           # program p: band p // split, part p % split
     max_polls,                                      # split rows: see exchange_row_sums
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+    RECOMPUTE_LATE: tl.constexpr,
     STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr, LLAMA_CASTING: tl.constexpr,
 ):
@@ -445,7 +450,7 @@ def rms_norm_bwd_kernel(
                 sums, _sums, there = exchange_row_sums(
                     gx, gx, rows, row_mask, part, split, scratch_ptr, scratch_ptr, max_polls, PARTS_BLOCK, False
                 )
-                if tl.min(there.to(tl.int32)) == 0:  # a partner late: its sums from the inputs
+                if RECOMPUTE_LATE and tl.min(there.to(tl.int32)) == 0:  # interpreter: partners later
                     for k in range(0, split):
                         lacking = row_mask & lacking_part(there, k, PARTS_BLOCK)
                         if tl.max(lacking.to(tl.int32)) > 0:
@@ -593,8 +598,7 @@ class NormTuning:
     Split rows (backward only; rows longer than max_fused_hidden, up to split_max_hidden; see
     rms_norm_bwd_kernel): each row is cut into split_slice-wide slices, one program a slice (one
     row at a time, split_warps warps), split_programs_per_sm programs per multiprocessor.
-    split_max_polls: how long a program polls for a partner's partial sums (one L2 round trip
-      each, ~1 µs) before it computes them itself from the inputs (exchange_row_sums).
+      At most 1: every program of the grid must be able to run at once (exchange_row_sums).
     """
 
     max_fused_hidden: int
@@ -613,7 +617,6 @@ class NormTuning:
     split_slice: int = 4096
     split_warps: int = 8
     split_programs_per_sm: float = 1.0
-    split_max_polls: int = 4096
 
     def __post_init__(self):
         # block sizes are tl.arange extents
@@ -621,6 +624,8 @@ class NormTuning:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"NormTuning.{name} must be a power of two, got {value}")
+        if not 0 < self.split_programs_per_sm <= 1:
+            raise ValueError(f"NormTuning.split_programs_per_sm must be in (0, 1], got {self.split_programs_per_sm}")
         if self.stream_split < 1 or self.stream_stages < 1 or not self.stream_programs_per_sm > 0:
             raise ValueError(f"NormTuning: stream_split, stream_stages >= 1 and stream_programs_per_sm > 0 ({self})")
 
@@ -638,10 +643,15 @@ FWD_TUNING = NormTuning(max_fused_hidden=32768, chunk=8192, tile_elements=4096, 
 # tune_norm_fused-*.log): 1024 elements per warp (fewer warps per row, fewer cross-warp sums) took the
 # RMSNorm backward from 0.0603 to 0.0429 ms at 16384 x 896 and add_rms_norm from 0.2516 to 0.1936 at
 # 65536 x 1024 (kernel times, CUDA-graph replay).
+# Split rows (scripts/tune_norm.py split, H100, benchmarks/results/tune_norm_split-*.log): 8192-wide
+# slices, 8 warps, one program per SM, against the streamed backward: RMSNorm 0.200 -> 0.167 ms at
+# 4096 x 16384, 0.222 -> 0.175 at 2048 x 32768, 0.264 -> 0.213 at 1024 x 65536; add_rms_norm 0.252 ->
+# 0.223, 0.290 -> 0.228, 0.320 -> 0.253; LayerNorm 0.231 -> 0.181, 0.288 -> 0.194, 0.330 -> 0.240.
 BWD_TUNING = NormTuning(
     max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=1024, max_warps=16, programs_per_sm=2,
     stream_rows=4, stream_split=2, stream_l2_bytes=None, stream_programs_per_sm=1.0, stream_stages=1,
     stream_evict_first=True,
+    split_max_hidden=65536, split_slice=8192, split_warps=8, split_programs_per_sm=1.0,
 )
 # Kept as names of their own: tests pick sizes on both sides of these regime boundaries.
 MAX_FUSED_HIDDEN_FWD = FWD_TUNING.max_fused_hidden
@@ -753,18 +763,20 @@ def _norm_backward_launch(
 
 
 def split_rows_scratch(cfg: NormBackwardLaunch, num_rows: int, sums: int, device: torch.device):
-    """(scratch, max_polls) for a backward launch: where rows are split, an int64 buffer (sums, rows,
-    parts), a slot per exchanged row sum, row and part, zeroed (exchange_row_sums reads 0 as "not
-    yet there"); else a stand-in.
+    """(scratch, max_polls, recompute_late) for a backward launch: where rows are split, an int64
+    buffer (sums, rows, parts), a slot per exchanged row sum, row and part, zeroed
+    (exchange_row_sums reads 0 as "not yet there"); else a stand-in.
 
-    Under Triton's interpreter the programs run one after another, so a program can never see a
-    later partner's sums however long it polls: it polls twice (the loop runs) and recomputes them
-    (CPU tests so take both paths: the first part of each row recomputes, the others find it published).
+    On a GPU programs wait for their partners (max_polls 2**31 − 1). Under Triton's interpreter the
+    programs run one after another, so a program can never see a later partner's sums: it polls
+    twice (the loop runs) and recomputes them (CPU tests so take both paths: the first part of each
+    row recomputes, the later parts find the sums published).
     """
+    sequential = interpreter_active()
     if cfg.parts_block == 1:
-        return torch.empty((sums, 1, 1), dtype=torch.int64, device=device), 0
+        return torch.empty((sums, 1, 1), dtype=torch.int64, device=device), 0, sequential
     scratch = torch.zeros((sums, num_rows, cfg.split), dtype=torch.int64, device=device)
-    return scratch, min(BWD_TUNING.split_max_polls, INTERPRETER_POLLS if interpreter_active() else 1 << 30)
+    return scratch, (2 if sequential else 2**31 - 1), sequential
 
 
 def _output_dtype(x_dtype, weight_dtype, casting):
@@ -820,7 +832,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
     cfg = norm_backward_launch(num_rows, hidden, row_bytes, 1, x.device)
     # Every element of a band's partial row is written by the band's first group, so no zeroing.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else rstd
-    scratch, max_polls = split_rows_scratch(cfg, num_rows, 1, x.device)
+    scratch, max_polls, recompute_late = split_rows_scratch(cfg, num_rows, 1, x.device)
     ds2 = as_rows(dsum) if dsum is not None else dy2
     wrap_triton(rms_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
@@ -831,7 +843,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
         dx, dw_partial, scratch[0],
         num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
-        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
+        RECOMPUTE_LATE=recompute_late, STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, LLAMA_CASTING=casting == "llama",
         num_warps=cfg.num_warps,
     )
