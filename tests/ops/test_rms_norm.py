@@ -68,11 +68,12 @@ SPLIT_CASES = {"1row-2parts": (1, 20), "7rows-3parts": (7, 40), "19rows-4parts":
 
 
 def use_split_tuning(monkeypatch, **knobs):
-    """Make rows of 17..64 take the split-row backward (16-wide slices)."""
-    tuning = dataclasses.replace(
-        RMS_MODULE.BWD_TUNING, max_fused_hidden=16, split_max_hidden=64, split_slice=16, split_warps=1, **knobs
-    )
-    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    """Make rows of 17..64 take the split-row forward and backward (16-wide slices)."""
+    for name in ("FWD_TUNING", "BWD_TUNING"):
+        tuning = dataclasses.replace(
+            getattr(RMS_MODULE, name), max_fused_hidden=16, split_max_hidden=64, split_slice=16, split_warps=1, **knobs
+        )
+        monkeypatch.setattr(RMS_MODULE, name, tuning)
 
 
 def check_rms_norm(x, weight, dy, *, eps=1e-6, offset=0.0, casting="llama"):
@@ -287,6 +288,7 @@ def test_rms_norm_split_rows(monkeypatch, dtype, case):
     use_split_tuning(monkeypatch)
     cfg = RMS_MODULE.norm_backward_launch(rows, hidden, 4 * hidden, 1, torch.device(DEVICE))
     assert cfg.single_pass and cfg.split == -(-hidden // 16) and cfg.parts_block >= cfg.split
+    assert RMS_MODULE.forward_launch(rows, hidden)[1] == cfg.split
     x = randn(rows, hidden, dtype=dtype, requires_grad=True)
     w = randn(hidden, dtype=dtype, requires_grad=True)
     check_rms_norm(x, w, randn(rows, hidden, dtype=dtype))

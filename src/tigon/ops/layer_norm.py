@@ -584,7 +584,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
     # Without a weight (bias) the kernels never touch its pointers; dx stands in for them.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
     db_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
-    scratch, max_polls, recompute_late = split_rows_scratch(cfg, num_rows, 2, x.device)
+    scratch, max_polls, recompute_late = split_rows_scratch(cfg.parts_split, num_rows, 2, x.device)
     wrap_triton(layer_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
         x2, x2.stride(0), x2.stride(1),

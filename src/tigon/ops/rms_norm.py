@@ -116,28 +116,55 @@ def rms_norm_fwd_kernel(
     weight_ptr,                                 # (N,) scale; the kernel uses offset + w [HAS_WEIGHT]
     y_ptr,                                      # (M, N) out, contiguous
     rstd_ptr,                                   # (M,) out, fp32
+    scratch_ptr,                                # (M, split) int64, zeroed           [split > 1]
     num_rows, hidden, eps, offset,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    split, max_polls,                           # program p: rows p // split, slice p % split
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+    RECOMPUTE_LATE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, LLAMA_CASTING: tl.constexpr,
 ):
     """One program normalises BLOCK_M rows.
 
     SINGLE_PASS: the whole row fits one BLOCK_N tile and stays in registers between the reduction
-    and the scaling (x read once). Otherwise the row is streamed in BLOCK_N chunks twice; the second
-    read comes from L2, where the row was left by the first.
+    and the scaling (x read once). With split > 1 (split rows, PARTS_BLOCK = the next power of two)
+    ``split`` consecutive programs each hold one BLOCK_N-wide slice of the row and swap their
+    partial Σx² (exchange_row_sums; the grid is not persistent here, but programs start in id order,
+    so a program's partners are running or next to start). Otherwise the row is streamed in BLOCK_N
+    chunks twice; the second read comes from L2, where the row was left by the first.
     """
     eps, offset = as_fp32(eps), as_fp32(offset)
     IO_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid = tl.program_id(0)
+    part = pid % split
+    rows = (pid // split).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
     if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK_N)
+        cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < hidden)[None, :]
         x = _load_row_tile(
             x_ptr, x_row_stride, x_col_stride, res_ptr, res_row_stride, res_col_stride, sum_ptr,
             rows, cols, mask, hidden, HAS_RESIDUAL, True,
         )
         sum_sq = tl.sum(x * x, axis=1)
+        if PARTS_BLOCK > 1:
+            sums, _sums, there = exchange_row_sums(
+                sum_sq, sum_sq, rows, row_mask, part, split, scratch_ptr, scratch_ptr, max_polls, PARTS_BLOCK, False
+            )
+            if RECOMPUTE_LATE and tl.min(there.to(tl.int32)) == 0:  # interpreter: partners later
+                for k in range(0, split):
+                    lacking = row_mask & lacking_part(there, k, PARTS_BLOCK)
+                    if tl.max(lacking.to(tl.int32)) > 0:
+                        k_cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+                        k_x = _load_row_tile(
+                            x_ptr, x_row_stride, x_col_stride, res_ptr, res_row_stride, res_col_stride, sum_ptr,
+                            rows, k_cols, row_mask[:, None] & (k_cols < hidden)[None, :], hidden, HAS_RESIDUAL,
+                            False,
+                        )
+                        redo = tl.sum(k_x * k_x, axis=1)
+                        publish_part_sums(redo, redo, rows, lacking, k, split, scratch_ptr, scratch_ptr, False)
+                tl.debug_barrier()  # this program's slot writes before its threads read them back
+                sums, _sums, there = read_row_sums(rows, row_mask, split, scratch_ptr, scratch_ptr, PARTS_BLOCK, False)
+            sum_sq = add_parts(sums, split, PARTS_BLOCK)  # in part order, whichever way each arrived
         rstd = tl.rsqrt(sum_sq / hidden + eps)
         _scale_and_store(
             x, rstd, weight_ptr, y_ptr, rows, cols, mask, hidden, offset, IO_DTYPE, HAS_WEIGHT, LLAMA_CASTING
@@ -634,7 +661,10 @@ class NormTuning:
 # tune_norm.py long-fwd, H100, benchmarks/results/tune_norm_long-*.log): a 65536-wide row held whole
 # spills (ptxas: 1.3-3.4 KB of stack a thread), and streaming it took add_rms_norm's forward at 1024 x
 # 65536 from 0.386 to 0.279 ms and LayerNorm's from 0.192 to 0.142; RMSNorm's 0.134 -> 0.139.
-FWD_TUNING = NormTuning(max_fused_hidden=32768, chunk=8192, tile_elements=4096, elements_per_warp=512, max_warps=16)
+FWD_TUNING = NormTuning(
+    max_fused_hidden=32768, chunk=8192, tile_elements=4096, elements_per_warp=512, max_warps=16,
+    split_max_hidden=131072, split_slice=16384, split_warps=16,
+)
 # Streamed-backward knobs from scripts/tune_norm.py's stream sweep on the H100 (2026-11-22, log in
 # benchmarks/results/): one setting for every shape, backward at 81/73/62% of SOL for RMSNorm at
 # N = 16384/32768/65536, 87/76% for add_rms_norm and 69/56% for LayerNorm at 16384/32768 (the
@@ -684,6 +714,11 @@ class NormBackwardLaunch(NormLaunch):
         return self.bands * self.split
 
     @property
+    def parts_split(self) -> int:
+        """Split rows: the programs a row is split over (1 where rows are not split)."""
+        return self.split if self.single_pass else 1
+
+    @property
     def parts_block(self) -> int:
         """Split rows (single_pass with split > 1): the power of two that holds the parts; else 1."""
         return next_power_of_2(self.split) if self.single_pass else 1
@@ -695,6 +730,19 @@ def _warps(tile: int, tuning: NormTuning) -> int:
 
 def norm_launch(num_rows: int, hidden: int, *, backward: bool) -> NormLaunch:
     return _norm_launch(num_rows, hidden, BWD_TUNING if backward else FWD_TUNING)
+
+
+def forward_launch(num_rows: int, hidden: int) -> tuple[NormLaunch, int]:
+    """RMSNorm's forward geometry and the programs a row is split over (1: not split)."""
+    return _forward_launch(num_rows, hidden, FWD_TUNING)
+
+
+@cache_by_size
+def _forward_launch(num_rows: int, hidden: int, tuning: NormTuning) -> tuple[NormLaunch, int]:
+    cfg = _norm_launch(num_rows, hidden, tuning)
+    if cfg.single_pass or hidden > tuning.split_max_hidden:
+        return cfg, 1
+    return NormLaunch(1, tuning.split_slice, tuning.split_warps, True), triton.cdiv(hidden, tuning.split_slice)
 
 
 @cache_by_size  # keyed on the tuning too: tests and scripts/tune_norm.py swap it
@@ -762,7 +810,7 @@ def _norm_backward_launch(
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def split_rows_scratch(cfg: NormBackwardLaunch, num_rows: int, sums: int, device: torch.device):
+def split_rows_scratch(split: int, num_rows: int, sums: int, device: torch.device):
     """(scratch, max_polls, recompute_late) for a backward launch: where rows are split, an int64
     buffer (sums, rows, parts), a slot per exchanged row sum, row and part, zeroed
     (exchange_row_sums reads 0 as "not yet there"); else a stand-in.
@@ -773,9 +821,9 @@ def split_rows_scratch(cfg: NormBackwardLaunch, num_rows: int, sums: int, device
     row recomputes, the later parts find the sums published).
     """
     sequential = interpreter_active()
-    if cfg.parts_block == 1:
+    if split == 1:
         return torch.empty((sums, 1, 1), dtype=torch.int64, device=device), 0, sequential
-    scratch = torch.zeros((sums, num_rows, cfg.split), dtype=torch.int64, device=device)
+    scratch = torch.zeros((sums, num_rows, split), dtype=torch.int64, device=device)
     return scratch, (2 if sequential else 2**31 - 1), sequential
 
 
@@ -802,16 +850,18 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     if num_rows == 0 or hidden == 0:
         return y, s, rstd
     r2 = as_rows(residual) if residual is not None else x2
-    cfg = norm_launch(num_rows, hidden, backward=False)
-    grid = (triton.cdiv(num_rows, cfg.block_m),)
+    cfg, split = forward_launch(num_rows, hidden)
+    scratch, max_polls, recompute_late = split_rows_scratch(split, num_rows, 1, x.device)
+    grid = (triton.cdiv(num_rows, cfg.block_m) * split,)
     wrap_triton(rms_norm_fwd_kernel)[grid](
         x2, x2.stride(0), x2.stride(1),
         r2, r2.stride(0), r2.stride(1),
         s if s is not None else y,
         weight if weight is not None else x2,
-        y, rstd,
-        num_rows, hidden, eps, offset,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        y, rstd, scratch[0],
+        num_rows, hidden, eps, offset, split, max_polls,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=next_power_of_2(split),
+        RECOMPUTE_LATE=recompute_late,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, LLAMA_CASTING=llama,
         num_warps=cfg.num_warps,
     )
@@ -832,7 +882,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
     cfg = norm_backward_launch(num_rows, hidden, row_bytes, 1, x.device)
     # Every element of a band's partial row is written by the band's first group, so no zeroing.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else rstd
-    scratch, max_polls, recompute_late = split_rows_scratch(cfg, num_rows, 1, x.device)
+    scratch, max_polls, recompute_late = split_rows_scratch(cfg.parts_split, num_rows, 1, x.device)
     ds2 = as_rows(dsum) if dsum is not None else dy2
     wrap_triton(rms_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
