@@ -25,14 +25,20 @@ atomics: the persistent backward grid cuts the rows into fixed bands, each band 
 fp32 partial row (always in the same order), and the partials are summed in a fixed order, so the
 same input gives bitwise the same gradient on every run.
 
-Long rows (hidden > ``BWD_TUNING.max_fused_hidden``) do not fit in registers, and c needs the whole
-row before any of dx: the backward streams groups of rows twice in column chunks, c first, then
-dx and the group's dw, and the second read is meant to come from L2. What decides the speed is
-what stays in L2 between the two reads: the rows of every band in flight and every band's partial
-row. ``NormTuning`` (the ``stream_*`` knobs) sizes the groups, the bands and the split of a band's
-columns between programs; see :func:`rms_norm_bwd_kernel`. Measured on the H100, fixed groups of 4
-rows with each band split between 2 programs beat sizing them to an L2 budget at every hidden
-size from 16384 to 65536 (scripts/tune_norm.py stream; BWD_TUNING below).
+Long rows (hidden > ``BWD_TUNING.max_fused_hidden``, 8192) do not fit one program's registers, and
+c needs the whole row before any of dx. Two ways, both in :func:`rms_norm_bwd_kernel`:
+
+- **Split rows** (up to ``split_max_hidden``, 65536): each row is cut into 8192-wide slices, one
+  program a slice, each holding its slice in registers as the fused regime holds a whole row. The
+  programs of a row swap their partial sums of g·x̂ through a small global buffer as they reach
+  each row (:func:`exchange_row_sums`) and add them in the same order, so every element is read
+  from HBM once. The forward does the same for Σx² past 32768 (``FWD_TUNING``). On the H100 this
+  took the backward at 16384 / 32768 / 65536 from 0.200 / 0.222 / 0.264 ms (streamed) to 0.164 /
+  0.168 / 0.190 (scripts/tune_norm.py split).
+- **Streamed** (longer rows): groups of rows are read twice in column chunks, c first, then dx and
+  the group's dw, the second read meant to come from L2. What decides the speed is what stays in L2
+  between the two reads: the rows of every band in flight and every band's partial row; the
+  ``stream_*`` knobs size the groups, the bands and the split of a band's columns between programs.
 
 Bytes (speed of light), M rows, element size b::
 
@@ -657,10 +663,12 @@ class NormTuning:
             raise ValueError(f"NormTuning: stream_split, stream_stages >= 1 and stream_programs_per_sm > 0 ({self})")
 
 
-# Forward: rows up to 32768 held in registers; longer ones streamed in 8192-wide chunks (scripts/
-# tune_norm.py long-fwd, H100, benchmarks/results/tune_norm_long-*.log): a 65536-wide row held whole
-# spills (ptxas: 1.3-3.4 KB of stack a thread), and streaming it took add_rms_norm's forward at 1024 x
-# 65536 from 0.386 to 0.279 ms and LayerNorm's from 0.192 to 0.142; RMSNorm's 0.134 -> 0.139.
+# Forward: rows up to 32768 held in registers; longer ones split over 16384-wide programs up to
+# 131072 (RMSNorm, add_rms_norm), else streamed in 8192-wide chunks (LayerNorm's forward streams past
+# 32768). A 65536-wide row held whole spills (ptxas: 1.3-3.4 KB of stack a thread); streaming it took
+# add_rms_norm's forward at 1024 x 65536 from 0.386 to 0.279 ms and LayerNorm's from 0.192 to 0.142
+# (scripts/tune_norm.py long-fwd, benchmarks/results/tune_norm_long-*.log), and split rows took
+# add_rms_norm's to 0.195 and RMSNorm's from 0.135 to 0.125 (harness, norms-*-ninth-final.md).
 FWD_TUNING = NormTuning(
     max_fused_hidden=32768, chunk=8192, tile_elements=4096, elements_per_warp=512, max_warps=16,
     split_max_hidden=131072, split_slice=16384, split_warps=16,
