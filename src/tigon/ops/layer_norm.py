@@ -46,8 +46,8 @@ table has not been re-run since. ``TUNING``
 (:class:`LayerNormTuning`) holds every knob of this regime, forward and backward; scripts/tune_norm.py
 ``fused-ln`` sweeps them. Longer rows take RMSNorm's geometry (:func:`norm_launch`,
 :func:`norm_backward_launch`, rms_norm.py's docstring): in the backward, split rows up to 65536 (each
-program a slice, c1 and c2 swapped between the slices' programs: 0.231 / 0.288 / 0.330 ms streamed
-to 0.171 / 0.194 / 0.240 at 16384 / 32768 / 65536 on the H100), streamed beyond; the forward
+program a slice, c1 and c2 swapped between the slices' programs: 0.229 / 0.287 / 0.329 ms streamed
+to 0.171 / 0.189 / 0.246 at 16384 / 32768 / 65536 on the H100), streamed beyond; the forward
 streams past 32768 with Chan's merge.
 
 Output dtype. ``torch.nn.functional.layer_norm`` on CUDA requires weight and bias in x's dtype

@@ -33,7 +33,7 @@ c needs the whole row before any of dx. Two ways, both in :func:`rms_norm_bwd_ke
   programs of a row swap their partial sums of g·x̂ through a small global buffer as they reach
   each row (:func:`exchange_row_sums`) and add them in the same order, so every element is read
   from HBM once. The forward does the same for Σx² past 32768 (``FWD_TUNING``). On the H100 this
-  took the backward at 16384 / 32768 / 65536 from 0.200 / 0.222 / 0.264 ms (streamed) to 0.164 /
+  took the backward at 16384 / 32768 / 65536 from 0.200 / 0.222 / 0.263 ms (streamed) to 0.164 /
   0.168 / 0.190 (scripts/tune_norm.py split).
 - **Streamed** (longer rows): groups of rows are read twice in column chunks, c first, then dx and
   the group's dw, the second read meant to come from L2. What decides the speed is what stays in L2
@@ -682,9 +682,10 @@ FWD_TUNING = NormTuning(
 # RMSNorm backward from 0.0603 to 0.0429 ms at 16384 x 896 and add_rms_norm from 0.2516 to 0.1936 at
 # 65536 x 1024 (kernel times, CUDA-graph replay).
 # Split rows (scripts/tune_norm.py split, H100, benchmarks/results/tune_norm_split-*.log): 8192-wide
-# slices, 8 warps, one program per SM, against the streamed backward: RMSNorm 0.200 -> 0.167 ms at
-# 4096 x 16384, 0.222 -> 0.175 at 2048 x 32768, 0.264 -> 0.213 at 1024 x 65536; add_rms_norm 0.252 ->
-# 0.223, 0.290 -> 0.228, 0.320 -> 0.253; LayerNorm 0.231 -> 0.181, 0.288 -> 0.194, 0.330 -> 0.240.
+# slices, 8 warps, one program per SM (the best geomean of the sweep), against the streamed backward:
+# RMSNorm 0.200 -> 0.164 ms at 4096 x 16384, 0.222 -> 0.168 at 2048 x 32768, 0.263 -> 0.190 at 1024 x
+# 65536; add_rms_norm 0.256 -> 0.216, 0.289 -> 0.221, 0.319 -> 0.234; LayerNorm 0.229 -> 0.171,
+# 0.287 -> 0.189, 0.329 -> 0.246 (kernel times by CUDA-graph replay).
 BWD_TUNING = NormTuning(
     max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=1024, max_warps=16, programs_per_sm=2,
     stream_rows=4, stream_split=2, stream_l2_bytes=None, stream_programs_per_sm=1.0, stream_stages=1,
