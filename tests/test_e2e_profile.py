@@ -46,6 +46,7 @@ KERNELS = [
     # norms, rope, activations: tigon's, Liger's and PyTorch's
     ("rms_norm_fwd_kernel", "norm"),
     ("rms_norm_bwd_kernel", "norm"),
+    ("partial_rows_sum_kernel", "norm"),  # the norms' dw / db sum over the bands
     ("layer_norm_bwd_kernel", "norm"),
     ("_rms_norm_forward_kernel", "norm"),
     ("_block_rms_norm_backward_kernel", "norm"),
