@@ -221,7 +221,7 @@ def _ln_slice_sums(
     rows, row_mask, cols, mean, rstd, hidden, HAS_WEIGHT: tl.constexpr, PAIRED_SUMS: tl.constexpr,
 ):
     """(Σ g·x̂, Σ g) over one slice of BLOCK_M rows, from the inputs: what the slice's own program
-    publishes (the same operations on the same tile, so bitwise the same values)."""
+    publishes, for the interpreter, where that program runs later (see exchange_row_sums)."""
     mask = row_mask[:, None] & (cols < hidden)[None, :]
     dy, x = load_grad_rows(
         dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, rows, cols, mask, ""

@@ -391,8 +391,8 @@ def _rms_slice_sum(
     dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
     rows, row_mask, cols, rstd, hidden, offset, HAS_WEIGHT: tl.constexpr,
 ):
-    """Σ g·x̂ over one slice of BLOCK_M rows, from the inputs: what the slice's own program publishes
-    (the same operations on the same [BLOCK_M, BLOCK_N] tile, so bitwise the same value)."""
+    """Σ g·x̂ over one slice of BLOCK_M rows, from the inputs: what the slice's own program publishes,
+    for the interpreter, where that program runs later (see exchange_row_sums)."""
     mask = row_mask[:, None] & (cols < hidden)[None, :]
     _dy, x_hat, g = grad_tile(
         dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, x_col_stride, weight_ptr,
@@ -628,10 +628,11 @@ class NormTuning:
     stream_evict_first: loads of data read for the last time (pass 2) and the dx stores carry the
       L2 evict-first hint, so that pass 1's rows and the partial rows are what L2 keeps.
 
-    Split rows (backward only; rows longer than max_fused_hidden, up to split_max_hidden; see
-    rms_norm_bwd_kernel): each row is cut into split_slice-wide slices, one program a slice (one
-    row at a time, split_warps warps), split_programs_per_sm programs per multiprocessor.
-      At most 1: every program of the grid must be able to run at once (exchange_row_sums).
+    Split rows (rows longer than max_fused_hidden, up to split_max_hidden; see rms_norm_bwd_kernel
+    and rms_norm_fwd_kernel): each row is cut into split_slice-wide slices, one program a slice (one
+    row at a time, split_warps warps). split_programs_per_sm: the backward's persistent programs per
+    multiprocessor, at most 1, since every program of the grid must be able to run at once
+    (exchange_row_sums); the forward's grid has a program per slice of every row.
     """
 
     max_fused_hidden: int
