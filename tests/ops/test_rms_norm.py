@@ -475,7 +475,7 @@ def test_rms_norm_streamed_backward_gpu(monkeypatch, knobs, fn):
 
 
 # Compiled for real: programs that hold slices of the same rows swap their sums through global
-# memory while they run (16384 + 4003 = 20387 columns: 3 slices of 8192 or 5 of 4096, the last partial).
+# memory while they run (20387 columns: 3 slices of 8192, 5 of 4096 or 10 of 2048, the last partial).
 GPU_SPLIT_KNOBS = (
     dict(split_slice=8192, split_warps=16, split_programs_per_sm=1.0),
     dict(split_slice=4096, split_warps=8, split_programs_per_sm=1.0),
