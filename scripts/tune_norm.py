@@ -382,7 +382,8 @@ LONG_FWD_SPACE = [
 
 def sweep_long_forward(bandwidth):
     """The forward of rows of 16K-64K: where rows stop being held in registers (a row held whole
-    spills past ~32K values a program) and the streamed forward's chunk and warps, per op."""
+    spills past ~32K values a program) and the streamed forward's chunk and warps, per op; split rows
+    off (the shipped forward, printed first, may split them)."""
     base = rms.FWD_TUNING
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         for rows, hidden in LONG_FWD_SHAPES:
@@ -392,7 +393,7 @@ def sweep_long_forward(bandwidth):
             for knobs in LONG_FWD_SPACE:
                 if knobs["max_fused_hidden"] >= hidden and knobs["chunk"] != base.chunk:
                     continue  # a row held whole: the chunk is unused
-                rms.FWD_TUNING = dataclasses.replace(base, **knobs)
+                rms.FWD_TUNING = dataclasses.replace(base, split_max_hidden=0, **knobs)  # held whole or streamed
                 try:
                     results.append((bench(case.forward, rep=STREAM_REP), knobs))
                 except Exception as exc:
