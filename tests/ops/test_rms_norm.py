@@ -259,12 +259,8 @@ def test_rms_norm_streamed_backward_gemma(monkeypatch, weight_kind):
     check_rms_norm(x, w, randn(rows, hidden, dtype=torch.bfloat16), offset=1.0, casting="gemma")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ("1row-split2", "19rows-groups2-split2"))
-def test_add_rms_norm_streamed_backward(monkeypatch, dtype, case):
-    """The residual stream's own gradient (dsum) joins dx in the streamed pass 2."""
-    rows, hidden, knobs = STREAM_CASES[case]
-    use_stream_tuning(monkeypatch, **knobs)
+def check_add_rms_norm_grads(rows, hidden, dtype):
+    """add_rms_norm's three gradients (the residual stream's own gradient joining dx) against fp64."""
     x = randn(rows, hidden, dtype=dtype, requires_grad=True)
     residual = randn(rows, hidden, dtype=dtype, requires_grad=True)
     w = randn(hidden, dtype=dtype, requires_grad=True)
@@ -277,6 +273,15 @@ def test_add_rms_norm_streamed_backward(monkeypatch, dtype, case):
     assert_close(dx, grads["x"], dtype, "dx")
     assert_close(dres, grads["residual"], dtype, "dresidual")
     assert_close(dw, grads["weight"], dtype, "dw")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ("1row-split2", "19rows-groups2-split2"))
+def test_add_rms_norm_streamed_backward(monkeypatch, dtype, case):
+    """The residual stream's own gradient (dsum) joins dx in the streamed pass 2."""
+    rows, hidden, knobs = STREAM_CASES[case]
+    use_stream_tuning(monkeypatch, **knobs)
+    check_add_rms_norm_grads(rows, hidden, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -309,18 +314,7 @@ def test_add_rms_norm_split_rows(monkeypatch, case):
     rows, hidden = SPLIT_CASES[case]
     use_split_tuning(monkeypatch)
     dtype = torch.bfloat16
-    x = randn(rows, hidden, dtype=dtype, requires_grad=True)
-    residual = randn(rows, hidden, dtype=dtype, requires_grad=True)
-    w = randn(hidden, dtype=dtype, requires_grad=True)
-    dy, ds = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype)
-    y, s = add_rms_norm(x, residual, w)
-    _, grads = fp64_reference(
-        add_rms_norm_reference, {"x": x, "residual": residual, "weight": w}, (dy, ds), io_dtype=dtype
-    )
-    dx, dres, dw = torch.autograd.grad((y, s), (x, residual, w), (dy, ds))
-    assert_close(dx, grads["x"], dtype, "dx")
-    assert_close(dres, grads["residual"], dtype, "dresidual")
-    assert_close(dw, grads["weight"], dtype, "dw")
+    check_add_rms_norm_grads(rows, hidden, dtype)
 
 
 def test_split_rows_need_every_program_at_once():

@@ -587,13 +587,13 @@ def _backward(dy, x, weight, bias, mean, rstd):
     # Without a weight (bias) the kernels never touch its pointers; dx stands in for them.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
     db_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if bias is not None else dx
-    scratch, max_polls, recompute_late = split_rows_scratch(cfg.parts_split, num_rows, 2, x.device)
+    scratch, scratch2, max_polls, recompute_late = split_rows_scratch(cfg.parts_split, num_rows, 2, x.device)
     wrap_triton(layer_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
         x2, x2.stride(0), x2.stride(1),
         weight if weight is not None else x2,
         mean, rstd,
-        dx, dw_partial, db_partial, scratch[0], scratch[-1],
+        dx, dw_partial, db_partial, scratch, scratch2,
         num_rows, hidden, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         RECOMPUTE_LATE=recompute_late,

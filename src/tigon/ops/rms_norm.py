@@ -50,6 +50,7 @@ Reference: :func:`rms_norm_reference` (transformers' ``LlamaRMSNorm`` / ``GemmaR
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -821,20 +822,28 @@ def _norm_backward_launch(
 
 
 def split_rows_scratch(split: int, num_rows: int, sums: int, device: torch.device):
-    """(scratch, max_polls, recompute_late) for a backward launch: where rows are split, an int64
-    buffer (sums, rows, parts), a slot per exchanged row sum, row and part, zeroed
-    (exchange_row_sums reads 0 as "not yet there"); else a stand-in.
+    """(scratch, scratch2, max_polls, recompute_late) for a launch: where rows are split, the planes
+    of an int64 buffer (sums, rows, parts), a slot per exchanged row sum, row and part, zeroed
+    (exchange_row_sums reads 0 as "not yet there"; scratch2 is the second sum's plane, or the first
+    again); else a stand-in made once per device, so that an unsplit launch allocates nothing.
 
     On a GPU programs wait for their partners (max_polls 2**31 − 1). Under Triton's interpreter the
     programs run one after another, so a program can never see a later partner's sums: it polls
     twice (the loop runs) and recomputes them (CPU tests so take both paths: the first part of each
     row recomputes, the later parts find the sums published).
     """
-    sequential = interpreter_active()
     if split == 1:
-        return torch.empty((sums, 1, 1), dtype=torch.int64, device=device), 0, sequential
+        stand_in = _no_scratch(device)
+        return stand_in, stand_in, 0, False
+    sequential = interpreter_active()
     scratch = torch.zeros((sums, num_rows, split), dtype=torch.int64, device=device)
-    return scratch, (2 if sequential else 2**31 - 1), sequential
+    return scratch[0], scratch[sums - 1], (2 if sequential else 2**31 - 1), sequential
+
+
+@functools.cache
+def _no_scratch(device: torch.device) -> torch.Tensor:
+    """The scratch argument of launches whose rows are not split (the kernels never touch it)."""
+    return torch.empty(1, dtype=torch.int64, device=device)
 
 
 def _output_dtype(x_dtype, weight_dtype, casting):
@@ -861,14 +870,14 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
         return y, s, rstd
     r2 = as_rows(residual) if residual is not None else x2
     cfg, split = forward_launch(num_rows, hidden)
-    scratch, max_polls, recompute_late = split_rows_scratch(split, num_rows, 1, x.device)
+    scratch, _, max_polls, recompute_late = split_rows_scratch(split, num_rows, 1, x.device)
     grid = (triton.cdiv(num_rows, cfg.block_m) * split,)
     wrap_triton(rms_norm_fwd_kernel)[grid](
         x2, x2.stride(0), x2.stride(1),
         r2, r2.stride(0), r2.stride(1),
         s if s is not None else y,
         weight if weight is not None else x2,
-        y, rstd, scratch[0],
+        y, rstd, scratch,
         num_rows, hidden, eps, offset, split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=next_power_of_2(split),
         RECOMPUTE_LATE=recompute_late,
@@ -892,7 +901,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
     cfg = norm_backward_launch(num_rows, hidden, row_bytes, 1, x.device)
     # Every element of a band's partial row is written by the band's first group, so no zeroing.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else rstd
-    scratch, max_polls, recompute_late = split_rows_scratch(cfg.parts_split, num_rows, 1, x.device)
+    scratch, _, max_polls, recompute_late = split_rows_scratch(cfg.parts_split, num_rows, 1, x.device)
     ds2 = as_rows(dsum) if dsum is not None else dy2
     wrap_triton(rms_norm_bwd_kernel)[(cfg.programs,)](
         dy2, dy2.stride(0), dy2.stride(1),
@@ -900,7 +909,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
         weight if weight is not None else x2,
         rstd,
         ds2, ds2.stride(0), ds2.stride(1),
-        dx, dw_partial, scratch[0],
+        dx, dw_partial, scratch,
         num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         RECOMPUTE_LATE=recompute_late, STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
