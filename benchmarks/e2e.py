@@ -340,7 +340,9 @@ def profile_steps(train_step, batches, *, cuda: bool, timed_step_s: float) -> di
     # CPU activity on the GPU too: kernel events have gone missing from CUDA-only traces
     # (meta-pytorch/tritonbench#401); it slows the host, which profiled_wall_ms shows, not the kernels.
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    # TIGON_PROFILE_STACK=1 records Python calls as host events too (the profiler's Python tracer), so
+    # a gap during which the host ran plain Python (no aten op, no CUDA call) says which function.
+    with profile(activities=activities, with_stack=os.environ.get("TIGON_PROFILE_STACK") == "1") as prof:
         start = time.perf_counter()
         for ids in batches:
             train_step(ids)
@@ -396,9 +398,11 @@ def _host_during(host, gap_start: float, gap_end: float) -> list:
     for start, stop, name in host:
         overlap = min(stop, gap_end) - max(start, gap_start)
         if overlap >= HOST_COVER_FRACTION * (gap_end - gap_start):
-            covering.append((overlap, name))
-    covering.sort(key=lambda c: -c[0])
-    return [{"name": name[:KERNEL_NAME_CHARS], "us": round(overlap, 1)} for overlap, name in covering[:TOP_HOST_EVENTS]]
+            covering.append((overlap, stop - start, name))
+    # most covering first; of events covering as much, the shortest (the innermost of nested calls)
+    covering.sort(key=lambda c: (-round(c[0]), c[1]))
+    return [{"name": name[:KERNEL_NAME_CHARS], "us": round(overlap, 1)}
+            for overlap, _span, name in covering[:TOP_HOST_EVENTS]]
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -607,3 +607,23 @@ def test_rms_norm_out_dtype_torch_compile_fullgraph():
     assert_close(loss, ref_loss, torch.float32, "loss")  # Inductor sums the squares in its own order
     for g, rg in zip(grads, ref_grads, strict=True):
         assert_close(g, rg, torch.bfloat16, "grad")
+
+
+def test_stand_in_scratch_never_crosses_fake_and_real():
+    """An unsplit launch's stand-in scratch is cached per device for real calls only. torch.compile
+    traces the launchers with fake tensors: a stand-in made then and cached broke every later real
+    call (and the first real one cached must not be handed to a trace either)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    device = torch.device(DEVICE)
+    with FakeTensorMode():
+        traced, traced2, _, _ = RMS_MODULE.split_rows_scratch(1, 4, 1, device)
+        assert isinstance(traced, FakeTensor) and traced2 is traced
+    real, _, _, _ = RMS_MODULE.split_rows_scratch(1, 4, 1, device)
+    assert not isinstance(real, FakeTensor)
+    assert RMS_MODULE.split_rows_scratch(1, 4, 1, device)[0] is real  # cached
+    with FakeTensorMode():
+        assert isinstance(RMS_MODULE.split_rows_scratch(1, 4, 1, device)[0], FakeTensor)
+    x = randn(3, 40, requires_grad=True)
+    (dx,) = torch.autograd.grad(rms_norm(x, None, eps=1e-6).sum(), x)  # eager, after the traces
+    assert torch.isfinite(dx).all()

@@ -112,7 +112,7 @@ def wrap_triton(kernel):
     """
     if not _is_jit_kernel(kernel):
         return kernel if interpreter_active() else _torch_wrap_triton(kernel)
-    if is_wrap_triton_enabled() and _tracing_active():
+    if is_wrap_triton_enabled() and tracing_active():
         return _torch_wrap_triton(kernel)
     launcher = _FAST_LAUNCHERS.get(kernel)
     if launcher is None:
@@ -413,7 +413,7 @@ def _tracing(args) -> bool:
     AOTAutograd / make_fx tracing a backward, which is not Dynamo but runs under a dispatch mode
     with fake or functional tensors. Those need the registered op; real tensors take the direct path.
     """
-    if _tracing_active():
+    if tracing_active():
         return True
     for a in args:  # a loop, not any(<generator>): this runs on every op call
         if type(a) not in _PLAIN_TENSORS and isinstance(a, torch.Tensor):
@@ -421,8 +421,11 @@ def _tracing(args) -> bool:
     return False
 
 
-def _tracing_active() -> bool:
-    """Dynamo is tracing, or a dispatch mode (fake tensors, make_fx, functionalization) is on."""
+def tracing_active() -> bool:
+    """Dynamo is tracing, or a dispatch mode (fake tensors, make_fx, functionalization) is on.
+
+    Launchers that cache a tensor check it: a tensor made while tracing is a fake one, and must never
+    be cached for real calls."""
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 

@@ -67,6 +67,7 @@ from tigon.ops._common import (
     interpreter_active,
     next_power_of_2,
     persistent_programs,
+    tracing_active,
     wrap_triton,
 )
 
@@ -833,7 +834,9 @@ def split_rows_scratch(split: int, num_rows: int, sums: int, device: torch.devic
     row recomputes, the later parts find the sums published).
     """
     if split == 1:
-        stand_in = _no_scratch(device)
+        # Made once per device for real calls; under torch.compile's tracing (fake tensors) a fresh
+        # one, which the compiled graph allocates: a cached fake tensor would reach later real calls.
+        stand_in = torch.empty(1, dtype=torch.int64, device=device) if tracing_active() else _no_scratch(device)
         return stand_in, stand_in, 0, False
     sequential = interpreter_active()
     scratch = torch.zeros((sums, num_rows, split), dtype=torch.int64, device=device)
