@@ -341,7 +341,9 @@ def profile_steps(train_step, batches, *, cuda: bool, timed_step_s: float) -> di
     # (meta-pytorch/tritonbench#401); it slows the host, which profiled_wall_ms shows, not the kernels.
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # TIGON_PROFILE_STACK=1 records Python calls as host events too (the profiler's Python tracer), so
-    # a gap during which the host ran plain Python (no aten op, no CUDA call) says which function.
+    # a gap during which the host ran plain Python (no aten op, no CUDA call) says which function. The
+    # tracer slows the host a lot: on Gemma-2's compiled step (tenth session) it made its own gaps
+    # (350 ms of idle a step) and hid the ones it was meant to explain; use it on short host gaps only.
     with profile(activities=activities, with_stack=os.environ.get("TIGON_PROFILE_STACK") == "1") as prof:
         start = time.perf_counter()
         for ids in batches:
