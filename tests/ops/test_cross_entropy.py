@@ -405,13 +405,22 @@ def test_variants_select_their_geometry(variant):
         assert cfg.prefetch == 2 and cfg.first_read_policy == cfg.store_policy == ce_module.EVICT_NORMAL
     if variant == "prefetch1":
         assert cfg.prefetch == 1 and cfg.first_read_policy == ce_module.EVICT_LAST  # hinted (shipped hints)
-    # the fused linear loss's vocabulary chunks always take the wide setting
-    chunk_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, streamed=True)
-    assert chunk_cfg.prefetch == ce_module.STREAM_WIDE_PREFETCH and chunk_cfg.first_read_policy == ce_module.EVICT_NORMAL
+    # the fused linear loss's vocabulary chunks: one program a row (a few on the interpreter) in
+    # blocks of CHUNK_BLOCK_V, softcap or not, never hinted ...
+    for softcap in (False, True):
+        chunk_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, softcap=softcap, streamed=True)
+        assert not chunk_cfg.single_block and chunk_cfg.num_warps == ce_module.CHUNK_WARPS
+        assert chunk_cfg.block_v == min(128, ce_module.CHUNK_BLOCK_V) and chunk_cfg.prefetch == ce_module.CHUNK_PREFETCH
+        assert chunk_cfg.programs == (5 if device.type == "cuda" else min(5, ce_module.persistent_programs(device)))
+        assert chunk_cfg.first_read_policy == chunk_cfg.store_policy == ce_module.EVICT_NORMAL
+    # ... and wider chunks the persistent grid's wide setting
+    wide = ce_module.row_launch(5, ce_module.CHUNK_ROW_MAX_WIDTH + 1, device, streamed=True)
+    assert wide.prefetch == ce_module.STREAM_WIDE_PREFETCH and wide.first_read_policy == ce_module.EVICT_NORMAL
     # softcap rows, bound by MUFU rather than load latency, take their own prefetch, streamed or not,
     # and the L2 hints whatever their bytes in flight (not the vocabulary chunks, which never do)
     for streamed in (False, True):
-        softcap_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, softcap=True, streamed=streamed)
+        width = ce_module.CHUNK_ROW_MAX_WIDTH + 1 if streamed else VARIANT_VOCAB
+        softcap_cfg = ce_module.row_launch(5, width, device, softcap=True, streamed=streamed)
         assert softcap_cfg.single_block or softcap_cfg.prefetch == ce_module.STREAM_SOFTCAP_PREFETCH
         hinted = not streamed and ce_module.STREAM_L2_HINTS and not softcap_cfg.single_block
         assert (softcap_cfg.first_read_policy == ce_module.EVICT_LAST) == hinted

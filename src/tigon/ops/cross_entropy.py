@@ -853,6 +853,23 @@ STREAM_L2_BUDGET_BYTES = 0
 # and the gradient stores evict_first (never touched again by this kernel). Only where the rows in
 # flight take at most STREAM_HINTED_MAX_BYTES, or the rows are softcapped (above).
 STREAM_L2_HINTS = True
+# The vocabulary-chunk kernels of the fused linear loss (by classes: N rows × a chunk of a few
+# thousand classes, just written by the matmul) on chunks up to CHUNK_ROW_MAX_WIDTH wide: one
+# program per row, blocks of CHUNK_BLOCK_V over CHUNK_WARPS warps, CHUNK_PREFETCH blocks ahead.
+# Small programs let each SM hold many rows' loads at once; the persistent streamed grid above (2
+# programs an SM, each walking its rows one after another) waited on each row's load in turn.
+# Eleventh session's sweeps (tune_chunk-*-eleventh.log; H100, each kernel alone right after the
+# matmul that writes its chunk; pass 1 = stats, pass 2 = gradient, in µs):
+#   N = 8192, width 4096:  persistent 76.3 + 54.2,   one row a program (1024 / 1 warp) 33.2 + 42.7
+#   N = 8192, width 8192:  persistent 101.1 + 113.0, one row a program                 60.9 + 95.5
+#   N = 4096, width 16384: persistent 109.4 + 94.9,  one row a program                 60.3 + 88.8
+# Pass 2 is then at the HBM's read + write time (44.7 µs at width 4096); 1-8 warps and 512-4096
+# blocks were within ~10% of each other. Wider chunks (small N, when the whole vocabulary is one
+# chunk) keep the persistent grid, whose 32-warp programs stream long rows.
+CHUNK_ROW_MAX_WIDTH = 16384
+CHUNK_BLOCK_V = 1024
+CHUNK_WARPS = 1
+CHUNK_PREFETCH = 1
 # The reduction-factor kernel: one program walks the targets (and class weights) in blocks of this.
 REDUCTION_SCALES_BLOCK = 1024
 REDUCTION_SCALES_WARPS = 4
@@ -871,7 +888,8 @@ def tuning() -> tuple:
         SINGLE_PROGRAMS_PER_SM, SINGLE_ROW_PREFETCH, STREAM_BLOCK_V, STREAM_WARPS, STREAM_SOFTCAP_BLOCK_V,
         STREAM_SOFTCAP_WARPS, STREAM_PREFETCH, STREAM_WIDE_PREFETCH, STREAM_SOFTCAP_PREFETCH,
         STREAM_SOFTCAP_HINTED, STREAM_HINTED_MAX_BYTES, STREAM_STAGES, STREAM_PROGRAMS_PER_SM,
-        STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS,
+        STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS, CHUNK_ROW_MAX_WIDTH, CHUNK_BLOCK_V, CHUNK_WARPS,
+        CHUNK_PREFETCH,
     )
 
 
@@ -895,8 +913,8 @@ def row_launch(num_rows: int, width: int, device: torch.device, *, softcap: bool
                elem_bytes: int = 2, streamed: bool = False) -> RowLaunch:
     """Geometry for rows of ``width`` classes (a whole vocabulary, or one chunk of it).
 
-    ``streamed``: for the vocabulary-chunk kernels, which always stream (blocks of at most
-    STREAM_BLOCK_V; a narrower chunk is one block).
+    ``streamed``: for the vocabulary-chunk kernels, which always stream: one program a row in
+    blocks of CHUNK_BLOCK_V up to CHUNK_ROW_MAX_WIDTH, the persistent streamed grid beyond.
     """
     return _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, tuning())
 
@@ -913,6 +931,9 @@ def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -
         programs = _programs(device, SINGLE_PROGRAMS_PER_SM)
         return RowLaunch(padded, _single_warps(padded), True, max(1, min(num_rows, programs)),
                          row_prefetch=SINGLE_ROW_PREFETCH)
+    if streamed and padded <= CHUNK_ROW_MAX_WIDTH:  # a narrow vocabulary chunk: one program a row
+        programs = num_rows if device.type == "cuda" else min(num_rows, persistent_programs(device))
+        return RowLaunch(min(padded, CHUNK_BLOCK_V), CHUNK_WARPS, False, max(1, programs), CHUNK_PREFETCH)
     stream_block_v, stream_warps = (
         (STREAM_SOFTCAP_BLOCK_V, STREAM_SOFTCAP_WARPS) if softcap else (STREAM_BLOCK_V, STREAM_WARPS)
     )

@@ -30,9 +30,11 @@ Two chunkings, chosen by :func:`chunk_plan` from the sizes alone:
 
 Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized to
 WORKSPACE_FRACTION of the gradient bytes (at least MIN_WORKSPACE_BYTES), plus fp32 per-token
-state and, by classes, an fp32 dX accumulator. At N = 8192 in bf16: H = 4096, V = 128256 → 7 token
-chunks of 1280, peak ≈ 1.12 GB of gradients + 0.33 GB; H = 2304, V = 256000 → 12 token chunks of
-704; H = 896, V = 151936 → class chunks of 2560, peak ≈ 1.3× the 0.29 GB of gradients.
+state and, by classes, an fp32 dX accumulator (dX in its own dtype is made from it after the
+chunk buffer is freed, so the accumulator takes its place in the budget). At N = 8192 in bf16:
+H = 4096, V = 128256 → 7 token chunks of 1216, peak ≈ 1.12 GB of gradients + 0.31 GB; H = 2304,
+V = 256000 → 12 token chunks of 704; H = 896, V = 151936 → class chunks of 4352, peak ≈ 1.3× the
+0.29 GB of gradients.
 
 Under ``torch.autocast`` input, weight and bias are cast to the autocast dtype, as F.linear does;
 the loss math is fp32 regardless. Gradients come back in each argument's own dtype (an fp32 master
@@ -82,7 +84,7 @@ FP32_TOKEN_CHUNK = 2048
 # Chunk sizes are multiples of these (whole matmul tiles; column blocks of the CE kernel).
 TOKEN_ALIGN = 64
 CLASS_ALIGN = 256
-# By classes: bytes per token·hidden of the fp32 dX accumulator and one partial in the io dtype.
+# By classes: bytes per token·hidden of the fp32 dX accumulator.
 DX_ACCUMULATOR_BYTES = 4
 
 
@@ -122,7 +124,9 @@ def chunk_plan(
     if chunks is not None and (fp32_sum or chunks <= MAX_TOKEN_CHUNKS):
         size = -(-num_tokens // chunks)
         return ChunkPlan(True, min(tokens_fit, -(-size // TOKEN_ALIGN) * TOKEN_ALIGN))
-    accumulator = num_tokens * hidden * (DX_ACCUMULATOR_BYTES + elem_size)
+    # By classes, dX in its own dtype is made from the fp32 accumulator only after the last chunk
+    # (the chunk buffer is freed first), so while chunks are made the accumulator stands in for it.
+    accumulator = num_tokens * hidden * (DX_ACCUMULATOR_BYTES - dx_size)
     classes_fit = int((workspace - accumulator) // (num_tokens * elem_size))
     return ChunkPlan(False, min(vocab, max(CLASS_ALIGN, classes_fit // CLASS_ALIGN * CLASS_ALIGN)))
 
@@ -262,7 +266,8 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
             matmul_accumulate(dx32, dlogits, w_c, first=i == 0)            # (N, H), fp32 sum over chunks
         if need_db:
             db[c0:c1] = dlogits.sum(0, dtype=torch.float32)
-        logits = None
+        logits = dlogits = None
+    buffer = None  # freed before dX is made in its own dtype (chunk_plan counts on it)
     return loss_rows, lse, (dx32.to(dx_dtype) if need_dx else None), dw, db
 
 
