@@ -858,17 +858,23 @@ STREAM_L2_HINTS = True
 # program per row, blocks of CHUNK_BLOCK_V over CHUNK_WARPS warps, CHUNK_PREFETCH blocks ahead.
 # Small programs let each SM hold many rows' loads at once; the persistent streamed grid above (2
 # programs an SM, each walking its rows one after another) waited on each row's load in turn.
-# Eleventh session's sweeps (tune_chunk-*-eleventh.log; H100, each kernel alone right after the
-# matmul that writes its chunk; pass 1 = stats, pass 2 = gradient, in µs):
-#   N = 8192, width 4096:  persistent 76.3 + 54.2,   one row a program (1024 / 1 warp) 33.2 + 42.7
-#   N = 8192, width 8192:  persistent 101.1 + 113.0, one row a program                 60.9 + 95.5
-#   N = 4096, width 16384: persistent 109.4 + 94.9,  one row a program                 60.3 + 88.8
-# Pass 2 is then at the HBM's read + write time (44.7 µs at width 4096); 1-8 warps and 512-4096
-# blocks were within ~10% of each other. Wider chunks (small N, when the whole vocabulary is one
-# chunk) keep the persistent grid, whose 32-warp programs stream long rows.
+# Eleventh session (scripts/tune_flce_chunks.py, benchmarks/results/tune_flce_chunks-*-eleventh.log;
+# H100, each kernel alone right after the matmul that writes its chunk; pass 1 = statistics, pass 2
+# = gradient, µs):
+#   N = 8192, width 4352 (the plan's at H = 896):  persistent 183.2 + 95.5, this setting 44.3 + 49.3
+#   the same with softcap 30:                      persistent 120.9 + 82.7, this setting 49.2 + 51.8
+#   N = 8192, width 8192:                          persistent  98.6 + 111.6, one row a program 64-67 + 94-96
+#   N = 4096, width 16384:                         persistent 108.7 + 95.5, one row a program 61-64 + 89-91
+# Pass 2 then runs at the HBM's read + write time (47.5 µs at width 4352). Blocks of 512-4096 and
+# 1-8 warps were within ~15% of each other, their order changing between runs (the first sweep,
+# tune_flce_chunks-*-eleventh-first.log, also tried 2, 4 and 8 persistent programs an SM: slower);
+# 4 warps stayed near the best everywhere, softcap included. The whole loss at Qwen2.5-0.5B's head
+# (N = 8192): 20.3 ms with the persistent grid, 16.9 with one row a program. Wider chunks (a small
+# N, whose whole vocabulary is one chunk) keep the persistent grid, whose 32-warp programs stream
+# long rows.
 CHUNK_ROW_MAX_WIDTH = 16384
 CHUNK_BLOCK_V = 1024
-CHUNK_WARPS = 1
+CHUNK_WARPS = 4
 CHUNK_PREFETCH = 1
 # The reduction-factor kernel: one program walks the targets (and class weights) in blocks of this.
 REDUCTION_SCALES_BLOCK = 1024
