@@ -351,8 +351,9 @@ def test_cross_entropy_cpu_needs_interpreter(monkeypatch):
 # Every geometry the launch knobs can select (scripts/tune_ce.py sweeps them on the GPU), shrunk so
 # that a vocabulary of 101 classes walks four blocks of 32 (the last one partial): streamed with
 # one or two blocks prefetched into registers, with Triton's pipelined loop (STREAM_STAGES), with
-# L2 hints and an L2 budget that leaves a single program for all rows, past the hinted budget; and held in registers with
-# several warps (values spread over 4 warps), with and without each program's next row loaded ahead.
+# L2 hints and an L2 budget that leaves a single program for all rows, past the hinted budget; and
+# held in registers with several warps (values spread over 4 warps), with and without each
+# program's next row loaded ahead.
 SMALL_STREAM = dict(MAX_SINGLE_BLOCK_V=32, MAX_SINGLE_BLOCK_V_SOFTCAP=32, STREAM_BLOCK_V=32, STREAM_WARPS=1)
 VARIANTS = {
     "single": dict(SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2, SINGLE_ROW_PREFETCH=False),

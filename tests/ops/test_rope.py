@@ -307,6 +307,40 @@ def test_rope_registered_op_autograd():
     assert not dk.any()
 
 
+@pytest.mark.parametrize("layout", ("shared", "batched_bthd"))
+@pytest.mark.parametrize("out_dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_rope_output_dtype_is_the_promoted_output_cast_once(tiling, layout, out_dtype):
+    """output_dtype: each output is the promoted (fp32) output rounded once to that dtype, and the
+    gradients from grads in that dtype are those of the fp32 outputs given the same grads widened
+    (what attention's autocast cast and its backward do). Bitwise, in both tilings and layouts."""
+    unsqueeze_dim = 1 if layout == "shared" else 2
+    shape_q, shape_k = ((2, 4, 5, 16), (2, 2, 5, 16)) if unsqueeze_dim == 1 else ((2, 5, 4, 16), (2, 5, 2, 16))
+    q = randn(*shape_q, dtype=out_dtype, requires_grad=True)
+    k = randn(*shape_k, dtype=out_dtype, requires_grad=True)
+    cos, sin = (randn(5, 12), randn(5, 12)) if layout == "shared" else (randn(2, 5, 12), randn(2, 5, 12))
+    promoted = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    assert all(t.dtype == torch.float32 for t in promoted)
+    g = (randn(*shape_q, dtype=out_dtype), randn(*shape_k, dtype=out_dtype))
+    want_grads = torch.autograd.grad(promoted, (q, k), tuple(t.float() for t in g))
+    for asked in (out_dtype, (out_dtype, None), (None, out_dtype)):
+        dtypes = asked if isinstance(asked, tuple) else (asked, asked)
+        narrow = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, output_dtype=asked)
+        registered = torch.ops.tigon.rope(q, k, cos, sin, unsqueeze_dim, *dtypes)
+        for got, op_got, want, dtype in zip(narrow, registered, promoted, dtypes, strict=True):
+            dtype = dtype or torch.float32
+            assert got.dtype == dtype and torch.equal(got, want.to(dtype)) and torch.equal(op_got, got)
+        grads_in = tuple(t if dtype else t.float() for t, dtype in zip(g, dtypes, strict=True))
+        got_grads = torch.autograd.grad(narrow, (q, k), grads_in)
+        assert all(a.dtype == out_dtype and torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+
+
+def test_rope_output_dtype_bad():
+    q, k, cos = randn(1, 2, 3, 8), randn(1, 2, 3, 8), randn(3, 8)
+    for bad in (torch.int32, "bfloat16", (torch.bfloat16, torch.int64)):
+        with pytest.raises(TypeError, match="output_dtype must be None, a floating torch.dtype or a pair"):
+            rope(q, k, cos, cos, output_dtype=bad)
+
+
 def test_rope_no_grad_to_cos_sin():
     q, k = randn(1, 2, 3, 8, requires_grad=True), randn(1, 2, 3, 8, requires_grad=True)
     cos, sin = randn(3, 8, requires_grad=True), randn(3, 8, requires_grad=True)
@@ -365,8 +399,9 @@ def test_rope_bad_types():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("output_dtype", (None, torch.bfloat16), ids=("promoted", "bf16_output"))
 @pytest.mark.parametrize("unsqueeze_dim", (1, 2))
-def test_rope_torch_compile_fullgraph(unsqueeze_dim, tiling):
+def test_rope_torch_compile_fullgraph(unsqueeze_dim, tiling, output_dtype):
     batch, seq_len, hq, hk, head_dim = 2, 128, 8, 2, 128
     x_q = randn(batch, seq_len, hq * head_dim, dtype=torch.bfloat16, requires_grad=True)
     x_k = randn(batch, seq_len, hk * head_dim, dtype=torch.bfloat16, requires_grad=True)
@@ -377,8 +412,8 @@ def test_rope_torch_compile_fullgraph(unsqueeze_dim, tiling):
         k = x_k.view(batch, seq_len, hk, head_dim)
         if unsqueeze_dim == 1:
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-        return q_out.square().sum() + k_out.sum()
+        q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, output_dtype=output_dtype)
+        return q_out.float().square().sum() + k_out.float().sum()
 
     cfg = rope_mod.rope_launch(seq_len, hq, hk, head_dim, head_dim, True)
     assert cfg.token_tiling == (tiling == "token")

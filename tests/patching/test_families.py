@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import tigon
-from tests.patching.tiny import CONFIGS, assert_grads_close, batch, grads, rel, stock_and_patched, train
+from tests.patching.tiny import COMMON, CONFIGS, assert_grads_close, batch, grads, rel, stock_and_patched, train
+from tigon.patching import engine
 from tigon.patching.families import FAMILIES
 
 FAMILY_TYPES = sorted(CONFIGS)
@@ -132,3 +133,43 @@ def test_projection_norms_give_autocast_output(model_type):
     assert rel(loss, loss_stock) <= AUTOCAST_LOSS_TOLERANCE
     assert_grads_close(got, grads_stock, AUTOCAST_STOCK_GRAD_TOLERANCE)
     assert len(flagged) == len(family.projection_norms) * patched.config.num_hidden_layers
+
+
+# Plain pre-norm (GQA, and without: k's output too), Gemma-2's sandwich (fp32 residual stream),
+# Phi-3's partial rotary, and Qwen3, whose q_norm/k_norm give fp32 q and k (rope then keeps
+# transformers' dtypes): (q's, k's) output dtypes rope is asked for under bf16 autocast.
+BF16 = torch.bfloat16
+ROPE_AUTOCAST_FAMILIES = {
+    "llama": (BF16, None), "llama_mha": (BF16, BF16), "gemma2": (BF16, None), "phi3": (BF16, None),
+    "qwen3": (None, None),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ROPE_AUTOCAST_FAMILIES))
+def test_rope_gives_autocast_output(model_type, monkeypatch):
+    """Under bf16 autocast the patched attention's rope writes bf16 where that is exact (q; k without
+    GQA). The step is bitwise the one where rope gives transformers' fp32 outputs: attention casts
+    them to bf16 itself, and its backward widens the bf16 gradients exactly. (The tiny models run
+    eager attention, which repeats GQA's k heads before the cast: the case that keeps k fp32.)"""
+    if model_type == "llama_mha":
+        mha = {"num_key_value_heads": COMMON["num_attention_heads"]}
+        _, patched, _ = stock_and_patched("llama", config_overrides=mha)
+    else:
+        _, patched, _ = stock_and_patched(model_type)
+    fp32_rope = copy.deepcopy(patched)
+    chosen = []
+    autocast_dtypes = engine.rope_output_dtype
+
+    def spy(q, k, unsqueeze_dim):
+        chosen.append(autocast_dtypes(q, k, unsqueeze_dim))
+        return chosen[-1]
+
+    monkeypatch.setattr(engine, "rope_output_dtype", spy)
+    loss, got = _autocast_step(patched)
+    assert chosen and set(chosen) == {ROPE_AUTOCAST_FAMILIES[model_type]}
+    monkeypatch.setattr(engine, "rope_output_dtype", lambda q, k, unsqueeze_dim: None)
+    want_loss, want = _autocast_step(fp32_rope)
+    assert torch.equal(loss, want_loss)
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        assert torch.equal(got[name], g), name

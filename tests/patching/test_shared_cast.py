@@ -1,7 +1,8 @@
 """The attention patch (the ``rope`` switch) also makes q/k/v projections save one autocast cast of
 their input instead of three, and the projections save no bf16 weight copies, with bitwise the same
-loss and gradients (on the GPU, the fp32 products unrounded); nothing changes outside autocast; revert restores. Compared against the same
-patch with the projections' own forwards taken back off (the stock ``nn.Linear`` under autocast)."""
+loss and gradients (on the GPU, the fp32 products unrounded); nothing changes outside autocast;
+revert restores. Compared against the same patch with the projections' own forwards taken back off
+(the stock ``nn.Linear`` under autocast)."""
 
 from __future__ import annotations
 

@@ -51,7 +51,10 @@ Bytes (speed of light), element size b, N_q = B·Hq·T·D, N_k = B·Hk·T·D::
 
 Reference: :func:`rope_reference` (transformers' ``apply_rotary_pos_emb``, with the partial-rotary
 split the transformers models use). Output dtypes follow its type promotion: fp32 cos/sin with bf16
-q give fp32 outputs; dq, dk have q's and k's dtypes.
+q give fp32 outputs; dq, dk have q's and k's dtypes. ``output_dtype`` asks for other output dtypes:
+attention under autocast casts fp32 q_out (and k_out) to bf16 anyway, so ``tigon.patch`` has rope
+write that bf16 copy itself (the same values, with no fp32 outputs written, read and cast forward,
+nor bf16 gradients widened backward).
 """
 
 from __future__ import annotations
@@ -452,11 +455,15 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
 
 
 def _rope_impl(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+    q_out_dtype: torch.dtype | None = None,
+    k_out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     trig_dtype = torch.promote_types(cos.dtype, sin.dtype)
-    q_out = _empty_in_order(q.shape, dim_order(q), torch.promote_types(q.dtype, trig_dtype), q.device)
-    k_out = _empty_in_order(k.shape, dim_order(k), torch.promote_types(k.dtype, trig_dtype), k.device)
+    q_dtype = q_out_dtype or torch.promote_types(q.dtype, trig_dtype)
+    k_dtype = k_out_dtype or torch.promote_types(k.dtype, trig_dtype)
+    q_out = _empty_in_order(q.shape, dim_order(q), q_dtype, q.device)
+    k_out = _empty_in_order(k.shape, dim_order(k), k_dtype, k.device)
     _launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, False)
     return q_out, k_out
 
@@ -480,7 +487,7 @@ def _rope_backward_impl(
 
 
 def _setup_rope(ctx, inputs, output):
-    q, k, cos, sin, unsqueeze_dim = inputs
+    q, k, cos, sin, unsqueeze_dim = inputs[:5]
     q_out, k_out = output
     ctx.save_for_backward(cos, sin)
     ctx.unsqueeze_dim = unsqueeze_dim
@@ -500,7 +507,7 @@ def _rope_grad(ctx, dq_out, dk_out):
     dq, dk = ROPE_BACKWARD(
         dq_out, dk_out, cos, sin, ctx.unsqueeze_dim, q_dtype, k_dtype, q_order, k_order
     )
-    return dq, dk, None, None, None
+    return dq, dk, None, None, None, None, None
 
 
 ROPE_BACKWARD = TigonOp("rope_backward", _rope_backward_impl)
@@ -549,7 +556,7 @@ def _check_args(q, k, cos, sin, unsqueeze_dim):
         )
 
 
-def rope(q, k, cos, sin, *, unsqueeze_dim=1):
+def rope(q, k, cos, sin, *, unsqueeze_dim=1, output_dtype=None):
     """Apply rotary position embedding to q and k; returns ``(q_out, k_out)``.
 
     transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`` (rotate_half convention):
@@ -557,9 +564,22 @@ def rope(q, k, cos, sin, *, unsqueeze_dim=1):
     ``[B, T, H, D]``. ``cos``/``sin`` are ``[B, T, Dr]``, ``[1, T, Dr]`` or ``[T, Dr]``; with ``Dr < D``
     only the first ``Dr`` dims of each head rotate and the rest pass through. Any strides (the
     transpose of a ``[B, T, H, D]`` projection is read in place). Gradients flow to q and k only.
+
+    ``output_dtype``: None gives transformers' dtypes (q's and k's promoted with cos/sin's: bf16 q
+    with fp32 cos/sin give fp32). A floating dtype gives both outputs in it, a pair ``(q's, k's)``
+    each its own (None in the pair: that output's promoted dtype). Each value is computed in fp32
+    and rounded once: exactly what a consumer that casts the promoted output to that dtype reads
+    (attention under autocast; ``tigon.patch`` passes the autocast dtype, see
+    ``tigon.patching.engine.apply_rotary_pos_emb``), without writing and re-reading fp32 copies.
     """
     _check_args(q, k, cos, sin, unsqueeze_dim)
-    return ROPE(q, k, cos, sin, int(unsqueeze_dim))
+    q_dtype, k_dtype = output_dtype if isinstance(output_dtype, tuple) else (output_dtype, output_dtype)
+    for dtype in (q_dtype, k_dtype):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(
+                f"output_dtype must be None, a floating torch.dtype or a pair of them, got {output_dtype!r}"
+            )
+    return ROPE(q, k, cos, sin, int(unsqueeze_dim), q_dtype, k_dtype)
 
 
 # ------------------------------------------------------------------------------------------ reference
