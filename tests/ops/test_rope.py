@@ -336,7 +336,7 @@ def test_rope_output_dtype_is_the_promoted_output_cast_once(tiling, layout, out_
 
 def test_rope_output_dtype_bad():
     q, k, cos = randn(1, 2, 3, 8), randn(1, 2, 3, 8), randn(3, 8)
-    for bad in (torch.int32, "bfloat16", (torch.bfloat16, torch.int64)):
+    for bad in (torch.int32, "bfloat16", (torch.bfloat16, torch.int64), (torch.bfloat16,) * 3):
         with pytest.raises(TypeError, match="output_dtype must be None, a floating torch.dtype or a pair"):
             rope(q, k, cos, cos, output_dtype=bad)
 

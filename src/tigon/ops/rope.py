@@ -573,13 +573,12 @@ def rope(q, k, cos, sin, *, unsqueeze_dim=1, output_dtype=None):
     ``tigon.patching.engine.apply_rotary_pos_emb``), without writing and re-reading fp32 copies.
     """
     _check_args(q, k, cos, sin, unsqueeze_dim)
-    q_dtype, k_dtype = output_dtype if isinstance(output_dtype, tuple) else (output_dtype, output_dtype)
-    for dtype in (q_dtype, k_dtype):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(
-                f"output_dtype must be None, a floating torch.dtype or a pair of them, got {output_dtype!r}"
-            )
-    return ROPE(q, k, cos, sin, int(unsqueeze_dim), q_dtype, k_dtype)
+    pair = output_dtype if isinstance(output_dtype, tuple) else (output_dtype, output_dtype)
+    if len(pair) != 2 or any(
+        dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) for dtype in pair
+    ):
+        raise TypeError(f"output_dtype must be None, a floating torch.dtype or a pair of them, got {output_dtype!r}")
+    return ROPE(q, k, cos, sin, int(unsqueeze_dim), *pair)
 
 
 # ------------------------------------------------------------------------------------------ reference

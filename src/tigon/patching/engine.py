@@ -491,7 +491,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     the same fp32 math, and their gradients arrive in that dtype, as the cast's backward would have
     widened them exactly. Saved: the fp32 outputs written and read again by the cast in the forward,
     and the gradients widened to fp32 in the backward (Gemma-2-2B, 4096 tokens: ~130 MB and two
-    launches a layer for q).
+    launches a layer for q). One visible difference: where k is written in the autocast dtype (no
+    GQA), a KV cache filled in that forward holds the keys in it, as it holds the values.
     """
     from tigon.ops.rope import rope
 
