@@ -42,15 +42,19 @@ class RMSNorm(nn.Module):
     def eps(self) -> float:
         return self.variance_epsilon
 
-    def forward(self, hidden_states):
-        out_dtype = None
+    def output_dtype(self, hidden_states):
+        """The ``out_dtype`` this norm gives ``rms_norm`` for this input: the autocast dtype where
+        ``autocast_output`` applies, else None (the norm's own)."""
         if self.autocast_output:
             device_type = hidden_states.device.type
             if torch.is_autocast_enabled(device_type):
-                out_dtype = torch.get_autocast_dtype(device_type)
+                return torch.get_autocast_dtype(device_type)
+        return None
+
+    def forward(self, hidden_states):
         return rms_norm(
             hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting,
-            out_dtype=out_dtype,
+            out_dtype=self.output_dtype(hidden_states),
         )
 
     def extra_repr(self) -> str:

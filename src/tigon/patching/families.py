@@ -21,6 +21,9 @@ A row names, in the family's transformers modeling module, what the engine may r
   ``pre_feedforward_layernorm`` (their post-norms feed the residual add); OLMo-2/3 normalise the
   sublayers' outputs (none); MoE layers only ``input_layernorm`` (the MoE block's expert matmuls go
   through transformers' experts dispatch, not checked here to treat a bf16 input as they treat fp32).
+- ``sandwich_layer``: the decoder layer is transformers' sandwich-norm layer (Gemma-2/3: each
+  sublayer's output normalised before it joins the residual stream); with the norms patched, its
+  forward runs the joins as fused tigon ops (patching/sandwich.py, which checks the forward).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
   final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
   MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
@@ -73,6 +76,7 @@ class Family:
     router_aux_loss: str | None = None  # name of the load-balancing loss function in the module
     decoder_layer: str | None = None
     projection_norms: tuple[str, ...] = ()
+    sandwich_layer: bool = False  # the decoder layer is Gemma-2's sandwich (patching/sandwich.py)
 
     @property
     def module_name(self) -> str:
@@ -122,9 +126,9 @@ FAMILIES: dict[str, Family] = {
                 projection_norms=MOE_NORMS),
         _family("gemma", "gemma", "Gemma", norm=_gemma_norm),
         _family("gemma2", "gemma2", "Gemma2", norm=_gemma_norm, final_logit_softcapping=True,
-                projection_norms=SANDWICH_NORMS),
+                projection_norms=SANDWICH_NORMS, sandwich_layer=True),
         _family("gemma3_text", "gemma3", "Gemma3", norm=_gemma_norm, model="Gemma3TextModel",
-                final_logit_softcapping=True, projection_norms=SANDWICH_NORMS),
+                final_logit_softcapping=True, projection_norms=SANDWICH_NORMS, sandwich_layer=True),
         _family("phi3", "phi3", "Phi3", mlp="fused", act_attr="activation_fn"),
         _family("olmo2", "olmo2", "Olmo2", norm=_olmo_norm, projection_norms=()),
         _family("olmo3", "olmo3", "Olmo3", norm=_olmo_norm, projection_norms=()),
