@@ -93,6 +93,8 @@ def test_unknown_switch_and_bad_values():
         ("llama", "rms_norm", ["LlamaRMSNorm -> tigon.nn.RMSNorm(casting='llama', offset=0.0)"]),
         ("gemma", "rms_norm", ["GemmaRMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=1.0)"]),
         ("olmo2", "rms_norm", ["Olmo2RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=0.0)"]),
+        ("gemma2", "rms_norm", ["Gemma2RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=1.0)",
+                                "Gemma2DecoderLayer.forward -> residual joins as tigon.ops.rms_norm_add_rms_norm"]),
         ("llama", "mlp", ["LlamaMLP -> tigon.nn.SwiGLUMLP()"]),
         ("gemma", "mlp", ["GemmaMLP -> tigon.nn.GEGLUMLP(approximate='tanh')"]),
         ("phi3", "mlp", ["Phi3MLP.forward -> tigon.ops.swiglu on gate_up_proj"]),
@@ -202,6 +204,30 @@ def test_mismatch_deep_in_the_model_leaves_earlier_modules_untouched():
     with pytest.raises(ValueError, match=r"layers\.1\.mlp"):
         tigon.patch(model)
     assert _module_state(model) == before
+
+
+def test_changed_sandwich_layer_forward_is_refused(monkeypatch):
+    """A transformers version whose sandwich layer differs (here: one statement added) makes the
+    patch raise, the model untouched; the same model patches without the rms_norm switch."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    model = tiny_model("gemma2")
+    stock_forward = modeling_gemma2.Gemma2DecoderLayer.forward
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
+                past_key_values=None, **kwargs):
+        hidden_states = hidden_states * 1.0
+        return stock_forward(self, hidden_states, position_embeddings, attention_mask, position_ids,
+                             past_key_values, **kwargs)
+
+    monkeypatch.setattr(modeling_gemma2.Gemma2DecoderLayer, "forward", forward)
+    before = _module_state(model)
+    with pytest.raises(ValueError, match="sandwich-norm forward"):
+        tigon.patch(model)
+    assert _module_state(model) == before
+    handle = tigon.patch(model, rms_norm=False)
+    assert not any("DecoderLayer" in line for line in handle.replaced)
+    handle.revert()
 
 
 def test_remote_code_like_model_is_refused():

@@ -12,9 +12,10 @@ from tigon.ops.jsd import jsd
 from tigon.ops.kl_div import kl_div
 from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
+from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
 from tigon.ops.rope import rope
 
 __all__ = [
     "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd", "geglu", "jsd",
-    "kl_div", "layer_norm", "rms_norm", "rope", "swiglu",
+    "kl_div", "layer_norm", "rms_norm", "rms_norm_add", "rms_norm_add_rms_norm", "rope", "swiglu",
 ]

@@ -1,4 +1,5 @@
-"""RMSNorm and add_rms_norm: Llama-style casting at the table's hidden sizes and a sweep to 65536."""
+"""RMSNorm and add_rms_norm: Llama-style casting at the table's hidden sizes and a sweep to 65536; the
+sandwich-norm join (rms_norm_add_rms_norm) as Gemma-2 runs it under autocast."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from tigon.bench.models import MODELS, TOKENS
 from tigon.bench.spec import Case, Spec
 from tigon.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from tigon.ops.rms_norm_add import MAX_FUSED_HIDDEN, rms_norm_add_rms_norm, rms_norm_add_rms_norm_reference
 
 SWEEP = (1024, 2048, 8192, 16384, 32768, 65536)
 
@@ -100,4 +102,59 @@ ADD_RMS_NORM = Spec(
     check_case=lambda: _check_case(residual=True),
 )
 
-SPECS = (RMS_NORM, ADD_RMS_NORM)
+def _join_cases():
+    """Gemma-2 under bf16 autocast: a bf16 sublayer output joins the fp32 residual stream (fp32 norm
+    weights), and the next norm's output is the bf16 copy the projections read. The table's hidden
+    sizes, Gemma-2-2B's 2304 and the fused limit."""
+    hiddens = sorted({m.hidden for m in MODELS} | {2304, MAX_FUSED_HIDDEN})
+    cases = []
+    for hidden in hiddens:
+        rows = TOKENS
+
+        def make(device, dtype, rows=rows, hidden=hidden):
+            return {
+                "x": torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True),
+                "residual": torch.randn(rows, hidden, device=device, dtype=torch.float32, requires_grad=True),
+                "weight": (0.1 * torch.randn(hidden, device=device)).requires_grad_(),
+                "next_weight": (0.1 * torch.randn(hidden, device=device)).requires_grad_(),
+            }
+
+        tensor = rows * hidden
+        # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
+        # s (4), x (2); write dx (2), dresidual (4). Weights and rstd are noise at these sizes.
+        sol = {"fwd": 12 * tensor, "bwd": 18 * tensor, "full": 30 * tensor}
+        cases.append(Case(f"M={rows} N={hidden}", {"M": rows, "N": hidden}, make, sol))
+    return cases
+
+
+def _join(fn):
+    def run(x, residual, weight, next_weight):
+        return fn(x, residual, weight, next_weight, casting="gemma", offset=1.0, out_dtype=x.dtype)
+
+    return run
+
+
+def _join_check_case():
+    def make(device, dtype):
+        return {
+            "x": torch.randn(3, 5, 200, device=device, dtype=dtype, requires_grad=True),
+            "residual": torch.randn(3, 5, 200, device=device, dtype=dtype, requires_grad=True),
+            "weight": torch.randn(200, device=device, dtype=dtype, requires_grad=True),
+            "next_weight": torch.randn(200, device=device, dtype=dtype, requires_grad=True),
+        }
+
+    return Case("check B=3 T=5 N=200", {"M": 15, "N": 200}, make, {"fwd": 0, "bwd": 0, "full": 0})
+
+
+RMS_NORM_ADD_RMS_NORM = Spec(
+    name="rms_norm_add_rms_norm",
+    cases=_join_cases,
+    providers={
+        # transformers' lines: residual + post_norm(x), then pre_norm of the sum, cast for the MLP
+        "eager": _join(rms_norm_add_rms_norm_reference),
+        "tigon": _join(rms_norm_add_rms_norm),
+    },
+    check_case=_join_check_case,
+)
+
+SPECS = (RMS_NORM, ADD_RMS_NORM, RMS_NORM_ADD_RMS_NORM)
