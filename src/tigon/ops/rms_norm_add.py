@@ -29,7 +29,8 @@ y and ``dS`` that of the s output (the residual stream's later uses)::
 
     g₂  = dy·(offset + w₂),   c₂ = mean(g₂·ŝ)
     ds  = rstd₂·(g₂ − ŝ·c₂) + dS              the gradient of s, both of its uses
-    dresidual = ds                             (rounded to residual's dtype)
+    dresidual = ds                             (rounded to residual's dtype; without norm₂, dS itself:
+                                               no pass at all, as autograd's add passes it on)
     dn  = r_n(ds)                              (autograd's cast of the add's gradient to n's dtype)
     g₁  = dn·(offset + w₁),   c₁ = mean(g₁·x̂)
     dx  = rstd₁·(g₁ − x̂·c₁)
@@ -41,7 +42,8 @@ accumulate an fp32 partial row, summed in a fixed order (bitwise repeatable, no 
 Bytes (speed of light), M rows of N, element sizes b_x, b_r, b_s, b_y (b_dy: y's gradient)::
 
     forward   read x, residual; write s, y (M·N each, in its dtype), rstd₁, rstd₂ (4M each)
-    backward  read dy, dS, s, x; write dx, dresidual; dw₁, dw₂ (fp32 partials, a few rows)
+    backward  read dy, dS, s, x; write dx, dresidual; dw₁, dw₂ (fp32 partials, a few rows);
+              without norm₂: read dS, x; write dx, dw₁
 
 Against the three separate kernels (norm, add, norm; with bf16 x, fp32 residual and bf16 y: 20 bytes
 an element forward, 34 backward counting autograd's sum and cast), the join moves 12 and 18.
@@ -173,7 +175,8 @@ def rms_norm_add_bwd_kernel(
     s_ptr,                                      # (M, N) s, saved by the forward (contiguous)      [HAS_NEXT]
     weight_ptr, next_weight_ptr,                # (N,) each                       [HAS_WEIGHT, HAS_NEXT_WEIGHT]
     rstd_ptr, next_rstd_ptr,                    # (M,) fp32 each, saved                            [next: HAS_NEXT]
-    dx_ptr, dres_ptr,                           # (M, N) out, contiguous: x's and residual's gradients
+    dx_ptr,                                     # (M, N) out, contiguous: x's gradient
+    dres_ptr,                                   # (M, N) out, contiguous: residual's gradient   [HAS_NEXT]
     dw_partial_ptr, next_dw_partial_ptr,        # (bands, N) out, fp32: each band's Σ of dw₁ / dw₂ terms
     num_rows, hidden, eps, next_eps, offset, rows_per_band,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_N: tl.constexpr,
@@ -219,7 +222,8 @@ def rms_norm_add_bwd_kernel(
                     s_hat = s_hat.to(S_DTYPE).to(tl.float32)
                 next_dw_acc += tl.sum(dy * s_hat, axis=0)
         out_offsets = rows[:, None] * hidden + cols[None, :]
-        tl.store(dres_ptr + out_offsets, ds.to(dres_ptr.dtype.element_ty), mask=mask)
+        if HAS_NEXT:
+            tl.store(dres_ptr + out_offsets, ds.to(dres_ptr.dtype.element_ty), mask=mask)
         dn = ds
         if ROUND_N:
             dn = ds.to(X_DTYPE).to(tl.float32)
@@ -284,14 +288,16 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
     """Launch the backward; returns (dx, dresidual, dw, next_dw), a missing weight's gradient empty.
 
     ``dy``/``s``/``next_rstd`` are None without norm₂; ``dsum`` is None where the s output got no
-    gradient.
+    gradient. Where y got no gradient (or there is no norm₂), residual's gradient is ``dsum`` itself
+    (cast to its dtype, :func:`_passed_on`); then dresidual comes back empty (an op's output may
+    not alias its input).
     """
     hidden = x.shape[-1]
     x2 = as_rows(x)
     num_rows = x2.shape[0]
     has_next = s is not None and dy is not None  # y got a gradient
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dres = torch.empty(x.shape, dtype=residual_dtype, device=x.device)
+    dres = torch.empty(x.shape if has_next else 0, dtype=residual_dtype, device=x.device)
     empty = torch.empty(0, dtype=x.dtype, device=x.device)
     dw = torch.empty_like(weight) if weight is not None else empty
     next_dw = torch.empty_like(next_weight) if next_weight is not None else empty
@@ -308,10 +314,10 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
         dy2, dy2.stride(0), dy2.stride(1),
         ds2, ds2.stride(0), ds2.stride(1),
         x2, x2.stride(0), x2.stride(1),
-        s if has_next else dres,
+        s if has_next else dx,
         weight if weight is not None else x2, next_weight if next_weight is not None else x2,
         rstd, next_rstd if has_next else rstd,
-        dx, dres, partials[0], partials[1],
+        dx, dres if has_next else dx, partials[0], partials[1],
         num_rows, hidden, eps, next_eps, offset, cfg.rows_per_band,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         ROUND_N=_rounds_n(x.dtype, weight.dtype if weight is not None else None, casting),
@@ -361,6 +367,14 @@ def _rms_norm_add_backward_impl(
 RMS_NORM_ADD_BACKWARD = TigonOp("rms_norm_add_backward", _rms_norm_add_backward_impl)
 
 
+def _passed_on(dsum, x, residual_dtype):
+    """residual's gradient where the kernel computes none: the s output's, as autograd's add passes
+    it on (cast to residual's dtype; zero where s got no gradient)."""
+    if dsum is None:
+        return torch.zeros(x.shape, dtype=residual_dtype, device=x.device)
+    return dsum.to(residual_dtype)
+
+
 def _setup_rms_norm_add(ctx, inputs, output):
     x, residual, weight, eps, offset, casting = inputs
     _s, rstd = output
@@ -371,10 +385,10 @@ def _setup_rms_norm_add(ctx, inputs, output):
 
 def _rms_norm_add_grad(ctx, dsum, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dres, dw, _ = RMS_NORM_ADD_BACKWARD(
+    dx, _, dw, _ = RMS_NORM_ADD_BACKWARD(
         None, dsum, x, None, weight, None, rstd, None, ctx.eps, ctx.eps, ctx.offset, ctx.casting, ctx.residual_dtype
     )
-    return dx, dres, (dw if weight is not None else None), None, None, None
+    return dx, _passed_on(dsum, x, ctx.residual_dtype), (dw if weight is not None else None), None, None, None
 
 
 def _setup_rms_norm_add_rms_norm(ctx, inputs, output):
@@ -391,6 +405,8 @@ def _rms_norm_add_rms_norm_grad(ctx, dy, dsum, _drstd, _dnext_rstd):
         dy, dsum, x, s, weight, next_weight, rstd, next_rstd, ctx.eps, ctx.next_eps, ctx.offset, ctx.casting,
         ctx.residual_dtype,
     )
+    if dy is None:
+        dres = _passed_on(dsum, x, ctx.residual_dtype)
     return (
         dx, dres, (dw if weight is not None else None), (next_dw if next_weight is not None else None),
         None, None, None, None, None,
