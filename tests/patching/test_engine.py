@@ -92,9 +92,12 @@ def test_unknown_switch_and_bad_values():
     [
         ("llama", "rms_norm", ["LlamaRMSNorm -> tigon.nn.RMSNorm(casting='llama', offset=0.0)"]),
         ("gemma", "rms_norm", ["GemmaRMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=1.0)"]),
-        ("olmo2", "rms_norm", ["Olmo2RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=0.0)"]),
+        ("olmo2", "rms_norm", ["Olmo2RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=0.0)",
+                               "Olmo2DecoderLayer.forward -> residual joins as tigon.ops.rms_norm_add (instance"]),
         ("gemma2", "rms_norm", ["Gemma2RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=1.0)",
                                 "Gemma2DecoderLayer.forward -> residual joins as tigon.ops.rms_norm_add_rms_norm"]),
+        ("olmo3", "rms_norm", ["Olmo3RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=0.0)",
+                               "Olmo3DecoderLayer.forward -> residual joins as tigon.ops.rms_norm_add"]),
         ("llama", "mlp", ["LlamaMLP -> tigon.nn.SwiGLUMLP()"]),
         ("gemma", "mlp", ["GemmaMLP -> tigon.nn.GEGLUMLP(approximate='tanh')"]),
         ("phi3", "mlp", ["Phi3MLP.forward -> tigon.ops.swiglu on gate_up_proj"]),
@@ -222,7 +225,7 @@ def test_changed_sandwich_layer_forward_is_refused(monkeypatch):
 
     monkeypatch.setattr(modeling_gemma2.Gemma2DecoderLayer, "forward", forward)
     before = _module_state(model)
-    with pytest.raises(ValueError, match="sandwich-norm forward"):
+    with pytest.raises(ValueError, match="not the sandwich forward tigon knows"):
         tigon.patch(model)
     assert _module_state(model) == before
     handle = tigon.patch(model, rms_norm=False)

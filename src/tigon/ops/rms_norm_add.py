@@ -45,6 +45,8 @@ Bytes (speed of light), M rows of N, element sizes b_x, b_r, b_s, b_y (b_dy: y's
     backward  read dy, dS, s, x; write dx, dresidual; dw₁, dw₂ (fp32 partials, a few rows);
               without norm₂: read dS, x; write dx, dw₁
 
+OLMo-2/3 normalise after each sublayer only: both of their joins are ``rms_norm_add``.
+
 Against the three separate kernels (norm, add, norm; with bf16 x, fp32 residual and bf16 y: 20 bytes
 an element forward, 34 backward counting autograd's sum and cast), the join moves 12 and 18.
 
@@ -445,7 +447,7 @@ def _fused(x) -> bool:
 def rms_norm_add(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):
     """``residual + rms_norm(x, weight, eps, offset=offset, casting=casting)`` in one pass.
 
-    The post-norm residual join of sandwich-norm layers. ``x`` and ``residual`` may differ in dtype
+    The residual join of post-norm layers (Gemma-2/3's second join, OLMo-2/3's both). ``x`` and ``residual`` may differ in dtype
     (a bf16 sublayer output joining an fp32 residual stream under autocast): the sum takes torch's
     type promotion, as the eager ``residual + norm(x)`` does. Saves x (not the sum) for the backward.
     """

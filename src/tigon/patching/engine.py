@@ -7,9 +7,9 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
 
 - norms: each RMSNorm/LayerNorm module is swapped for a ``tigon.nn`` module that adopts the *same*
   weight (and bias) ``Parameter``; state-dict keys and optimizer state stay valid.
-- sandwich-norm layers (Gemma-2/3), with the norms: each decoder layer gets, on the instance, a
-  forward that runs its residual joins as fused tigon ops (sandwich.py; the class forward is checked
-  statement for statement first).
+- post-norm layers (Gemma-2/3's sandwich, OLMo-2/3), with the norms: each decoder layer gets, on the
+  instance, a forward that runs its residual joins as fused tigon ops (joins.py; the class forward is
+  checked statement for statement first).
 - split MLPs: swapped for ``tigon.nn.SwiGLUMLP`` / ``GEGLUMLP`` that adopt the same
   ``gate_proj``/``up_proj``/``down_proj`` child modules (so LoRA-wrapped projections keep working);
   fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance.
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import causal_mask, sandwich
+from tigon.patching import causal_mask, joins
 from tigon.patching import loss as loss_path
 from tigon.patching.families import FAMILIES, Family
 from tigon.patching.shared_cast import CACHE_ATTR, CastCache, shared_cast_linear
@@ -336,30 +336,31 @@ def _feeds_projections(sites, family, classes) -> bool:
     )
 
 
-def _sandwich_line(classes):
-    return (f"{classes.decoder_layer.__name__}.forward -> residual joins as tigon.ops.rms_norm_add_rms_norm / "
-            "rms_norm_add (instance forward)")
+def _joins_line(family, classes):
+    layout = joins.LAYOUTS[family.joined_layer]
+    return f"{classes.decoder_layer.__name__}.forward -> residual joins as {layout.ops} (instance forward)"
 
 
-def _plan_sandwich_layers(plan, root, family, classes):
-    """Part of the ``rms_norm`` switch: the family's sandwich layers get sandwich.py's forward."""
+def _plan_joined_layers(plan, root, family, classes):
+    """Part of the ``rms_norm`` switch: the family's post-norm layers get joins.py's forward."""
     from tigon.nn.norm import RMSNorm
 
+    layout = joins.LAYOUTS[family.joined_layer]
     layer_cls = classes.decoder_layer
-    if not sandwich.matches_sandwich_forward(layer_cls.forward):
+    if not joins.matches_forward(layer_cls.forward, layout.source):
         raise ValueError(
-            f"{layer_cls.__name__}.forward is not the sandwich-norm forward tigon knows: this transformers "
-            "version does not match tigon's table"
+            f"{layer_cls.__name__}.forward is not the {family.joined_layer} forward tigon knows: this "
+            "transformers version does not match tigon's table"
         )
-    line = _sandwich_line(classes)
+    line = _joins_line(family, classes)
     for layer, _, path in _sites(root, layer_cls):
         if _is_tigon(_own_forward(layer)):
             continue
         _check_plain(layer, layer_cls, path)
-        norms = [layer._modules.get(name) for name in sandwich.NORMS]
+        norms = [layer._modules.get(name) for name in layout.norms]
         if not all(isinstance(norm, (classes.norm, RMSNorm)) for norm in norms):
-            raise ValueError(f"{path}'s {'/'.join(sandwich.NORMS)} are not all {classes.norm.__name__} modules")
-        plan.add(_SetAttr(layer, "forward", types.MethodType(sandwich.sandwich_layer_forward, layer)), line)
+            raise ValueError(f"{path}'s {'/'.join(layout.norms)} are not all {classes.norm.__name__} modules")
+        plan.add(_SetAttr(layer, "forward", types.MethodType(layout.forward, layer)), line)
 
 
 def _layer_norm_line(classes):
@@ -669,8 +670,8 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
     plan = _Plan()
     if switches["rms_norm"] and classes.norm is not None:
         _plan_rms_norms(plan, model, family, classes)
-        if family.sandwich_layer:
-            _plan_sandwich_layers(plan, model, family, classes)
+        if family.joined_layer:
+            _plan_joined_layers(plan, model, family, classes)
     if switches["layer_norm"] and classes.layer_norm is not None:
         _plan_layer_norms(plan, model, family, classes)
     if switches["mlp"] and classes.mlp is not None:
@@ -729,8 +730,8 @@ def _class_parts(family, classes, switches):
     parts = []
     if switches["rms_norm"] and classes.norm is not None:
         parts.append(_rms_norm_line(family, classes))
-        if family.sandwich_layer:
-            parts.append(_sandwich_line(classes))
+        if family.joined_layer:
+            parts.append(_joins_line(family, classes))
     if switches["layer_norm"] and classes.layer_norm is not None:
         parts.append(_layer_norm_line(classes))
     if switches["mlp"] and classes.mlp is not None:

@@ -21,9 +21,10 @@ A row names, in the family's transformers modeling module, what the engine may r
   ``pre_feedforward_layernorm`` (their post-norms feed the residual add); OLMo-2/3 normalise the
   sublayers' outputs (none); MoE layers only ``input_layernorm`` (the MoE block's expert matmuls go
   through transformers' experts dispatch, not checked here to treat a bf16 input as they treat fp32).
-- ``sandwich_layer``: the decoder layer is transformers' sandwich-norm layer (Gemma-2/3: each
-  sublayer's output normalised before it joins the residual stream); with the norms patched, its
-  forward runs the joins as fused tigon ops (patching/sandwich.py, which checks the forward).
+- ``joined_layer``: the decoder layer normalises each sublayer's output before it joins the residual
+  stream, in one of patching/joins.py's layouts: "sandwich" (Gemma-2/3: pre- and post-norms) or
+  "post_norm" (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops
+  (joins.py checks the class's forward first).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
   final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
   MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
@@ -76,7 +77,7 @@ class Family:
     router_aux_loss: str | None = None  # name of the load-balancing loss function in the module
     decoder_layer: str | None = None
     projection_norms: tuple[str, ...] = ()
-    sandwich_layer: bool = False  # the decoder layer is Gemma-2's sandwich (patching/sandwich.py)
+    joined_layer: str | None = None  # "sandwich" / "post_norm": a layout of patching/joins.py
 
     @property
     def module_name(self) -> str:
@@ -99,7 +100,7 @@ def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="ac
         norm=norm(f"{prefix}RMSNorm") if norm else None,
         mlp=Mlp(f"{prefix}MLP", mlp, act_attr) if mlp else None,
         attention=f"{prefix}Attention" if rope else None,
-        decoder_layer=f"{prefix}DecoderLayer" if norm and projection_norms else None,
+        decoder_layer=f"{prefix}DecoderLayer" if norm and (projection_norms or quirks.get("joined_layer")) else None,
         projection_norms=projection_norms if norm else (),
         **quirks,
     )
@@ -126,12 +127,12 @@ FAMILIES: dict[str, Family] = {
                 projection_norms=MOE_NORMS),
         _family("gemma", "gemma", "Gemma", norm=_gemma_norm),
         _family("gemma2", "gemma2", "Gemma2", norm=_gemma_norm, final_logit_softcapping=True,
-                projection_norms=SANDWICH_NORMS, sandwich_layer=True),
+                projection_norms=SANDWICH_NORMS, joined_layer="sandwich"),
         _family("gemma3_text", "gemma3", "Gemma3", norm=_gemma_norm, model="Gemma3TextModel",
-                final_logit_softcapping=True, projection_norms=SANDWICH_NORMS, sandwich_layer=True),
+                final_logit_softcapping=True, projection_norms=SANDWICH_NORMS, joined_layer="sandwich"),
         _family("phi3", "phi3", "Phi3", mlp="fused", act_attr="activation_fn"),
-        _family("olmo2", "olmo2", "Olmo2", norm=_olmo_norm, projection_norms=()),
-        _family("olmo3", "olmo3", "Olmo3", norm=_olmo_norm, projection_norms=()),
+        _family("olmo2", "olmo2", "Olmo2", norm=_olmo_norm, projection_norms=(), joined_layer="post_norm"),
+        _family("olmo3", "olmo3", "Olmo3", norm=_olmo_norm, projection_norms=(), joined_layer="post_norm"),
         _family("granite", "granite", "Granite", logits_scaling=True),
         _family("smollm3", "smollm3", "SmolLM3"),
         _family("glm4", "glm4", "Glm4", mlp="fused", act_attr="activation_fn", rope=False),
