@@ -117,7 +117,7 @@ def _input_grad(g, v_hat, rstd, hidden, eps):
     """dv = rstd·(g − v̂·c), c = mean(g·v̂), for one tile of whole rows.
 
     At hidden == 1, g − v̂·c = g·(1 − v̂²) cancels to nothing in fp32 (v̂² = 1 − eps·rstd²), so that
-    case uses the exact form g·eps·rstd² (as rms_norm's backward does).
+    case uses the exact form rstd·g·eps·rstd² = g·eps·rstd³ (as rms_norm's backward does).
     """
     if hidden == 1:
         dv = g * (eps * rstd * rstd * rstd)[:, None]
