@@ -8,7 +8,13 @@ import torch
 from tigon.bench.models import MODELS, TOKENS
 from tigon.bench.spec import Case, Spec
 from tigon.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-from tigon.ops.rms_norm_add import MAX_FUSED_HIDDEN, rms_norm_add_rms_norm, rms_norm_add_rms_norm_reference
+from tigon.ops.rms_norm_add import (
+    MAX_FUSED_HIDDEN,
+    rms_norm_add,
+    rms_norm_add_reference,
+    rms_norm_add_rms_norm,
+    rms_norm_add_rms_norm_reference,
+)
 
 SWEEP = (1024, 2048, 8192, 16384, 32768, 65536)
 
@@ -102,27 +108,32 @@ ADD_RMS_NORM = Spec(
     check_case=lambda: _check_case(residual=True),
 )
 
-def _join_cases():
+def _join_cases(with_next=True):
     """Gemma-2 under bf16 autocast: a bf16 sublayer output joins the fp32 residual stream (fp32 norm
     weights), and the next norm's output is the bf16 copy the projections read. The table's hidden
-    sizes, Gemma-2-2B's 2304 and the fused limit."""
+    sizes, Gemma-2-2B's 2304 and the fused limit. Without the next norm (rms_norm_add), no y and no
+    next_weight."""
     hiddens = sorted({m.hidden for m in MODELS} | {2304, MAX_FUSED_HIDDEN})
     cases = []
     for hidden in hiddens:
         rows = TOKENS
 
         def make(device, dtype, rows=rows, hidden=hidden):
-            return {
+            inputs = {
                 "x": torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True),
                 "residual": torch.randn(rows, hidden, device=device, dtype=torch.float32, requires_grad=True),
                 "weight": (0.1 * torch.randn(hidden, device=device)).requires_grad_(),
-                "next_weight": (0.1 * torch.randn(hidden, device=device)).requires_grad_(),
             }
+            if with_next:
+                inputs["next_weight"] = (0.1 * torch.randn(hidden, device=device)).requires_grad_()
+            return inputs
 
         tensor = rows * hidden
         # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
-        # s (4), x (2); write dx (2), dresidual (4). Weights and rstd are noise at these sizes.
-        sol = {"fwd": 12 * tensor, "bwd": 18 * tensor, "full": 30 * tensor}
+        # s (4), x (2); write dx (2), dresidual (4). Without the next norm: forward 10; backward reads
+        # ds and x and writes dx (8; residual's gradient is ds itself). Weights and rstd are noise.
+        fwd, bwd = (12, 18) if with_next else (10, 8)
+        sol = {"fwd": fwd * tensor, "bwd": bwd * tensor, "full": (fwd + bwd) * tensor}
         cases.append(Case(f"M={rows} N={hidden}", {"M": rows, "N": hidden}, make, sol))
     return cases
 
@@ -134,14 +145,23 @@ def _join(fn):
     return run
 
 
-def _join_check_case():
+def _post_join(fn):
+    def run(x, residual, weight):
+        return fn(x, residual, weight, casting="gemma", offset=1.0)
+
+    return run
+
+
+def _join_check_case(with_next=True):
     def make(device, dtype):
-        return {
+        inputs = {
             "x": torch.randn(3, 5, 200, device=device, dtype=dtype, requires_grad=True),
             "residual": torch.randn(3, 5, 200, device=device, dtype=dtype, requires_grad=True),
             "weight": torch.randn(200, device=device, dtype=dtype, requires_grad=True),
-            "next_weight": torch.randn(200, device=device, dtype=dtype, requires_grad=True),
         }
+        if with_next:
+            inputs["next_weight"] = torch.randn(200, device=device, dtype=dtype, requires_grad=True)
+        return inputs
 
     return Case("check B=3 T=5 N=200", {"M": 15, "N": 200}, make, {"fwd": 0, "bwd": 0, "full": 0})
 
@@ -157,4 +177,15 @@ RMS_NORM_ADD_RMS_NORM = Spec(
     check_case=_join_check_case,
 )
 
-SPECS = (RMS_NORM, ADD_RMS_NORM, RMS_NORM_ADD_RMS_NORM)
+RMS_NORM_ADD = Spec(
+    name="rms_norm_add",
+    cases=lambda: _join_cases(with_next=False),
+    providers={
+        # transformers' line: residual + post_norm(x)
+        "eager": _post_join(rms_norm_add_reference),
+        "tigon": _post_join(rms_norm_add),
+    },
+    check_case=lambda: _join_check_case(with_next=False),
+)
+
+SPECS = (RMS_NORM, ADD_RMS_NORM, RMS_NORM_ADD_RMS_NORM, RMS_NORM_ADD)
