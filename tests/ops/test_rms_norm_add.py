@@ -218,7 +218,7 @@ def test_bad_inputs(kwargs, error, match):
         assert torch.equal(t, before[name]), name
 
 
-@pytest.mark.skipif(ON_GPU, reason="on a GPU, CPU tensors are simply the wrong device")
+@pytest.mark.skipif(ON_GPU, reason="CPU-only (CI): on a GPU, CPU tensors are the wrong device, tested below")
 def test_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA tensors"):

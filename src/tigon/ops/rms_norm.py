@@ -997,6 +997,13 @@ ADD_RMS_NORM = TigonOp(
 # ------------------------------------------------------------------------------------ public functions
 
 
+def check_scale(weight, name, x):
+    """A norm's scale: a float tensor of shape (hidden,) on x's device (ValueError/TypeError naming it)."""
+    check_tensor(weight, name, device=x.device)
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+
+
 def _check_args(x, weight, eps, casting, *, residual=None):
     check_tensor(x, "x")
     if x.dim() == 0:
@@ -1008,9 +1015,7 @@ def _check_args(x, weight, eps, casting, *, residual=None):
         if residual.dtype != x.dtype:
             raise TypeError(f"residual has dtype {residual.dtype}, expected x's {x.dtype}")
     if weight is not None:
-        check_tensor(weight, "weight", device=x.device)
-        if weight.shape != (x.shape[-1],):
-            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+        check_scale(weight, "weight", x)
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
     if not eps >= 0:

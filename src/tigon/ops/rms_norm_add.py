@@ -70,6 +70,7 @@ from tigon.ops.rms_norm import (
     BWD_TUNING,
     _check_args,
     _output_dtype,
+    check_scale,
     norm_backward_launch,
     norm_launch,
     rms_norm,
@@ -433,9 +434,7 @@ def _check_join(x, residual, weight, eps, casting, next_weight=None, next_eps=No
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
     if next_weight is not None:
-        check_tensor(next_weight, "next_weight", device=x.device)
-        if next_weight.shape != (x.shape[-1],):
-            raise ValueError(f"next_weight has shape {tuple(next_weight.shape)}, expected ({x.shape[-1]},)")
+        check_scale(next_weight, "next_weight", x)
     if next_eps is not None and not next_eps >= 0:
         raise ValueError(f"next_eps must be >= 0, got {next_eps}")
 
@@ -447,9 +446,10 @@ def _fused(x) -> bool:
 def rms_norm_add(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):
     """``residual + rms_norm(x, weight, eps, offset=offset, casting=casting)`` in one pass.
 
-    The residual join of post-norm layers (Gemma-2/3's second join, OLMo-2/3's both). ``x`` and ``residual`` may differ in dtype
-    (a bf16 sublayer output joining an fp32 residual stream under autocast): the sum takes torch's
-    type promotion, as the eager ``residual + norm(x)`` does. Saves x (not the sum) for the backward.
+    The residual join of post-norm layers (Gemma-2/3's second join, OLMo-2/3's both). ``x`` and
+    ``residual`` may differ in dtype (a bf16 sublayer output joining an fp32 residual stream under
+    autocast): the sum takes torch's type promotion, as the eager ``residual + norm(x)`` does. Saves
+    x (not the sum) for the backward.
     """
     _check_join(x, residual, weight, eps, casting)
     if not _fused(x):
