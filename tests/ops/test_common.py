@@ -8,11 +8,13 @@ import triton.language as tl
 from tests.helpers import DEVICE, ON_GPU, randn
 from tigon.ops._common import (
     cache_by_size,
+    cast_all,
     copysign_nonnegative,
     fast_exp,
     fast_reciprocal,
     matmul_to,
     reciprocal_1_to_2,
+    sum_rows_to,
 )
 
 
@@ -58,6 +60,49 @@ def test_matmul_to_fp32_is_the_unrounded_product_on_the_gpu(dtype):
     err = ((got.double() - exact).norm() / exact.norm()).item()
     err_rounded = ((rounded.double() - exact).norm() / exact.norm()).item()
     assert got.dtype == torch.float32 and err < 1e-5 < err_rounded, (err, err_rounded)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_cast_all_is_bitwise_the_separate_casts(dtype):
+    """Each output is what ``.to(dtype)`` gives (values, sizes, strides); None stays None, a tensor
+    already in the dtype comes back as itself, and the sources are untouched."""
+    weight, transposed, bias = randn(33, 17), randn(9, 33).t(), randn(33)
+    same = randn(5, dtype=dtype)
+    tensors = (weight, None, transposed, bias, same)
+    before = [t.clone() if t is not None else None for t in tensors]
+    got = cast_all(tensors, dtype)
+    assert got[1] is None and got[4] is same
+    for t, g in zip((weight, transposed, bias), (got[0], got[2], got[3]), strict=True):
+        want = t.to(dtype)
+        assert g.dtype == dtype and g.stride() == want.stride() and torch.equal(g, want)
+    for t, b in zip(tensors, before, strict=True):
+        assert t is None or torch.equal(t, b)
+    assert cast_all((weight,), dtype)[0].dtype == dtype and cast_all((None, None), dtype) == [None, None]
+
+
+@pytest.mark.gpu
+def test_cast_all_is_one_kernel_on_the_gpu():
+    tensors = [randn(64, 48), randn(64), randn(48, 64)]
+    cast_all(tensors, torch.bfloat16)  # warm up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cast_all(tensors, torch.bfloat16)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]
+
+
+def test_sum_rows_to_is_the_bias_gradient():
+    """Off the GPU (and for the operand's own dtype) bitwise the stock's sum then cast; on the GPU
+    the fp32 sum is not rounded to bf16 first."""
+    t = randn(300, 24, dtype=torch.bfloat16)
+    assert torch.equal(sum_rows_to(t, torch.bfloat16), t.sum(0))
+    got = sum_rows_to(t, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (24,)
+    if ON_GPU:
+        exact = t.double().sum(0)
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    else:
+        assert torch.equal(got, t.sum(0).float())
 
 
 @triton.jit

@@ -29,6 +29,7 @@ before the node (the casts stay in the graph), and the node runs with autocast o
 cast inside the node, and cast again in the backward rather than saved: autocast's ``nn.Linear``
 keeps a bf16 copy of every weight from the forward to the backward (2 bytes per MLP parameter:
 1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves are there anyway.
+A node's weight casts are made by one launch (:func:`tigon.ops._common.cast_all`).
 The weight gradients are the bf16 products in the weights' dtype (:func:`tigon.ops._common.matmul_to`):
 on the CPU the bf16 product cast, as autocast's cast returns it (bitwise the same); on the GPU the
 matmul's fp32 accumulator written as it is (no cast kernel, and no rounding to bf16 on the way).
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.ops._common import FLOAT_DTYPES, check_tensor, matmul_to
+from tigon.ops._common import FLOAT_DTYPES, cast_all, check_tensor, matmul_to
 from tigon.ops.glu import ACTIVATIONS, GLU, activation_reference, gelu_activation_name, glu, glu_backward_into
 
 
@@ -57,10 +58,12 @@ class _GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, dtype):
-        gate = F.linear(x, gate_weight.to(dtype), gate_bias)        # (..., I)
-        up = F.linear(x, up_weight.to(dtype), up_bias)              # (..., I)
+        gate_w, up_w, down_w = cast_all((gate_weight, up_weight, down_weight), dtype)  # one launch
+        gate = F.linear(x, gate_w, gate_bias)                       # (..., I)
+        up = F.linear(x, up_w, up_bias)                             # (..., I)
+        gate_w = up_w = None
         h = GLU(gate, up, activation)                               # (..., I)
-        y = F.linear(h, down_weight.to(dtype), down_bias)           # (..., H)
+        y = F.linear(h, down_w, down_bias)                          # (..., H)
         ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
         ctx.activation, ctx.dtype = activation, dtype
         return y
@@ -78,11 +81,17 @@ class _GatedMLPFunction(torch.autograd.Function):
         dx = d_gate_w = d_gate_b = d_up_w = d_up_b = d_down_w = d_down_b = None
 
         need_dgate_dup = need_x or need_gate_w or need_gate_b or need_up_w or need_up_b
+        # the weights the input gradients need, cast by one launch
+        down_w, gate_w, up_w = cast_all(
+            (down_weight if need_dgate_dup else None, gate_weight if need_x else None, up_weight if need_x else None),
+            ctx.dtype,
+        )
         h = None
         if need_dgate_dup:
             # One pass over gate and up gives dgate (over dh), dup and, when down_proj's weight
             # gradient needs it, the recomputed h: no separate forward launch reading them again.
-            dgate = dy2 @ down_weight.to(ctx.dtype)                 # (M, I): dh, then dgate over it
+            dgate = dy2 @ down_w                                    # (M, I): dh, then dgate over it
+            down_w = None
             dup = torch.empty_like(up2)
             if need_down_w:
                 h = torch.empty(gate2.shape, dtype=torch.promote_types(gate2.dtype, up2.dtype), device=gate2.device)
@@ -95,8 +104,9 @@ class _GatedMLPFunction(torch.autograd.Function):
         if need_down_b:
             d_down_b = dy2.sum(0)
         if need_x:
-            dx = dgate @ gate_weight.to(ctx.dtype)                  # (M, H)
-            dx.addmm_(dup, up_weight.to(ctx.dtype))
+            dx = dgate @ gate_w                                     # (M, H)
+            dx.addmm_(dup, up_w)
+            gate_w = up_w = None
             dx = dx.reshape(x.shape)
         if need_gate_w:
             d_gate_w = matmul_to(dgate.t(), x2, gate_weight.dtype)  # (I, H)

@@ -321,6 +321,44 @@ def matmul_accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, fi
         out += a @ b
 
 
+def cast_all(tensors, dtype: torch.dtype) -> list:
+    """``[t.to(dtype) for t in tensors]`` (None stays None), the casts made by one launch.
+
+    Why: a node that casts its fp32 weights (and biases) to the autocast dtype, as ``nn.Linear``
+    under autocast does, made one cast kernel each, and in eager mode each ``.to`` costs ~20 µs of
+    the host's dispatch, allocation and launch on the H100 machine: 17 of them a Qwen2.5-0.5B layer,
+    forward and backward, 400 a step that was bound by its host. Here the outputs are allocated as
+    ``.to`` allocates them (``empty_like``: same sizes and strides) and filled by one
+    ``torch._foreach_copy_``, which converts the dtype in one multi-tensor kernel on the GPU (and
+    copies one by one elsewhere): the same values, bit for bit, as the separate casts. Under
+    torch.compile the plain casts are left to Inductor, which fuses them itself.
+    """
+    out = list(tensors)
+    todo = [i for i, t in enumerate(tensors) if t is not None and t.dtype != dtype]
+    if len(todo) < 2 or torch.compiler.is_compiling():
+        for i in todo:
+            out[i] = tensors[i].to(dtype)
+        return out
+    sources = [tensors[i] for i in todo]
+    casts = [torch.empty_like(t, dtype=dtype) for t in sources]
+    torch._foreach_copy_(casts, sources)
+    for i, cast in zip(todo, casts, strict=True):
+        out[i] = cast
+    return out
+
+
+def sum_rows_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.sum(0)`` returned in ``dtype``: the gradient of a bias that autocast cast to ``t``'s dtype.
+
+    Stock autograd rounds the (fp32-accumulated) sum to ``t``'s dtype and casts it back; on the GPU
+    the reduction writes its fp32 accumulator in ``dtype`` itself (one kernel less, and no rounding
+    on the way, as :func:`matmul_to` does for the weights). Elsewhere it is the stock's, bit for bit.
+    """
+    if dtype == torch.float32 and t.dtype != dtype and t.is_cuda and not torch.compiler.is_compiling():
+        return t.sum(0, dtype=dtype)
+    return t.sum(0).to(dtype)
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """View ``t`` as ``(rows, last_dim)`` without copying where the strides allow it.
 

@@ -10,7 +10,8 @@ bf16 copy of its weight that autocast made, until the backward: 2 bytes per proj
 
 Here q, k and v run as one node (:class:`_AutocastQKV`) and ``o_proj`` as :class:`_AutocastLinear`:
 the input is cast once per attention module (:class:`CastCache`) and that one cast is what the node
-saves; the weights are cast in the forward and again in the backward instead of being saved. The
+saves; the weights are cast in the forward and again in the backward instead of being saved (all of a
+node's casts by one launch: :func:`tigon.ops._common.cast_all`). The
 backward makes the same products as the stock linears' (``dy·W`` for the input, ``dyᵀ·x`` for the
 weight, ``Σ dy`` for the bias, in the autocast dtype) and returns them in the dtypes of input, weight
 and bias as autocast's casts do. The three input gradients are summed by the matmuls into one
@@ -19,8 +20,8 @@ gradients are bitwise the stock ones on the CPU; no (tokens, hidden) gradient is
 and added twice. When the norm before the attention gives its output in bf16 already (the default
 patch: ``tigon.nn.RMSNorm.autocast_output``) there is no cast at all, and the input gradient is
 summed in bf16, each sum rounded once. On the GPU the fp32
-gradients (of an fp32 input, of an fp32 weight) are written in fp32 by the matmuls themselves
-(:func:`tigon.ops._common.matmul_to`): their accumulators are not rounded to bf16 first, so those
+gradients (of an fp32 input, of an fp32 weight or bias) are written in fp32 by the matmuls and sums
+themselves (:func:`tigon.ops._common.matmul_to`, ``sum_rows_to``): their accumulators are not rounded to bf16 first, so those
 gradients, and every gradient upstream of them, are nearer the exact ones than the stock's, and a
 cast kernel per product is saved. Nothing changes
 outside autocast, without grad, under torch.compile (Inductor plans its own buffers), or for a
@@ -34,7 +35,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._common import matmul_accumulate, matmul_to
+from tigon.ops._common import cast_all, matmul_accumulate, matmul_to, sum_rows_to
 
 
 class _AutocastLinear(torch.autograd.Function):
@@ -46,7 +47,8 @@ class _AutocastLinear(torch.autograd.Function):
         ctx.save_for_backward(cast, weight)
         ctx.x_dtype, ctx.dtype = x.dtype, dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return F.linear(cast, weight.to(dtype), bias.to(dtype) if bias is not None else None)
+        weight_cast, bias_cast = cast_all((weight, bias), dtype)
+        return F.linear(cast, weight_cast, bias_cast)
 
     @staticmethod
     def backward(ctx, dy):
@@ -59,7 +61,7 @@ class _AutocastLinear(torch.autograd.Function):
         if need_w:
             dw = matmul_to(dy2.t(), cast.reshape(-1, cast.shape[-1]), weight.dtype)   # (O, I)
         if need_b:
-            db = dy2.sum(0).to(ctx.bias_dtype)
+            db = sum_rows_to(dy2, ctx.bias_dtype)
         return dx, None, dw, db, None
 
 
@@ -80,12 +82,9 @@ class _AutocastQKV(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output gets no gradient, not a zero one
         ctx.save_for_backward(cast, q_weight, k_weight, v_weight)
         ctx.x_dtype, ctx.dtype = x.dtype, dtype
-        biases = (q_bias, k_bias, v_bias)
-        ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in biases)
-        return tuple(
-            F.linear(cast, w.to(dtype), b.to(dtype) if b is not None else None)
-            for w, b in zip((q_weight, k_weight, v_weight), biases, strict=True)
-        )
+        ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (q_bias, k_bias, v_bias))
+        casts = cast_all((q_weight, q_bias, k_weight, k_bias, v_weight, v_bias), dtype)  # one launch
+        return tuple(F.linear(cast, casts[2 * i], casts[2 * i + 1]) for i in range(3))
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -93,22 +92,26 @@ class _AutocastQKV(torch.autograd.Function):
         needs = ctx.needs_input_grad  # x, cast, dtype, then (weight, bias) of q, k, v
         grads = [None] * len(needs)
         cast2 = cast.reshape(-1, cast.shape[-1])                                  # (M, I)
+        dys = (dq, dk, dv)
+        # the weights the input gradient needs, cast by one launch
+        weight_casts = cast_all([w if needs[0] and dy is not None else None for w, dy in zip(weights, dys)],
+                                ctx.dtype)
         dx = None
         for i in (2, 1, 0):  # v, k, q
-            dy = (dq, dk, dv)[i]
+            dy = dys[i]
             if dy is None:
                 continue
             dy2 = dy.reshape(-1, dy.shape[-1])                                    # (M, O)
-            weight = weights[i]
             if needs[0]:
                 first = dx is None
                 if first:
                     dx = torch.empty(cast2.shape, dtype=ctx.x_dtype, device=cast.device)
-                matmul_accumulate(dx, dy2, weight.to(ctx.dtype), first=first)     # (M, I)
+                matmul_accumulate(dx, dy2, weight_casts[i], first=first)          # (M, I)
+            weight_casts[i] = None
             if needs[3 + 2 * i]:
-                grads[3 + 2 * i] = matmul_to(dy2.t(), cast2, weight.dtype)        # (O, I)
+                grads[3 + 2 * i] = matmul_to(dy2.t(), cast2, weights[i].dtype)    # (O, I)
             if needs[4 + 2 * i]:
-                grads[4 + 2 * i] = dy2.sum(0).to(ctx.bias_dtypes[i])
+                grads[4 + 2 * i] = sum_rows_to(dy2, ctx.bias_dtypes[i])
         grads[0] = dx.view(cast.shape) if dx is not None else None
         return tuple(grads)
 
