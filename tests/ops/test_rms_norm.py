@@ -215,6 +215,49 @@ def test_add_rms_norm(dtype, hidden, casting, offset):
     assert_close(dw, grads["weight"], dtype, "dw")
 
 
+MIXED_CASES = (  # (x, residual, weight, out_dtype): autocast's bf16/fp16 sublayer output into an fp32 stream
+    (torch.bfloat16, torch.float32, torch.float32, None),
+    (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16),
+    (torch.float16, torch.float32, torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16, torch.bfloat16, None),
+    (torch.bfloat16, torch.float16, torch.float32, torch.bfloat16),  # promotes to fp32
+)
+
+
+@pytest.mark.parametrize("x_dtype,r_dtype,w_dtype,out_dtype", MIXED_CASES, ids=str)
+@pytest.mark.parametrize("hidden", (96, MAX_FUSED_HIDDEN_FWD + 1))  # fused; both passes streamed
+@pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
+def test_add_rms_norm_mixed_dtypes(x_dtype, r_dtype, w_dtype, out_dtype, hidden, casting, offset):
+    """s in torch's promotion of x and residual, as ``x + residual``; y and the gradients those of
+    ``rms_norm(x + residual, out_dtype=...)`` composed by autograd (bitwise off the GPU), and near the
+    fp64 reference rounded where those dtypes round; each input's gradient in its own dtype."""
+    x = randn(2, 3, hidden, dtype=x_dtype, requires_grad=True)
+    residual = randn(2, 3, hidden, dtype=r_dtype, requires_grad=True)
+    w = randn(hidden, dtype=w_dtype, requires_grad=True)
+    s_dtype = torch.promote_types(x_dtype, r_dtype)
+    y_dtype = out_dtype or (torch.promote_types(s_dtype, w_dtype) if casting == "llama" else s_dtype)
+    dy, ds = randn(2, 3, hidden, dtype=y_dtype), randn(2, 3, hidden, dtype=s_dtype)
+    y, s = add_rms_norm(x, residual, w, offset=offset, casting=casting, out_dtype=out_dtype)
+    assert s.dtype == s_dtype and y.dtype == y_dtype
+    got = torch.autograd.grad((y, s), (x, residual, w), (dy, ds))
+    want_s = x + residual
+    want_y = rms_norm(want_s, w, offset=offset, casting=casting, out_dtype=out_dtype)
+    want = torch.autograd.grad((want_y, want_s), (x, residual, w), (dy, ds))
+    for name, g, wg, t in zip(("dx", "dresidual", "dw"), got, want, (x, residual, w), strict=True):
+        assert g.dtype == t.dtype, name
+        assert torch.equal(g, wg) if not ON_GPU else rel_err(g, wg) <= 1e-6, name
+    assert torch.equal(s, want_s) and (torch.equal(y, want_y) if not ON_GPU else rel_err(y, want_y) <= 1e-6)
+    (ref_y, ref_s), ref_grads = fp64_reference(
+        add_rms_norm_reference, {"x": x, "residual": residual, "weight": w}, (dy, ds),
+        offset=offset, casting=casting, io_dtype=s_dtype,
+    )
+    narrow = x_dtype if x_dtype != torch.float32 else r_dtype
+    assert_close(s, ref_s, s_dtype, "s")
+    assert_close(y, ref_y.to(y_dtype), y_dtype if y_dtype != torch.float32 else s_dtype, "y")
+    for name, g in zip(("x", "residual", "weight"), got, strict=True):
+        assert_close(g, ref_grads[name], narrow, f"d{name}")
+
+
 def test_add_rms_norm_only_y_used():
     """When the residual output gets no gradient, autograd passes None for it."""
     x, r = randn(4, 64, requires_grad=True), randn(4, 64, requires_grad=True)
@@ -396,7 +439,9 @@ def test_rms_norm_bad_options():
     with pytest.raises(ValueError, match="residual has shape"):
         add_rms_norm(x, randn(4, 9), w)
     with pytest.raises(TypeError, match="residual has dtype"):
-        add_rms_norm(x, randn(4, 8, dtype=torch.float16), w)
+        add_rms_norm(x, randn(4, 8).to(torch.int32), w)
+    with pytest.raises(TypeError, match="out_dtype"):
+        add_rms_norm(x, randn(4, 8), w, out_dtype=torch.float64)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU, CPU tensors are simply the wrong device (checked above)")

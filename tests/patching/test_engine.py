@@ -90,8 +90,10 @@ def test_unknown_switch_and_bad_values():
 @pytest.mark.parametrize(
     "model_type, switch, changed",
     [
-        ("llama", "rms_norm", ["LlamaRMSNorm -> tigon.nn.RMSNorm(casting='llama', offset=0.0)"]),
-        ("gemma", "rms_norm", ["GemmaRMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=1.0)"]),
+        ("llama", "rms_norm", ["LlamaRMSNorm -> tigon.nn.RMSNorm(casting='llama', offset=0.0)",
+                               "LlamaDecoderLayer.forward -> residual joins as tigon.ops.add_rms_norm (instance"]),
+        ("gemma", "rms_norm", ["GemmaRMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=1.0)",
+                               "GemmaDecoderLayer.forward -> residual joins as tigon.ops.add_rms_norm"]),
         ("olmo2", "rms_norm", ["Olmo2RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=0.0)",
                                "Olmo2DecoderLayer.forward -> residual joins as tigon.ops.rms_norm_add (instance"]),
         ("gemma2", "rms_norm", ["Gemma2RMSNorm -> tigon.nn.RMSNorm(casting='gemma', offset=1.0)",
@@ -136,7 +138,7 @@ def test_replacements_are_logged_once_at_info(caplog):
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     for line in handle.replaced:
         assert sum(line in message for message in logged) == 1, line
-    assert len(handle.replaced) == 5  # norms, MLPs, rope, forward, lm_head
+    assert len(handle.replaced) == 6  # norms, layer joins, MLPs, rope, forward, lm_head
     assert "(5 modules)" in handle.replaced[0]  # 2 layers x 2 + the final norm
 
 
@@ -209,23 +211,21 @@ def test_mismatch_deep_in_the_model_leaves_earlier_modules_untouched():
     assert _module_state(model) == before
 
 
-def test_changed_sandwich_layer_forward_is_refused(monkeypatch):
-    """A transformers version whose sandwich layer differs (here: one statement added) makes the
+@pytest.mark.parametrize("model_type, layout", [("gemma2", "sandwich"), ("llama", "pre_norm")])
+def test_changed_layer_forward_is_refused(monkeypatch, model_type, layout):
+    """A transformers version whose joined layer differs (here: one statement added) makes the
     patch raise, the model untouched; the same model patches without the rms_norm switch."""
-    from transformers.models.gemma2 import modeling_gemma2
+    model = tiny_model(model_type)
+    layer_cls = type(model.model.layers[0])
+    stock_forward = layer_cls.forward
 
-    model = tiny_model("gemma2")
-    stock_forward = modeling_gemma2.Gemma2DecoderLayer.forward
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                past_key_values=None, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
         hidden_states = hidden_states * 1.0
-        return stock_forward(self, hidden_states, position_embeddings, attention_mask, position_ids,
-                             past_key_values, **kwargs)
+        return stock_forward(self, hidden_states, *args, **kwargs)
 
-    monkeypatch.setattr(modeling_gemma2.Gemma2DecoderLayer, "forward", forward)
+    monkeypatch.setattr(layer_cls, "forward", forward)
     before = _module_state(model)
-    with pytest.raises(ValueError, match="not the sandwich forward tigon knows"):
+    with pytest.raises(ValueError, match=f"not the {layout} forward tigon knows"):
         tigon.patch(model)
     assert _module_state(model) == before
     handle = tigon.patch(model, rms_norm=False)

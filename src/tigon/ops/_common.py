@@ -230,8 +230,10 @@ def _specialization_key(args, kwargs, constexpr_positions=()):
     int_keys = _INT_KEYS
     for a in args:
         t = type(a)
-        if t is torch.Tensor or t is torch.nn.Parameter:
-            append((a.dtype, not a.data_ptr() & 15))
+        if t is _TENSOR or t is _PARAMETER:
+            # flat, not a pair: two entries cost less than a tuple; a dtype object only comes from here
+            append(a.dtype)
+            append(a.data_ptr() & 15)
         elif t is int:
             append(int_keys.get(a) or _int_key(a))
         elif t is float:
@@ -240,9 +242,11 @@ def _specialization_key(args, kwargs, constexpr_positions=()):
             append((t, a))
         else:
             return None
-    for item in kwargs.items():
-        append(item)
+    key += kwargs.items()
     return tuple(key)
+
+
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 # torch.cuda.current_device() without its Python wrapper (lazy init check, device-index conversion):

@@ -8,7 +8,8 @@ Forward, per row :math:`x \in \mathbb{R}^N` (``N = hidden``)::
                                                           LlamaRMSNorm does before the multiply)
     y     = r(x̂ · (offset + w))        casting="gemma"   (everything fp32, one rounding at the end)
 
-``add_rms_norm`` first forms ``s = r(x + residual)`` (the decoder's residual stream, returned) and
+``add_rms_norm`` first forms ``s = r(x + residual)`` (the decoder's residual stream, returned; in
+torch's promotion of the two dtypes, so a bf16 sublayer output joins an fp32 stream in fp32) and
 normalises ``s`` in the same pass.
 
 Backward. With ``g = dy · (offset + w)`` (``dy`` when there is no weight), and rounding treated as the
@@ -85,8 +86,8 @@ def _load_row_tile(
 ):
     """Load a [BLOCK_M, BLOCK_N] tile of the rows being normalised, upcast to fp32 at once.
 
-    With a residual the row is s = r(x + residual), rounded to the io dtype exactly as the eager
-    ``x + residual`` is, so that the norm sees the values the reference sees.
+    With a residual the row is s = r(x + residual), rounded to s's dtype (torch's promotion of the
+    two) exactly as the eager ``x + residual`` is, so that the norm sees the values the reference sees.
     """
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
     x = x.to(tl.float32)
@@ -94,7 +95,7 @@ def _load_row_tile(
         res = tl.load(
             res_ptr + rows[:, None] * res_row_stride + cols[None, :] * res_col_stride, mask=mask, other=0.0
         ).to(tl.float32)
-        s = (x + res).to(x_ptr.dtype.element_ty)
+        s = (x + res).to(sum_ptr.dtype.element_ty)
         if STORE_SUM:
             tl.store(sum_ptr + rows[:, None] * hidden + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
@@ -120,7 +121,7 @@ def _scale_and_store(
 def rms_norm_fwd_kernel(
     x_ptr, x_row_stride, x_col_stride,          # (M, N) input, any strides
     res_ptr, res_row_stride, res_col_stride,    # (M, N) residual added to x first   [HAS_RESIDUAL]
-    sum_ptr,                                    # (M, N) out, contiguous: r(x + res)   [HAS_RESIDUAL]
+    sum_ptr,                                    # (M, N) out, contiguous: r(x + res)   [HAS_RESIDUAL; else x]
     weight_ptr,                                 # (N,) scale; the kernel uses offset + w [HAS_WEIGHT]
     y_ptr,                                      # (M, N) out, contiguous
     rstd_ptr,                                   # (M,) out, fp32
@@ -141,7 +142,7 @@ def rms_norm_fwd_kernel(
     chunks twice; the second read comes from L2, where the row was left by the first.
     """
     eps, offset = as_fp32(eps), as_fp32(offset)
-    IO_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    IO_DTYPE: tl.constexpr = sum_ptr.dtype.element_ty  # the normalised row's dtype: s's, or x's
     pid = tl.program_id(0)
     part = pid % split
     rows = (pid // split).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -865,10 +866,11 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     x2 = as_rows(x)
     num_rows = x2.shape[0]
     llama = casting == "llama"
-    y_dtype = out_dtype or _output_dtype(x.dtype, weight.dtype if weight is not None else None, casting)
+    s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    y_dtype = out_dtype or _output_dtype(s_dtype, weight.dtype if weight is not None else None, casting)
     y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    s = torch.empty(x.shape, dtype=s_dtype, device=x.device) if residual is not None else None
     if num_rows == 0 or hidden == 0:
         return y, s, rstd
     r2 = as_rows(residual) if residual is not None else x2
@@ -878,7 +880,7 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     wrap_triton(rms_norm_fwd_kernel)[grid](
         x2, x2.stride(0), x2.stride(1),
         r2, r2.stride(0), r2.stride(1),
-        s if s is not None else y,
+        s if s is not None else x2,  # its dtype is the kernel's io dtype
         weight if weight is not None else x2,
         y, rstd, scratch,
         num_rows, hidden, eps, offset, split, max_polls,
@@ -938,9 +940,10 @@ def _rms_norm_impl(
 
 
 def _add_rms_norm_impl(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str,
+    out_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, s, rstd = _forward(x, residual, weight, eps, offset, casting)
+    y, s, rstd = _forward(x, residual, weight, eps, offset, casting, out_dtype)
     return y, s, rstd
 
 
@@ -975,17 +978,19 @@ def _rms_norm_grad(ctx, dy, _drstd):
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
-    _x, _residual, weight, eps, offset, casting = inputs
+    x, residual, weight, eps, offset, casting, _out_dtype = inputs
     _y, s, rstd = output
     ctx.save_for_backward(s, weight, rstd)
     ctx.eps, ctx.offset, ctx.casting = eps, offset, casting
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
     ctx.mark_non_differentiable(rstd)
 
 
 def _add_rms_norm_grad(ctx, dy, dsum, _drstd):
     s, weight, rstd = ctx.saved_tensors
     ds, dw = RMS_NORM_BACKWARD(dy, s, weight, rstd, dsum, ctx.eps, ctx.offset, ctx.casting)
-    return ds, ds, (dw if weight is not None else None), None, None, None
+    # ds is in s's dtype; the narrower input's gradient is its cast, as autograd's add gives it
+    return ds.to(ctx.x_dtype), ds.to(ctx.residual_dtype), (dw if weight is not None else None), None, None, None, None
 
 
 RMS_NORM = TigonOp("rms_norm", _rms_norm_impl, setup_context=_setup_rms_norm, backward=_rms_norm_grad)
@@ -1012,8 +1017,6 @@ def _check_args(x, weight, eps, casting, *, residual=None):
         check_tensor(residual, "residual", device=x.device)
         if residual.shape != x.shape:
             raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"residual has dtype {residual.dtype}, expected x's {x.dtype}")
     if weight is not None:
         check_scale(weight, "weight", x)
     if casting not in CASTINGS:
@@ -1042,10 +1045,17 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None
     return y
 
 
-def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):
-    """``s = x + residual; y = rms_norm(s, ...)`` in one pass; returns ``(y, s)``."""
+def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None):
+    """``s = x + residual; y = rms_norm(s, ...)`` in one pass; returns ``(y, s)``.
+
+    x and residual may differ in dtype (a bf16 sublayer output joining the fp32 residual stream under
+    autocast): s takes torch's promotion of the two, as ``x + residual`` does, and y is
+    ``rms_norm(s, ...)`` of it (``out_dtype`` as for :func:`rms_norm`).
+    """
     _check_args(x, weight, eps, casting, residual=residual)
-    y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting)
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
+    y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting, out_dtype)
     return y, s
 
 

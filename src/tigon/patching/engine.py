@@ -7,9 +7,10 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
 
 - norms: each RMSNorm/LayerNorm module is swapped for a ``tigon.nn`` module that adopts the *same*
   weight (and bias) ``Parameter``; state-dict keys and optimizer state stay valid.
-- post-norm layers (Gemma-2/3's sandwich, OLMo-2/3), with the norms: each decoder layer gets, on the
-  instance, a forward that runs its residual joins as fused tigon ops (joins.py; the class forward is
-  checked statement for statement first).
+- decoder layers whose residual joins sit beside norms (pre-norm layers as Llama's, Gemma-2/3's
+  sandwich, OLMo-2/3's post-norms), with the norms: each gets, on the instance, a forward that runs
+  those joins as fused tigon ops (joins.py; the class forward is checked statement for statement
+  first).
 - split MLPs: swapped for ``tigon.nn.SwiGLUMLP`` / ``GEGLUMLP`` that adopt the same
   ``gate_proj``/``up_proj``/``down_proj`` child modules (so LoRA-wrapped projections keep working);
   fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance.
@@ -342,7 +343,7 @@ def _joins_line(family, classes):
 
 
 def _plan_joined_layers(plan, root, family, classes):
-    """Part of the ``rms_norm`` switch: the family's post-norm layers get joins.py's forward."""
+    """Part of the ``rms_norm`` switch: the family's decoder layers get joins.py's forward."""
     from tigon.nn.norm import RMSNorm
 
     layout = joins.LAYOUTS[family.joined_layer]

@@ -21,10 +21,11 @@ A row names, in the family's transformers modeling module, what the engine may r
   ``pre_feedforward_layernorm`` (their post-norms feed the residual add); OLMo-2/3 normalise the
   sublayers' outputs (none); MoE layers only ``input_layernorm`` (the MoE block's expert matmuls go
   through transformers' experts dispatch, not checked here to treat a bf16 input as they treat fp32).
-- ``joined_layer``: the decoder layer normalises each sublayer's output before it joins the residual
-  stream, in one of patching/joins.py's layouts: "sandwich" (Gemma-2/3: pre- and post-norms) or
-  "post_norm" (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops
-  (joins.py checks the class's forward first).
+- ``joined_layer``: the decoder layer's residual joins and the norms beside them, in one of
+  patching/joins.py's layouts: "pre_norm" (Llama and the layers written as its: the attention's
+  join and the MLP's pre-norm), "sandwich" (Gemma-2/3: pre- and post-norms) or "post_norm"
+  (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops (joins.py checks
+  the class's forward first).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
   final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
   MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
@@ -117,15 +118,15 @@ def _olmo_norm(cls):
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        _family("llama", "llama", "Llama"),
-        _family("mistral", "mistral", "Mistral"),
+        _family("llama", "llama", "Llama", joined_layer="pre_norm"),
+        _family("mistral", "mistral", "Mistral", joined_layer="pre_norm"),
         _family("mixtral", "mixtral", "Mixtral", mlp=None, router_aux_loss="load_balancing_loss_func",
                 projection_norms=MOE_NORMS),
-        _family("qwen2", "qwen2", "Qwen2"),
-        _family("qwen3", "qwen3", "Qwen3"),
+        _family("qwen2", "qwen2", "Qwen2", joined_layer="pre_norm"),
+        _family("qwen3", "qwen3", "Qwen3", joined_layer="pre_norm"),
         _family("qwen3_moe", "qwen3_moe", "Qwen3Moe", router_aux_loss="load_balancing_loss_func",
-                projection_norms=MOE_NORMS),
-        _family("gemma", "gemma", "Gemma", norm=_gemma_norm),
+                projection_norms=MOE_NORMS, joined_layer="pre_norm"),
+        _family("gemma", "gemma", "Gemma", norm=_gemma_norm, joined_layer="pre_norm"),
         _family("gemma2", "gemma2", "Gemma2", norm=_gemma_norm, final_logit_softcapping=True,
                 projection_norms=SANDWICH_NORMS, joined_layer="sandwich"),
         _family("gemma3_text", "gemma3", "Gemma3", norm=_gemma_norm, model="Gemma3TextModel",
@@ -134,7 +135,7 @@ FAMILIES: dict[str, Family] = {
         _family("olmo2", "olmo2", "Olmo2", norm=_olmo_norm, projection_norms=(), joined_layer="post_norm"),
         _family("olmo3", "olmo3", "Olmo3", norm=_olmo_norm, projection_norms=(), joined_layer="post_norm"),
         _family("granite", "granite", "Granite", logits_scaling=True),
-        _family("smollm3", "smollm3", "SmolLM3"),
+        _family("smollm3", "smollm3", "SmolLM3", joined_layer="pre_norm"),
         _family("glm4", "glm4", "Glm4", mlp="fused", act_attr="activation_fn", rope=False),
         _family("stablelm", "stablelm", "StableLm", norm=None, layer_norm=Norm("nn.LayerNorm")),
     )

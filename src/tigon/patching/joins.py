@@ -1,8 +1,17 @@
-"""Post-norm residual joins: decoder layers that normalise each sublayer's output before it joins the
-residual stream run each join as one tigon op.
+"""Residual joins: a decoder layer's residual adds run fused with the norms next to them, as tigon ops.
 
-Two layer layouts do it, named in the family table (``joined_layer``):
+Three layer layouts do it, named in the family table (``joined_layer``):
 
+- **pre_norm** (Llama, Mistral, Qwen2/3, Gemma, SmolLM3, Qwen3-MoE): the attention's output joins the
+  residual stream and the MLP's pre-norm reads the sum at once::
+
+      hidden_states = residual + hidden_states
+      residual = hidden_states
+      hidden_states = self.post_attention_layernorm(hidden_states)
+
+  :func:`pre_norm_layer_forward` runs the two as :func:`tigon.ops.add_rms_norm` (the sum in torch's
+  promotion: a bf16 attention output joins an fp32 stream in fp32, as the add does). The layer's
+  last add feeds the next layer's input norm, which another layer's forward calls: it stays an add.
 - **sandwich** (Gemma-2, Gemma-3): a pre-norm before each sublayer and a post-norm after it, so the
   first join is followed at once by the MLP's pre-norm::
 
@@ -20,8 +29,9 @@ Two layer layouts do it, named in the family table (``joined_layer``):
   (:func:`post_norm_layer_forward`).
 
 With the norms swapped for tigon's, each add stays a kernel of its own, as do, in the backward,
-autograd's sum of the residual stream's two gradients (sandwich) and its cast of the add's gradient
-to the norm's dtype (Gemma-2-2B, 4096 tokens under autocast: ~0.3 GB moved and five launches a layer).
+autograd's sum of the residual stream's two gradients (sandwich, pre_norm) and its cast of the add's
+gradient to the norm's dtype (Gemma-2-2B, 4096 tokens under autocast: ~0.3 GB moved and five launches
+a layer). Fused, the norm's backward adds the stream's own gradient in the kernel.
 
 The engine installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
 class's forward is, statement for statement, transformers' own (:func:`matches_forward`, on the AST,
@@ -36,7 +46,35 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
+from tigon.ops.rms_norm import add_rms_norm
 from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
+
+# The body of transformers' LlamaDecoderLayer.forward, and of Mistral's, Qwen2/3's, Gemma's, SmolLM3's
+# and Qwen3-MoE's (5.17 to 5.23).
+PRE_NORM_FORWARD = '''
+def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+            position_embeddings=None, **kwargs):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    # Self Attention
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states = residual + hidden_states
+
+    # Fully Connected
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + hidden_states
+    return hidden_states
+'''
 
 # The body of transformers' Gemma2DecoderLayer.forward / Gemma3DecoderLayer.forward (5.17 to 5.23).
 SANDWICH_FORWARD = '''
@@ -109,6 +147,14 @@ def matches_forward(forward, source: str) -> bool:
     return isinstance(node, ast.FunctionDef) and _shape(node) == _shape(ast.parse(source).body[0])
 
 
+def _add_and_norm(norm, hidden_states, residual):
+    """``s = residual + hidden_states`` and ``norm(s)``, as the add and the tigon RMSNorm module would."""
+    return add_rms_norm(
+        hidden_states, residual, norm.weight, norm.variance_epsilon, offset=norm.offset, casting=norm.casting,
+        out_dtype=norm.output_dtype(residual),
+    )
+
+
 def _join(post, hidden_states, residual):
     """``residual + post(hidden_states)``, as the tigon RMSNorm module ``post`` and the add would."""
     return rms_norm_add(
@@ -122,6 +168,27 @@ def _join_and_norm(post, pre, hidden_states, residual):
         hidden_states, residual, post.weight, pre.weight, post.variance_epsilon, next_eps=pre.variance_epsilon,
         offset=post.offset, casting=post.casting, out_dtype=pre.output_dtype(residual),
     )
+
+
+def pre_norm_layer_forward(
+    self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+    position_embeddings=None, **kwargs,
+):
+    """transformers' pre-norm decoder layer (PRE_NORM_FORWARD) with its first join fused."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states, residual = _add_and_norm(self.post_attention_layernorm, hidden_states, residual)
+    hidden_states = self.mlp(hidden_states)
+    return residual + hidden_states
 
 
 def sandwich_layer_forward(
@@ -178,6 +245,10 @@ class JoinedLayer:
 
 
 LAYOUTS = {
+    "pre_norm": JoinedLayer(
+        PRE_NORM_FORWARD, ("input_layernorm", "post_attention_layernorm"), pre_norm_layer_forward,
+        "tigon.ops.add_rms_norm",
+    ),
     "sandwich": JoinedLayer(
         SANDWICH_FORWARD,
         ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),

@@ -8,9 +8,10 @@ last hidden states (``logits_to_keep`` applied as stock does) and computes
 
 through ``tigon.ops.fused_linear_cross_entropy`` without building the ``[tokens, vocab]`` logits; it
 returns ``logits=None``, and builds no key/value cache unless the caller passes ``use_cache=True``
-(the config's default would copy every layer's keys and values each step for nothing). The projection runs *inside* ``lm_head``'s own call (its forward is taught
-to take a ``target``), so FSDP2 / ZeRO-3 hooks registered on ``lm_head`` gather its weight for the
-forward and again for the backward exactly as they would for the logits projection. In eval mode or
+(the config's default would copy every layer's keys and values each step for nothing). The
+projection runs *inside* ``lm_head``'s own call (its forward is taught to take a ``target``), so
+FSDP2 / ZeRO-3 hooks registered on ``lm_head`` gather its weight for the forward and again for the
+backward exactly as they would for the logits projection. In eval mode or
 without labels the model's stock forward runs unchanged (stock logits and stock loss).
 
 The family's quirks come from its table row: Gemma-2/3's ``final_logit_softcapping`` (``softcap``),

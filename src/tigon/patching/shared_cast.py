@@ -19,11 +19,11 @@ buffer, in the order and the dtype autograd summed the stock casts' (fp32), so t
 gradients are bitwise the stock ones on the CPU; no (tokens, hidden) gradient is written three times
 and added twice. When the norm before the attention gives its output in bf16 already (the default
 patch: ``tigon.nn.RMSNorm.autocast_output``) there is no cast at all, and the input gradient is
-summed in bf16, each sum rounded once. On the GPU the fp32
-gradients (of an fp32 input, of an fp32 weight or bias) are written in fp32 by the matmuls and sums
-themselves (:func:`tigon.ops._common.matmul_to`, ``sum_rows_to``): their accumulators are not rounded to bf16 first, so those
-gradients, and every gradient upstream of them, are nearer the exact ones than the stock's, and a
-cast kernel per product is saved. Nothing changes
+summed in bf16, each sum rounded once. On the GPU the fp32 gradients (of an fp32 input, of an fp32
+weight or bias) are written in fp32 by the matmuls and sums themselves
+(:func:`tigon.ops._common.matmul_to`, ``sum_rows_to``): their accumulators are not rounded to bf16
+first, so those gradients, and every gradient upstream of them, are nearer the exact ones than the
+stock's, and a cast kernel per product is saved. Nothing changes
 outside autocast, without grad, under torch.compile (Inductor plans its own buffers), or for a
 projection that is not a plain ``nn.Linear`` (a LoRA wrapper keeps its own forward).
 """
@@ -94,8 +94,8 @@ class _AutocastQKV(torch.autograd.Function):
         cast2 = cast.reshape(-1, cast.shape[-1])                                  # (M, I)
         dys = (dq, dk, dv)
         # the weights the input gradient needs, cast by one launch
-        weight_casts = cast_all([w if needs[0] and dy is not None else None for w, dy in zip(weights, dys)],
-                                ctx.dtype)
+        wanted = [w if needs[0] and dy is not None else None for w, dy in zip(weights, dys, strict=True)]
+        weight_casts = cast_all(wanted, ctx.dtype)
         dx = None
         for i in (2, 1, 0):  # v, k, q
             dy = dys[i]
