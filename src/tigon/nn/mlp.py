@@ -25,12 +25,12 @@ pass over gate and up (M·I·b bytes, against nine GEMMs of 2·M·H·I flops); r
 of its own would read gate and up a second time as well (3·M·I·b).
 
 Autocast: as ``nn.Linear`` under ``torch.autocast``, x and the biases are cast to the autocast dtype
-before the node (the casts stay in the graph), and the node runs with autocast off. The weights are
-cast inside the node, and cast again in the backward rather than saved: autocast's ``nn.Linear``
-keeps a bf16 copy of every weight from the forward to the backward (2 bytes per MLP parameter:
-1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves are there anyway.
-A node's weight casts are made by one launch (:func:`tigon.ops._common.cast_all`).
-The weight gradients are the bf16 products in the weights' dtype (:func:`tigon.ops._common.matmul_to`):
+before the node (the casts stay in the graph), and inside it autocast finds every operand in its
+dtype already (it casts nothing there). The weights are cast inside the node (all of them by one
+launch: :func:`tigon.ops._common.cast_all`), and cast again in the backward rather than saved:
+autocast's ``nn.Linear`` keeps a bf16 copy of every weight from the forward to the backward (2 bytes
+per MLP parameter: 1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves
+are there anyway. The weight gradients are the bf16 products in the weights' dtype (:func:`tigon.ops._common.matmul_to`):
 on the CPU the bf16 product cast, as autocast's cast returns it (bitwise the same); on the GPU the
 matmul's fp32 accumulator written as it is (no cast kernel, and no rounding to bf16 on the way).
 
@@ -175,8 +175,8 @@ def gated_mlp(
         tensors = (_to_autocast(x_, dtype), _weight(gate_weight_, dtype), _to_autocast(gate_bias_, dtype),
                    _weight(up_weight_, dtype), _to_autocast(up_bias_, dtype), _weight(down_weight_, dtype),
                    _to_autocast(down_bias_, dtype))
-        with torch.autocast(device_type, enabled=False):
-            return _GatedMLPFunction.apply(*tensors, activation, dtype)
+        # autocast stays on: the node's F.linear operands are all in its dtype, so it casts nothing
+        return _GatedMLPFunction.apply(*tensors, activation, dtype)
     names = ("x", "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight",
              "down_proj.bias")
     for name, t in zip(names, tensors, strict=True):

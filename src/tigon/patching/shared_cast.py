@@ -187,13 +187,14 @@ def shared_cast_linear(self, input):
         if output is not None:
             return output
     cast = input if input.dtype == dtype else cache.cast(input, dtype)
-    with torch.autocast(device_type, enabled=False):
-        if in_group and all(_eligible(p, eligible) for p in group):
-            parameters = [t for p in group for t in (p.weight, p.bias)]
-            outputs = _AutocastQKV.apply(input, cast, dtype, *parameters)
-            cache.put(input, {p: out for p, out in zip(group, outputs, strict=True) if p is not self})
-            return outputs[group.index(self)]
-        return _AutocastLinear.apply(input, cast, self.weight, self.bias, dtype)
+    # Autocast stays on: the nodes hand F.linear operands already in its dtype, so it casts nothing
+    # (switching it off cost a context manager, ~10 µs of the host's time a call).
+    if in_group and all(_eligible(p, eligible) for p in group):
+        parameters = [t for p in group for t in (p.weight, p.bias)]
+        outputs = _AutocastQKV.apply(input, cast, dtype, *parameters)
+        cache.put(input, {p: out for p, out in zip(group, outputs, strict=True) if p is not self})
+        return outputs[group.index(self)]
+    return _AutocastLinear.apply(input, cast, self.weight, self.bias, dtype)
 
 
 def _eligible(projection, dtypes) -> bool:
