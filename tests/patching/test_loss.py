@@ -33,18 +33,6 @@ def test_training_with_labels_builds_no_logits_eval_and_no_labels_do():
     assert patched(input_ids=ids, labels=labels).logits is not None
 
 
-def test_training_with_labels_builds_no_cache_unless_asked():
-    """The fused-loss path builds no key/value cache by default (stock builds one from config.use_cache);
-    an explicit use_cache=True still gets it, and eval keeps the stock default."""
-    stock, patched, _ = stock_and_patched("llama")
-    ids, labels = batch(0)
-    assert stock.config.use_cache and stock(input_ids=ids, labels=labels).past_key_values is not None
-    assert patched(input_ids=ids, labels=labels).past_key_values is None
-    assert patched(input_ids=ids, labels=labels, use_cache=True).past_key_values is not None
-    patched.eval()
-    assert patched(input_ids=ids, labels=labels).past_key_values is not None
-
-
 def test_num_items_in_batch_is_a_sum_over_the_accumulated_batch():
     """Two micro-batches with the whole batch's item count give the full batch's loss and grads."""
     stock, patched, _ = stock_and_patched("llama")

@@ -7,8 +7,9 @@ last hidden states (``logits_to_keep`` applied as stock does) and computes
     loss = Σ_tokens CE(softcap(logit_scale · (h Wᵀ + b)), y) / (num_items_in_batch or #non-ignored)
 
 through ``tigon.ops.fused_linear_cross_entropy`` without building the ``[tokens, vocab]`` logits; it
-returns ``logits=None``, and builds no key/value cache unless the caller passes ``use_cache=True``
-(the config's default would copy every layer's keys and values each step for nothing). The
+returns ``logits=None``. The key/value cache is left as the caller and config ask: without one,
+transformers looks for packed sequences in ``position_ids``, which costs eager mode a host sync and
+makes compiled attention dense-masked, more than the cache's copies of keys and values. The
 projection runs *inside* ``lm_head``'s own call (its forward is taught to take a ``target``), so
 FSDP2 / ZeRO-3 hooks registered on ``lm_head`` gather its weight for the forward and again for the
 backward exactly as they would for the logits projection. In eval mode or
@@ -152,10 +153,6 @@ def causal_lm_forward(family, modeling_module, stock_forward):
                 use_cache, logits_to_keep=logits_to_keep, **kwargs,
             )
         return_dict = kwargs.pop("return_dict", None)
-        if use_cache is None:
-            # Only generation reads the cache, and this output has no logits to generate from; built
-            # by default (config.use_cache) it copies every layer's keys and values in every step.
-            use_cache = False
         if load_balancing_loss is not None:
             output_router_logits = kwargs.pop("output_router_logits", None)
             if output_router_logits is None:
