@@ -30,9 +30,10 @@ dtype already (it casts nothing there). The weights are cast inside the node (al
 launch: :func:`tigon.ops._common.cast_all`), and cast again in the backward rather than saved:
 autocast's ``nn.Linear`` keeps a bf16 copy of every weight from the forward to the backward (2 bytes
 per MLP parameter: 1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves
-are there anyway. The weight gradients are the bf16 products in the weights' dtype (:func:`tigon.ops._common.matmul_to`):
-on the CPU the bf16 product cast, as autocast's cast returns it (bitwise the same); on the GPU the
-matmul's fp32 accumulator written as it is (no cast kernel, and no rounding to bf16 on the way).
+are there anyway. The weight gradients are the bf16 products in the weights' dtype
+(:func:`tigon.ops._common.matmul_to`): on the CPU the bf16 product cast, as autocast's cast returns
+it (bitwise the same); on the GPU the matmul's fp32 accumulator written as it is (no cast kernel, and
+no rounding to bf16 on the way).
 
 Reference: :func:`gated_mlp_reference` (``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers'
 ``LlamaMLP`` / ``GemmaMLP``).

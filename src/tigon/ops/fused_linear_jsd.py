@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import TigonOp, as_fp32, cdiv, check_tensor, next_power_of_2, wrap_triton
 from tigon.ops.cross_entropy import scale_lazily
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 
@@ -137,8 +137,8 @@ ROW_WARPS = 8
 def chunk_rows(num_rows: int, vocab: int) -> int:
     """Rows per chunk: as many as the budget allows, split evenly (no small tail chunk)."""
     most = max(1, LOGITS_CHUNK_ELEMENTS // max(vocab, 1))
-    chunks = max(triton.cdiv(num_rows, most), 1)
-    return max(triton.cdiv(num_rows, chunks), 1)
+    chunks = max(cdiv(num_rows, most), 1)
+    return max(cdiv(num_rows, chunks), 1)
 
 
 # ------------------------------------------------------------------------------------------ launcher

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_rows, cache_by_size, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import TigonOp, as_rows, cache_by_size, cdiv, check_tensor, next_power_of_2, wrap_triton
 
 # The activations the kernel knows, by the name the torch op takes.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -193,13 +193,13 @@ def glu_launch(num_rows: int, num_cols: int, *, flat: bool) -> GluLaunch:
     if flat:
         num_elements = num_rows * num_cols
         block_n = min(TILE_ELEMENTS, next_power_of_2(num_elements))
-        return GluLaunch(True, 1, block_n, 1, triton.cdiv(num_elements, block_n),
+        return GluLaunch(True, 1, block_n, 1, cdiv(num_elements, block_n),
                          max(1, min(block_n // ELEMENTS_PER_WARP, MAX_WARPS)))
     block_n = min(next_power_of_2(num_cols), MAX_BLOCK_N)
     block_m = max(1, min(TILE_ELEMENTS // block_n, next_power_of_2(num_rows)))
-    col_blocks = triton.cdiv(num_cols, block_n)
+    col_blocks = cdiv(num_cols, block_n)
     num_warps = max(1, min(block_m * block_n // ELEMENTS_PER_WARP, MAX_WARPS))
-    num_programs = triton.cdiv(num_rows, block_m) * col_blocks
+    num_programs = cdiv(num_rows, block_m) * col_blocks
     return GluLaunch(False, block_m, block_n, col_blocks, num_programs, num_warps)
 
 

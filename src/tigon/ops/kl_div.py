@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import TigonOp, as_fp32, as_rows, cdiv, check_tensor, next_power_of_2, wrap_triton
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
@@ -151,8 +151,8 @@ def tile_launch(num_rows: int, num_cols: int) -> TileLaunch:
     block_n = min(next_power_of_2(num_cols), TILE_ELEMENTS)
     block_m = max(1, min(TILE_ELEMENTS // block_n, next_power_of_2(num_rows)))
     num_warps = max(1, min(block_m * block_n // ELEMENTS_PER_WARP, MAX_WARPS))
-    col_tiles = triton.cdiv(num_cols, block_n)
-    return TileLaunch(block_m, block_n, num_warps, col_tiles, triton.cdiv(num_rows, block_m) * col_tiles)
+    col_tiles = cdiv(num_cols, block_n)
+    return TileLaunch(block_m, block_n, num_warps, col_tiles, cdiv(num_rows, block_m) * col_tiles)
 
 
 # ------------------------------------------------------------------------------------------ launchers

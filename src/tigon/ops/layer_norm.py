@@ -81,6 +81,7 @@ from tigon.ops._common import (
     as_fp32,
     as_rows,
     cache_by_size,
+    cdiv,
     check_tensor,
     next_power_of_2,
     persistent_programs,
@@ -522,11 +523,11 @@ def backward_launch(num_rows: int, hidden: int, row_bytes: int, device: torch.de
 def _fused_backward_launch(num_rows, hidden, device, tuning) -> NormBackwardLaunch:
     tile = _fused_tile(num_rows, hidden, tuning.bwd_tile_elements, tuning.bwd_elements_per_warp, tuning.bwd_max_warps)
     target = max(1, round(persistent_programs(device, tuning.bwd_programs_per_sm)))
-    bands = max(1, min(target, triton.cdiv(num_rows, tile.block_m)))
-    rows_per_band = triton.cdiv(triton.cdiv(num_rows, bands), tile.block_m) * tile.block_m
+    bands = max(1, min(target, cdiv(num_rows, tile.block_m)))
+    rows_per_band = cdiv(cdiv(num_rows, bands), tile.block_m) * tile.block_m
     return NormBackwardLaunch(
         tile.block_m, tile.block_n, tile.num_warps, True,
-        bands=triton.cdiv(num_rows, rows_per_band), split=1, rows_per_band=rows_per_band,
+        bands=cdiv(num_rows, rows_per_band), split=1, rows_per_band=rows_per_band,
         stages=tuning.bwd_stages, evict_first=False,
     )
 
@@ -553,7 +554,7 @@ def _forward(x, weight, bias, eps):
     if num_rows == 0 or hidden == 0:
         return y, mean, rstd
     cfg = forward_launch(num_rows, hidden)
-    grid = (triton.cdiv(num_rows, cfg.block_m),)
+    grid = (cdiv(num_rows, cfg.block_m),)
     wrap_triton(layer_norm_fwd_kernel)[grid](
         x2, x2.stride(0), x2.stride(1),
         weight if weight is not None else x2,

@@ -64,6 +64,7 @@ from tigon.ops._common import (
     as_fp32,
     as_rows,
     cache_by_size,
+    cdiv,
     check_tensor,
     interpreter_active,
     next_power_of_2,
@@ -591,7 +592,7 @@ def sum_partial_rows(dw_partial, db_partial, dw, db, bands, hidden, *, block_ban
     launch of :func:`partial_rows_sum_kernel`. None for a parameter that is not there. The default
     geometry is LayerNorm's tuned one (scripts/tune_norm.py fused-ln), which passes its own."""
     stand_in = dw if dw is not None else db
-    wrap_triton(partial_rows_sum_kernel)[(triton.cdiv(hidden, block_cols),)](
+    wrap_triton(partial_rows_sum_kernel)[(cdiv(hidden, block_cols),)](
         dw_partial if dw is not None else stand_in, db_partial if db is not None else stand_in,
         stand_in if dw is None else dw, stand_in if db is None else db,
         bands, hidden,
@@ -755,7 +756,7 @@ def _forward_launch(num_rows: int, hidden: int, tuning: NormTuning) -> tuple[Nor
     cfg = _norm_launch(num_rows, hidden, tuning)
     if cfg.single_pass or hidden > tuning.split_max_hidden:
         return cfg, 1
-    return NormLaunch(1, tuning.split_slice, tuning.split_warps, True), triton.cdiv(hidden, tuning.split_slice)
+    return NormLaunch(1, tuning.split_slice, tuning.split_warps, True), cdiv(hidden, tuning.split_slice)
 
 
 @cache_by_size  # keyed on the tuning too: tests and scripts/tune_norm.py swap it
@@ -788,13 +789,13 @@ def _norm_backward_launch(
     if not tile.single_pass and hidden <= tuning.split_max_hidden:
         # split rows: one program a slice of each row, cdiv(hidden, slice) programs a band
         tile = NormLaunch(1, tuning.split_slice, tuning.split_warps, True)
-        block_m, split, warps = 1, triton.cdiv(hidden, tile.block_n), tuning.split_warps
+        block_m, split, warps = 1, cdiv(hidden, tile.block_n), tuning.split_warps
         target = max(split, round(persistent_programs(device, 1) * tuning.split_programs_per_sm))
     elif tile.single_pass:
         target = max(1, round(persistent_programs(device, tuning.programs_per_sm)))
     else:
         target = max(1, round(tuning.stream_programs_per_sm * persistent_programs(device, 1)))
-        max_split = max(1, min(tuning.stream_split, triton.cdiv(hidden, tuning.chunk), target))
+        max_split = max(1, min(tuning.stream_split, cdiv(hidden, tuning.chunk), target))
         max_rows = max(1, min(tuning.stream_rows, next_power_of_2(num_rows)))
         partial_bytes = 4 * hidden * partials
         budget = tuning.stream_l2_bytes
@@ -810,9 +811,9 @@ def _norm_backward_launch(
         while 2 * block_m <= max_rows and fits(split, 2 * block_m):
             block_m *= 2
         stages = tuning.stream_stages
-    bands = max(1, min(target // split, triton.cdiv(num_rows, block_m)))
-    rows_per_band = triton.cdiv(triton.cdiv(num_rows, bands), block_m) * block_m
-    bands = triton.cdiv(num_rows, rows_per_band)
+    bands = max(1, min(target // split, cdiv(num_rows, block_m)))
+    rows_per_band = cdiv(cdiv(num_rows, bands), block_m) * block_m
+    bands = cdiv(num_rows, rows_per_band)
     return NormBackwardLaunch(
         block_m, tile.block_n, warps or _warps(block_m * tile.block_n, tuning), tile.single_pass,
         bands=bands, split=split, rows_per_band=rows_per_band, stages=stages,
@@ -876,7 +877,7 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     r2 = as_rows(residual) if residual is not None else x2
     cfg, split = forward_launch(num_rows, hidden)
     scratch, _, max_polls, recompute_late = split_rows_scratch(split, num_rows, 1, x.device)
-    grid = (triton.cdiv(num_rows, cfg.block_m) * split,)
+    grid = (cdiv(num_rows, cfg.block_m) * split,)
     wrap_triton(rms_norm_fwd_kernel)[grid](
         x2, x2.stride(0), x2.stride(1),
         r2, r2.stride(0), r2.stride(1),

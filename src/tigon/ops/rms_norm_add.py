@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import FLOAT_DTYPES, TigonOp, as_fp32, as_rows, check_tensor, wrap_triton
+from tigon.ops._common import FLOAT_DTYPES, TigonOp, as_fp32, as_rows, cdiv, check_tensor, wrap_triton
 from tigon.ops.rms_norm import (
     BWD_TUNING,
     _check_args,
@@ -272,7 +272,7 @@ def _forward(x, residual, weight, next_weight, eps, next_eps, offset, casting, h
     if num_rows == 0 or hidden == 0:
         return y, s, rstd, next_rstd
     cfg = norm_launch(num_rows, hidden, backward=False)
-    wrap_triton(rms_norm_add_fwd_kernel)[(triton.cdiv(num_rows, cfg.block_m),)](
+    wrap_triton(rms_norm_add_fwd_kernel)[(cdiv(num_rows, cfg.block_m),)](
         x2, x2.stride(0), x2.stride(1),
         r2, r2.stride(0), r2.stride(1),
         weight if weight is not None else x2,

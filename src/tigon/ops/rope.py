@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, cache_by_size, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import TigonOp, cache_by_size, cdiv, check_tensor, next_power_of_2, wrap_triton
 
 UNSQUEEZE_DIMS = (1, 2)
 
@@ -429,7 +429,7 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
         return
     same_dtypes = x_q.dtype == x_k.dtype and out_q.dtype == out_k.dtype
     cfg = rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtypes)
-    batch_position_blocks = batch * triton.cdiv(seq_len, cfg.block_t)
+    batch_position_blocks = batch * cdiv(seq_len, cfg.block_t)
     tensors = (
         x_q, *_bhtd_strides(x_q, unsqueeze_dim),
         x_k, *_bhtd_strides(x_k, unsqueeze_dim),
@@ -446,8 +446,8 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
     if cfg.token_tiling:
         wrap_triton(rope_token_kernel)[(batch_position_blocks,)](*tensors, **blocks)
         return
-    q_head_blocks = triton.cdiv(num_q_heads, cfg.block_h)
-    head_blocks = q_head_blocks + triton.cdiv(num_k_heads, cfg.block_h)
+    q_head_blocks = cdiv(num_q_heads, cfg.block_h)
+    head_blocks = q_head_blocks + cdiv(num_k_heads, cfg.block_h)
     wrap_triton(rope_kernel)[(batch_position_blocks * head_blocks,)](*tensors, q_head_blocks, head_blocks, **blocks)
 
 
