@@ -1,5 +1,6 @@
 """RMSNorm and add_rms_norm: Llama-style casting at the table's hidden sizes and a sweep to 65536; the
-sandwich-norm join (rms_norm_add_rms_norm) as Gemma-2 runs it under autocast."""
+pre-norm join (add_rms_norm of a bf16 output into the fp32 stream) and the sandwich-norm join
+(rms_norm_add_rms_norm) as Llama and Gemma-2 run them under autocast."""
 
 from __future__ import annotations
 
@@ -188,4 +189,55 @@ RMS_NORM_ADD = Spec(
     check_case=lambda: _join_check_case(with_next=False),
 )
 
-SPECS = (RMS_NORM, ADD_RMS_NORM, RMS_NORM_ADD_RMS_NORM, RMS_NORM_ADD)
+def _pre_join_cases():
+    """A pre-norm layer (Llama, Qwen) under bf16 autocast: the attention's bf16 output joins the fp32
+    residual stream, and the MLP's pre-norm (fp32 weight) gives the bf16 copy its projections read.
+    The table's hidden sizes."""
+    cases = []
+    for hidden in sorted({m.hidden for m in MODELS}):
+        rows = TOKENS
+
+        def make(device, dtype, rows=rows, hidden=hidden):
+            return {
+                "x": torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True),
+                "residual": torch.randn(rows, hidden, device=device, dtype=torch.float32, requires_grad=True),
+                "weight": (1 + 0.1 * torch.randn(hidden, device=device)).requires_grad_(),
+            }
+
+        tensor = rows * hidden
+        # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
+        # s (4); write dx (2), dresidual (4). The weight and rstd are noise.
+        cases.append(Case(f"M={rows} N={hidden}", {"M": rows, "N": hidden}, make,
+                          {"fwd": 12 * tensor, "bwd": 16 * tensor, "full": 28 * tensor}))
+    return cases
+
+
+def _pre_join_check_case():
+    def make(device, dtype):
+        return {
+            "x": torch.randn(3, 5, 200, device=device, dtype=dtype, requires_grad=True),
+            "residual": torch.randn(3, 5, 200, device=device, dtype=torch.float32, requires_grad=True),
+            "weight": torch.randn(200, device=device, requires_grad=True),
+        }
+
+    return Case("check B=3 T=5 N=200", {"M": 15, "N": 200}, make, {"fwd": 0, "bwd": 0, "full": 0})
+
+
+ADD_RMS_NORM_AUTOCAST = Spec(
+    name="add_rms_norm_autocast",
+    cases=_pre_join_cases,
+    providers={
+        # transformers' lines: residual + attention output, then the fp32 norm, cast by the MLP's linears
+        "eager": lambda x, residual, weight: _cast_y(add_rms_norm_reference(x, residual, weight), x.dtype),
+        "tigon": lambda x, residual, weight: add_rms_norm(x, residual, weight, out_dtype=x.dtype),
+    },
+    check_case=_pre_join_check_case,
+)
+
+
+def _cast_y(outputs, dtype):
+    y, s = outputs
+    return y.to(dtype), s
+
+
+SPECS = (RMS_NORM, ADD_RMS_NORM, RMS_NORM_ADD_RMS_NORM, RMS_NORM_ADD, ADD_RMS_NORM_AUTOCAST)
