@@ -18,7 +18,8 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
   ``apply_rotary_pos_emb`` to tigon's rope (``types.FunctionType`` with a new globals dict); the
   transformers module's globals are never assigned.
 - with rope, under autocast: each attention module's ``q_proj``/``k_proj``/``v_proj`` cast their
-  common fp32 input once and save one copy instead of three, and its projections (``o_proj`` too)
+  common fp32 input once and save one copy instead of three (on the GPU they run as one stacked
+  matmul), and its projections (``o_proj`` too)
   cast their weights again in the backward instead of saving bf16 copies (shared_cast.py); bitwise
   the same results (on the GPU, fp32 gradients are written in fp32 by the matmuls, not rounded to bf16).
 - with rope: the model's config is marked so that, under torch.compile, sdpa attention runs causal

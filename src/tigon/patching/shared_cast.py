@@ -8,7 +8,8 @@ needed at Llama-3.2-1B's 8192 tokens × 2048 (1 GB over its 16 layers). Each lin
 bf16 copy of its weight that autocast made, until the backward: 2 bytes per projection parameter
 (0.34 GB at Llama-3.2-1B, 0.74 GB at Gemma-2-2B) while the fp32 weights are there anyway.
 
-Here q, k and v run as one node (:class:`_AutocastQKV`) and ``o_proj`` as :class:`_AutocastLinear`:
+Here q, k and v run as one node (:class:`_AutocastQKV`; on the GPU one stacked matmul, its
+backward two and a sum) and ``o_proj`` as :class:`_AutocastLinear`:
 the input is cast once per attention module (:class:`CastCache`) and that one cast is what the node
 saves; the weights are cast in the forward and again in the backward instead of being saved (all of a
 node's casts by one launch: :func:`tigon.ops._common.cast_all`). The
@@ -65,11 +66,26 @@ class _AutocastLinear(torch.autograd.Function):
         return dx, None, dw, db, None
 
 
+# Devices on which q, k and v run as one stacked matmul (below). Not the CPU: there the three
+# matmuls are kept, so that the patched model's losses and gradients stay bitwise the stock ones;
+# tests add "cpu" to run the stacked path under the interpreter.
+STACKED_DEVICES = ("cuda",)
+
+
 class _AutocastQKV(torch.autograd.Function):
     """q, k and v of one attention module as one node: each ``F.linear(cast, W.to(dtype), b.to(dtype))``.
 
-    The same products as three :class:`_AutocastLinear` nodes, and the input gradient
-    ``dv·Wv + dk·Wk + dq·Wq`` summed by the matmuls themselves into one buffer
+    On the GPU the three projections are one matmul: their weights are cast into one stacked
+    ``(Oq + Ok + Ov, I)`` matrix (and the biases into one vector) by one launch, ``x·[Wq; Wk; Wv]ᵀ``
+    is one product, and q, k and v are its column blocks (views). With grouped-query attention k and
+    v are narrow (Qwen2.5-0.5B: 896 → 128 beside q's 896 → 896), and as matmuls of their own they
+    ran far below the tensor cores' rate; stacked they are one wide product. The backward stacks
+    ``[dq | dk | dv]`` (one copy of the three gradients) and takes the input gradient
+    ``[dq | dk | dv]·[Wq; Wk; Wv]``, the stacked weight gradient and the stacked bias gradient as one
+    product and one sum each: where the per-projection form took six matmuls and three sums.
+
+    Elsewhere (and when an output gets no gradient) the projections are separate products: the input
+    gradient ``dv·Wv + dk·Wk + dq·Wq`` is summed by the matmuls themselves into one buffer
     (:func:`tigon.ops._common.matmul_accumulate`) instead of written three times and added by autograd
     (two addition kernels of the whole activation): v, k, q, the order autograd summed the separate
     nodes' gradients in. In the autocast dtype (a bf16 input: the norm gave it in bf16) each sum is
@@ -80,19 +96,27 @@ class _AutocastQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cast, dtype, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias):
         ctx.set_materialize_grads(False)  # an unused output gets no gradient, not a zero one
-        ctx.save_for_backward(cast, q_weight, k_weight, v_weight)
+        weights, biases = (q_weight, k_weight, v_weight), (q_bias, k_bias, v_bias)
+        ctx.save_for_backward(cast, *weights)
         ctx.x_dtype, ctx.dtype = x.dtype, dtype
-        ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (q_bias, k_bias, v_bias))
+        ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in biases)
+        ctx.stacked = _stackable(cast, weights, biases)
+        if ctx.stacked:
+            weight, bias = _stacked_casts(weights, biases, dtype)                # one launch
+            out = F.linear(cast, weight, bias)                                    # (..., Oq + Ok + Ov)
+            return out.split([w.shape[0] for w in weights], dim=-1)
         casts = cast_all((q_weight, q_bias, k_weight, k_bias, v_weight, v_bias), dtype)  # one launch
         return tuple(F.linear(cast, casts[2 * i], casts[2 * i + 1]) for i in range(3))
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cast, *weights = ctx.saved_tensors
+        dys = (dq, dk, dv)
+        if ctx.stacked and all(dy is not None for dy in dys):
+            return _stacked_backward(ctx, cast, weights, dys)
         needs = ctx.needs_input_grad  # x, cast, dtype, then (weight, bias) of q, k, v
         grads = [None] * len(needs)
         cast2 = cast.reshape(-1, cast.shape[-1])                                  # (M, I)
-        dys = (dq, dk, dv)
         # the weights the input gradient needs, cast by one launch
         wanted = [w if needs[0] and dy is not None else None for w, dy in zip(weights, dys, strict=True)]
         weight_casts = cast_all(wanted, ctx.dtype)
@@ -114,6 +138,55 @@ class _AutocastQKV(torch.autograd.Function):
                 grads[4 + 2 * i] = sum_rows_to(dy2, ctx.bias_dtypes[i])
         grads[0] = dx.view(cast.shape) if dx is not None else None
         return tuple(grads)
+
+
+def _stackable(cast, weights, biases) -> bool:
+    """Whether q, k and v can run as one stacked matmul: on a device listed in STACKED_DEVICES, not
+    under torch.compile (which plans its own), weights of one dtype and input size, and biases all
+    present (in one dtype) or all absent."""
+    if cast.device.type not in STACKED_DEVICES or torch.compiler.is_compiling():
+        return False
+    if len({(w.dtype, w.dim(), w.shape[-1]) for w in weights}) != 1 or weights[0].dim() != 2:
+        return False
+    present = [b is not None for b in biases]
+    return not any(present) or (all(present) and len({b.dtype for b in biases}) == 1)
+
+
+def _stacked_casts(weights, biases, dtype):
+    """``[Wq; Wk; Wv]`` and ``[bq; bk; bv]`` (or None) in ``dtype``, written by one multi-tensor copy
+    (each source into its row block: the cast and the stacking in one pass)."""
+    sizes = [w.shape[0] for w in weights]
+    first = weights[0]
+    weight = torch.empty((sum(sizes), first.shape[1]), dtype=dtype, device=first.device)
+    targets, sources = list(weight.split(sizes)), list(weights)
+    bias = None
+    if biases[0] is not None:
+        bias = torch.empty(sum(sizes), dtype=dtype, device=first.device)
+        targets += bias.split(sizes)
+        sources += biases
+    torch._foreach_copy_(targets, sources)
+    return weight, bias
+
+
+def _stacked_backward(ctx, cast, weights, dys):
+    """The gradients of the stacked projection: d = [dq | dk | dv] (M, O), dx = d·W, dW = dᵀ·x and
+    db = Σ d, each one product or sum; the weight and bias gradients come back as row blocks."""
+    needs = ctx.needs_input_grad  # x, cast, dtype, then (weight, bias) of q, k, v
+    grads = [None] * len(needs)
+    sizes = [w.shape[0] for w in weights]
+    d = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], dim=1)           # (M, O)
+    cast2 = cast.reshape(-1, cast.shape[-1])                                      # (M, I)
+    if needs[0]:
+        weight, _ = _stacked_casts(weights, (None, None, None), ctx.dtype)        # one launch
+        grads[0] = matmul_to(d, weight, ctx.x_dtype).view(cast.shape)             # (M, I)
+        weight = None
+    if any(needs[3:9:2]):
+        for i, dw in enumerate(matmul_to(d.t(), cast2, weights[0].dtype).split(sizes)):  # (O, I)
+            grads[3 + 2 * i] = dw if needs[3 + 2 * i] else None
+    if any(needs[4:9:2]):
+        for i, db in enumerate(sum_rows_to(d, ctx.bias_dtypes[0]).split(sizes)):
+            grads[4 + 2 * i] = db if needs[4 + 2 * i] else None
+    return tuple(grads)
 
 
 class CastCache:
