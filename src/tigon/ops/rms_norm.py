@@ -370,10 +370,11 @@ def add_parts(sums, parts, PARTS_BLOCK: tl.constexpr):
 
 @triton.jit
 def _dx_store(
-    g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask, hidden, eps,
-    HAS_DSUM: tl.constexpr, POLICY: tl.constexpr,
+    g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, dx2_ptr, rows, cols, mask, hidden, eps,
+    HAS_DSUM: tl.constexpr, HAS_DX2: tl.constexpr, POLICY: tl.constexpr,
 ):
-    """dx = rstd·(g − x̂·c), plus the residual stream's own gradient for add_rms_norm.
+    """dx = rstd·(g − x̂·c), plus the residual stream's own gradient for add_rms_norm; with HAS_DX2 also
+    stored rounded to dx2's (narrower) dtype: the gradient of an add_rms_norm input held in it.
 
     At hidden == 1, g − x̂·c = g·(1 − x̂²) cancels to nothing in fp32 (x̂² = 1 − eps·rstd²), so that
     case uses the exact form g·eps·rstd² instead.
@@ -388,6 +389,11 @@ def _dx_store(
         dx_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask,
         eviction_policy=POLICY,
     )
+    if HAS_DX2:
+        tl.store(
+            dx2_ptr + rows[:, None] * hidden + cols[None, :], dx.to(dx2_ptr.dtype.element_ty), mask=mask,
+            eviction_policy=POLICY,
+        )
 
 
 @triton.jit
@@ -413,6 +419,7 @@ def rms_norm_bwd_kernel(
     rstd_ptr,                                       # (M,) fp32, saved by the forward
     dsum_ptr, dsum_row_stride, dsum_col_stride,     # (M, N) gradient of the s output   [HAS_DSUM]
     dx_ptr,                                         # (M, N) out, contiguous
+    dx2_ptr,                                        # (M, N) out, contiguous: dx narrowed   [HAS_DX2]
     dw_partial_ptr,                                 # (bands, N) out, fp32: each band's Σ dy·r(x̂)
     scratch_ptr,                                    # (M, split) int64, zeroed     [SINGLE_PASS, split > 1]
     num_rows, hidden, eps, offset,
@@ -421,7 +428,7 @@ def rms_norm_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     RECOMPUTE_LATE: tl.constexpr,
     STAGES: tl.constexpr, EVICT_FIRST: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr, LLAMA_CASTING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr, HAS_DX2: tl.constexpr, LLAMA_CASTING: tl.constexpr,
 ):
     """Persistent: band b owns rows [b·rows_per_band, (b+1)·rows_per_band) and one fp32 partial row.
 
@@ -504,8 +511,8 @@ def rms_norm_bwd_kernel(
                 gx = add_parts(sums, split, PARTS_BLOCK)  # in part order, whichever way each arrived
             c = gx / hidden
             _dx_store(
-                g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
-                hidden, eps, HAS_DSUM, "",
+                g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, dx2_ptr, rows, cols, mask,
+                hidden, eps, HAS_DSUM, HAS_DX2, "",
             )
             if HAS_WEIGHT:
                 if LLAMA_CASTING:
@@ -541,8 +548,8 @@ def rms_norm_bwd_kernel(
                     rows, cols, mask, rstd, rstd, hidden, offset, HAS_WEIGHT, False, LAST_USE,
                 )
                 _dx_store(
-                    g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, rows, cols, mask,
-                    hidden, eps, HAS_DSUM, LAST_USE,
+                    g, x_hat, c, rstd, dsum_ptr, dsum_row_stride, dsum_col_stride, dx_ptr, dx2_ptr, rows, cols,
+                    mask, hidden, eps, HAS_DSUM, HAS_DX2, LAST_USE,
                 )
                 if HAS_WEIGHT:
                     if LLAMA_CASTING:
@@ -893,16 +900,18 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     return y, s, rstd
 
 
-def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
-    """Launch the backward; returns (dx, dw) with dw an empty tensor when there is no weight."""
+def _backward(dy, x, weight, rstd, dsum, eps, offset, casting, narrow_dtype=None):
+    """Launch the backward; returns (dx, dw, dx2): dw an empty tensor when there is no weight, dx2 dx
+    rounded to ``narrow_dtype`` by the same kernel (an empty tensor when None)."""
     hidden = x.shape[-1]
     x2, dy2 = as_rows(x), as_rows(dy)
     num_rows = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx2 = torch.empty(x.shape if narrow_dtype is not None else 0, dtype=narrow_dtype or x.dtype, device=x.device)
     if weight is None:
         dw = torch.empty(0, dtype=x.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
-        return dx, (torch.zeros_like(weight) if weight is not None else dw)
+        return dx, (torch.zeros_like(weight) if weight is not None else dw), dx2
     row_bytes = (dy.element_size() + x.element_size()) * hidden
     cfg = norm_backward_launch(num_rows, hidden, row_bytes, 1, x.device)
     # Every element of a band's partial row is written by the band's first group, so no zeroing.
@@ -915,17 +924,17 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting):
         weight if weight is not None else x2,
         rstd,
         ds2, ds2.stride(0), ds2.stride(1),
-        dx, dw_partial, scratch,
+        dx, dx2 if narrow_dtype is not None else dx, dw_partial, scratch,
         num_rows, hidden, eps, offset, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         RECOMPUTE_LATE=recompute_late, STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first,
-        HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, LLAMA_CASTING=casting == "llama",
-        num_warps=cfg.num_warps,
+        HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, HAS_DX2=narrow_dtype is not None,
+        LLAMA_CASTING=casting == "llama", num_warps=cfg.num_warps,
     )
     if weight is not None:
         dw = torch.empty_like(weight)
         sum_partial_rows(dw_partial, None, dw, None, cfg.bands, hidden)
-    return dx, dw
+    return dx, dw, dx2
 
 
 # ------------------------------------------------------------------------------- torch ops + autograd
@@ -957,8 +966,9 @@ def _rms_norm_backward_impl(
     eps: float,
     offset: float,
     casting: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward(dy, x, weight, rstd, dsum, eps, offset, casting)
+    narrow_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dy, x, weight, rstd, dsum, eps, offset, casting, narrow_dtype)
 
 
 RMS_NORM_BACKWARD = TigonOp("rms_norm_backward", _rms_norm_backward_impl)
@@ -974,7 +984,7 @@ def _setup_rms_norm(ctx, inputs, output):
 
 def _rms_norm_grad(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = RMS_NORM_BACKWARD(dy, x, weight, rstd, None, ctx.eps, ctx.offset, ctx.casting)
+    dx, dw, _ = RMS_NORM_BACKWARD(dy, x, weight, rstd, None, ctx.eps, ctx.offset, ctx.casting)
     return dx, (dw if weight is not None else None), None, None, None, None
 
 
@@ -989,9 +999,12 @@ def _setup_add_rms_norm(ctx, inputs, output):
 
 def _add_rms_norm_grad(ctx, dy, dsum, _drstd):
     s, weight, rstd = ctx.saved_tensors
-    ds, dw = RMS_NORM_BACKWARD(dy, s, weight, rstd, dsum, ctx.eps, ctx.offset, ctx.casting)
-    # ds is in s's dtype; the narrower input's gradient is its cast, as autograd's add gives it
-    return ds.to(ctx.x_dtype), ds.to(ctx.residual_dtype), (dw if weight is not None else None), None, None, None, None
+    # ds is in s's dtype. An input held in a narrower one (a bf16 attention output joining the fp32
+    # stream) gets ds rounded to it, as autograd's add casts it: written by the same kernel.
+    narrow = ctx.x_dtype if ctx.x_dtype != s.dtype else None
+    ds, dw, dx = RMS_NORM_BACKWARD(dy, s, weight, rstd, dsum, ctx.eps, ctx.offset, ctx.casting, narrow)
+    dx = dx if narrow is not None else ds
+    return dx, ds.to(ctx.residual_dtype), (dw if weight is not None else None), None, None, None, None
 
 
 RMS_NORM = TigonOp("rms_norm", _rms_norm_impl, setup_context=_setup_rms_norm, backward=_rms_norm_grad)
