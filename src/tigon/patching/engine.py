@@ -9,8 +9,8 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
   weight (and bias) ``Parameter``; state-dict keys and optimizer state stay valid.
 - decoder layers whose residual joins sit beside norms (pre-norm layers as Llama's, Gemma-2/3's
   sandwich, OLMo-2/3's post-norms), with the norms: each gets, on the instance, a forward that runs
-  those joins as fused tigon ops (joins.py; the class forward is checked statement for statement
-  first).
+  those joins as fused tigon ops (joins.py). The class forward is checked statement for statement
+  first; another one (another transformers version's) keeps running, with a warning.
 - split MLPs: swapped for ``tigon.nn.SwiGLUMLP`` / ``GEGLUMLP`` that adopt the same
   ``gate_proj``/``up_proj``/``down_proj`` child modules (so LoRA-wrapped projections keep working);
   fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance.
@@ -45,6 +45,7 @@ import importlib
 import logging
 import sys
 import types
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -350,10 +351,14 @@ def _plan_joined_layers(plan, root, family, classes):
     layout = joins.LAYOUTS[family.joined_layer]
     layer_cls = classes.decoder_layer
     if not joins.matches_forward(layer_cls.forward, layout.source):
-        raise ValueError(
-            f"{layer_cls.__name__}.forward is not the {family.joined_layer} forward tigon knows: this "
-            "transformers version does not match tigon's table"
+        # Another transformers version's layer: its own forward keeps running (with tigon's norms, as
+        # any layer does); only the fused joins, which would replace that forward, are left out.
+        warnings.warn(
+            f"tigon: {layer_cls.__name__}.forward is not the {family.joined_layer} forward tigon knows (another "
+            "transformers version?): its residual joins stay unfused; everything else is patched",
+            stacklevel=4,
         )
+        return
     line = _joins_line(family, classes)
     for layer, _, path in _sites(root, layer_cls):
         if _is_tigon(_own_forward(layer)):

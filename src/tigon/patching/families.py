@@ -25,7 +25,7 @@ A row names, in the family's transformers modeling module, what the engine may r
   patching/joins.py's layouts: "pre_norm" (Llama and the layers written as its: the attention's
   join and the MLP's pre-norm), "sandwich" (Gemma-2/3: pre- and post-norms) or "post_norm"
   (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops (joins.py checks
-  the class's forward first).
+  the class's forward first, and leaves another one as it is).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
   final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
   MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).

@@ -35,8 +35,8 @@ a layer). Fused, the norm's backward adds the stream's own gradient in the kerne
 
 The engine installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
 class's forward is, statement for statement, transformers' own (:func:`matches_forward`, on the AST,
-so comments and annotations do not matter): a transformers version that changed the layer makes
-``patch`` raise rather than run another layer.
+so comments and annotations do not matter). A transformers version that changed the layer keeps its
+own forward, joins unfused, and ``patch`` warns: it never runs another version's layer.
 """
 
 from __future__ import annotations
