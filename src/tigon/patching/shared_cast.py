@@ -78,8 +78,8 @@ class _AutocastQKV(torch.autograd.Function):
     On the GPU the three projections are one matmul: their weights are cast into one stacked
     ``(Oq + Ok + Ov, I)`` matrix (and the biases into one vector) by one launch, ``x·[Wq; Wk; Wv]ᵀ``
     is one product, and q, k and v are its column blocks (views). With grouped-query attention k and
-    v are narrow (Qwen2.5-0.5B: 896 → 128 beside q's 896 → 896), and as matmuls of their own they
-    ran far below the tensor cores' rate; stacked they are one wide product. The backward stacks
+    v are narrow (Qwen2.5-0.5B: 896 → 128 beside q's 896 → 896): two small matmuls, each a launch
+    and a tile grid of its own, become columns of one wide product. The backward stacks
     ``[dq | dk | dv]`` (one copy of the three gradients) and takes the input gradient
     ``[dq | dk | dv]·[Wq; Wk; Wv]``, the stacked weight gradient and the stacked bias gradient as one
     product and one sum each: where the per-projection form took six matmuls and three sums.
