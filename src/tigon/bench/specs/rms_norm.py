@@ -109,12 +109,25 @@ ADD_RMS_NORM = Spec(
     check_case=lambda: _check_case(residual=True),
 )
 
+
 def _join_cases(with_next=True):
     """Gemma-2 under bf16 autocast: a bf16 sublayer output joins the fp32 residual stream (fp32 norm
     weights), and the next norm's output is the bf16 copy the projections read. The table's hidden
     sizes, Gemma-2-2B's 2304 and the fused limit. Without the next norm (rms_norm_add), no y and no
     next_weight."""
-    hiddens = sorted({m.hidden for m in MODELS} | {2304, MAX_FUSED_HIDDEN})
+    # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
+    # s (4), x (2); write dx (2), dresidual (4). Without the next norm: forward 10; backward reads
+    # ds and x and writes dx (8; residual's gradient is ds itself). Weights and rstd are noise.
+    return _autocast_join_cases(
+        sorted({m.hidden for m in MODELS} | {2304, MAX_FUSED_HIDDEN}), (12, 18) if with_next else (10, 8),
+        ("weight", "next_weight") if with_next else ("weight",), weight_offset=0.0,
+    )
+
+
+def _autocast_join_cases(hiddens, bytes_per_element, weights, *, weight_offset):
+    """TOKENS rows of bf16 x (the autocast dtype) and an fp32 residual, and fp32 norm weights
+    ``weight_offset + 0.1·N(0, 1)``; SOL from the (forward, backward) bytes an element."""
+    fwd, bwd = bytes_per_element
     cases = []
     for hidden in hiddens:
         rows = TOKENS
@@ -123,17 +136,12 @@ def _join_cases(with_next=True):
             inputs = {
                 "x": torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True),
                 "residual": torch.randn(rows, hidden, device=device, dtype=torch.float32, requires_grad=True),
-                "weight": (0.1 * torch.randn(hidden, device=device)).requires_grad_(),
             }
-            if with_next:
-                inputs["next_weight"] = (0.1 * torch.randn(hidden, device=device)).requires_grad_()
+            for name in weights:
+                inputs[name] = (weight_offset + 0.1 * torch.randn(hidden, device=device)).requires_grad_()
             return inputs
 
         tensor = rows * hidden
-        # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
-        # s (4), x (2); write dx (2), dresidual (4). Without the next norm: forward 10; backward reads
-        # ds and x and writes dx (8; residual's gradient is ds itself). Weights and rstd are noise.
-        fwd, bwd = (12, 18) if with_next else (10, 8)
         sol = {"fwd": fwd * tensor, "bwd": bwd * tensor, "full": (fwd + bwd) * tensor}
         cases.append(Case(f"M={rows} N={hidden}", {"M": rows, "N": hidden}, make, sol))
     return cases
@@ -189,27 +197,14 @@ RMS_NORM_ADD = Spec(
     check_case=lambda: _join_check_case(with_next=False),
 )
 
+
 def _pre_join_cases():
     """A pre-norm layer (Llama, Qwen) under bf16 autocast: the attention's bf16 output joins the fp32
     residual stream, and the MLP's pre-norm (fp32 weight) gives the bf16 copy its projections read.
     The table's hidden sizes."""
-    cases = []
-    for hidden in sorted({m.hidden for m in MODELS}):
-        rows = TOKENS
-
-        def make(device, dtype, rows=rows, hidden=hidden):
-            return {
-                "x": torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True),
-                "residual": torch.randn(rows, hidden, device=device, dtype=torch.float32, requires_grad=True),
-                "weight": (1 + 0.1 * torch.randn(hidden, device=device)).requires_grad_(),
-            }
-
-        tensor = rows * hidden
-        # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
-        # s (4); write dx (2), dresidual (4). The weight and rstd are noise.
-        cases.append(Case(f"M={rows} N={hidden}", {"M": rows, "N": hidden}, make,
-                          {"fwd": 12 * tensor, "bwd": 16 * tensor, "full": 28 * tensor}))
-    return cases
+    # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
+    # s (4); write dx (2), dresidual (4). The weight and rstd are noise.
+    return _autocast_join_cases(sorted({m.hidden for m in MODELS}), (12, 16), ("weight",), weight_offset=1.0)
 
 
 def _pre_join_check_case():
