@@ -22,9 +22,11 @@ whole-model correctness check at full size) and torch.compile's graph-break coun
 Providers: ``stock`` (transformers as shipped), ``tigon`` (``tigon.patch(model)``), ``compile``
 (``torch.compile(model)``), ``tigon+compile`` (patch, then compile), ``liger`` (Liger-Kernel's
 ``apply_liger_kernel_to_<model_type>()`` before the model is built, when ``liger_kernel`` imports),
-and on request ``liger+compile``. Each (model, provider) runs in a fresh Python process, so no
-allocator cache, compiled graph or monkey patch leaks into the next measurement; the next process
-is started while the current one runs and waits, imports done, for its job (hiding start-up time).
+and on request ``tigon+graphs`` (``tigon.patch(model, cuda_graphs=True)``: each decoder layer's
+training forward and backward replayed as CUDA graphs) and ``liger+compile``. Each (model, provider)
+runs in a fresh Python process, so no allocator cache, compiled graph or monkey patch leaks into the
+next measurement; the next process is started while the current one runs and waits, imports done,
+for its job (hiding start-up time).
 
 Profile (``--profile``): after its timed steps, each job trains ``PROFILE_STEPS`` more steps under
 ``torch.profiler`` (the timed measurement is untouched), and sums the device time of every kernel,
@@ -65,12 +67,13 @@ from tigon.demo import GPU_BATCH_OVERRIDES, model_config
 
 MODELS = ("llama", "qwen2", "gemma2")
 PROVIDERS = ("stock", "tigon", "compile", "tigon+compile", "liger")
-OPTIONAL_PROVIDERS = ("liger+compile",)
+OPTIONAL_PROVIDERS = ("tigon+graphs", "liger+compile")
 PROVIDER_TITLES = {
     "stock": "stock",
     "tigon": "tigon",
     "compile": "torch.compile(model)",
     "tigon+compile": "tigon + compile",
+    "tigon+graphs": "tigon (cuda_graphs)",
     "liger": "Liger-Kernel",
     "liger+compile": "Liger + compile",
 }
@@ -291,7 +294,7 @@ def run_job(job: dict) -> dict:
     model = build_model(spec.config, device=device)
     out["params"] = parameter_count(model)
     if "tigon" in parts:
-        tigon.patch(model)
+        tigon.patch(model, cuda_graphs="graphs" in parts)
     step_model = torch.compile(model) if "compile" in parts else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=cuda)
     batch, seq, warmup, steps = job["batch"], job["seq"], job["warmup"], job["steps"]
@@ -799,7 +802,7 @@ def plot(result: dict, path: Path) -> None:
 
 def _colour(provider: str) -> str:
     return {"stock": "tab:gray", "tigon": "tab:orange", "compile": "tab:blue", "tigon+compile": "tab:red",
-            "liger": "tab:green", "liger+compile": "tab:olive"}[provider]
+            "liger": "tab:green", "liger+compile": "tab:olive", "tigon+graphs": "tab:purple"}[provider]
 
 
 def save(result: dict, out_dir: Path, log=print) -> list[Path]:

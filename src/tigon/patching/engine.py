@@ -53,9 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import causal_mask, joins
+from tigon.patching import causal_mask, graphs, joins
 from tigon.patching import loss as loss_path
 from tigon.patching.families import FAMILIES, Family
+from tigon.patching.layer_forward import LayerForward, checkpoints_in_class_forward
 from tigon.patching.shared_cast import CACHE_ATTR, CastCache, shared_cast_linear
 
 logger = logging.getLogger("tigon.patching")
@@ -67,6 +68,7 @@ SWITCHES = {
     "mlp": True,
     "cross_entropy": False,
     "fused_linear_cross_entropy": True,
+    "cuda_graphs": False,
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -367,7 +369,42 @@ def _plan_joined_layers(plan, root, family, classes):
         norms = [layer._modules.get(name) for name in layout.norms]
         if not all(isinstance(norm, (classes.norm, RMSNorm)) for norm in norms):
             raise ValueError(f"{path}'s {'/'.join(layout.norms)} are not all {classes.norm.__name__} modules")
-        plan.add(_SetAttr(layer, "forward", types.MethodType(layout.forward, layer)), line)
+        forward = LayerForward(
+            layer, types.MethodType(layout.forward, layer), checkpoint=checkpoints_in_class_forward()
+        )
+        plan.add(_SetAttr(layer, "forward", forward), line)
+
+
+class _GraphLayer:
+    """The cuda_graphs switch on one decoder layer: its forward when the patch is applied (joins.py's, or
+    the class's) runs through a graphs.LayerGraphs; undo puts that forward back."""
+
+    def __init__(self, layer, state):
+        self.layer, self.state = layer, state
+
+    def apply(self):
+        layer = self.layer
+        inner = _own_forward(layer) or types.MethodType(type(layer).forward, layer)
+        runner = graphs.LayerGraphs(layer, self.state)
+        self.set = _SetAttr(layer, "forward", LayerForward(layer, inner, checkpoint=False, graphs=runner))
+        self.set.apply()
+
+    def undo(self):
+        self.set.undo()
+
+
+def _graphs_line(classes):
+    return f"{classes.decoder_layer.__name__} -> forward and backward replayed as CUDA graphs in training (cuda_graphs)"
+
+
+def _plan_graphs(plan, root, classes):
+    """The cuda_graphs switch: every decoder layer of the model, sharing one graphs.GraphState."""
+    state = graphs.GraphState()
+    for layer, _, _ in _sites(root, classes.decoder_layer):
+        own = _own_forward(layer)
+        if isinstance(own, LayerForward) and own.graphs is not None:
+            continue
+        plan.add(_GraphLayer(layer, state), _graphs_line(classes))
 
 
 def _layer_norm_line(classes):
@@ -693,6 +730,8 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
             plan.add(causal_mask.MarkConfig(model.config))
     if isinstance(model, classes.causal_lm):
         _plan_loss(plan, model, family, classes, switches)
+    if switches["cuda_graphs"] and classes.decoder_layer is not None:
+        _plan_graphs(plan, model, classes)
     target = f"{type(model).__name__} instance"
     if not plan.changes:
         logger.log(log_level, "tigon: %s: nothing to replace (already patched?)", target)
@@ -745,6 +784,8 @@ def _class_parts(family, classes, switches):
         parts.append(f"{classes.mlp.__name__} -> tigon GLU (activation read from each module)")
     if switches["rope"] and classes.attention is not None:
         parts.append(_rope_line(classes))
+    if switches["cuda_graphs"] and classes.decoder_layer is not None:
+        parts.append(_graphs_line(classes))
     return parts + _loss_lines(classes, switches)
 
 
@@ -755,7 +796,9 @@ def patch(target, **switches) -> Patch:
     """Patch a transformers model instance, or the classes of a ``model_type``; returns a ``Patch``.
 
     Switches (defaults): ``rope=True, rms_norm=True, layer_norm=True, mlp=True, cross_entropy=False,
-    fused_linear_cross_entropy=True``. A switch is a no-op where the family has no such part.
+    fused_linear_cross_entropy=True, cuda_graphs=False``. A switch is a no-op where the family has no
+    such part. ``cuda_graphs`` replays each decoder layer's training forward and backward as CUDA graphs
+    (patching/graphs.py): for models small enough that the host's launches, not the GPU, bound the step.
     """
     chosen = _check_switches(switches)
     if isinstance(target, str):

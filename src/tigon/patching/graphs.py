@@ -1,0 +1,447 @@
+r"""Decoder layers replayed as CUDA graphs (the ``cuda_graphs`` switch, off by default).
+
+Why. A small model's training step is bound by the host, not the GPU: Qwen2.5-0.5B at 4 × 2048 tokens
+gives the H100 ~72 ms of work a step, while Python, the dispatcher and autograd take 90-140 ms to
+issue its ~1000 launches (benchmarks/results/host_profile-*). A CUDA graph issues a layer's whole
+forward, or its whole backward, as one launch: the host then costs one replay a layer and direction,
+whatever the layer holds.
+
+What. With the switch on, each decoder layer's forward (tigon's, from joins.py, or the class's) runs,
+in a training-mode forward that builds a graph for autograd on CUDA tensors, as an autograd node
+(:class:`_Replay`) whose forward replays a captured forward graph and whose backward replays a
+captured backward graph. Everything else (embeddings, final norm, loss, optimizer) stays eager.
+
+How, for one layer and one input signature (shapes, strides, dtypes of the tensor arguments and the
+values of the others; the autocast state), mirroring ``torch.cuda.make_graphed_callables``:
+
+1. Static inputs: the hidden states (the only argument that needs a gradient) are copied into a buffer
+   of the layer's own, except where they are the previous layer's graph output: then that output *is*
+   the input (no copy; the layers chain). The other tensor arguments (mask, cos/sin, position ids) go
+   to buffers shared by the layers that receive the same tensor: the first layer of a step copies it
+   and the others see it is there already (``_Slot``).
+2. Warm-up: the layer's forward and an ``autograd.grad`` run once eagerly on a side stream (Triton
+   compiles, cuBLAS picks its kernels; nothing touches ``.grad``).
+3. Capture of the forward into the model's graph memory pool, with autocast's weight cache off (a
+   cached cast made outside the graph would be read, not redone, by a replay).
+4. The backward is captured at the layer's first backward (``autograd.grad`` of the captured outputs
+   over the input and the parameters), so that its incoming gradient can be the next layer's graph
+   gradient buffer (no copy), and with ``retain_graph=True``: the captured forward's saved activations
+   stay allocated for good. That makes every block of the pool that outlives one replay (activations,
+   outputs, gradients) permanently owned, so graphs captured in any order never overwrite one
+   another's: only a replay's temporaries are shared, and replays run one at a time.
+
+Gradients reach the parameters through autograd (the node takes them as inputs), so
+``AccumulateGrad`` adds them to ``.grad`` as usual (gradient accumulation, DDP's hooks), from buffers
+that tigon keeps referenced so that autograd copies them rather than adopting graph memory as ``.grad``.
+
+The static buffers of a replay stay in use until its backward: a second forward before that backward
+(a preference loss's chosen and rejected passes), or a layer whose shared input changed while another
+layer's backward still needs it, runs eagerly instead (``_Token``). So does every call that a graph
+cannot stand for: no gradient, eval mode, gradient checkpointing, torch.compile tracing, hooks on the
+layer's submodules, FSDP2 / DeepSpeed ZeRO-3 parameters, a key/value cache that holds past tokens, or a
+signature past the ``MAX_SIGNATURES`` a layer keeps (warned once). Parameters replaced by new tensors
+(``.to()``, a checkpoint loaded with ``assign=True``) drop the layer's graphs and are recaptured.
+
+Costs and limits:
+- Memory: each signature keeps its own activations, gradient buffers and a copy of the layer
+  parameters' gradients (which autograd then accumulates into ``.grad``): about the parameters'
+  gradient bytes more than eager.
+- The graph-replayed layers do not add their keys and values to a key/value cache passed empty (a
+  training forward's, which nothing reads), as transformers does under gradient checkpointing.
+- A second backward through the same forward (``retain_graph=True``) with another forward between
+  them reads the later forward's activations; graphs assume one backward per forward.
+- The first step of each signature runs each layer three times (warm-up, capture, replay) and
+  synchronises the device around each capture.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+MAX_SIGNATURES = 2
+CACHE_KWARGS = ("past_key_values", "layer_past")
+
+
+class _Token:
+    """One replay's claim on its entry's buffers, until its backward ran (``done``) or autograd freed it."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self):
+        self.done = False
+
+
+def _pending(ref) -> bool:
+    token = ref() if ref is not None else None
+    return token is not None and not token.done
+
+
+def _write(buffer, source):
+    """Copy ``source`` into a static buffer without bumping its version counter: the captured forward's
+    autograd graph saved the buffer, and autograd would take the copy for an in-place change of a saved
+    tensor when the backward is captured."""
+    with torch.autograd._unsafe_preserve_version_counter(buffer):
+        buffer.detach().copy_(source)
+
+
+class _Slot:
+    """A static input buffer, shared by the layers that receive the same tensor in one step."""
+
+    def __init__(self, tensor):
+        self.buffer = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+        self.source, self.version, self.readers = None, -1, []
+        self.fill(tensor)
+
+    def holds(self, tensor) -> bool:
+        source = self.source() if self.source is not None else None
+        return source is tensor and tensor._version == self.version
+
+    def fill(self, tensor) -> bool:
+        """Make the buffer hold ``tensor``; False (nothing written) while a pending replay still reads it."""
+        if self.holds(tensor):
+            return True
+        if any(_pending(ref) for ref in self.readers):
+            return False
+        _write(self.buffer, tensor)
+        self.source, self.version, self.readers = weakref.ref(tensor), tensor._version, []
+        return True
+
+
+def _meta(t):
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+class GraphState:
+    """What the layers of one model share: the memory pool, the capture stream, the shared input
+    buffers, and which tensors are graph outputs and graph gradients (so that layers chain)."""
+
+    def __init__(self):
+        self.pool = None
+        self.stream = None
+        self.slots: dict = {}
+        self.outputs: dict = {}  # data_ptr of a graph output -> (its entry, the tensor)
+        self.grads: dict = {}  # data_ptr of a graph input gradient -> the tensor
+        self.warned: set = set()
+
+    def warn_once(self, key, message):
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(f"tigon cuda_graphs: {message}", stacklevel=4)
+
+    def ready(self):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream()
+
+    def slot_for(self, tensor) -> _Slot:
+        """The shared buffer that holds ``tensor`` now, or a new one."""
+        key = (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+        slots = self.slots.setdefault(key, [])
+        for slot in slots:
+            if slot.holds(tensor):
+                return slot
+        slot = _Slot(tensor)
+        slots.append(slot)
+        return slot
+
+    def chained(self, table, tensor):
+        """The graph buffer of ``table`` that ``tensor`` is (same memory and layout), or None."""
+        found = table.get(tensor.data_ptr())
+        buffer = found[1] if isinstance(found, tuple) else found
+        if buffer is not None and buffer.shape == tensor.shape and buffer.stride() == tensor.stride() \
+                and buffer.dtype == tensor.dtype:
+            return found
+        return None
+
+
+class _Entry:
+    """One layer's graphs for one signature."""
+
+    def __init__(self, state, params):
+        self.state, self.params = state, params
+        self.plan = []  # per argument leaf: ("input", static, producer entry or None) | ("slot", slot) | ("const",)
+        self.fwd = self.bwd = None
+        self.out_spec = self.out_leaves = None
+        self.diff_outs = ()
+        self.grad_outs = self.grad_returns = None
+        self.token = None
+        self.readers = []  # tokens of the entries whose input is this entry's output
+
+    @property
+    def inputs(self):
+        return tuple(item[1] for item in self.plan if item[0] == "input")
+
+    def pending(self) -> bool:
+        return _pending(self.token) or any(_pending(ref) for ref in self.readers)
+
+    # ------------------------------------------------------------------------------------- capture
+
+    def capture_forward(self, inner, leaves, spec):
+        state = self.state
+        static_leaves = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                self.plan.append(("const",))
+                static_leaves.append(leaf)
+            elif leaf.requires_grad:
+                found = state.chained(state.outputs, leaf)
+                if found is not None:
+                    producer, buffer = found
+                    static = buffer.detach().requires_grad_(True)
+                else:
+                    producer = None
+                    static = torch.empty_strided(leaf.size(), leaf.stride(), dtype=leaf.dtype, device=leaf.device)
+                    static.copy_(leaf)
+                    static.requires_grad_(True)
+                self.plan.append(("input", static, producer))
+                static_leaves.append(static)
+            else:
+                slot = state.slot_for(leaf)
+                self.plan.append(("slot", slot))
+                static_leaves.append(slot.buffer)
+        args, kwargs = tree_unflatten(static_leaves, spec)
+        wrt = self.inputs + self.params
+
+        torch.cuda.synchronize()
+        with torch.cuda.stream(state.stream), _no_autocast_cache():
+            outs = [o for o in tree_flatten(inner(*args, **kwargs))[0] if isinstance(o, torch.Tensor)]
+            needed = [o for o in outs if o.requires_grad]
+            if needed:
+                torch.autograd.grad(needed, wrt, [torch.ones_like(o) for o in needed], allow_unused=True)
+            del outs, needed
+        torch.cuda.synchronize()
+
+        self.fwd = torch.cuda.CUDAGraph()
+        with _no_autocast_cache(), torch.cuda.graph(self.fwd, pool=state.pool, stream=state.stream,
+                                                   capture_error_mode="thread_local"):
+            out = inner(*args, **kwargs)
+        self.out_leaves, self.out_spec = tree_flatten(out)
+        self.diff_outs = tuple(o for o in self.out_leaves if isinstance(o, torch.Tensor) and o.requires_grad)
+        for o in self.diff_outs:
+            state.outputs[o.data_ptr()] = (self, o)
+
+    def capture_backward(self, grads):
+        state = self.state
+        static_grads = []
+        for out, grad in zip(self.diff_outs, grads, strict=True):
+            found = state.chained(state.grads, grad)
+            if found is not None:
+                static_grads.append(found)
+            else:
+                buffer = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+                _write(buffer, grad)
+                static_grads.append(buffer)
+        self.grad_outs = tuple(static_grads)
+        inputs = self.inputs
+        self.bwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"):
+            result = torch.autograd.grad(
+                self.diff_outs, inputs + self.params, self.grad_outs, retain_graph=True, allow_unused=True
+            )
+        # Detached once and kept: a tensor autograd sees referenced elsewhere is copied into .grad
+        # (or added to it), never adopted as .grad, which the next replay would overwrite.
+        self.grad_returns = tuple(None if g is None else g.detach() for g in result)
+        for g in self.grad_returns[: len(inputs)]:
+            if g is not None:
+                state.grads[g.data_ptr()] = g
+
+    # --------------------------------------------------------------------------------------- replay
+
+    def load(self, leaves) -> bool:
+        """Put this call's arguments into the static buffers; False: the graph cannot stand for it."""
+        for item, leaf in zip(self.plan, leaves, strict=True):
+            kind = item[0]
+            if kind == "slot":
+                if not item[1].fill(leaf):
+                    return False
+            elif kind == "input":
+                static, producer = item[1], item[2]
+                if leaf.data_ptr() != static.data_ptr():
+                    if producer is not None and producer.pending():
+                        return False
+                    _write(static, leaf)
+        return True
+
+    def backward(self, grads):
+        if self.bwd is None:
+            self.capture_backward(grads)
+        else:
+            for static, grad in zip(self.grad_outs, grads, strict=True):
+                if grad.data_ptr() != static.data_ptr():
+                    _write(static, grad)
+        self.bwd.replay()
+        return self.grad_returns
+
+
+class _Replay(torch.autograd.Function):
+    """One layer's forward and backward as graph replays; the inputs are the hidden states and the
+    parameters, so that autograd routes their gradients."""
+
+    @staticmethod
+    def forward(ctx, entry, token, *inputs):
+        entry.fwd.replay()
+        ctx.entry, ctx.token = entry, token
+        return tuple(o.detach() for o in entry.diff_outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        returns = ctx.entry.backward(grads)
+        ctx.token.done = True
+        return (None, None) + returns
+
+
+class _no_autocast_cache:
+    """Autocast as it is, without its weight-cast cache, for warm-up and capture."""
+
+    def __enter__(self):
+        self.ctx = None
+        if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+            self.ctx = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def _foreign_parameters(params) -> str | None:
+    """Why these parameters cannot be baked into a graph (sharded, gathered anew each call), or None."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch built without distributed
+        DTensor = ()
+    for p in params:
+        if hasattr(p, "ds_id"):
+            return "DeepSpeed ZeRO-3 parameters"
+        if isinstance(p, DTensor):
+            return "FSDP2 (DTensor) parameters"
+    return None
+
+
+class LayerGraphs:
+    """The cuda_graphs runner of one decoder layer (called by layer_forward.LayerForward)."""
+
+    def __init__(self, layer, state: GraphState):
+        self.layer_ref = weakref.ref(layer)
+        self.state = state
+        self.entries: dict = {}
+        self.params = None
+        self.submodules = None
+        self.disabled = None
+        self.replays = 0
+
+    def _eligible(self, layer) -> bool:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not layer.training:
+            return False
+        if getattr(layer, "gradient_checkpointing", False) or self.disabled is not None:
+            return False
+        if self.submodules is None:
+            self.submodules = [m for m in layer.modules() if m is not layer]
+        return not any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            for m in self.submodules
+        )
+
+    def _drop(self):
+        """Forget this layer's graphs (their buffers stay allocated while another layer's graph reads them)."""
+        state = self.state
+        for entry in self.entries.values():
+            for out in entry.diff_outs:
+                state.outputs.pop(out.data_ptr(), None)
+            for grad in entry.grad_returns or ():
+                if grad is not None:
+                    state.grads.pop(grad.data_ptr(), None)
+        self.entries.clear()
+        self.submodules = None
+
+    def __call__(self, inner, args, kwargs):
+        layer = self.layer_ref()
+        if layer is None or not self._eligible(layer):
+            return inner(*args, **kwargs)
+        for name in CACHE_KWARGS:
+            cache = kwargs.get(name)
+            if cache is not None:
+                if not hasattr(cache, "get_seq_length") or cache.get_seq_length() != 0:
+                    return inner(*args, **kwargs)
+                kwargs = {**kwargs, name: None}
+        leaves, spec = tree_flatten((args, kwargs))
+        signature = [spec, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if not leaf.is_cuda:
+                    return inner(*args, **kwargs)
+                signature.append(_meta(leaf))
+            else:
+                signature.append(leaf)
+        try:
+            signature = tuple(signature)
+            hash(signature)
+        except TypeError:
+            return inner(*args, **kwargs)
+        params = self._parameters(layer)
+        if params is None:
+            return inner(*args, **kwargs)
+        entry = self.entries.get(signature)
+        if entry is None:
+            if len(self.entries) >= MAX_SIGNATURES:
+                self.state.warn_once(("signatures", type(layer)), (
+                    f"{type(layer).__name__} was called with more than {MAX_SIGNATURES} input signatures (shapes, "
+                    "dtypes); the others run eagerly. Pad batches to a few fixed shapes to keep them graphed."))
+                return inner(*args, **kwargs)
+            entry = self._capture(layer, inner, leaves, spec, params, signature)
+            if entry is None:
+                return inner(*args, **kwargs)
+        elif entry.pending() or not entry.load(leaves):
+            return inner(*args, **kwargs)
+        token = _Token()
+        entry.token = weakref.ref(token)
+        ref = entry.token
+        for item in entry.plan:
+            if item[0] == "slot":
+                item[1].readers.append(ref)
+            elif item[0] == "input" and item[2] is not None:
+                producer = item[2]
+                producer.readers = [r for r in producer.readers if _pending(r)] + [ref]
+        # The node's inputs are the caller's tensors (their history leads to the previous layers), not
+        # the static buffers they were copied into.
+        inputs = [leaf for item, leaf in zip(entry.plan, leaves, strict=True) if item[0] == "input"]
+        outs = iter(_Replay.apply(entry, token, *inputs, *entry.params))
+        self.replays += 1
+        result = [next(outs) if isinstance(o, torch.Tensor) and o.requires_grad else o for o in entry.out_leaves]
+        return tree_unflatten(result, entry.out_spec)
+
+    def _parameters(self, layer):
+        """The layer's trainable parameters, after dropping graphs made with other tensors; None: none can be made."""
+        params = tuple(p for p in layer.parameters() if p.requires_grad)
+        if self.params is not None and (
+            len(params) != len(self.params)
+            or any(p is not q or p.data_ptr() != ptr for p, q, ptr in zip(params, self.params, self.ptrs, strict=True))
+        ):
+            self._drop()
+            self.params = None
+        if self.params is None:
+            why = _foreign_parameters(params)
+            if why is not None or any(not p.is_cuda for p in params):
+                self.disabled = why or "parameters off the GPU"
+                self.state.warn_once(("foreign", why), f"{why}: decoder layers run eagerly")
+                return None
+            self.params, self.ptrs = params, tuple(p.data_ptr() for p in params)
+        return self.params
+
+    def _capture(self, layer, inner, leaves, spec, params, signature):
+        self.state.ready()
+        entry = _Entry(self.state, params)
+        try:
+            entry.capture_forward(inner, leaves, spec)
+        except Exception as exc:  # an op that cannot be captured: this layer stays eager
+            self.disabled = repr(exc)
+            self.state.warn_once(("capture", type(layer)), (
+                f"{type(layer).__name__} could not be captured ({type(exc).__name__}: {exc}); it runs eagerly"))
+            return None
+        self.entries[signature] = entry
+        return entry
