@@ -93,7 +93,7 @@ def test_joined_layers_are_checkpointed(model_type):
     """model.gradient_checkpointing_enable() recomputes a joined layer in the backward, whichever
     transformers checkpoints (in __call__, or in the class's forward that the instance forward replaces)."""
     torch.manual_seed(0)
-    plain = tiny_model(model_type)
+    plain = tiny_model(model_type).to(DEVICE)
     patched = copy.deepcopy(plain)
     tigon.patch(plain)
     tigon.patch(patched)
