@@ -80,6 +80,14 @@ def _pending(ref) -> bool:
     return token is not None and not token.done
 
 
+def _buffer_like(tensor):
+    """A buffer for ``tensor``'s values: its layout, or a dense one where it is broadcast (stride 0: a
+    copy cannot write into memory that several elements share)."""
+    if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape, strict=True)):
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+
+
 def _write(buffer, source):
     """Copy ``source`` into a static buffer without bumping its version counter: the captured forward's
     autograd graph saved the buffer, and autograd would take the copy for an in-place change of a saved
@@ -92,7 +100,7 @@ class _Slot:
     """A static input buffer, shared by the layers that receive the same tensor in one step."""
 
     def __init__(self, tensor):
-        self.buffer = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+        self.buffer = _buffer_like(tensor)
         self.source, self.version, self.readers = None, -1, []
         self.fill(tensor)
 
@@ -180,7 +188,7 @@ class _Entry:
 
     # ------------------------------------------------------------------------------------- capture
 
-    def capture_forward(self, inner, leaves, spec):
+    def capture_forward(self, layer, inner, leaves, spec):
         state = self.state
         static_leaves = []
         for leaf in leaves:
@@ -194,7 +202,7 @@ class _Entry:
                     static = buffer.detach().requires_grad_(True)
                 else:
                     producer = None
-                    static = torch.empty_strided(leaf.size(), leaf.stride(), dtype=leaf.dtype, device=leaf.device)
+                    static = _buffer_like(leaf)
                     static.copy_(leaf)
                     static.requires_grad_(True)
                 self.plan.append(("input", static, producer))
@@ -204,10 +212,14 @@ class _Entry:
                 self.plan.append(("slot", slot))
                 static_leaves.append(slot.buffer)
         args, kwargs = tree_unflatten(static_leaves, spec)
-        wrt = self.inputs + self.params
+        # The graphs differentiate with respect to aliases of the parameters (the same memory), not the
+        # parameters themselves: autograd runs a leaf's accumulator node on the stream it was made on,
+        # and the parameters' were made on the default stream, which a capture must not touch.
+        self.aliases = tuple(p.detach().requires_grad_(True) for p in self.params)
+        wrt = self.inputs + self.aliases
 
         torch.cuda.synchronize()
-        with torch.cuda.stream(state.stream), _no_autocast_cache():
+        with torch.cuda.stream(state.stream), _no_autocast_cache(), _swapped(layer, self.params, self.aliases):
             outs = [o for o in tree_flatten(inner(*args, **kwargs))[0] if isinstance(o, torch.Tensor)]
             needed = [o for o in outs if o.requires_grad]
             if needed:
@@ -216,8 +228,9 @@ class _Entry:
         torch.cuda.synchronize()
 
         self.fwd = torch.cuda.CUDAGraph()
-        with _no_autocast_cache(), torch.cuda.graph(self.fwd, pool=state.pool, stream=state.stream,
-                                                   capture_error_mode="thread_local"):
+        with _no_autocast_cache(), _swapped(layer, self.params, self.aliases), torch.cuda.graph(
+            self.fwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"
+        ):
             out = inner(*args, **kwargs)
         self.out_leaves, self.out_spec = tree_flatten(out)
         self.diff_outs = tuple(o for o in self.out_leaves if isinstance(o, torch.Tensor) and o.requires_grad)
@@ -232,7 +245,7 @@ class _Entry:
             if found is not None:
                 static_grads.append(found)
             else:
-                buffer = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+                buffer = _buffer_like(out)
                 _write(buffer, grad)
                 static_grads.append(buffer)
         self.grad_outs = tuple(static_grads)
@@ -240,7 +253,7 @@ class _Entry:
         self.bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"):
             result = torch.autograd.grad(
-                self.diff_outs, inputs + self.params, self.grad_outs, retain_graph=True, allow_unused=True
+                self.diff_outs, inputs + self.aliases, self.grad_outs, retain_graph=True, allow_unused=True
             )
         # Detached once and kept: a tensor autograd sees referenced elsewhere is copied into .grad
         # (or added to it), never adopted as .grad, which the next replay would overwrite.
@@ -293,6 +306,26 @@ class _Replay(torch.autograd.Function):
         returns = ctx.entry.backward(grads)
         ctx.token.done = True
         return (None, None) + returns
+
+
+class _swapped:
+    """``layer``'s submodules hold ``aliases`` in place of ``params`` (by identity) while inside."""
+
+    def __init__(self, layer, params, aliases):
+        self.layer, self.map = layer, {id(p): a for p, a in zip(params, aliases, strict=True)}
+
+    def __enter__(self):
+        self.undo = []
+        for module in self.layer.modules():
+            for name, value in module._parameters.items():
+                alias = self.map.get(id(value))
+                if alias is not None:
+                    self.undo.append((module, name, value))
+                    module._parameters[name] = alias
+
+    def __exit__(self, *exc):
+        for module, name, value in self.undo:
+            module._parameters[name] = value
 
 
 class _no_autocast_cache:
@@ -437,7 +470,7 @@ class LayerGraphs:
         self.state.ready()
         entry = _Entry(self.state, params)
         try:
-            entry.capture_forward(inner, leaves, spec)
+            entry.capture_forward(layer, inner, leaves, spec)
         except Exception as exc:  # an op that cannot be captured: this layer stays eager
             self.disabled = repr(exc)
             self.state.warn_once(("capture", type(layer)), (
