@@ -63,6 +63,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 MAX_SIGNATURES = 2
+WARMUP_RUNS = 2
 CACHE_KWARGS = ("past_key_values", "layer_past")
 
 
@@ -132,7 +133,6 @@ class GraphState:
         self.stream = None
         self.slots: dict = {}
         self.outputs: dict = {}  # data_ptr of a graph output -> (its entry, the tensor)
-        self.grads: dict = {}  # data_ptr of a graph input gradient -> the tensor
         self.warned: set = set()
 
     def warn_once(self, key, message):
@@ -156,13 +156,13 @@ class GraphState:
         slots.append(slot)
         return slot
 
-    def chained(self, table, tensor):
-        """The graph buffer of ``table`` that ``tensor`` is (same memory and layout), or None."""
-        found = table.get(tensor.data_ptr())
-        buffer = found[1] if isinstance(found, tuple) else found
-        if buffer is not None and buffer.shape == tensor.shape and buffer.stride() == tensor.stride() \
-                and buffer.dtype == tensor.dtype:
-            return found
+    def chained(self, tensor):
+        """(entry, output) when ``tensor`` is a graph output (same memory and layout), else None."""
+        found = self.outputs.get(tensor.data_ptr())
+        if found is not None:
+            buffer = found[1]
+            if buffer.shape == tensor.shape and buffer.stride() == tensor.stride() and buffer.dtype == tensor.dtype:
+                return found
         return None
 
 
@@ -196,7 +196,7 @@ class _Entry:
                 self.plan.append(("const",))
                 static_leaves.append(leaf)
             elif leaf.requires_grad:
-                found = state.chained(state.outputs, leaf)
+                found = state.chained(leaf)
                 if found is not None:
                     producer, buffer = found
                     static = buffer.detach().requires_grad_(True)
@@ -218,13 +218,18 @@ class _Entry:
         self.aliases = tuple(p.detach().requires_grad_(True) for p in self.params)
         wrt = self.inputs + self.aliases
 
+        # Warm-up, exactly as the captures will run (retain_graph=True included: a backward that may free
+        # its saved tensors can take other kernels): every Triton kernel compiled and loaded, cuBLAS set
+        # up for this stream, before anything is captured (loading a module mid-capture breaks it).
         torch.cuda.synchronize()
         with torch.cuda.stream(state.stream), _no_autocast_cache(), _swapped(layer, self.params, self.aliases):
-            outs = [o for o in tree_flatten(inner(*args, **kwargs))[0] if isinstance(o, torch.Tensor)]
-            needed = [o for o in outs if o.requires_grad]
-            if needed:
-                torch.autograd.grad(needed, wrt, [torch.ones_like(o) for o in needed], allow_unused=True)
-            del outs, needed
+            for _ in range(WARMUP_RUNS):
+                outs = [o for o in tree_flatten(inner(*args, **kwargs))[0] if isinstance(o, torch.Tensor)]
+                needed = [o for o in outs if o.requires_grad]
+                if needed:
+                    grads = [_buffer_like(o).fill_(1.0) for o in needed]
+                    torch.autograd.grad(needed, wrt, grads, retain_graph=True, allow_unused=True)
+                del outs, needed
         torch.cuda.synchronize()
 
         self.fwd = torch.cuda.CUDAGraph()
@@ -237,18 +242,9 @@ class _Entry:
         for o in self.diff_outs:
             state.outputs[o.data_ptr()] = (self, o)
 
-    def capture_backward(self, grads):
+    def capture_backward(self):
         state = self.state
-        static_grads = []
-        for out, grad in zip(self.diff_outs, grads, strict=True):
-            found = state.chained(state.grads, grad)
-            if found is not None:
-                static_grads.append(found)
-            else:
-                buffer = _buffer_like(out)
-                _write(buffer, grad)
-                static_grads.append(buffer)
-        self.grad_outs = tuple(static_grads)
+        self.grad_outs = tuple(_buffer_like(out) for out in self.diff_outs)
         inputs = self.inputs
         self.bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"):
@@ -258,9 +254,6 @@ class _Entry:
         # Detached once and kept: a tensor autograd sees referenced elsewhere is copied into .grad
         # (or added to it), never adopted as .grad, which the next replay would overwrite.
         self.grad_returns = tuple(None if g is None else g.detach() for g in result)
-        for g in self.grad_returns[: len(inputs)]:
-            if g is not None:
-                state.grads[g.data_ptr()] = g
 
     # --------------------------------------------------------------------------------------- replay
 
@@ -280,12 +273,8 @@ class _Entry:
         return True
 
     def backward(self, grads):
-        if self.bwd is None:
-            self.capture_backward(grads)
-        else:
-            for static, grad in zip(self.grad_outs, grads, strict=True):
-                if grad.data_ptr() != static.data_ptr():
-                    _write(static, grad)
+        for static, grad in zip(self.grad_outs, grads, strict=True):
+            _write(static, grad)
         self.bwd.replay()
         return self.grad_returns
 
@@ -386,9 +375,6 @@ class LayerGraphs:
         for entry in self.entries.values():
             for out in entry.diff_outs:
                 state.outputs.pop(out.data_ptr(), None)
-            for grad in entry.grad_returns or ():
-                if grad is not None:
-                    state.grads.pop(grad.data_ptr(), None)
         self.entries.clear()
         self.submodules = None
 
@@ -471,6 +457,7 @@ class LayerGraphs:
         entry = _Entry(self.state, params)
         try:
             entry.capture_forward(layer, inner, leaves, spec)
+            entry.capture_backward()
         except Exception as exc:  # an op that cannot be captured: this layer stays eager
             self.disabled = repr(exc)
             self.state.warn_once(("capture", type(layer)), (
