@@ -133,6 +133,7 @@ class GraphState:
         self.stream = None
         self.slots: dict = {}
         self.outputs: dict = {}  # data_ptr of a graph output -> (its entry, the tensor)
+        self.broken = None  # why a capture failed: its pool may be left mid-capture, so none follow
         self.warned: set = set()
 
     def warn_once(self, key, message):
@@ -360,7 +361,7 @@ class LayerGraphs:
     def _eligible(self, layer) -> bool:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not layer.training:
             return False
-        if getattr(layer, "gradient_checkpointing", False) or self.disabled is not None:
+        if getattr(layer, "gradient_checkpointing", False) or self.disabled is not None or self.state.broken:
             return False
         if self.submodules is None:
             self.submodules = [m for m in layer.modules() if m is not layer]
@@ -458,10 +459,10 @@ class LayerGraphs:
         try:
             entry.capture_forward(layer, inner, leaves, spec)
             entry.capture_backward()
-        except Exception as exc:  # an op that cannot be captured: this layer stays eager
-            self.disabled = repr(exc)
-            self.state.warn_once(("capture", type(layer)), (
-                f"{type(layer).__name__} could not be captured ({type(exc).__name__}: {exc}); it runs eagerly"))
+        except Exception as exc:  # an op that cannot be captured: the model's layers stay eager
+            self.state.broken = f"{type(exc).__name__}: {exc}"
+            self.state.warn_once("capture", (
+                f"{type(layer).__name__} could not be captured ({self.state.broken}); the layers run eagerly"))
             return None
         self.entries[signature] = entry
         return entry
