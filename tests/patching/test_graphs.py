@@ -192,6 +192,28 @@ def test_second_forward_before_backward_runs_eagerly():
 
 
 @pytest.mark.gpu
+def test_two_shapes_before_one_backward():
+    """Two graphed forwards (two signatures) of every layer before one backward: each replay's
+    gradients must reach autograd intact although the replays share their gradient buffers."""
+    plain, graphed, _ = _pair("qwen2", **GPU_SIZES)
+    vocab = GPU_SIZES["vocab_size"]
+    for step in range(3):
+        results = []
+        for model in (plain, graphed):
+            (a, la), (b, lb) = _batch(30 + step, vocab, seq=32), _batch(40 + step, vocab, seq=48)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=a, labels=la).loss + 2.0 * model(input_ids=b, labels=lb).loss
+            loss.backward()
+            results.append((loss.detach(), grads(model)))
+            model.zero_grad(set_to_none=True)
+        (want, want_grads), (got, got_grads) = results
+        assert rel(got, want) <= TIGHT
+        for name, g in got_grads.items():
+            assert rel(g, want_grads[name]) <= TIGHT, name
+    assert _replays(graphed) == 6 * len(graphed.model.layers)
+
+
+@pytest.mark.gpu
 def test_forward_without_backward_then_training():
     plain, graphed, _ = _pair("qwen2", **GPU_SIZES)
     vocab = GPU_SIZES["vocab_size"]

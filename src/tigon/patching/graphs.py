@@ -134,6 +134,9 @@ class GraphState:
         self.slots: dict = {}
         self.outputs: dict = {}  # data_ptr of a graph output -> (its entry, the tensor)
         self.broken = None  # why a capture failed: its pool may be left mid-capture, so none follow
+        self.grad_buffers: dict = {}
+        self.tokens: list = []  # the replays whose backward has not run
+        self.mixed = False  # a layer ran twice in this pass (see LayerGraphs.__call__)
         self.warned: set = set()
 
     def warn_once(self, key, message):
@@ -145,6 +148,15 @@ class GraphState:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream()
+
+    def shared(self, key, like):
+        """The gradient buffer ``key`` for tensors like ``like``, one for all the model's layers (see
+        the module docs: each replay's gradients are consumed before the next replay writes them)."""
+        key = (*key, _meta(like)[:4])
+        buffer = self.grad_buffers.get(key)
+        if buffer is None:
+            buffer = self.grad_buffers[key] = _buffer_like(like)
+        return buffer
 
     def slot_for(self, tensor) -> _Slot:
         """The shared buffer that holds ``tensor`` now, or a new one."""
@@ -204,7 +216,7 @@ class _Entry:
                 else:
                     producer = None
                     static = _buffer_like(leaf)
-                    static.copy_(leaf)
+                    _write(static, leaf)  # detached: the buffer is a leaf, not a copy node of the caller's graph
                     static.requires_grad_(True)
                 self.plan.append(("input", static, producer))
                 static_leaves.append(static)
@@ -245,16 +257,25 @@ class _Entry:
 
     def capture_backward(self):
         state = self.state
-        self.grad_outs = tuple(_buffer_like(out) for out in self.diff_outs)
+        self.grad_outs = tuple(state.shared(("grad", i), out) for i, out in enumerate(self.diff_outs))
         inputs = self.inputs
+        seen: dict = {}
+        targets = [state.shared(("grad", j), x) for j, x in enumerate(inputs)]
+        for p in self.params:
+            key = ("param", _meta(p))
+            seen[key] = seen.get(key, -1) + 1
+            targets.append(state.shared((*key, seen[key]), p))
         self.bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"):
             result = torch.autograd.grad(
                 self.diff_outs, inputs + self.aliases, self.grad_outs, retain_graph=True, allow_unused=True
             )
+            for target, grad in zip(targets, result, strict=True):
+                if grad is not None:
+                    target.copy_(grad)
         # Detached once and kept: a tensor autograd sees referenced elsewhere is copied into .grad
         # (or added to it), never adopted as .grad, which the next replay would overwrite.
-        self.grad_returns = tuple(None if g is None else g.detach() for g in result)
+        self.grad_returns = tuple(None if g is None else t.detach() for t, g in zip(targets, result, strict=True))
 
     # --------------------------------------------------------------------------------------- replay
 
@@ -275,7 +296,8 @@ class _Entry:
 
     def backward(self, grads):
         for static, grad in zip(self.grad_outs, grads, strict=True):
-            _write(static, grad)
+            if grad.data_ptr() != static.data_ptr():  # the next layer's replay wrote it there already
+                _write(static, grad)
         self.bwd.replay()
         return self.grad_returns
 
@@ -295,6 +317,8 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         returns = ctx.entry.backward(grads)
         ctx.token.done = True
+        if ctx.entry.state.mixed:
+            returns = tuple(None if g is None else g.clone() for g in returns)
         return (None, None) + returns
 
 
@@ -383,6 +407,14 @@ class LayerGraphs:
         layer = self.layer_ref()
         if layer is None or not self._eligible(layer):
             return inner(*args, **kwargs)
+        state = self.state
+        state.tokens = [ref for ref in state.tokens if _pending(ref)]
+        if not state.tokens:
+            state.mixed = False  # a new pass, every earlier backward done
+        if any(entry.pending() for entry in self.entries.values()):
+            # This layer runs again before the backward of its replay: two gradients of its parameters
+            # meet in autograd's buffers, so the replays' gradients cannot stay in the shared buffers.
+            state.mixed = True
         for name in CACHE_KWARGS:
             cache = kwargs.get(name)
             if cache is not None:
@@ -421,6 +453,7 @@ class LayerGraphs:
         token = _Token()
         entry.token = weakref.ref(token)
         ref = entry.token
+        state.tokens.append(ref)
         for item in entry.plan:
             if item[0] == "slot":
                 item[1].readers.append(ref)
