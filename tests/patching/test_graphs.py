@@ -123,7 +123,7 @@ def test_joined_layers_are_checkpointed(model_type):
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _steps(model, batches, *, accumulate=1, autocast=True):
+def _steps(model, batches, *, accumulate=1, autocast=True, set_to_none=True):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for group in batches:
@@ -133,7 +133,7 @@ def _steps(model, batches, *, accumulate=1, autocast=True):
             loss.backward()
             losses.append(loss.detach())
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
     return torch.stack(losses)
 
 
@@ -167,6 +167,19 @@ def test_graphed_gradient_accumulation_and_fp32():
     assert rel(got, want) <= TIGHT
     _assert_same_training(graphed, plain)
     assert _replays(graphed) == 6 * len(graphed.model.layers)
+
+
+@pytest.mark.gpu
+def test_graphed_gradients_zeroed_in_place():
+    """zero_grad(set_to_none=False): .grad, adopted from the graph's memory, is zeroed in place and
+    must be moved out before the next replay writes that memory."""
+    plain, graphed, _ = _pair("llama", **GPU_SIZES)
+    vocab = GPU_SIZES["vocab_size"]
+    batches = [[_batch(2 * step, vocab), _batch(2 * step + 1, vocab)] for step in range(3)]
+    want = _steps(plain, batches, accumulate=2, set_to_none=False)
+    got = _steps(graphed, batches, accumulate=2, set_to_none=False)
+    assert rel(got, want) <= TIGHT
+    _assert_same_training(graphed, plain)
 
 
 @pytest.mark.gpu

@@ -259,23 +259,23 @@ class _Entry:
         state = self.state
         self.grad_outs = tuple(state.shared(("grad", i), out) for i, out in enumerate(self.diff_outs))
         inputs = self.inputs
-        seen: dict = {}
         targets = [state.shared(("grad", j), x) for j, x in enumerate(inputs)]
-        for p in self.params:
-            key = ("param", _meta(p))
-            seen[key] = seen.get(key, -1) + 1
-            targets.append(state.shared((*key, seen[key]), p))
         self.bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"):
             result = torch.autograd.grad(
                 self.diff_outs, inputs + self.aliases, self.grad_outs, retain_graph=True, allow_unused=True
             )
-            for target, grad in zip(targets, result, strict=True):
+            for target, grad in zip(targets, result[: len(inputs)], strict=True):
                 if grad is not None:
                     target.copy_(grad)
-        # Detached once and kept: a tensor autograd sees referenced elsewhere is copied into .grad
-        # (or added to it), never adopted as .grad, which the next replay would overwrite.
-        self.grad_returns = tuple(None if g is None else t.detach() for t, g in zip(targets, result, strict=True))
+        # The input gradients: aliases of the shared buffers, made once and kept, so that autograd, which
+        # sees them referenced, never adopts one as a leaf's .grad. The parameter gradients: the graph's
+        # own memory, handed out as a fresh alias each backward, which AccumulateGrad adopts as .grad
+        # when there is none (see backward).
+        self.grad_returns = tuple(
+            None if g is None else t.detach() for t, g in zip(targets, result[: len(inputs)], strict=True)
+        )
+        self.param_grads = tuple(result[len(inputs):])
 
     # --------------------------------------------------------------------------------------- replay
 
@@ -298,8 +298,13 @@ class _Entry:
         for static, grad in zip(self.grad_outs, grads, strict=True):
             if grad.data_ptr() != static.data_ptr():  # the next layer's replay wrote it there already
                 _write(static, grad)
+        for p, g in zip(self.params, self.param_grads, strict=True):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                # The last backward's gradient, adopted as .grad and not zeroed away (accumulation):
+                # move it out before the replay overwrites it.
+                p.grad = p.grad.clone()
         self.bwd.replay()
-        return self.grad_returns
+        return self.grad_returns + tuple(None if g is None else g.detach() for g in self.param_grads)
 
 
 class _Replay(torch.autograd.Function):
