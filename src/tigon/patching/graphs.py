@@ -12,45 +12,52 @@ in a training-mode forward that builds a graph for autograd on CUDA tensors, as 
 captured backward graph. Everything else (embeddings, final norm, loss, optimizer) stays eager.
 
 How, for one layer and one input signature (shapes, strides, dtypes of the tensor arguments and the
-values of the others; the autocast state), mirroring ``torch.cuda.make_graphed_callables``:
+values of the others; the autocast state), as ``torch.cuda.make_graphed_callables`` does:
 
 1. Static inputs: the hidden states (the only argument that needs a gradient) are copied into a buffer
    of the layer's own, except where they are the previous layer's graph output: then that output *is*
    the input (no copy; the layers chain). The other tensor arguments (mask, cos/sin, position ids) go
    to buffers shared by the layers that receive the same tensor: the first layer of a step copies it
    and the others see it is there already (``_Slot``).
-2. Warm-up: the layer's forward and an ``autograd.grad`` run once eagerly on a side stream (Triton
-   compiles, cuBLAS picks its kernels; nothing touches ``.grad``).
-3. Capture of the forward into the model's graph memory pool, with autocast's weight cache off (a
-   cached cast made outside the graph would be read, not redone, by a replay).
-4. The backward is captured at the layer's first backward (``autograd.grad`` of the captured outputs
-   over the input and the parameters), so that its incoming gradient can be the next layer's graph
-   gradient buffer (no copy), and with ``retain_graph=True``: the captured forward's saved activations
-   stay allocated for good. That makes every block of the pool that outlives one replay (activations,
-   outputs, gradients) permanently owned, so graphs captured in any order never overwrite one
-   another's: only a replay's temporaries are shared, and replays run one at a time.
+2. Warm-up: the layer's forward and backward run twice eagerly on a side stream, exactly as they will
+   be captured (Triton compiles and loads its kernels, cuBLAS sets up; nothing touches ``.grad``).
+3. Capture of the forward, then of the backward (``autograd.grad`` of the captured outputs over the
+   input and aliases of the parameters: a parameter's own accumulator node remembers the default
+   stream, which a capture must not touch), into the model's graph memory pool, with autocast's
+   weight cache off (a cached cast would be read, not redone, by a replay). The backward is captured
+   with ``retain_graph=True``: the captured forward's saved activations stay allocated for good. Every
+   block of the pool that outlives a replay (activations, outputs, gradients) is thus permanently
+   owned, so graphs never overwrite one another's, whatever the order: only a replay's temporaries are
+   shared, and replays run one at a time.
 
-Gradients reach the parameters through autograd (the node takes them as inputs), so
-``AccumulateGrad`` adds them to ``.grad`` as usual (gradient accumulation, DDP's hooks), from buffers
-that tigon keeps referenced so that autograd copies them rather than adopting graph memory as ``.grad``.
+Gradients. The layer's input gradient goes to a buffer shared by all the layers (``GraphState.shared``)
+that is also every layer's incoming-gradient buffer: layer i's backward replay writes it and layer
+i-1's reads it in place. The parameters' gradients reach autograd as inputs of the node, so
+``AccumulateGrad`` handles them as usual (gradient accumulation, DDP's hooks): from the graph's own
+memory, which it adopts as ``.grad`` when there is none (``zero_grad(set_to_none=True)``), so that the
+layers' gradients exist once. A ``.grad`` still holding that memory at the next backward (accumulation,
+or zeroed in place) is moved out before the replay overwrites it.
 
-The static buffers of a replay stay in use until its backward: a second forward before that backward
-(a preference loss's chosen and rejected passes), or a layer whose shared input changed while another
-layer's backward still needs it, runs eagerly instead (``_Token``). So does every call that a graph
-cannot stand for: no gradient, eval mode, gradient checkpointing, torch.compile tracing, hooks on the
-layer's submodules, FSDP2 / DeepSpeed ZeRO-3 parameters, a key/value cache that holds past tokens, or a
-signature past the ``MAX_SIGNATURES`` a layer keeps (warned once). Parameters replaced by new tensors
-(``.to()``, a checkpoint loaded with ``assign=True``) drop the layer's graphs and are recaptured.
+The static buffers of a replay stay in use until its backward. A second forward of a layer before that
+backward (a preference loss's chosen and rejected passes) runs eagerly, or replays another signature's
+graphs, and the pass's gradients are then cloned out of the shared buffers (``GraphState.mixed``). A
+layer whose shared input changed while another layer's backward still needs it runs eagerly too, as
+does every call a graph cannot stand for: no gradient, eval mode, gradient checkpointing,
+torch.compile tracing, hooks on the layer's submodules, FSDP2 / DeepSpeed ZeRO-3 parameters, a
+key/value cache that holds past tokens, or a signature past the ``MAX_SIGNATURES`` a layer keeps
+(warned once). Parameters replaced by new tensors (``.to()``, a checkpoint loaded with ``assign=True``)
+drop the layer's graphs, which are captured again. A capture that fails leaves the model's layers eager
+(warned once).
 
 Costs and limits:
-- Memory: each signature keeps its own activations, gradient buffers and a copy of the layer
-  parameters' gradients (which autograd then accumulates into ``.grad``): about the parameters'
-  gradient bytes more than eager.
+- Memory: the buffers above, one input copy, and per signature the graphs' temporaries.
+- A ``.grad`` kept past the next backward (a reference held across steps) is overwritten by it:
+  clone it to keep it.
 - The graph-replayed layers do not add their keys and values to a key/value cache passed empty (a
   training forward's, which nothing reads), as transformers does under gradient checkpointing.
 - A second backward through the same forward (``retain_graph=True``) with another forward between
   them reads the later forward's activations; graphs assume one backward per forward.
-- The first step of each signature runs each layer three times (warm-up, capture, replay) and
+- The first step of each signature runs each layer four times (warm-up, capture, replay) and
   synchronises the device around each capture.
 """
 
