@@ -216,7 +216,7 @@ def test_mismatch_deep_in_the_model_leaves_earlier_modules_untouched():
 def test_changed_layer_forward_keeps_its_own(monkeypatch, model_type, layout):
     """A transformers version whose joined layer differs (here: one statement added) keeps that
     forward: the patch warns, leaves the joins out, patches everything else, and trains as stock."""
-    stock, model = tiny_model(model_type), tiny_model(model_type)
+    stock, model = tiny_model(model_type).to(DEVICE), tiny_model(model_type).to(DEVICE)
     model.load_state_dict(stock.state_dict())
     layer_cls = type(model.model.layers[0])
     stock_forward = layer_cls.forward

@@ -25,18 +25,24 @@ values of the others; the autocast state), as ``torch.cuda.make_graphed_callable
    input and aliases of the parameters: a parameter's own accumulator node remembers the default
    stream, which a capture must not touch), into the model's graph memory pool, with autocast's
    weight cache off (a cached cast would be read, not redone, by a replay). The backward is captured
-   with ``retain_graph=True``: the captured forward's saved activations stay allocated for good. Every
-   block of the pool that outlives a replay (activations, outputs, gradients) is thus permanently
-   owned, so graphs never overwrite one another's, whatever the order: only a replay's temporaries are
-   shared, and replays run one at a time.
+   with ``retain_graph=True``: the captured forward's saved activations stay allocated for good.
+
+Memory. The layers' graphs of one signature share a pool, captured layer by layer (forward, backward)
+in the order a step replays them. A block that a graph holds past its replay (an output, a saved
+activation) is owned for good, so no graph captured later can use it; one captured earlier can (its
+temporaries), but it replays only before that block's content matters or after its last use. Each
+signature has its own pool, since the graphs of two signatures replay interleaved within one pass. A
+gradient that outlives the backward pass (a ``.grad``) must not sit in a pool at all: the graphs
+captured before it would write their temporaries over it.
 
 Gradients. The layer's input gradient goes to a buffer shared by all the layers (``GraphState.shared``)
 that is also every layer's incoming-gradient buffer: layer i's backward replay writes it and layer
 i-1's reads it in place. The parameters' gradients reach autograd as inputs of the node, so
-``AccumulateGrad`` handles them as usual (gradient accumulation, DDP's hooks): from the graph's own
-memory, which it adopts as ``.grad`` when there is none (``zero_grad(set_to_none=True)``), so that the
-layers' gradients exist once. A ``.grad`` still holding that memory at the next backward (accumulation,
-or zeroed in place) is moved out before the replay overwrites it.
+``AccumulateGrad`` handles them as usual (gradient accumulation, DDP's hooks), from one buffer per
+parameter outside the pools that the backward graph copies them into. ``AccumulateGrad`` adopts that
+buffer as ``.grad`` when there is none (``zero_grad(set_to_none=True)``), so the layers' gradients
+exist once; a ``.grad`` still holding it at the next backward (accumulation, or zeroed in place) is
+moved out before the replay overwrites it.
 
 The static buffers of a replay stay in use until its backward. A second forward of a layer before that
 backward (a preference loss's chosen and rejected passes) runs eagerly, or replays another signature's
@@ -50,7 +56,9 @@ drop the layer's graphs, which are captured again. A capture that fails leaves t
 (warned once).
 
 Costs and limits:
-- Memory: the buffers above, one input copy, and per signature the graphs' temporaries.
+- Memory: the buffers above (the parameter gradients' stay allocated between steps, as with
+  ``zero_grad(set_to_none=False)``), one input copy, and per signature the graphs' temporaries.
+- GPU time: the copy of the parameter gradients into their buffers (8 bytes a parameter in fp32).
 - A ``.grad`` kept past the next backward (a reference held across steps) is overwritten by it:
   clone it to keep it.
 - The graph-replayed layers do not add their keys and values to a key/value cache passed empty (a
@@ -136,7 +144,7 @@ class GraphState:
     buffers, and which tensors are graph outputs and graph gradients (so that layers chain)."""
 
     def __init__(self):
-        self.pool = None
+        self.pools: dict = {}  # signature -> graph memory pool (see the module docs)
         self.stream = None
         self.slots: dict = {}
         self.outputs: dict = {}  # data_ptr of a graph output -> (its entry, the tensor)
@@ -151,10 +159,12 @@ class GraphState:
             self.warned.add(key)
             warnings.warn(f"tigon cuda_graphs: {message}", stacklevel=4)
 
-    def ready(self):
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+    def ready(self, signature):
+        if self.stream is None:
             self.stream = torch.cuda.Stream()
+        if signature not in self.pools:
+            self.pools[signature] = torch.cuda.graph_pool_handle()
+        return self.pools[signature]
 
     def shared(self, key, like):
         """The gradient buffer ``key`` for tensors like ``like``, one for all the model's layers (see
@@ -189,8 +199,8 @@ class GraphState:
 class _Entry:
     """One layer's graphs for one signature."""
 
-    def __init__(self, state, params):
-        self.state, self.params = state, params
+    def __init__(self, state, pool, params, param_grads):
+        self.state, self.pool, self.params, self.param_grads = state, pool, params, param_grads
         self.plan = []  # per argument leaf: ("input", static, producer entry or None) | ("slot", slot) | ("const",)
         self.fwd = self.bwd = None
         self.out_spec = self.out_leaves = None
@@ -254,7 +264,7 @@ class _Entry:
 
         self.fwd = torch.cuda.CUDAGraph()
         with _no_autocast_cache(), _swapped(layer, self.params, self.aliases), torch.cuda.graph(
-            self.fwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"
+            self.fwd, pool=self.pool, stream=state.stream, capture_error_mode="thread_local"
         ):
             out = inner(*args, **kwargs)
         self.out_leaves, self.out_spec = tree_flatten(out)
@@ -268,11 +278,11 @@ class _Entry:
         inputs = self.inputs
         targets = [state.shared(("grad", j), x) for j, x in enumerate(inputs)]
         self.bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd, pool=state.pool, stream=state.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.bwd, pool=self.pool, stream=state.stream, capture_error_mode="thread_local"):
             result = torch.autograd.grad(
                 self.diff_outs, inputs + self.aliases, self.grad_outs, retain_graph=True, allow_unused=True
             )
-            for target, grad in zip(targets, result[: len(inputs)], strict=True):
+            for target, grad in zip(targets + list(self.param_grads), result, strict=True):
                 if grad is not None:
                     target.copy_(grad)
         # The input gradients: aliases of the shared buffers, made once and kept, so that autograd, which
@@ -282,7 +292,8 @@ class _Entry:
         self.grad_returns = tuple(
             None if g is None else t.detach() for t, g in zip(targets, result[: len(inputs)], strict=True)
         )
-        self.param_grads = tuple(result[len(inputs):])
+        self.param_grads = tuple(None if g is None else t for t, g in zip(self.param_grads, result[len(inputs):],
+                                                                          strict=True))
 
     # --------------------------------------------------------------------------------------- replay
 
@@ -393,6 +404,7 @@ class LayerGraphs:
         self.submodules = None
         self.disabled = None
         self.replays = 0
+        self.param_grads = None  # the layer's parameter gradients as its graphs hand them to autograd
 
     def _eligible(self, layer) -> bool:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not layer.training:
@@ -414,6 +426,7 @@ class LayerGraphs:
                 state.outputs.pop(out.data_ptr(), None)
         self.entries.clear()
         self.submodules = None
+        self.param_grads = None
 
     def __call__(self, inner, args, kwargs):
         layer = self.layer_ref()
@@ -499,8 +512,10 @@ class LayerGraphs:
         return self.params
 
     def _capture(self, layer, inner, leaves, spec, params, signature):
-        self.state.ready()
-        entry = _Entry(self.state, params)
+        pool = self.state.ready(signature)
+        if self.param_grads is None:  # outside the pools: .grad may hold them across replays
+            self.param_grads = tuple(torch.empty_like(p) for p in params)
+        entry = _Entry(self.state, pool, params, self.param_grads)
         try:
             entry.capture_forward(layer, inner, leaves, spec)
             entry.capture_backward()
