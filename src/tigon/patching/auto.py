@@ -14,7 +14,7 @@ class AutoModelForCausalLM:
     """``from_pretrained`` / ``from_config`` as in transformers, then ``tigon.patch(model, **switches)``.
 
     The switch keywords (``rope``, ``rms_norm``, ``layer_norm``, ``mlp``, ``cross_entropy``,
-    ``fused_linear_cross_entropy``) are taken out of the keyword arguments; the rest go to
+    ``fused_linear_cross_entropy``, ``cuda_graphs``) are taken out of the keyword arguments; the rest go to
     transformers unchanged. The model is built stock and then patched in place (its parameters and
     state-dict keys are unchanged, so loading is transformers' own).
     """
