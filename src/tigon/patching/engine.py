@@ -10,7 +10,11 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
 - decoder layers whose residual joins sit beside norms (pre-norm layers as Llama's, Gemma-2/3's
   sandwich, OLMo-2/3's post-norms), with the norms: each gets, on the instance, a forward that runs
   those joins as fused tigon ops (joins.py). The class forward is checked statement for statement
-  first; another one (another transformers version's) keeps running, with a warning.
+  first; another one (another transformers version's) keeps running, with a warning. That forward is
+  checkpointed as transformers checkpoints the class's (layer_forward.py: since 5.2x, in the class forward
+  that an instance forward would otherwise bypass).
+- with ``cuda_graphs=True`` (off by default): each decoder layer's forward, whichever it is, runs through
+  graphs.py, which replays the layer's training forward and backward as captured CUDA graphs.
 - split MLPs: swapped for ``tigon.nn.SwiGLUMLP`` / ``GEGLUMLP`` that adopt the same
   ``gate_proj``/``up_proj``/``down_proj`` child modules (so LoRA-wrapped projections keep working);
   fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance.
