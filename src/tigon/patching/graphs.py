@@ -140,8 +140,8 @@ def _meta(t):
 
 
 class GraphState:
-    """What the layers of one model share: the memory pool, the capture stream, the shared input
-    buffers, and which tensors are graph outputs and graph gradients (so that layers chain)."""
+    """What the layers of one model share: the memory pools (one per signature), the capture stream, the
+    shared input and gradient buffers, and which tensors are graph outputs (so that layers chain)."""
 
     def __init__(self):
         self.pools: dict = {}  # signature -> graph memory pool (see the module docs)
