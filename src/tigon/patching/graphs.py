@@ -286,9 +286,9 @@ class _Entry:
                 if grad is not None:
                     target.copy_(grad)
         # The input gradients: aliases of the shared buffers, made once and kept, so that autograd, which
-        # sees them referenced, never adopts one as a leaf's .grad. The parameter gradients: the graph's
-        # own memory, handed out as a fresh alias each backward, which AccumulateGrad adopts as .grad
-        # when there is none (see backward).
+        # sees them referenced, never adopts one as a leaf's .grad. The parameter gradients: the layer's
+        # buffers outside the pools, handed out as a fresh alias each backward, which AccumulateGrad
+        # adopts as .grad when there is none (see backward).
         self.grad_returns = tuple(
             None if g is None else t.detach() for t, g in zip(targets, result[: len(inputs)], strict=True)
         )
