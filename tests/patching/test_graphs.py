@@ -300,3 +300,30 @@ def test_graphed_training_matches_stock_loss():
     assert ((got - want).abs() / want.abs()).max() <= 2e-2
     losses, _ = train(graphed, 1)  # and a plain fp32 step after the autocast ones
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.gpu
+def test_graphed_training_under_ddp():
+    """DistributedDataParallel (one rank, NCCL) over a graphed model: its reducer's hooks on the
+    parameters' AccumulateGrad nodes see the replayed gradients as they see eager ones."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        plain, graphed, _ = _pair("qwen2", **GPU_SIZES)
+        vocab = GPU_SIZES["vocab_size"]
+        batches = [[_batch(step, vocab)] for step in range(3)]
+        want = _steps(plain, batches)
+        wrapped = DistributedDataParallel(graphed)
+        got = _steps(wrapped, batches)
+        assert rel(got, want) <= TIGHT
+        _assert_same_training(graphed, plain)
+        assert _replays(graphed) == 3 * len(graphed.model.layers)
+    finally:
+        dist.destroy_process_group()
