@@ -142,6 +142,32 @@ def _assert_same_training(graphed, plain, tolerance=TIGHT):
         assert rel(p, q) <= tolerance, f"{name} after training: {rel(p, q):.2e}"
 
 
+def _assert_trains_alike(plain, graphed, batches, *, run=None, **options):
+    """The same steps on both models (``run``: what trains the graphed one, e.g. its DDP wrapper): the
+    same losses and, after them, the same weights."""
+    want = _steps(plain, batches, **options)
+    got = _steps(run or graphed, batches, **options)
+    assert rel(got, want) <= TIGHT
+    _assert_same_training(graphed, plain)
+
+
+def _assert_two_forwards_alike(plain, graphed, pairs, weight):
+    """Per pair of batches (a, b): loss(a) + weight * loss(b) in one backward, on both models: the same
+    losses and gradients."""
+    for (a, la), (b, lb) in pairs:
+        results = []
+        for model in (plain, graphed):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=a, labels=la).loss + weight * model(input_ids=b, labels=lb).loss
+            loss.backward()
+            results.append((loss.detach(), grads(model)))
+            model.zero_grad(set_to_none=True)
+        (want, want_grads), (got, got_grads) = results
+        assert rel(got, want) <= TIGHT
+        for name, g in got_grads.items():
+            assert rel(g, want_grads[name]) <= TIGHT, name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -149,10 +175,7 @@ def test_graphed_training_matches_eager(model_type, attn):
     plain, graphed, _ = _pair(model_type, attn=attn, **GPU_SIZES)
     vocab = GPU_SIZES["vocab_size"]
     batches = [[_batch(step, vocab)] for step in range(4)]
-    want = _steps(plain, batches)
-    got = _steps(graphed, batches)
-    assert rel(got, want) <= TIGHT
-    _assert_same_training(graphed, plain)
+    _assert_trains_alike(plain, graphed, batches)
     assert _replays(graphed) == 4 * len(graphed.model.layers)  # every layer replayed, every step
 
 
@@ -162,10 +185,7 @@ def test_graphed_gradient_accumulation_and_fp32():
     plain, graphed, _ = _pair("qwen2", **GPU_SIZES)
     vocab = GPU_SIZES["vocab_size"]
     batches = [[_batch(2 * step, vocab), _batch(2 * step + 1, vocab)] for step in range(3)]
-    want = _steps(plain, batches, accumulate=2, autocast=False)
-    got = _steps(graphed, batches, accumulate=2, autocast=False)
-    assert rel(got, want) <= TIGHT
-    _assert_same_training(graphed, plain)
+    _assert_trains_alike(plain, graphed, batches, accumulate=2, autocast=False)
     assert _replays(graphed) == 6 * len(graphed.model.layers)
 
 
@@ -176,10 +196,7 @@ def test_graphed_gradients_zeroed_in_place():
     plain, graphed, _ = _pair("llama", **GPU_SIZES)
     vocab = GPU_SIZES["vocab_size"]
     batches = [[_batch(2 * step, vocab), _batch(2 * step + 1, vocab)] for step in range(3)]
-    want = _steps(plain, batches, accumulate=2, set_to_none=False)
-    got = _steps(graphed, batches, accumulate=2, set_to_none=False)
-    assert rel(got, want) <= TIGHT
-    _assert_same_training(graphed, plain)
+    _assert_trains_alike(plain, graphed, batches, accumulate=2, set_to_none=False)
 
 
 @pytest.mark.gpu
@@ -188,19 +205,8 @@ def test_second_forward_before_backward_runs_eagerly():
     not overwrite the first one's graph buffers: it runs eagerly, and the gradients are exact."""
     plain, graphed, _ = _pair("llama", **GPU_SIZES)
     vocab = GPU_SIZES["vocab_size"]
-    for step in range(3):
-        results = []
-        for model in (plain, graphed):
-            (a, la), (b, lb) = _batch(10 + step, vocab), _batch(20 + step, vocab)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=a, labels=la).loss - 0.5 * model(input_ids=b, labels=lb).loss
-            loss.backward()
-            results.append((loss.detach(), grads(model)))
-            model.zero_grad(set_to_none=True)
-        (want, want_grads), (got, got_grads) = results
-        assert rel(got, want) <= TIGHT
-        for name, g in got_grads.items():
-            assert rel(g, want_grads[name]) <= TIGHT, name
+    pairs = [(_batch(10 + step, vocab), _batch(20 + step, vocab)) for step in range(3)]
+    _assert_two_forwards_alike(plain, graphed, pairs, weight=-0.5)
     assert _replays(graphed) == 3 * len(graphed.model.layers)  # the first forward of each step only
 
 
@@ -210,19 +216,8 @@ def test_two_shapes_before_one_backward():
     gradients must reach autograd intact although the replays share their gradient buffers."""
     plain, graphed, _ = _pair("qwen2", **GPU_SIZES)
     vocab = GPU_SIZES["vocab_size"]
-    for step in range(3):
-        results = []
-        for model in (plain, graphed):
-            (a, la), (b, lb) = _batch(30 + step, vocab, seq=32), _batch(40 + step, vocab, seq=48)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=a, labels=la).loss + 2.0 * model(input_ids=b, labels=lb).loss
-            loss.backward()
-            results.append((loss.detach(), grads(model)))
-            model.zero_grad(set_to_none=True)
-        (want, want_grads), (got, got_grads) = results
-        assert rel(got, want) <= TIGHT
-        for name, g in got_grads.items():
-            assert rel(g, want_grads[name]) <= TIGHT, name
+    pairs = [(_batch(30 + step, vocab, seq=32), _batch(40 + step, vocab, seq=48)) for step in range(3)]
+    _assert_two_forwards_alike(plain, graphed, pairs, weight=2.0)
     assert _replays(graphed) == 6 * len(graphed.model.layers)
 
 
@@ -235,8 +230,7 @@ def test_forward_without_backward_then_training():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(input_ids=ids, labels=labels)  # train mode, graph built, never backpropagated
     batches = [[_batch(step, vocab)] for step in range(3)]
-    assert rel(_steps(graphed, batches), _steps(plain, batches)) <= TIGHT
-    _assert_same_training(graphed, plain)
+    _assert_trains_alike(plain, graphed, batches)
 
 
 @pytest.mark.gpu
@@ -245,8 +239,7 @@ def test_new_shapes_are_captured_then_run_eagerly(recwarn):
     vocab = GPU_SIZES["vocab_size"]
     seqs = [32, 48, 32, 80, 48]  # a third signature, past MAX_SIGNATURES = 2, runs eagerly
     batches = [[_batch(step, vocab, seq=seq)] for step, seq in enumerate(seqs)]
-    assert rel(_steps(graphed, batches), _steps(plain, batches)) <= TIGHT
-    _assert_same_training(graphed, plain)
+    _assert_trains_alike(plain, graphed, batches)
     n = len(graphed.model.layers)
     assert _replays(graphed) == 4 * n
     assert all(len(layer.forward.graphs.entries) == graphs.MAX_SIGNATURES for layer in graphed.model.layers)
@@ -281,8 +274,7 @@ def test_moved_parameters_are_recaptured():
     for model in (plain, graphed):
         model.double().float()  # new storage for every parameter
     more = [[_batch(step, vocab)] for step in range(2, 4)]
-    assert rel(_steps(graphed, more), _steps(plain, more)) <= TIGHT
-    _assert_same_training(graphed, plain)
+    _assert_trains_alike(plain, graphed, more)
     assert _replays(graphed) == 4 * len(graphed.model.layers)
 
 
@@ -319,11 +311,7 @@ def test_graphed_training_under_ddp():
         plain, graphed, _ = _pair("qwen2", **GPU_SIZES)
         vocab = GPU_SIZES["vocab_size"]
         batches = [[_batch(step, vocab)] for step in range(3)]
-        want = _steps(plain, batches)
-        wrapped = DistributedDataParallel(graphed)
-        got = _steps(wrapped, batches)
-        assert rel(got, want) <= TIGHT
-        _assert_same_training(graphed, plain)
+        _assert_trains_alike(plain, graphed, batches, run=DistributedDataParallel(graphed))
         assert _replays(graphed) == 3 * len(graphed.model.layers)
     finally:
         dist.destroy_process_group()

@@ -433,8 +433,8 @@ class LayerGraphs:
         if layer is None or not self._eligible(layer):
             return inner(*args, **kwargs)
         state = self.state
-        state.tokens = [ref for ref in state.tokens if _pending(ref)]
-        if not state.tokens:
+        if not any(_pending(ref) for ref in state.tokens):  # mid-pass, the first token is pending: one check
+            state.tokens.clear()
             state.mixed = False  # a new pass, every earlier backward done
         if any(entry.pending() for entry in self.entries.values()):
             # This layer runs again before the backward of its replay: two gradients of its parameters
