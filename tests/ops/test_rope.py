@@ -111,21 +111,6 @@ def test_rope_sizes(dtype, shape, tiling):
     check_rope(q, k, cos, sin, tiling=tiling)
 
 
-@pytest.mark.parametrize("shape", ((2, 6, 2, 8, 16, 8), (2, 4, 4, 16, 16, 16), (1, 2, 2, 4, 12, 8)),
-                         ids=lambda s: "B{}-Hq{}-Hk{}-T{}-D{}-Dr{}".format(*s))
-def test_rope_full_tiles(shape, tiling):
-    """Shapes that the tiles cover exactly (Hq + Hk and the pass-through dims powers of two, T a
-    multiple of the block) take the unpredicated loads and stores (``full``), with and without
-    pass-through dims; one position more and the masked path returns."""
-    batch, hq, hk, seq_len, head_dim, rot_dim = shape
-    for t, full in ((seq_len, True), (seq_len + 1, False)):
-        q = randn(batch, hq, t, head_dim, dtype=torch.bfloat16, requires_grad=True)
-        k = randn(batch, hk, t, head_dim, dtype=torch.bfloat16, requires_grad=True)
-        cos, sin = randn(batch, t, rot_dim), randn(batch, t, rot_dim)
-        assert launch_of(q, k, cos, 1).full == full
-        check_rope(q, k, cos, sin, tiling=tiling)
-
-
 @pytest.mark.parametrize("heads", ((1, 1), (3, 1), (4, 2), (7, 7), (14, 2), (28, 4), (32, 32), (9, 3)))
 def test_rope_head_counts(heads, tiling):
     hq, hk = heads

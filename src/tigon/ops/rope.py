@@ -75,27 +75,9 @@ UNSQUEEZE_DIMS = (1, 2)
 
 
 @triton.jit
-def _load(ptrs, mask, EVICT: tl.constexpr, FULL: tl.constexpr):
-    """tl.load with an L2 eviction hint; ``FULL``: the tile has no masked element (no predicate)."""
-    if FULL:
-        return tl.load(ptrs, eviction_policy=EVICT)
-    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
-
-
-@triton.jit
-def _store(ptrs, value, mask, EVICT: tl.constexpr, FULL: tl.constexpr):
-    """tl.store of ``value`` rounded to the pointers' dtype, as :func:`_load`."""
-    if FULL:
-        tl.store(ptrs, value.to(ptrs.dtype.element_ty), eviction_policy=EVICT)
-    else:
-        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask, eviction_policy=EVICT)
-
-
-@triton.jit
 def _load_trig(
     ptr, stride_b, stride_t, stride_d, batch, positions, cols, mask,
-    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    EVICT: tl.constexpr, FULL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr,
 ):
     """One (BLOCK_H, BLOCK_T, BLOCK_HALF) fp32 tile of cos or sin, the same row for every head.
 
@@ -106,7 +88,7 @@ def _load_trig(
     rows = ptr + batch * stride_b + positions.to(tl.int64) * stride_t                 # (BLOCK_T,)
     tile = rows[None, :, None] + (cols * stride_d)[None, None, :]
     tile = tl.broadcast_to(tile, (BLOCK_H, BLOCK_T, BLOCK_HALF))
-    return _load(tile, mask, EVICT, FULL).to(tl.float32)
+    return tl.load(tile, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
 
 
 @triton.jit
@@ -116,37 +98,39 @@ def _rotate_tile(
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
     batch, positions, cols, half_rot,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
-    TRIG_EVICT: tl.constexpr, FULL: tl.constexpr,
+    TRIG_EVICT: tl.constexpr,
 ):
     """out1 = x1·c1 + x2·a, out2 = x2·c2 + x1·b with (a, b) = (−s1, s2) forward, (s2, −s1) backward.
 
     x1/out1 point at each row's dims ``cols``, x2/out2 at ``cols + half_rot``; row (h, t) is at
     position ``positions[t]`` of batch element ``batch``, whatever tensor it belongs to.
     """
-    x1 = _load(x1_ptrs, mask, "", FULL).to(tl.float32)
-    x2 = _load(x2_ptrs, mask, "", FULL).to(tl.float32)
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
     c1 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols, mask,
-                    BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT, FULL)
+                    BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     c2 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols + half_rot,
-                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT, FULL)
+                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     s1 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols, mask,
-                    BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT, FULL)
+                    BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     s2 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols + half_rot,
-                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT, FULL)
+                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     if BACKWARD:
         out1 = x1 * c1 + x2 * s2
         out2 = x2 * c2 - x1 * s1
     else:
         out1 = x1 * c1 - x2 * s1
         out2 = x2 * c2 + x1 * s2
-    _store(out1_ptrs, out1, mask, "", FULL)
-    _store(out2_ptrs, out2, mask, "", FULL)
+    out_dtype = out1_ptrs.dtype.element_ty
+    tl.store(out1_ptrs, out1.to(out_dtype), mask=mask)
+    tl.store(out2_ptrs, out2.to(out_dtype), mask=mask)
 
 
 @triton.jit
-def _copy_tile(x_ptrs, out_ptrs, mask, FULL: tl.constexpr):
+def _copy_tile(x_ptrs, out_ptrs, mask):
     """The pass-through dims (Dr <= d < D): upcast after the load, round once at the store."""
-    _store(out_ptrs, _load(x_ptrs, mask, "", FULL).to(tl.float32), mask, "", FULL)
+    x_pass = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, x_pass.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -157,8 +141,7 @@ def _rotate_heads(
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
     batch, head_start, num_heads, positions, position_mask, half_rot, rot_dim, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
-    TRIG_EVICT: tl.constexpr, FULL: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
 ):
     """Rotate one (BLOCK_H heads, BLOCK_T positions, D) tile of one tensor and one batch element.
 
@@ -183,7 +166,7 @@ def _rotate_heads(
         cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
         batch, positions, cols, half_rot,
-        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT, FULL,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT,
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
@@ -191,7 +174,6 @@ def _rotate_heads(
             x_rows[:, :, None] + (pass_cols * x_stride_d)[None, None, :],
             out_rows[:, :, None] + (pass_cols * out_stride_d)[None, None, :],
             row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
-            FULL,
         )
 
 
@@ -205,8 +187,7 @@ def rope_kernel(
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,             # (B, T, Dr) sin
     seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim, q_head_blocks, head_blocks,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
-    TRIG_EVICT: tl.constexpr, FULL: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
 ):
     """Head-block tiling. One program: BLOCK_H heads of q (or of k) × BLOCK_T positions of one batch
     element.
@@ -228,7 +209,7 @@ def rope_kernel(
             cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
             sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, head_block * BLOCK_H, num_q_heads, positions, position_mask, half_rot, rot_dim, head_dim,
-            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT, FULL,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT,
         )
     else:
         _rotate_heads(
@@ -238,7 +219,7 @@ def rope_kernel(
             sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, (head_block - q_head_blocks) * BLOCK_H, num_k_heads, positions, position_mask,
             half_rot, rot_dim, head_dim,
-            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT, FULL,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT,
         )
 
 
@@ -268,8 +249,7 @@ def rope_token_kernel(
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,             # (B, T, Dr) sin
     seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr,
-    TRIG_EVICT: tl.constexpr, FULL: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
 ):
     """Token tiling. One program: every head of q AND k × BLOCK_T positions of one batch element.
 
@@ -307,7 +287,7 @@ def rope_token_kernel(
         cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
         batch, positions, cols, half_rot,
-        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT, FULL,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT,
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
@@ -315,7 +295,6 @@ def rope_token_kernel(
             _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, pass_cols),
             _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, pass_cols),
             row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
-            FULL,
         )
 
 
@@ -341,15 +320,26 @@ MAX_BLOCK_H = 16
 # fits. The tile knobs mean what the head-block ones do. scripts/tune_rope.py's second H100 sweep (the
 # same log, second run) kept all four: at Qwen2.5-0.5B the token tiling took 0.0567 ms (79% of SOL)
 # against the head-block tiling's best 0.0583 (77%); where heads per program are already >= 4 it is
-# 1-5% slower, hence the threshold. (What is left at Qwen2.5-0.5B is not cos/sin traffic: each of the
-# two launches moves only ~34 MB, ~11 µs at full bandwidth, so launch ramp-up and tail are a large
-# part of it. The second sweep also found TILE_ELEMENTS = 1024 equal to 2048 in geomean.)
+# 1-5% slower, hence the threshold. (Each of the two launches at Qwen2.5-0.5B moves only ~34 MB of q
+# and k, ~11 µs at full bandwidth, so launch ramp-up and tail weigh; cos/sin add 4 MB a launch. The
+# second sweep also found TILE_ELEMENTS = 1024 equal to 2048 in geomean.) The fifteenth session's
+# sweep, with the cos/sin hint below, moved TOKEN_TILE_ELEMENTS from 2048 to 4096: four positions a
+# program, 0.0532-0.0534 ms against 0.0536-0.0539 at Qwen2.5-0.5B (tune_rope-*-fifteenth.log).
 TOKEN_TILING_BELOW_BLOCK_H = 4
-TOKEN_TILE_ELEMENTS = 2048
+TOKEN_TILE_ELEMENTS = 4096
 TOKEN_ELEMENTS_PER_WARP = 256
 TOKEN_MAX_WARPS = 8
 
-# L2 eviction policy of the cos/sin loads (both tilings): "", "evict_first" or "evict_last".
+# Eviction policy of the cos/sin loads (both tilings): "", "evict_first" or "evict_last". Triton
+# turns it into an L1 qualifier plus, on the H100, an L2 cache policy. A program's cos/sin rows are
+# read once per head of its tile (``_load_trig``) and by the other head blocks of the same positions,
+# while q and k stream through the same caches once: "evict_last" keeps the rows there for those
+# repeats. Fifteenth session (benchmarks/results/tune_rope-*-fifteenth.log; H100, harness GPU time of
+# forward + backward, median of three alternating rounds): 0.2409 -> 0.2374 ms (Llama-3-8B BHTD),
+# 0.2361 -> 0.2307 (proj), 0.1233 -> 0.1204 (Llama-3.2-1B), 0.1925 -> 0.1891 (Qwen2.5-7B),
+# 0.0567 -> 0.0540 (Qwen2.5-0.5B), 0.2853 -> 0.2844 (Gemma-2-9B). The same sweep found no gain from
+# hints on the q/k loads or the output stores (evict_first, evict_last, .cs, .cg: equal or up to
+# 4% slower), nor from dropping the masks of tiles that cover the shape exactly.
 TRIG_EVICTION = "evict_last"
 
 
@@ -364,7 +354,6 @@ class RopeLaunch:
     block_pass: int
     has_pass: bool
     num_warps: int
-    full: bool  # no tile has a masked element: loads and stores without predicates
 
 
 def _floor_power_of_2(n: int) -> int:
@@ -395,15 +384,7 @@ def rope_launch(
     block_t = min(_floor_power_of_2(tile // (block_h * row)), next_power_of_2(seq_len))
     # A padded row of 2·block_half + block_pass need not be a power of two; Triton's warps must be.
     num_warps = _floor_power_of_2(max(1, min(block_h * block_t * row // per_warp, max_warps)))
-    heads_fill = (
-        num_q_heads + num_k_heads == block_h if token_tiling
-        else num_q_heads % block_h == 0 and num_k_heads % block_h == 0
-    )
-    full = (
-        heads_fill and seq_len % block_t == 0 and rot_dim == 2 * block_half
-        and (not has_pass or head_dim - rot_dim == block_pass)
-    )
-    return RopeLaunch(token_tiling, block_h, block_t, block_half, block_pass, has_pass, num_warps, full)
+    return RopeLaunch(token_tiling, block_h, block_t, block_half, block_pass, has_pass, num_warps)
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -475,8 +456,7 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
     )
     blocks = dict(
         BLOCK_H=cfg.block_h, BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, BLOCK_PASS=cfg.block_pass,
-        HAS_PASS=cfg.has_pass, BACKWARD=backward, num_warps=cfg.num_warps,
-        TRIG_EVICT=TRIG_EVICTION, FULL=cfg.full,
+        HAS_PASS=cfg.has_pass, BACKWARD=backward, num_warps=cfg.num_warps, TRIG_EVICT=TRIG_EVICTION,
     )
     if cfg.token_tiling:
         wrap_triton(rope_token_kernel)[(batch_position_blocks,)](*tensors, **blocks)
