@@ -9,10 +9,16 @@ averaged over the ranks) and final weights to the file named on the command line
 CPU and gloo with the Triton interpreter, so that the same test runs on any machine: what it checks
 is that patched modules and the fused loss compose with the wrappers' hooks and gradient reduction,
 not kernel speed.
+
+With ``TIGON_DIST_DEVICE=cuda`` (two GPUs or more) each rank trains on its own GPU under NCCL with
+the compiled kernels instead, and two runs are added: the same DDP and FSDP2 runs of a model
+patched with ``cuda_graphs=True``. Under DDP its decoder layers replay captured graphs (the count
+of replays is saved); FSDP2's sharded parameters make every layer run eagerly (no replay).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -29,6 +35,7 @@ MOMENTUM = 0.9
 BATCH = 4  # sequences per step, split evenly over the ranks
 SEQ = 12
 VOCAB = 160
+ON_CUDA = os.environ.get("TIGON_DIST_DEVICE") == "cuda"
 
 
 def batches():
@@ -38,11 +45,21 @@ def batches():
     return [torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
 
 
-def fresh_model():
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if ON_CUDA else torch.device("cpu")
+
+
+def fresh_model(cuda_graphs=False):
     torch.manual_seed(0)
-    model = tiny_model("llama")
-    tigon.patch(model)
+    model = tiny_model("llama").to(device())
+    tigon.patch(model, cuda_graphs=cuda_graphs)
     return model
+
+
+def replays(model) -> int:
+    """Graph replays over the model's decoder layers (0 without graphs)."""
+    graphs = [getattr(layer.forward, "graphs", None) for layer in model.model.layers]
+    return sum(g.replays for g in graphs if g is not None)
 
 
 def train(model, shard_of, *, average_over_ranks) -> list[float]:
@@ -53,7 +70,7 @@ def train(model, shard_of, *, average_over_ranks) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
     for ids in batches():
-        ids = shard_of(ids)
+        ids = shard_of(ids).to(device())
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -76,7 +93,9 @@ def full_state(model) -> dict:
 
 
 def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+    if ON_CUDA:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if ON_CUDA else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = BATCH // world
 
@@ -89,15 +108,18 @@ def main(out_path: str) -> None:
         results["single"] = {"losses": train(model, lambda ids: ids, average_over_ranks=False),
                              "state": full_state(model)}
 
-    model = fresh_model()
-    ddp = DistributedDataParallel(model)
-    results["ddp"] = {"losses": train(ddp, my_half, average_over_ranks=True), "state": full_state(model)}
+    for suffix, cuda_graphs in (("", False), ("_graphs", True)) if ON_CUDA else (("", False),):
+        model = fresh_model(cuda_graphs)
+        ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if ON_CUDA else None)
+        results["ddp" + suffix] = {"losses": train(ddp, my_half, average_over_ranks=True),
+                                   "state": full_state(model), "replays": replays(model)}
 
-    model = fresh_model()
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    results["fsdp2"] = {"losses": train(model, my_half, average_over_ranks=True), "state": full_state(model)}
+        model = fresh_model(cuda_graphs)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        results["fsdp2" + suffix] = {"losses": train(model, my_half, average_over_ranks=True),
+                                     "state": full_state(model), "replays": replays(model)}
 
     if rank == 0:
         torch.save(results, out_path)

@@ -4,7 +4,9 @@ processes train a patched model exactly as one process does on the whole batch.
 The workers (tests/patching/distributed_worker.py) run on the CPU with gloo and the Triton
 interpreter on every machine, so the test checks the composition (patched modules and the fused
 loss under the wrappers' hooks, gradient averaging, sharded parameters), the same on CI and on the
-GPU. The model is patched before it is wrapped, as the README says.
+GPU. The model is patched before it is wrapped, as the README says. On a machine with two GPUs the
+worker runs again under NCCL, one GPU a rank, with the compiled kernels and with models patched
+with ``cuda_graphs=True`` as well.
 """
 
 from __future__ import annotations
@@ -32,15 +34,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("distributed") / "results.pt"
+def _launch(out, **env_overrides) -> dict:
+    """torchrun, two processes, the worker; its results file loaded."""
     env = {
         **os.environ,
-        "TRITON_INTERPRET": "1",
-        "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
+        **env_overrides,
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
@@ -50,12 +50,25 @@ def runs(tmp_path_factory):
     return torch.load(out)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("distributed") / "results.pt",
+                   TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory):
+    """The same on two GPUs under NCCL with compiled kernels, plus the runs with cuda_graphs=True."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (one rank each)")
+    return _launch(tmp_path_factory.mktemp("distributed_gpu") / "results.pt", TIGON_DIST_DEVICE="cuda")
+
+
 def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("mode", ("ddp", "fsdp2"))
-def test_distributed_training_matches_one_process(runs, mode):
+def _check_matches_one_process(runs, mode):
     single, run = runs["single"], runs[mode]
     assert len(run["losses"]) == len(single["losses"]) >= 2
     for step, (got, want) in enumerate(zip(run["losses"], single["losses"], strict=True)):
@@ -65,3 +78,20 @@ def test_distributed_training_matches_one_process(runs, mode):
         assert _rel(run["state"][name], want) <= WEIGHT_TOLERANCE, (mode, name)
     # The weights moved: the comparison is of trained weights, not of the initial ones.
     assert single["losses"][-1] != single["losses"][0]
+
+
+@pytest.mark.parametrize("mode", ("ddp", "fsdp2"))
+def test_distributed_training_matches_one_process(runs, mode):
+    _check_matches_one_process(runs, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ("ddp", "fsdp2", "ddp_graphs", "fsdp2_graphs"))
+def test_distributed_training_on_two_gpus_matches_one_process(gpu_runs, mode):
+    """NCCL, one GPU a rank. With cuda_graphs=True, DDP's reducer sees the replayed gradients (every
+    layer replayed on every step after the first's capture), and FSDP2 runs the layers eagerly."""
+    _check_matches_one_process(gpu_runs, mode)
+    if mode == "ddp_graphs":
+        assert gpu_runs[mode]["replays"] > 0
+    else:
+        assert gpu_runs[mode]["replays"] == 0
