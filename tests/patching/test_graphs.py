@@ -88,6 +88,34 @@ def test_cuda_graphs_off_the_gpu_changes_nothing():
     assert sum(layer.forward.graphs.replays for layer in graphed.model.layers) == 0
 
 
+def test_fsdp2_sharded_model_keeps_its_layers_eager():
+    """FSDP2 swaps gathered plain tensors into a layer for its forward, so the parameters alone do not
+    show the sharding: the model is recognised from its fully_shard-ed modules."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = tiny_model("llama")
+        tigon.patch(model, cuda_graphs=True)
+        gathered = tuple(model.model.layers[0].parameters())  # plain tensors, as in the forward
+        assert graphs._foreign_parameters(gathered, model) is None
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert graphs._foreign_parameters(gathered, model) == "FSDP2 (fully_shard) parameters"
+        sharded = tuple(model.model.layers[0].parameters())  # DTensors outside the forward
+        assert graphs._foreign_parameters(sharded, None) == "FSDP2 (DTensor) parameters"
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "olmo2"])
 def test_joined_layers_are_checkpointed(model_type):
     """model.gradient_checkpointing_enable() recomputes a joined layer in the backward, whichever

@@ -403,7 +403,7 @@ def _graphs_line(classes):
 
 def _plan_graphs(plan, root, classes):
     """The cuda_graphs switch: every decoder layer of the model, sharing one graphs.GraphState."""
-    state = graphs.GraphState()
+    state = graphs.GraphState(root)
     for layer, _, _ in _sites(root, classes.decoder_layer):
         own = _own_forward(layer)
         if isinstance(own, LayerForward) and own.graphs is not None:

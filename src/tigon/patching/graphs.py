@@ -49,7 +49,7 @@ backward (a preference loss's chosen and rejected passes) runs eagerly, or repla
 graphs, and the pass's gradients are then cloned out of the shared buffers (``GraphState.mixed``). A
 layer whose shared input changed while another layer's backward still needs it runs eagerly too, as
 does every call a graph cannot stand for: no gradient, eval mode, gradient checkpointing,
-torch.compile tracing, hooks on the layer's submodules, FSDP2 / DeepSpeed ZeRO-3 parameters, a
+torch.compile tracing, hooks on the layer's submodules, a model sharded by FSDP2 or DeepSpeed ZeRO-3, a
 key/value cache that holds past tokens, or a signature past the ``MAX_SIGNATURES`` a layer keeps
 (warned once). Parameters replaced by new tensors (``.to()``, a checkpoint loaded with ``assign=True``)
 drop the layer's graphs, which are captured again. A capture that fails leaves the model's layers eager
@@ -143,7 +143,8 @@ class GraphState:
     """What the layers of one model share: the memory pools (one per signature), the capture stream, the
     shared input and gradient buffers, and which tensors are graph outputs (so that layers chain)."""
 
-    def __init__(self):
+    def __init__(self, root=None):
+        self.root_ref = weakref.ref(root) if root is not None else (lambda: None)  # the patched model
         self.pools: dict = {}  # signature -> graph memory pool (see the module docs)
         self.stream = None
         self.slots: dict = {}
@@ -379,17 +380,26 @@ class _no_autocast_cache:
             self.ctx.__exit__(*exc)
 
 
-def _foreign_parameters(params) -> str | None:
-    """Why these parameters cannot be baked into a graph (sharded, gathered anew each call), or None."""
+def _foreign_parameters(params, root) -> str | None:
+    """Why these parameters cannot be baked into a graph (sharded, gathered anew each call), or None.
+
+    FSDP2 shows in two ways. Outside its forward a sharded module's parameters are DTensors; but a
+    layer's forward runs after FSDP2's pre-forward hook has gathered them and swapped the module's
+    parameters for plain unsharded tensors, so the model (``root``) is searched for a module that
+    ``fully_shard`` wrapped as well (whether the layers or only the root were sharded).
+    """
     try:
+        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - a torch built without distributed
-        DTensor = ()
+        DTensor = FSDPModule = ()
     for p in params:
         if hasattr(p, "ds_id"):
             return "DeepSpeed ZeRO-3 parameters"
         if isinstance(p, DTensor):
             return "FSDP2 (DTensor) parameters"
+    if root is not None and any(isinstance(m, FSDPModule) for m in root.modules()):
+        return "FSDP2 (fully_shard) parameters"
     return None
 
 
@@ -503,7 +513,7 @@ class LayerGraphs:
             self._drop()
             self.params = None
         if self.params is None:
-            why = _foreign_parameters(params)
+            why = _foreign_parameters(params, self.state.root_ref())
             if why is not None or any(not p.is_cuda for p in params):
                 self.disabled = why or "parameters off the GPU"
                 self.state.warn_once(("foreign", why), f"{why}: decoder layers run eagerly")
