@@ -337,9 +337,10 @@ TOKEN_MAX_WARPS = 8
 # repeats. Fifteenth session (benchmarks/results/tune_rope-*-fifteenth.log; H100, harness GPU time of
 # forward + backward, median of three alternating rounds): 0.2409 -> 0.2374 ms (Llama-3-8B BHTD),
 # 0.2361 -> 0.2307 (proj), 0.1233 -> 0.1204 (Llama-3.2-1B), 0.1925 -> 0.1891 (Qwen2.5-7B),
-# 0.0567 -> 0.0540 (Qwen2.5-0.5B), 0.2853 -> 0.2844 (Gemma-2-9B). The same sweep found no gain from
-# hints on the q/k loads or the output stores (evict_first, evict_last, .cs, .cg: equal or up to
-# 4% slower), nor from dropping the masks of tiles that cover the shape exactly.
+# 0.0567 -> 0.0540 (Qwen2.5-0.5B), 0.2853 -> 0.2844 (Gemma-2-9B). The session's sweeps kept no hint
+# on the q/k loads or the output stores: evict_first, .cs and .cg were equal or up to 4% slower;
+# evict_last on the loads was 1% faster at Gemma-2-9B but 0.5-0.9% slower at three of the other four
+# head-block shapes. Dropping the masks of tiles that cover the shape exactly gained nothing either.
 TRIG_EVICTION = "evict_last"
 
 
