@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,3 +93,22 @@ def repeatable_grads(fn, inputs, grad_outputs):
     second = torch.autograd.grad(fn(), inputs, grad_outputs)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     return first
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (for torchrun and process-group rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_group(backend: str):
+    """torch.distributed initialised in this process as a group of one rank, destroyed after."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

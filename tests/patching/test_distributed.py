@@ -12,7 +12,6 @@ with ``cuda_graphs=True`` as well.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,18 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 # Summation order differs (two half-batch gradients averaged vs one whole-batch gradient): fp32
 # rounding only (measured ~1e-7).
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5
 TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out, **env_overrides) -> dict:
@@ -43,7 +38,7 @@ def _launch(out, **env_overrides) -> dict:
         **env_overrides,
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(ROOT / "tests" / "patching" / "distributed_worker.py"), str(out)]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]

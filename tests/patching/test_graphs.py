@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import ON_GPU
+from tests.helpers import ON_GPU, one_rank_group
 from tests.patching.tiny import DEVICE, batch, grads, rel, tiny_model, train
 from tigon.patching import graphs
 from tigon.patching.layer_forward import LayerForward
@@ -91,16 +91,9 @@ def test_cuda_graphs_off_the_gpu_changes_nothing():
 def test_fsdp2_sharded_model_keeps_its_layers_eager():
     """FSDP2 swaps gathered plain tensors into a layer for its forward, so the parameters alone do not
     show the sharding: the model is recognised from its fully_shard-ed modules."""
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group("gloo"):
         torch.manual_seed(0)
         model = tiny_model("llama")
         tigon.patch(model, cuda_graphs=True)
@@ -112,8 +105,6 @@ def test_fsdp2_sharded_model_keeps_its_layers_eager():
         assert graphs._foreign_parameters(gathered, model) == "FSDP2 (fully_shard) parameters"
         sharded = tuple(model.model.layers[0].parameters())  # DTensors outside the forward
         assert graphs._foreign_parameters(sharded, None) == "FSDP2 (DTensor) parameters"
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "olmo2"])
@@ -326,20 +317,11 @@ def test_graphed_training_matches_stock_loss():
 def test_graphed_training_under_ddp():
     """DistributedDataParallel (one rank, NCCL) over a graphed model: its reducer's hooks on the
     parameters' AccumulateGrad nodes see the replayed gradients as they see eager ones."""
-    import socket
-
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group("nccl"):
         plain, graphed, _ = _pair("qwen2", **GPU_SIZES)
         vocab = GPU_SIZES["vocab_size"]
         batches = [[_batch(step, vocab)] for step in range(3)]
         _assert_trains_alike(plain, graphed, batches, run=DistributedDataParallel(graphed))
         assert _replays(graphed) == 3 * len(graphed.model.layers)
-    finally:
-        dist.destroy_process_group()
