@@ -279,6 +279,99 @@ def test_rope_matches_transformers_llama():
         assert_close(g, w, torch.float32, name)
 
 
+def rotary_tables(batch, seq_len, rot_dim, dtype=torch.float32):
+    """cos/sin as transformers' rotary embeddings build them: cat(freqs, freqs), halves equal."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=DEVICE) / rot_dim)
+    positions = torch.arange(seq_len, dtype=torch.float32, device=DEVICE) + 3.0
+    emb = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
+    shape = (batch, seq_len, rot_dim) if batch else (seq_len, rot_dim)
+    return emb.cos().expand(shape).to(dtype).contiguous(), emb.sin().expand(shape).to(dtype).contiguous()
+
+
+def flag_of(cos, sin):
+    flag = rope_mod.trig_halves_flag(cos, sin)
+    return None if flag is None else int(flag.item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "B{}-Hq{}-Hk{}-T{}-D{}-Dr{}".format(*s))
+@pytest.mark.parametrize("shared", (False, True), ids=("batched", "shared"))
+def test_rope_equal_halves_read_once(dtype, shape, shared, tiling):
+    """Tables with equal halves take the half-width read (the flag is 1) and give bit for bit what
+    the general path (both halves read) gives, and the fp64 reference's values."""
+    batch, hq, hk, seq_len, head_dim, rot_dim = shape
+    q = randn(batch, hq, seq_len, head_dim, dtype=dtype, requires_grad=True)
+    k = randn(batch, hk, seq_len, head_dim, dtype=dtype, requires_grad=True)
+    cos, sin = rotary_tables(0 if shared else batch, seq_len, rot_dim, dtype)
+    assert flag_of(cos, sin) == 1
+    q_out, k_out, dq, dk = check_rope(q, k, cos, sin, tiling=tiling)
+    general = rope_mod.TRIG_HALVES
+    try:
+        rope_mod.TRIG_HALVES = False
+        assert rope_mod.trig_halves_flag(cos, sin) is None
+        q_gen, k_gen = rope(q, k, cos, sin)
+        grads = torch.autograd.grad((q_gen, k_gen), (q, k), (q_out.detach(), k_out.detach()))
+    finally:
+        rope_mod.TRIG_HALVES = general
+    halves_grads = torch.autograd.grad(rope(q, k, cos, sin), (q, k), (q_out.detach(), k_out.detach()))
+    for got, want in zip((q_out, k_out, *halves_grads), (q_gen, k_gen, *grads), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_rope_halves_flag_only_for_equal_bits():
+    cos, sin = rotary_tables(2, 5, 8)
+    assert flag_of(cos, sin) == 1
+    assert flag_of(cos, randn(2, 5, 8)) == 0  # one table is enough to read both halves
+    zeros = torch.zeros(2, 5, 8, device=DEVICE)
+    zeros[..., 4:] = -0.0  # equal values, different bits: the products' signs of zero could differ
+    assert flag_of(zeros, sin) == 0
+    assert flag_of(randn(5, 8), randn(5, 8)) == 0
+
+
+def test_rope_halves_flag_remembered_until_the_tables_change():
+    """A model hands one pair of tables to every layer: checked once. Writing into a table (its
+    version counter moves) or a new table object is checked again; a dead table is forgotten."""
+    q, k = randn(2, 4, 5, 16, requires_grad=True), randn(2, 2, 5, 16, requires_grad=True)
+    cos, sin = rotary_tables(2, 5, 16)
+    first = rope_mod.trig_halves_flag(cos, sin)
+    assert rope_mod.trig_halves_flag(cos, sin) is first and int(first.item()) == 1
+    rope(q, k, cos, sin)
+    with torch.no_grad():
+        cos[..., 8:] *= 0.5  # halves no longer equal, through an in-place write
+    assert flag_of(cos, sin) == 0
+    check_rope(q, k, cos, sin)  # the kernels read the new second half
+    key = (id(cos), id(sin))
+    assert key in rope_mod._CHECKED
+    del cos
+    assert key not in rope_mod._CHECKED
+    for _ in range(rope_mod.MAX_REMEMBERED_TABLES + 3):
+        rope_mod.trig_halves_flag(*rotary_tables(1, 3, 4))
+    assert len(rope_mod._CHECKED) <= rope_mod.MAX_REMEMBERED_TABLES
+
+
+def test_rope_equal_halves_second_half_not_read(tiling):
+    """The half-width read is real: once the flag is set, a second half changed behind autograd's
+    back (``.data`` has its own version counter, as for autograd's saved-tensor check) is not read."""
+    q, k = randn(2, 4, 5, 16), randn(2, 2, 5, 16)
+    cos, sin = rotary_tables(2, 5, 16)
+    want = rope(q, k, cos, sin)
+    cos.data[..., 8:] = 7.0
+    sin.data[..., 8:] = -7.0
+    got = rope(q, k, cos, sin)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_rope_halves_flag_skips_inference_tensors():
+    with torch.inference_mode():
+        cos, sin = rotary_tables(2, 5, 16)
+        q, k = randn(2, 4, 5, 16), randn(2, 2, 5, 16)
+        assert rope_mod.trig_halves_flag(cos, sin) is None
+        q_out, k_out = rope(q, k, cos, sin)
+        ref_q, ref_k = rope_reference(q.double(), k.double(), cos.double(), sin.double())
+    assert_close(q_out, ref_q, torch.float32, "q_out")
+    assert_close(k_out, ref_k, torch.float32, "k_out")
+
+
 def test_rope_one_output_used(tiling):
     q = randn(2, 4, 3, 8, requires_grad=True)
     k = randn(2, 2, 3, 8, requires_grad=True)
