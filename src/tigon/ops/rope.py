@@ -44,22 +44,9 @@ is taken when the head-block tiling would hold fewer than ``TOKEN_TILING_BELOW_B
 position's padded heads fit in ``TOKEN_TILE_ELEMENTS``, and q and k (and their outputs) share a
 dtype (one pointer type for the select); the head-block tiling serves every other case.
 
-Equal halves. Every transformers rotary embedding builds its tables as ``cat(freqs, freqs)``, so
-c2 = c1 and s2 = s1 bit for bit, and half of the cos/sin bytes need not be read (at Qwen2.5-0.5B's
-14 / 2 heads of 64 the tables are 6% of a launch's bytes; at Gemma-2-9B's heads of 256, 4%). The
-op cannot assume it (any cos/sin is allowed), and checking on the host would sync. So
-:func:`trig_halves_flag` compares the halves' bits on the GPU (a few small torch launches, no
-sync) into a one-element flag that the kernels read before the second halves: 1 skips their loads
-and reuses the first halves, which gives exactly the general path's values. The check is made once
-per pair of table objects and remembered while both live and keep their autograd version counters,
-the way a model hands one pair of tables to all its layers, forward and backward. It is skipped
-(both halves read, no flag) while tracing for torch.compile, during CUDA-graph capture, and for
-inference tensors, which have no version counter. A write that bypasses the version counter
-(through ``.data``) is not seen, as autograd's own check of saved tensors does not see it.
-
 Bytes (speed of light), element size b, N_q = B·Hq·T·D, N_k = B·Hk·T·D::
 
-    forward   read q, k; write q_out, k_out        2·(N_q + N_k)·b     (+ cos, sin: 2·B·T·Dr, or half)
+    forward   read q, k; write q_out, k_out        2·(N_q + N_k)·b     (+ cos, sin: 2·B·T·Dr)
     backward  read dq_out, dk_out; write dq, dk    2·(N_q + N_k)·b     (+ cos, sin)
 
 Reference: :func:`rope_reference` (transformers' ``apply_rotary_pos_emb``, with the partial-rotary
@@ -73,22 +60,13 @@ nor bf16 gradients widened backward).
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import (
-    TigonOp,
-    cache_by_size,
-    cdiv,
-    check_tensor,
-    next_power_of_2,
-    tracing_active,
-    wrap_triton,
-)
+from tigon.ops._common import TigonOp, cache_by_size, cdiv, check_tensor, next_power_of_2, wrap_triton
 
 UNSQUEEZE_DIMS = (1, 2)
 
@@ -118,34 +96,25 @@ def _rotate_tile(
     x1_ptrs, x2_ptrs, out1_ptrs, out2_ptrs, mask,  # (BLOCK_H, BLOCK_T, BLOCK_HALF) pointers and mask
     cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,         # (B, T, Dr); batch stride 0 if shared
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
-    batch, positions, cols, half_rot, halves_ptr,
+    batch, positions, cols, half_rot,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr,
-    TRIG_EVICT: tl.constexpr, HALVES: tl.constexpr,
+    TRIG_EVICT: tl.constexpr,
 ):
     """out1 = x1·c1 + x2·a, out2 = x2·c2 + x1·b with (a, b) = (−s1, s2) forward, (s2, −s1) backward.
 
     x1/out1 point at each row's dims ``cols``, x2/out2 at ``cols + half_rot``; row (h, t) is at
-    position ``positions[t]`` of batch element ``batch``, whatever tensor it belongs to. With HALVES,
-    ``halves_ptr`` holds 1 when cos's and sin's second halves are bitwise their first (module
-    docstring, "Equal halves"): c2, s2 are then c1, s1 and are not loaded.
+    position ``positions[t]`` of batch element ``batch``, whatever tensor it belongs to.
     """
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
     c1 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols, mask,
                     BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
+    c2 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols + half_rot,
+                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     s1 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols, mask,
                     BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    if HALVES:
-        load_second = tl.load(halves_ptr) == 0
-    else:
-        load_second = True
-    c2 = c1
-    s2 = s1
-    if load_second:
-        c2 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols + half_rot,
-                        mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-        s2 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols + half_rot,
-                        mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
+    s2 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols + half_rot,
+                    mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     if BACKWARD:
         out1 = x1 * c1 + x2 * s2
         out2 = x2 * c2 - x1 * s1
@@ -170,9 +139,9 @@ def _rotate_heads(
     out_ptr, out_stride_b, out_stride_h, out_stride_t, out_stride_d,    # (B, H, T, D) out
     cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,         # (B, T, Dr); batch stride 0 if shared
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
-    batch, head_start, num_heads, positions, position_mask, half_rot, rot_dim, head_dim, halves_ptr,
+    batch, head_start, num_heads, positions, position_mask, half_rot, rot_dim, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr, HALVES: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
 ):
     """Rotate one (BLOCK_H heads, BLOCK_T positions, D) tile of one tensor and one batch element.
 
@@ -196,8 +165,8 @@ def _rotate_heads(
         mask,
         cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
-        batch, positions, cols, half_rot, halves_ptr,
-        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT, HALVES,
+        batch, positions, cols, half_rot,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT,
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
@@ -216,9 +185,9 @@ def rope_kernel(
     k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t, ko_stride_d,  # (B, Hk, T, D) out: k_out, or dk
     cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,             # (B, T, Dr) cos; batch stride 0 if shared
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,             # (B, T, Dr) sin
-    seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim, halves_ptr, q_head_blocks, head_blocks,
+    seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim, q_head_blocks, head_blocks,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr, HALVES: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
 ):
     """Head-block tiling. One program: BLOCK_H heads of q (or of k) × BLOCK_T positions of one batch
     element.
@@ -240,7 +209,7 @@ def rope_kernel(
             cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
             sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, head_block * BLOCK_H, num_q_heads, positions, position_mask, half_rot, rot_dim, head_dim,
-            halves_ptr, BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT, HALVES,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT,
         )
     else:
         _rotate_heads(
@@ -249,8 +218,8 @@ def rope_kernel(
             cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
             sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, (head_block - q_head_blocks) * BLOCK_H, num_k_heads, positions, position_mask,
-            half_rot, rot_dim, head_dim, halves_ptr,
-            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT, HALVES,
+            half_rot, rot_dim, head_dim,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, TRIG_EVICT,
         )
 
 
@@ -278,9 +247,9 @@ def rope_token_kernel(
     k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t, ko_stride_d,  # (B, Hk, T, D) out: k_out, or dk
     cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,             # (B, T, Dr) cos; batch stride 0 if shared
     sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,             # (B, T, Dr) sin
-    seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim, halves_ptr,
+    seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr, HALVES: tl.constexpr,
+    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
 ):
     """Token tiling. One program: every head of q AND k × BLOCK_T positions of one batch element.
 
@@ -317,8 +286,8 @@ def rope_token_kernel(
         mask,
         cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
-        batch, positions, cols, half_rot, halves_ptr,
-        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT, HALVES,
+        batch, positions, cols, half_rot,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, BACKWARD, TRIG_EVICT,
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
@@ -419,76 +388,6 @@ def rope_launch(
     return RopeLaunch(token_tiling, block_h, block_t, block_half, block_pass, has_pass, num_warps)
 
 
-# ------------------------------------------------------------------------------ equal halves of cos/sin
-
-# Read only the first halves of cos/sin tables whose halves are bitwise equal (module docstring,
-# "Equal halves"). False: always read both (the general path).
-TRIG_HALVES = True
-# Tables remembered at once (a model hands the same cos/sin to every layer, forward and backward).
-MAX_REMEMBERED_TABLES = 8
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass(frozen=True)
-class _CheckedTables:
-    cos: weakref.ref
-    sin: weakref.ref
-    versions: tuple[int, int]
-    stream: object
-    flag: torch.Tensor  # int32 (1,) on the device: 1 when both tables' halves are equal
-
-
-_CHECKED: dict[tuple[int, int], _CheckedTables] = {}
-
-
-def _halves_equal(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool on t's device: t[..., :Dr/2] and t[..., Dr/2:] are the same bits (so +0 vs −0, or
-    two NaN payloads, count as different). Compared as integers of t's width: no host sync."""
-    half = t.shape[-1] // 2
-    bits = t.view(_INT_OF_SIZE[t.element_size()])
-    return torch.eq(bits[..., :half], bits[..., half:]).all()
-
-
-def _current_stream(device: torch.device):
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-
-def _forget(key, ref) -> None:
-    entry = _CHECKED.get(key)
-    if entry is not None and ref in (entry.cos, entry.sin):
-        del _CHECKED[key]
-
-
-def trig_halves_flag(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """The device flag telling the kernels whether cos's and sin's halves are equal, or None where
-    the kernels must read both halves unconditionally.
-
-    Checked once per pair of table objects and remembered while both live unmodified (their autograd
-    version counters unchanged) and calls stay on one stream. None while tracing (fake tensors,
-    nothing to remember), while a CUDA graph is captured (a flag made then is only written by the
-    replays, and one made before could be freed under the graph), for inference tensors (no version
-    counter), and with TRIG_HALVES off.
-    """
-    if not TRIG_HALVES or tracing_active() or cos.is_inference() or sin.is_inference():
-        return None
-    if cos.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    key = (id(cos), id(sin))
-    versions = (cos._version, sin._version)
-    stream = _current_stream(cos.device)
-    entry = _CHECKED.get(key)
-    if (entry is not None and entry.cos() is cos and entry.sin() is sin and entry.versions == versions
-            and entry.stream == stream):
-        return entry.flag
-    flag = (_halves_equal(cos) & _halves_equal(sin)).to(torch.int32).reshape(1)
-    while len(_CHECKED) >= MAX_REMEMBERED_TABLES:
-        del _CHECKED[next(iter(_CHECKED))]  # the oldest
-    cos_ref = weakref.ref(cos, lambda ref, key=key: _forget(key, ref))
-    sin_ref = weakref.ref(sin, lambda ref, key=key: _forget(key, ref))
-    _CHECKED[key] = _CheckedTables(cos_ref, sin_ref, versions, stream, flag)
-    return flag
-
-
 # ------------------------------------------------------------------------------------------ launchers
 
 
@@ -546,7 +445,6 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
         return
     same_dtypes = x_q.dtype == x_k.dtype and out_q.dtype == out_k.dtype
     cfg = rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtypes)
-    halves = trig_halves_flag(cos, sin)
     batch_position_blocks = batch * cdiv(seq_len, cfg.block_t)
     tensors = (
         x_q, *_bhtd_strides(x_q, unsqueeze_dim),
@@ -556,12 +454,10 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
         cos, *_cos_sin_strides(cos),
         sin, *_cos_sin_strides(sin),
         seq_len, num_q_heads, num_k_heads, rot_dim // 2, rot_dim, head_dim,
-        halves if halves is not None else cos,  # HALVES=False never reads it
     )
     blocks = dict(
         BLOCK_H=cfg.block_h, BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, BLOCK_PASS=cfg.block_pass,
         HAS_PASS=cfg.has_pass, BACKWARD=backward, num_warps=cfg.num_warps, TRIG_EVICT=TRIG_EVICTION,
-        HALVES=halves is not None,
     )
     if cfg.token_tiling:
         wrap_triton(rope_token_kernel)[(batch_position_blocks,)](*tensors, **blocks)
