@@ -861,7 +861,7 @@ STREAM_L2_HINTS = True
 # Eleventh session (scripts/tune_flce_chunks.py, benchmarks/results/tune_flce_chunks-*-eleventh.log;
 # H100, each kernel alone right after the matmul that writes its chunk; pass 1 = statistics, pass 2
 # = gradient, µs):
-#   N = 8192, width 4352 (the plan's at H = 896):  persistent 183.2 + 95.5, this setting 44.3 + 49.3
+#   N = 8192, width 4352 (the plan's then, H = 896): persistent 183.2 + 95.5, this setting 44.3 + 49.3
 #   the same with softcap 30:                      persistent 120.9 + 82.7, this setting 49.2 + 51.8
 #   N = 8192, width 8192:                          persistent  98.6 + 111.6, one row a program 64-67 + 94-96
 #   N = 4096, width 16384:                         persistent 108.7 + 95.5, one row a program 61-64 + 89-91

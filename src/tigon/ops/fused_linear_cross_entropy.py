@@ -32,9 +32,9 @@ Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized 
 WORKSPACE_FRACTION of the gradient bytes (at least MIN_WORKSPACE_BYTES), plus fp32 per-token
 state and, by classes, an fp32 dX accumulator (dX in its own dtype is made from it after the
 chunk buffer is freed, so the accumulator takes its place in the budget). At N = 8192 in bf16:
-H = 4096, V = 128256 → 7 token chunks of 1216, peak ≈ 1.12 GB of gradients + 0.31 GB; H = 2304,
-V = 256000 → 12 token chunks of 704; H = 896, V = 151936 → class chunks of 4352, peak ≈ 1.3× the
-0.29 GB of gradients.
+H = 4096, V = 128256 → 7 token chunks of 1280, peak ≈ 1.12 GB of gradients + 0.33 GB; H = 2304,
+V = 256000 → 11 token chunks of 768, peak ≈ 1.32× the 1.22 GB of gradients; H = 896, V = 151936 →
+class chunks of 4608, peak ≈ 1.31× the 0.29 GB of gradients.
 
 Under ``torch.autocast`` input, weight and bias are cast to the autocast dtype, as F.linear does;
 the loss math is fp32 regardless. Gradients come back in each argument's own dtype (an fp32 master
@@ -67,7 +67,8 @@ from tigon.ops.cross_entropy import (
 
 # One chunk of logits may take this fraction of the bytes of the gradients the op returns (the
 # issue's budget is a peak of 1.35× the gradients; the rest covers per-token state and rounding).
-WORKSPACE_FRACTION = 0.3
+# 0.3 before the sixteenth session; 0.33 lets the aligned chunks below in (see TOKEN_ALIGN).
+WORKSPACE_FRACTION = 0.33
 # Below this, chunks are never made smaller: small problems run as one chunk.
 MIN_WORKSPACE_BYTES = 64 << 20
 # By tokens, dW is a sum of this many partials at most in the weight's dtype (accuracy, see above).
@@ -81,9 +82,14 @@ MIN_FP32_TOKEN_CHUNK = 512
 # the e2e profiles before: Qwen2.5-0.5B's 16 chunks of 512 tokens spent 9.5 ms in dW matmuls whose
 # flops take 3.2, Gemma-2-2B's 4 chunks of 1024 tokens 2.7 ms per accumulating chunk against 1.6 ms.
 FP32_TOKEN_CHUNK = 2048
-# Chunk sizes are multiples of these (whole matmul tiles; column blocks of the CE kernel).
-TOKEN_ALIGN = 64
-CLASS_ALIGN = 256
+# Chunk sizes are multiples of these (whole matmul tiles; column blocks of the CE kernel). Sixteenth
+# session, H100, harness GPU time of forward + backward with the plan forced, three alternating rounds
+# (benchmarks/results/tune_flce_plan-*-sixteenth.log): at Gemma-2-2B's head 768-token chunks took
+# 50.2 ms against 51.2 for the 704 that an alignment of 64 gave (and 51.2 / 53.3 for 640 / 576); at
+# Qwen2.5-0.5B's, class chunks of 4608 took 16.09 ms against 17.01 for 4352 (4096: 16.31, 5120:
+# 16.16). Chunks of whole 256-row and 512-column blocks divide evenly into cuBLAS's tiles.
+TOKEN_ALIGN = 256
+CLASS_ALIGN = 512
 # By classes: bytes per token·hidden of the fp32 dX accumulator.
 DX_ACCUMULATOR_BYTES = 4
 
