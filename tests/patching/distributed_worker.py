@@ -1,19 +1,32 @@
 """Worker for tests/patching/test_distributed.py, run by ``torchrun --nproc_per_node 2``.
 
 Every rank: a tigon-patched tiny Llama (the same weights on every rank), trained STEPS SGD steps
-on its half of each batch, once under DDP and once under FSDP2 (``fully_shard`` on each decoder
-layer, then the root: how FSDP2 users wrap a transformers model). Rank 0 also trains the same model
-alone on the whole batches. It writes the three runs' per-step losses (the distributed ones
-averaged over the ranks) and final weights to the file named on the command line.
+on its half of each batch, once under DDP, once under FSDP2 (``fully_shard`` on each decoder
+layer, then the root: how FSDP2 users wrap a transformers model) and once under DeepSpeed ZeRO-3
+(``deepspeed.initialize`` with stage 3, every parameter partitioned and released after each use).
+Rank 0 also trains the same model alone on the whole batches. It writes the runs' per-step losses
+(the distributed ones averaged over the ranks) and final weights to the file named on the command
+line.
+
+ZeRO-3 is the strictest of the three for a patched model: a parameter exists only while the module
+that owns it runs, and tigon's fused forwards read their children's weights from the parent (the
+gated MLP reads gate/up/down_proj's, a joined decoder layer its norms', the fused loss lm_head's
+through lm_head's own call). DeepSpeed gathers a parameter read that way on first access and
+registers it with the running module for the backward; this run checks that the result is exact.
 
 CPU and gloo with the Triton interpreter, so that the same test runs on any machine: what it checks
 is that patched modules and the fused loss compose with the wrappers' hooks and gradient reduction,
 not kernel speed.
 
+Under bf16 autocast (where the attention projections share their input's cast and cast their
+weights again in the backward) ZeRO-3 runs once more, against DDP on the same half batches: one
+process on the whole batch differs from both by the bf16 rounding of half-batch products.
+
 With ``TIGON_DIST_DEVICE=cuda`` (two GPUs or more) each rank trains on its own GPU under NCCL with
-the compiled kernels instead, and two runs are added: the same DDP and FSDP2 runs of a model
-patched with ``cuda_graphs=True``. Under DDP its decoder layers replay captured graphs (the count
-of replays is saved); FSDP2's sharded parameters make every layer run eagerly (no replay).
+the compiled kernels instead, and three runs are added: the same DDP, FSDP2 and ZeRO-3 runs of a
+model patched with ``cuda_graphs=True``. Under DDP its decoder layers replay captured graphs (the
+count of replays is saved); FSDP2's and ZeRO-3's sharded parameters make every layer run eagerly
+(no replay).
 """
 
 from __future__ import annotations
@@ -56,13 +69,30 @@ def fresh_model(cuda_graphs=False):
     return model
 
 
+def ungroup_projections(model) -> None:
+    """Each attention's q/k/v projections as separate nodes (what ZeRO-3 parameters get)."""
+    from tigon.patching.shared_cast import CACHE_ATTR
+
+    for module in model.modules():
+        cache = getattr(module, CACHE_ATTR, None)
+        if cache is not None:
+            cache.group = None
+
+
 def replays(model) -> int:
     """Graph replays over the model's decoder layers (0 without graphs)."""
     graphs = [getattr(layer.forward, "graphs", None) for layer in model.model.layers]
     return sum(g.replays for g in graphs if g is not None)
 
 
-def train(model, shard_of, *, average_over_ranks) -> list[float]:
+def forward_loss(model, ids, autocast):
+    """The model's loss on ``ids``, under bf16 autocast if asked (the shared-cast projections run
+    there only)."""
+    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=autocast):
+        return model(input_ids=ids, labels=ids).loss
+
+
+def train(model, shard_of, *, average_over_ranks, autocast=False) -> list[float]:
     """STEPS SGD steps on ``shard_of(full batch)``; returns each step's loss (averaged over the
     ranks for a distributed run)."""
     # SGD, not AdamW: Adam's update barely depends on the gradient's scale, so a wrapper that summed
@@ -71,7 +101,7 @@ def train(model, shard_of, *, average_over_ranks) -> list[float]:
     losses = []
     for ids in batches():
         ids = shard_of(ids).to(device())
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = forward_loss(model, ids, autocast)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -81,6 +111,39 @@ def train(model, shard_of, *, average_over_ranks) -> list[float]:
             value /= dist.get_world_size()
         losses.append(value.item())
     return losses
+
+
+def train_zero3(model, shard_of, *, autocast=False) -> tuple[list[float], dict]:
+    """STEPS SGD steps under DeepSpeed ZeRO-3; each step's loss averaged over the ranks, and the
+    final weights gathered."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH // dist.get_world_size(),
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,  # torch's SGD, as the other runs use
+        "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1 unless told otherwise
+        # Every parameter partitioned, none kept or prefetched: each is gathered only for its use.
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+                              "stage3_prefetch_bucket_size": 0},
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    losses = []
+    for ids in batches():
+        ids = shard_of(ids).to(device())
+        loss = forward_loss(engine, ids, autocast)
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())
+    params = list(model.parameters())
+    assert all(p.numel() == 0 for p in params), "ZeRO-3 left a parameter gathered after the step"
+    with deepspeed.zero.GatheredParameters(params):
+        state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, state
 
 
 def full_state(model) -> dict:
@@ -120,6 +183,23 @@ def main(out_path: str) -> None:
         fully_shard(model)
         results["fsdp2" + suffix] = {"losses": train(model, my_half, average_over_ranks=True),
                                      "state": full_state(model), "replays": replays(model)}
+
+        model = fresh_model(cuda_graphs)
+        losses, state = train_zero3(model, my_half)
+        results["zero3" + suffix] = {"losses": losses, "state": state, "replays": replays(model)}
+
+    # Under autocast, each rank's bf16 products of half a batch differ from one product of the whole
+    # batch by bf16 rounding; DDP on the same halves is the exact reference for ZeRO-3 there, with
+    # the q/k/v projections ungrouped as ZeRO-3 has them (shared_cast.py): a grouped node sums the
+    # three input gradients into one bf16 buffer, ungrouped autograd adds three bf16 tensors.
+    model = fresh_model()
+    ungroup_projections(model)
+    ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if ON_CUDA else None)
+    results["ddp_autocast"] = {"losses": train(ddp, my_half, average_over_ranks=True, autocast=True),
+                               "state": full_state(model)}
+    model = fresh_model()
+    losses, state = train_zero3(model, my_half, autocast=True)
+    results["zero3_autocast"] = {"losses": losses, "state": state}
 
     if rank == 0:
         torch.save(results, out_path)

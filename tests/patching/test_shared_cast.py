@@ -256,6 +256,8 @@ def test_sibling_on_another_input_or_alone(models):
     hidden = shared.config.hidden_size
     x1 = torch.randn(2, 5, hidden, device=DEVICE, requires_grad=True)
     x2 = torch.randn(2, 5, hidden, device=DEVICE, requires_grad=True)
+    cache = attention.q_proj._tigon_cast_cache
+    group = cache.group
     with torch.autocast(DEVICE.type, dtype=AUTOCAST):
         q = attention.q_proj(x1)
         k = attention.k_proj(x2)          # not what q_proj's node made k from: computed for x2
@@ -264,8 +266,11 @@ def test_sibling_on_another_input_or_alone(models):
         v_ref = reference.v_proj(x1)
     for out, ref in ((q, q_ref), (k, k_ref), (v_alone, v_ref)):
         assert torch.equal(out, ref) if DEVICE.type != "cuda" else torch.allclose(out, ref, rtol=1e-2, atol=1e-2)
-    (q.float().sum() + k.float().sum()).backward()  # v and two of each node's outputs unused
+    # k_proj, whose output waited, was called on another tensor: grouping ends (CastCache.take).
+    assert cache.group is None and v_alone.grad_fn is not q.grad_fn
+    (q.float().sum() + k.float().sum()).backward()  # v and two of the node's outputs unused
     x1.grad = x2.grad = None
+    cache.group = group
     with torch.autocast(DEVICE.type, dtype=AUTOCAST):
         attention.q_proj(x1)              # k and v of x1 wait
         with torch.no_grad():
@@ -273,6 +278,57 @@ def test_sibling_on_another_input_or_alone(models):
         k = attention.k_proj(x1)
         k_ref = reference.k_proj(x1)
         assert torch.equal(k, k_ref) if DEVICE.type != "cuda" else torch.allclose(k, k_ref, rtol=1e-2, atol=1e-2)
+
+
+def _grouped_nodes(model, ids):
+    """Loss and the number of distinct q/k/v nodes made for layer 0 in one forward."""
+    loss, outs = _qkv_outputs(model, ids)
+    return loss, len({id(o.grad_fn) for o in outs})
+
+
+def test_inputs_wrapped_per_projection_end_the_grouping():
+    """A forward pre-hook that hands each projection a tensor of its own (ZeRO-3's hooks do) would
+    make the q/k/v node once per projection: the first such call ends the grouping, and the losses
+    and gradients stay those of separate projections."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").to(DEVICE)
+    tigon.patch(model)
+    reference = copy.deepcopy(model)
+    for layer in reference.model.layers:
+        layer.self_attn.q_proj._tigon_cast_cache.group = None
+    for layer in model.model.layers:
+        for name in QKV_PROJECTIONS:
+            getattr(layer.self_attn, name).register_forward_pre_hook(lambda m, args: (args[0].view_as(args[0]),))
+    for step in range(2):
+        ids = _ids(step)
+        loss, nodes = _grouped_nodes(model, ids)
+        ref_loss, ref_nodes = _grouped_nodes(reference, ids)
+        assert nodes == ref_nodes == 3
+        _assert_same_loss(loss, ref_loss)  # step 0's q came from a (GPU: stacked) q/k/v node
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        ref_grads = torch.autograd.grad(ref_loss, list(reference.parameters()))
+        for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads, strict=True):
+            if DEVICE.type == "cuda":
+                assert_close(g, r, torch.bfloat16, name)
+            else:
+                assert torch.equal(g, r), name
+    assert all(layer.self_attn.q_proj._tigon_cast_cache.group is None for layer in model.model.layers)
+
+
+def test_zero3_parameters_are_not_grouped(monkeypatch):
+    """DeepSpeed ZeRO-3 parameters (they carry a ds_id) exist only while their own module runs:
+    q_proj's call must not read k_proj's and v_proj's weights, so each projection is its own node."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").to(DEVICE)
+    tigon.patch(model)
+    grouped = []
+    monkeypatch.setattr(shared_cast._AutocastQKV, "apply", lambda *a: grouped.append(1))
+    for p in model.parameters():
+        p.ds_id = 0
+    loss, nodes = _grouped_nodes(model, _ids())
+    assert nodes == 3 and not grouped
+    assert model.model.layers[0].self_attn.q_proj._tigon_cast_cache.group is not None  # only bypassed
+    loss.backward()
 
 
 def test_default_patch_under_gradient_checkpointing_matches():

@@ -27,6 +27,11 @@ first, so those gradients, and every gradient upstream of them, are nearer the e
 stock's, and a cast kernel per product is saved. Nothing changes
 outside autocast, without grad, under torch.compile (Inductor plans its own buffers), or for a
 projection that is not a plain ``nn.Linear`` (a LoRA wrapper keeps its own forward).
+
+Under DeepSpeed ZeRO-3 the projections are not grouped (each is an :class:`_AutocastLinear` with
+the shared cast): a ZeRO-3 parameter exists only while its own module runs, and ZeRO-3's hooks hand
+each projection a new tensor for its input, so a group made by q_proj would gather k_proj's and
+v_proj's weights early and be made again by each of them (:meth:`CastCache.take`).
 """
 
 from __future__ import annotations
@@ -211,9 +216,17 @@ class CastCache:
         self._pending_input, self._pending_version = weakref.ref(x), x._version
 
     def take(self, projection, x: torch.Tensor):
-        """The output made for ``projection`` from this very input, or None."""
+        """The output made for ``projection`` from this very input, or None.
+
+        A projection whose output waits here but that is called on another tensor stops the
+        grouping for good: something between the attention module and its projections hands each
+        of them an input of its own (a forward pre-hook that returns new tensors), and every call
+        would make q, k and v again.
+        """
         if self._pending and self._pending_input() is x and self._pending_version == x._version:
             return self._pending.pop(projection, None)
+        if projection in self._pending:
+            self.group = None
         self._pending = {}
         return None
 
@@ -254,7 +267,9 @@ def shared_cast_linear(self, input):
         return F.linear(input, self.weight, self.bias)
     cache = getattr(self, CACHE_ATTR)
     group = cache.group
-    in_group = group is not None and self in group
+    # DeepSpeed ZeRO-3 (its parameters carry a ds_id) gathers each projection's weight in that
+    # projection's own call and hands each call an input of its own: no grouping there.
+    in_group = group is not None and self in group and not hasattr(self.weight, "ds_id")
     if in_group:
         output = cache.take(self, input)
         if output is not None:
