@@ -128,6 +128,10 @@ def train_zero3(model, shard_of, *, autocast=False) -> tuple[list[float], dict]:
                               "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
                               "stage3_prefetch_bucket_size": 0},
     }
+    if autocast:
+        # The engine's forward turns a CUDA autocast off unless its config asks for one (the CPU's
+        # it leaves alone); no module's gradients reduced in bf16, as DDP reduces them in fp32.
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses = []
