@@ -23,8 +23,9 @@ weights again in the backward) ZeRO-3 runs once more, against DDP on the same ha
 process on the whole batch differs from both by the bf16 rounding of half-batch products.
 
 With ``TIGON_DIST_DEVICE=cuda`` (two GPUs or more) each rank trains on its own GPU under NCCL with
-the compiled kernels instead, and three runs are added: the same DDP, FSDP2 and ZeRO-3 runs of a
-model patched with ``cuda_graphs=True``. Under DDP its decoder layers replay captured graphs (the
+the compiled kernels instead, and four runs are added: the same DDP, FSDP2 and ZeRO-3 runs of a
+model patched with ``cuda_graphs=True``, and ZeRO-3 on a model built under ``deepspeed.zero.Init``
+and patched while partitioned. Under DDP its decoder layers replay captured graphs (the
 count of replays is saved); FSDP2's and ZeRO-3's sharded parameters make every layer run eagerly
 (no replay).
 """
@@ -113,12 +114,8 @@ def train(model, shard_of, *, average_over_ranks, autocast=False) -> list[float]
     return losses
 
 
-def train_zero3(model, shard_of, *, autocast=False) -> tuple[list[float], dict]:
-    """STEPS SGD steps under DeepSpeed ZeRO-3; each step's loss averaged over the ranks, and the
-    final weights gathered."""
-    import deepspeed
-
-    config = {
+def zero3_config() -> dict:
+    return {
         "train_micro_batch_size_per_gpu": BATCH // dist.get_world_size(),
         "gradient_accumulation_steps": 1,
         "zero_allow_untested_optimizer": True,  # torch's SGD, as the other runs use
@@ -128,6 +125,40 @@ def train_zero3(model, shard_of, *, autocast=False) -> tuple[list[float], dict]:
                               "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
                               "stage3_prefetch_bucket_size": 0},
     }
+
+
+def zero_init_model():
+    """The tiny Llama built by transformers under a ZeRO-3 config (``deepspeed.zero.Init``), given
+    the other runs' initial weights, then patched while its parameters are partitioned (empty,
+    their shapes in ``ds_shape``). GPU only: DeepSpeed 0.19's zero.Init fails on torch 2.13, the CPU
+    build CI installs; tests/patching/test_engine.py covers the patch of partitioned parameters on
+    the CPU."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    torch.manual_seed(0)
+    initial = {name: p.detach().clone() for name, p in tiny_model("llama").named_parameters()}
+    # While this object lives, transformers builds models under zero.Init (and initialises their
+    # weights gathered), as it does under a Trainer's ZeRO-3 config.
+    zero3 = HfDeepSpeedConfig(zero3_config())
+    model = tiny_model("llama")
+    del zero3
+    params = dict(model.named_parameters())
+    assert all(p.numel() == 0 for p in params.values())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+        if dist.get_rank() == 0:
+            for name, p in params.items():
+                p.copy_(initial[name])
+    tigon.patch(model)
+    return model
+
+
+def train_zero3(model, shard_of, *, autocast=False) -> tuple[list[float], dict]:
+    """STEPS SGD steps under DeepSpeed ZeRO-3; each step's loss averaged over the ranks, and the
+    final weights gathered."""
+    import deepspeed
+
+    config = zero3_config()
     if autocast:
         # The engine's forward turns a CUDA autocast off unless its config asks for one (the CPU's
         # it leaves alone); no module's gradients reduced in bf16, as DDP reduces them in fp32.
@@ -191,6 +222,11 @@ def main(out_path: str) -> None:
         model = fresh_model(cuda_graphs)
         losses, state = train_zero3(model, my_half)
         results["zero3" + suffix] = {"losses": losses, "state": state, "replays": replays(model)}
+
+    if ON_CUDA:
+        model = zero_init_model()
+        losses, state = train_zero3(model, my_half)
+        results["zero3_init"] = {"losses": losses, "state": state, "replays": replays(model)}
 
     # Under autocast, each rank's bf16 products of half a batch differ from one product of the whole
     # batch by bf16 rounding; DDP on the same halves is the exact reference for ZeRO-3 there, with

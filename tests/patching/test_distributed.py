@@ -95,11 +95,13 @@ def test_zero3_under_autocast_matches_ddp(runs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ("ddp", "fsdp2", "zero3", "ddp_graphs", "fsdp2_graphs", "zero3_graphs"))
+@pytest.mark.parametrize(
+    "mode", ("ddp", "fsdp2", "zero3", "ddp_graphs", "fsdp2_graphs", "zero3_graphs", "zero3_init")
+)
 def test_distributed_training_on_two_gpus_matches_one_process(gpu_runs, mode):
     """NCCL, one GPU a rank. With cuda_graphs=True, DDP's reducer sees the replayed gradients (every
     layer replayed on every step after the first's capture), and FSDP2 and ZeRO-3 run the layers
-    eagerly."""
+    eagerly. zero3_init: built under ``deepspeed.zero.Init`` and patched while partitioned."""
     _check_matches_one_process(gpu_runs, mode)
     if mode == "ddp_graphs":
         assert gpu_runs[mode]["replays"] > 0

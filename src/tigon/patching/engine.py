@@ -433,6 +433,13 @@ def _loss_lines(classes, switches):
     return []
 
 
+def _full_shape(parameter) -> tuple[int, ...]:
+    """A parameter's shape, also when DeepSpeed ZeRO-3 holds it partitioned: a model built under
+    ``deepspeed.zero.Init`` (transformers does so under a ZeRO-3 config) is patched while its
+    parameters are empty placeholders, their shapes in ``ds_shape``."""
+    return tuple(getattr(parameter, "ds_shape", parameter.shape))
+
+
 def _plan_rms_norms(plan, root, family, classes):
     from tigon.nn.norm import RMSNorm
 
@@ -444,7 +451,7 @@ def _plan_rms_norms(plan, root, family, classes):
         if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
             raise ValueError(f"{path} ({type(old).__name__}) has no 1-D weight Parameter")
         eps = _norm_eps(old, path)
-        size = weight.shape[0]
+        size = _full_shape(weight)[0]
         new = _on_meta(lambda n=size, e=eps: RMSNorm(n, e, offset=spec.offset, casting=spec.casting))
         new.weight = weight
         if _feeds_projections(sites, family, classes):
@@ -461,10 +468,10 @@ def _plan_layer_norms(plan, root, family, classes):
         _check_plain(old, classes.layer_norm, path)
         weight, bias = old._parameters.get("weight"), old._parameters.get("bias")
         shape = getattr(old, "normalized_shape", None)
-        if weight is None or weight.dim() != 1 or (shape is not None and tuple(shape) != tuple(weight.shape)):
+        if weight is None or weight.dim() != 1 or (shape is not None and tuple(shape) != _full_shape(weight)):
             raise ValueError(f"{path} ({type(old).__name__}) is not an affine LayerNorm over the last dim")
         eps = _norm_eps(old, path)
-        new = _on_meta(lambda w=weight, e=eps, b=bias: LayerNorm(w.shape[0], e, bias=b is not None))
+        new = _on_meta(lambda w=weight, e=eps, b=bias: LayerNorm(_full_shape(w)[0], e, bias=b is not None))
         new.weight = weight
         if bias is not None:
             new.bias = bias
