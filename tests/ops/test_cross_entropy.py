@@ -368,8 +368,6 @@ VARIANTS = {
     "hints_budget": dict(
         SMALL_STREAM, STREAM_PREFETCH=2, STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=256, STREAM_PROGRAMS_PER_SM=0.5
     ),
-    # pass 1 reads the row's tail evict_last and the rest evict_first (the split falls mid-row)
-    "keep_tail": dict(SMALL_STREAM, STREAM_PREFETCH=2, STREAM_L2_HINTS=True, STREAM_KEEP_TAIL_BYTES=96),
 }
 VARIANT_VOCAB = 101
 
@@ -408,8 +406,6 @@ def test_variants_select_their_geometry(variant):
         assert cfg.prefetch == 2 and cfg.first_read_policy == cfg.store_policy == ce_module.EVICT_NORMAL
     if variant == "prefetch1":
         assert cfg.prefetch == 1 and cfg.first_read_policy == ce_module.EVICT_LAST  # hinted (shipped hints)
-    if variant == "keep_tail":
-        assert cfg.first_read_policy == ce_module.EVICT_SPLIT and cfg.keep_tail == 96 // 2  # 2-byte logits
     # the fused linear loss's vocabulary chunks: one program a row (a few on the interpreter) in
     # blocks of CHUNK_BLOCK_V, softcap or not, never hinted ...
     for softcap in (False, True):
@@ -428,7 +424,7 @@ def test_variants_select_their_geometry(variant):
         softcap_cfg = ce_module.row_launch(5, width, device, softcap=True, streamed=streamed)
         assert softcap_cfg.single_block or softcap_cfg.prefetch == ce_module.STREAM_SOFTCAP_PREFETCH
         hinted = not streamed and ce_module.STREAM_L2_HINTS and not softcap_cfg.single_block
-        assert (softcap_cfg.first_read_policy in (ce_module.EVICT_LAST, ce_module.EVICT_SPLIT)) == hinted
+        assert (softcap_cfg.first_read_policy == ce_module.EVICT_LAST) == hinted
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -333,21 +333,6 @@ def _load_hinted(ptrs, mask, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _load_first(ptrs, mask, block_start, keep_from, POLICY: tl.constexpr):
-    """A pass-1 block load: :func:`_load_hinted`, or with POLICY 3 (EVICT_SPLIT) evict_last for the
-    blocks from column ``keep_from`` on (the row's tail, which pass 2 reads first) and evict_first
-    before it (blocks that other rows' traffic evicts before pass 2 comes back to them anyway)."""
-    if POLICY == 3:
-        if block_start >= keep_from:
-            x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
-        else:
-            x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        x = _load_hinted(ptrs, mask, POLICY)
-    return x
-
-
-@triton.jit
 def _store_hinted(ptrs, value, mask, POLICY: tl.constexpr):
     """tl.store with an L2 eviction hint (as :func:`_load_hinted`)."""
     if POLICY == 2:
@@ -358,7 +343,7 @@ def _store_hinted(ptrs, value, mask, POLICY: tl.constexpr):
 
 @triton.jit
 def _stream_stats(
-    row_in, in_col_stride, width, weight_ptr, m, s, wz, logit_scale, softcap, softcap_scale, keep_from,
+    row_in, in_col_stride, width, weight_ptr, m, s, wz, logit_scale, softcap, softcap_scale,
     BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, READ_POLICY: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     SOFTCAP_SHIFT: tl.constexpr,
@@ -377,30 +362,27 @@ def _stream_stats(
         for start in tl.range(0, width, BLOCK_V, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < width
-            l = _load_first(row_in + cols * in_col_stride, mask, start, keep_from, READ_POLICY).to(tl.float32)
+            l = _load_hinted(row_in + cols * in_col_stride, mask, READ_POLICY).to(tl.float32)
             m, s, wz, sums, wz_sums = _stats_block(
                 l, mask, cols, weight_ptr, m, s, wz, sums, wz_sums, logit_scale, softcap, softcap_scale,
                 HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
             )
     else:
         cols = tl.arange(0, BLOCK_V)
-        ahead = _load_first(row_in + cols * in_col_stride, cols < width, 0, keep_from, READ_POLICY)
+        ahead = _load_hinted(row_in + cols * in_col_stride, cols < width, READ_POLICY)
         if PREFETCH == 2:
             cols = BLOCK_V + tl.arange(0, BLOCK_V)
-            ahead2 = _load_first(row_in + cols * in_col_stride, cols < width, BLOCK_V, keep_from, READ_POLICY)
+            ahead2 = _load_hinted(row_in + cols * in_col_stride, cols < width, READ_POLICY)
         for start in range(0, width, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < width
             l = ahead.to(tl.float32)
             next_cols = cols + PREFETCH * BLOCK_V
-            next_start = start + PREFETCH * BLOCK_V
             if PREFETCH == 2:
                 ahead = ahead2
-                ahead2 = _load_first(row_in + next_cols * in_col_stride, next_cols < width, next_start, keep_from,
-                                     READ_POLICY)
+                ahead2 = _load_hinted(row_in + next_cols * in_col_stride, next_cols < width, READ_POLICY)
             else:
-                ahead = _load_first(row_in + next_cols * in_col_stride, next_cols < width, next_start, keep_from,
-                                    READ_POLICY)
+                ahead = _load_hinted(row_in + next_cols * in_col_stride, next_cols < width, READ_POLICY)
             m, s, wz, sums, wz_sums = _stats_block(
                 l, mask, cols, weight_ptr, m, s, wz, sums, wz_sums, logit_scale, softcap, softcap_scale,
                 HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
@@ -490,7 +472,6 @@ def cross_entropy_fwd_kernel(
     grad_ptr, grad_row_stride, grad_col_stride,         # (N, V) out: ∂loss/∂logits; may be logits itself
     loss_ptr,                                           # (N,) out, fp32: each row's α·ℓ + β·ζ
     num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap, softcap_scale,
-    keep_from,                                          # EVICT_SPLIT: first column of the row's kept tail
     BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
     ROW_PREFETCH: tl.constexpr,                                             # single-block rows: next row ahead
     PREFETCH: tl.constexpr, STAGES: tl.constexpr,                           # streamed rows: loads in flight
@@ -588,7 +569,7 @@ def cross_entropy_fwd_kernel(
             else:
                 m, s, wz = _stream_stats(
                     row_in, logits_col_stride, vocab, weight_ptr, m, s, wz, logit_scale, softcap,
-                    softcap_scale, keep_from, BLOCK_V, PREFETCH, STAGES, FIRST_READ_POLICY,
+                    softcap_scale, BLOCK_V, PREFETCH, STAGES, FIRST_READ_POLICY,
                     HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
                 )
                 lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
@@ -639,7 +620,7 @@ def cross_entropy_chunk_stats_kernel(
             s = tl.load(state_ptr + num_rows + row64)
             wz = tl.load(state_ptr + 2 * num_rows + row64)
             m, s, wz = _stream_stats(
-                row_in, 1, width, weight_ptr + col0, m, s, wz, logit_scale, softcap, softcap_scale, 0,
+                row_in, 1, width, weight_ptr + col0, m, s, wz, logit_scale, softcap, softcap_scale,
                 BLOCK_V, PREFETCH, STAGES, 0, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, SOFTCAP_SHIFT,
             )
             w_y, z_y, in_chunk = _target_terms(
@@ -872,10 +853,6 @@ STREAM_L2_BUDGET_BYTES = 0
 # and the gradient stores evict_first (never touched again by this kernel). Only where the rows in
 # flight take at most STREAM_HINTED_MAX_BYTES, or the rows are softcapped (above).
 STREAM_L2_HINTS = True
-# With the hints on, only the last STREAM_KEEP_TAIL_BYTES of each row are read evict_last in pass 1
-# (the blocks pass 2, walking backwards, reads first) and the rest evict_first; 0: the whole row
-# evict_last. Experiment (sixteenth session).
-STREAM_KEEP_TAIL_BYTES = 0
 # The vocabulary-chunk kernels of the fused linear loss (by classes: N rows × a chunk of a few
 # thousand classes, just written by the matmul) on chunks up to CHUNK_ROW_MAX_WIDTH wide: one
 # program per row, blocks of CHUNK_BLOCK_V over CHUNK_WARPS warps, CHUNK_PREFETCH blocks ahead.
@@ -907,7 +884,7 @@ SCALE_ROWS_BLOCK = 4096
 SCALE_ROWS_WARPS = 8
 
 # L2 eviction policies as the kernels take them (_load_hinted / _store_hinted).
-EVICT_NORMAL, EVICT_LAST, EVICT_FIRST, EVICT_SPLIT = 0, 1, 2, 3
+EVICT_NORMAL, EVICT_LAST, EVICT_FIRST = 0, 1, 2
 
 
 def tuning() -> tuple:
@@ -917,7 +894,7 @@ def tuning() -> tuple:
         SINGLE_PROGRAMS_PER_SM, SINGLE_ROW_PREFETCH, STREAM_BLOCK_V, STREAM_WARPS, STREAM_SOFTCAP_BLOCK_V,
         STREAM_SOFTCAP_WARPS, STREAM_PREFETCH, STREAM_WIDE_PREFETCH, STREAM_SOFTCAP_PREFETCH,
         STREAM_SOFTCAP_HINTED, STREAM_HINTED_MAX_BYTES, STREAM_STAGES, STREAM_PROGRAMS_PER_SM,
-        STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS, STREAM_KEEP_TAIL_BYTES, CHUNK_ROW_MAX_WIDTH, CHUNK_BLOCK_V, CHUNK_WARPS,
+        STREAM_L2_BUDGET_BYTES, STREAM_L2_HINTS, CHUNK_ROW_MAX_WIDTH, CHUNK_BLOCK_V, CHUNK_WARPS,
         CHUNK_PREFETCH,
     )
 
@@ -936,7 +913,6 @@ class RowLaunch:
     second_read_policy: int = EVICT_NORMAL
     store_policy: int = EVICT_NORMAL
     row_prefetch: bool = False  # single block: the next row loaded ahead
-    keep_tail: int = 0          # EVICT_SPLIT: columns at the row's end read evict_last in pass 1
 
 
 def row_launch(num_rows: int, width: int, device: torch.device, *, softcap: bool = False,
@@ -979,12 +955,8 @@ def _row_launch(num_rows, width, device, softcap, elem_bytes, streamed, knobs) -
         (softcap and STREAM_SOFTCAP_HINTED) or programs * width * elem_bytes <= STREAM_HINTED_MAX_BYTES
     )
     hints = (EVICT_LAST, EVICT_FIRST, EVICT_FIRST) if hinted and STREAM_L2_HINTS else (EVICT_NORMAL,) * 3
-    keep_tail = 0
-    if hints[0] == EVICT_LAST and STREAM_KEEP_TAIL_BYTES > 0 and width * elem_bytes > STREAM_KEEP_TAIL_BYTES:
-        hints = (EVICT_SPLIT, *hints[1:])
-        keep_tail = STREAM_KEEP_TAIL_BYTES // elem_bytes
     prefetch = STREAM_SOFTCAP_PREFETCH if softcap else STREAM_PREFETCH if hinted else STREAM_WIDE_PREFETCH
-    return RowLaunch(block_v, num_warps, False, programs, prefetch, STREAM_STAGES, *hints, keep_tail=keep_tail)
+    return RowLaunch(block_v, num_warps, False, programs, prefetch, STREAM_STAGES, *hints)
 
 
 def _programs(device: torch.device, per_sm: float) -> int:
@@ -1061,7 +1033,6 @@ def launch_cross_entropy_rows(
         out, out.stride(0), out.stride(1),
         loss_rows,
         num_rows, vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap_value, softcap_scale,
-        max(0, vocab - cfg.keep_tail),
         BLOCK_V=cfg.block_v, SINGLE_BLOCK=cfg.single_block, COMPUTE_GRAD=grad is not None,
         ROW_PREFETCH=cfg.row_prefetch, FIRST_READ_POLICY=cfg.first_read_policy,
         SECOND_READ_POLICY=cfg.second_read_policy,
