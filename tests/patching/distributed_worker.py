@@ -19,8 +19,9 @@ is that patched modules and the fused loss compose with the wrappers' hooks and 
 not kernel speed.
 
 Under bf16 autocast (where the attention projections share their input's cast and cast their
-weights again in the backward) ZeRO-3 runs once more, against DDP on the same half batches: one
-process on the whole batch differs from both by the bf16 rounding of half-batch products.
+weights again in the backward) ZeRO-3 and FSDP2 run once more, each against DDP on the same half
+batches: one process on the whole batch differs from them by the bf16 rounding of half-batch
+products.
 
 With ``TIGON_DIST_DEVICE=cuda`` (two GPUs or more) each rank trains on its own GPU under NCCL with
 the compiled kernels instead, and four runs are added: the same DDP, FSDP2 and ZeRO-3 runs of a
@@ -240,6 +241,17 @@ def main(out_path: str) -> None:
     model = fresh_model()
     losses, state = train_zero3(model, my_half, autocast=True)
     results["zero3_autocast"] = {"losses": losses, "state": state}
+    # FSDP2 gathers a whole decoder layer at once: its projections stay one q/k/v node, as under DDP.
+    model = fresh_model()
+    ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if ON_CUDA else None)
+    results["ddp_autocast_grouped"] = {"losses": train(ddp, my_half, average_over_ranks=True, autocast=True),
+                                       "state": full_state(model)}
+    model = fresh_model()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    results["fsdp2_autocast"] = {"losses": train(model, my_half, average_over_ranks=True, autocast=True),
+                                 "state": full_state(model)}
 
     if rank == 0:
         torch.save(results, out_path)

@@ -80,9 +80,17 @@ def test_distributed_training_matches_one_process(runs, mode):
     _check_matches_one_process(runs, mode)
 
 
+def test_fsdp2_under_autocast_matches_ddp(runs):
+    """bf16 autocast under FSDP2, which gathers a whole decoder layer: the q/k/v projections stay one
+    node, and match DDP on the same half batches with them grouped too."""
+    _check_matches_one_process(runs, "fsdp2_autocast", reference="ddp_autocast_grouped")
+
+
 @pytest.mark.gpu
-def test_zero3_under_autocast_on_two_gpus_matches_ddp(gpu_runs):
-    _check_matches_one_process(gpu_runs, "zero3_autocast", reference="ddp_autocast")
+@pytest.mark.parametrize("mode,reference", (("zero3_autocast", "ddp_autocast"),
+                                            ("fsdp2_autocast", "ddp_autocast_grouped")))
+def test_autocast_on_two_gpus_matches_ddp(gpu_runs, mode, reference):
+    _check_matches_one_process(gpu_runs, mode, reference=reference)
 
 
 def test_zero3_under_autocast_matches_ddp(runs):
