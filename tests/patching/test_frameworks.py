@@ -1,6 +1,6 @@
-"""A patched model inside the training frameworks users run: TRL's SFTTrainer and DPOTrainer and
-Lightning's Trainer train it to the same losses and weights as the stock model (fp32, so the
-comparison is tight).
+"""A patched model inside the training frameworks users run: TRL's SFTTrainer and DPOTrainer,
+transformers' Trainer with a DeepSpeed ZeRO-3 config, and Lightning's Trainer train it to the same
+losses and weights as the stock model (fp32, so the comparison is tight).
 
 TRL (1.x) replaces the CausalLM's forward with its own fused LM head (``trl.trainer.utils.
 add_fused_lm_head``: per-token log-probabilities in tiles, no logits), so under TRL tigon's
@@ -12,14 +12,19 @@ the test checks that nothing in the patch depends on transformers' Trainer.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import tigon
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, free_port
 from tests.patching.tiny import SEQ, VOCAB, rel, tiny_model
 
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 BATCH = 2
 LOSS_TOLERANCE = 1e-4  # the patching tests' bound for fp32 losses over optimizer steps
@@ -117,6 +122,30 @@ def test_trl_dpo_trainer_matches_stock(tmp_path):
     want = train(stock, "stock")
     got = train(patched, "tigon")
     _assert_same_training(got, want, patched, stock)
+
+
+def test_trainer_with_deepspeed_zero3_config_matches_stock(tmp_path):
+    """transformers' Trainer with a ZeRO-3 config (DeepSpeed through accelerate) and gradient
+    accumulation, in a process of its own (tests/patching/hf_deepspeed_worker.py)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "results.pt"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+        "MASTER_PORT": str(free_port()),
+    }
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "patching" / "hf_deepspeed_worker.py"), str(out)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    runs = torch.load(out)
+    want, got = runs["stock"], runs["tigon"]
+    assert len(got["losses"]) == len(want["losses"]) == 3
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        assert abs(g - w) <= LOSS_TOLERANCE * abs(w), (step, g, w)
+    assert want["losses"][-1] != want["losses"][0]
+    for name, w in want["state"].items():
+        assert rel(got["state"][name], w) <= WEIGHT_TOLERANCE, name
 
 
 def test_lightning_trainer_matches_stock(tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 import tigon
 from tests.helpers import DEVICE
-from tests.patching.tiny import SEQ, VOCAB, rel, tiny_model
+from tests.patching.tiny import PromptMaskedSamples, rel, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,23 +26,6 @@ LOSS_TOLERANCE = 1e-4  # the patching tests' bound for fp32 losses over optimize
 WEIGHT_TOLERANCE = 1e-4
 
 
-class _Samples(torch.utils.data.Dataset):
-    """Token ids with a prompt of 1..6 positions per sequence left out of the loss."""
-
-    def __init__(self, count: int):
-        gen = torch.Generator().manual_seed(7)
-        self.ids = torch.randint(3, VOCAB, (count, SEQ), generator=gen)
-        self.prompt = torch.randint(1, 7, (count,), generator=gen)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        labels = self.ids[i].clone()
-        labels[: self.prompt[i]] = -100
-        return {"input_ids": self.ids[i], "labels": labels}
-
-
 def _train(model, out_dir):
     args = transformers.TrainingArguments(
         output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=MICRO_BATCH,
@@ -51,7 +34,7 @@ def _train(model, out_dir):
         dataloader_num_workers=0, seed=0, data_seed=0, disable_tqdm=True,
     )
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=_Samples(STEPS * MICRO_BATCH * ACCUMULATION),
+        model=model, args=args, train_dataset=PromptMaskedSamples(STEPS * MICRO_BATCH * ACCUMULATION),
     )
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

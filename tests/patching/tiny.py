@@ -129,3 +129,21 @@ def train(model, steps: int, *, lr: float = 1e-2, seed: int = 0):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, first_grads
+
+
+class PromptMaskedSamples(torch.utils.data.Dataset):
+    """Token ids with a prompt of 1..6 positions per sequence left out of the loss (so the number of
+    trained tokens differs from sequence to sequence, as gradient accumulation's item count must see)."""
+
+    def __init__(self, count: int):
+        gen = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(3, VOCAB, (count, SEQ), generator=gen)
+        self.prompt = torch.randint(1, 7, (count,), generator=gen)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[: self.prompt[i]] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
