@@ -67,29 +67,44 @@ def _word_tokenizer():
     )
 
 
-def test_trl_sft_trainer_matches_stock(tmp_path):
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+def _trl_args(out_dir) -> dict:
+    """The TRL configs' shared arguments: fp32 on the test device, constant learning rate, a loss logged
+    each step, nothing saved or reported."""
+    return dict(
+        output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=DEVICE.type == "cpu", bf16=False, fp16=False, seed=0, data_seed=0,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
 
-    def train(model, name):
-        rows = [{"input_ids": ids.tolist()} for ids in _sequences(STEPS * BATCH)]
-        args = trl.SFTConfig(
-            output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH,
-            learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-            report_to=[], use_cpu=DEVICE.type == "cpu", bf16=False, fp16=False, max_length=SEQ,
-            seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        )
-        trainer = trl.SFTTrainer(
-            model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-            processing_class=_word_tokenizer(),
-        )
-        trainer.train()
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
+def _logged_losses(trainer) -> list[float]:
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _check_against_stock(train):
+    """``train(model, name)`` (logged losses) on the stock model and on its patched copy."""
     stock, patched = _models()
     want = train(stock, "stock")
     got = train(patched, "tigon")
     _assert_same_training(got, want, patched, stock)
+
+
+def test_trl_sft_trainer_matches_stock(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+
+    rows = [{"input_ids": ids.tolist()} for ids in _sequences(STEPS * BATCH)]
+
+    def train(model, name):
+        args = trl.SFTConfig(**_trl_args(tmp_path / name), max_length=SEQ)
+        return _logged_losses(trl.SFTTrainer(
+            model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+            processing_class=_word_tokenizer(),
+        ))
+
+    _check_against_stock(train)
 
 
 def test_trl_dpo_trainer_matches_stock(tmp_path):
@@ -105,23 +120,12 @@ def test_trl_dpo_trainer_matches_stock(tmp_path):
     rows = [{"prompt": words(4), "chosen": words(5), "rejected": words(5)} for _ in range(STEPS * BATCH)]
 
     def train(model, name):
-        args = trl.DPOConfig(
-            output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH,
-            learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-            report_to=[], use_cpu=DEVICE.type == "cpu", bf16=False, fp16=False, seed=0, data_seed=0,
-            dataloader_num_workers=0, disable_tqdm=True,
-        )
-        trainer = trl.DPOTrainer(
-            model=model, ref_model=copy.deepcopy(model), args=args,
+        return _logged_losses(trl.DPOTrainer(
+            model=model, ref_model=copy.deepcopy(model), args=trl.DPOConfig(**_trl_args(tmp_path / name)),
             train_dataset=datasets.Dataset.from_list(rows), processing_class=_word_tokenizer(),
-        )
-        trainer.train()
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        ))
 
-    stock, patched = _models()
-    want = train(stock, "stock")
-    got = train(patched, "tigon")
-    _assert_same_training(got, want, patched, stock)
+    _check_against_stock(train)
 
 
 def test_trainer_with_deepspeed_zero3_config_matches_stock(tmp_path):
@@ -176,7 +180,4 @@ def test_lightning_trainer_matches_stock(tmp_path):
         trainer.fit(module, loader)
         return module.losses
 
-    stock, patched = _models()
-    want = train(stock, "stock")
-    got = train(patched, "tigon")
-    _assert_same_training(got, want, patched, stock)
+    _check_against_stock(train)
