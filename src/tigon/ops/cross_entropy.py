@@ -1436,6 +1436,8 @@ def cross_entropy_reference(
     count = valid.sum()
     safe_t = torch.where(valid, t, torch.zeros_like(t))
     target_weight = (w[safe_t] * valid).sum() if w is not None else count.to(wide)
-    if count == 0:
-        return per_row.sum() * 0.0
-    return per_row.sum() / target_weight + zeta.sum() / count
+    # All ignored: both sums are 0 (so is their gradient), and dividing them by 1 instead of 0 gives
+    # the contract's 0. A select rather than an ``if count == 0``: that branch made torch.compile split
+    # the graph at a device-to-host sync, which the benchmark's compiled baseline then paid for.
+    nothing = count == 0
+    return per_row.sum() / torch.where(nothing, 1.0, target_weight) + zeta.sum() / torch.where(nothing, 1, count)
