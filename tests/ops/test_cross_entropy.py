@@ -100,6 +100,23 @@ def test_reference_matches_torch_weighted_smoothed_mean():
     assert torch.allclose(ours, torch_mean, rtol=1e-12, atol=0)
 
 
+
+@pytest.mark.parametrize("ignored", (2, 9), ids=("some_ignored", "all_ignored"))
+def test_reference_traces_into_one_graph(ignored):
+    """The benchmark compiles the reference as torch.compile's baseline: it must trace without a graph
+    break (a data-dependent branch was one, with a device-to-host sync that slowed the baseline), and
+    still give 0 with a zero gradient for an all-ignored batch, z-loss included."""
+    logits = randn(9, 13, requires_grad=True)
+    target = make_target((9,), 13, ignored=ignored)
+    fn = lambda x, t: cross_entropy_reference(x, t, z_loss=1e-3, softcap=20.0)
+    explained = torch._dynamo.explain(fn)(logits, target)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    loss = fn(logits, target)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    if ignored == 9:
+        assert loss.item() == 0.0 and not grad.any()
+
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
 @pytest.mark.parametrize("smoothing", (0.0, 0.2))
