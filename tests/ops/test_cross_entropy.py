@@ -292,16 +292,51 @@ def test_cross_entropy_inplace_backward():
 
 
 def test_cross_entropy_backward_twice():
-    """retain_graph: a second backward with another grad_output rescales the stored gradient."""
+    """retain_graph: each backward with another grad_output gets its own gradient, and the ones
+    returned before stay as they were (the first is the saved buffer itself, scaled in place)."""
     logits = randn(4, 30, requires_grad=True)
     target = make_target((4,), 30)
     loss = cross_entropy(logits, target, reduction="none")
+    returned = []
     for g in (randn(4), randn(4), torch.ones(4, device=DEVICE)):
         (dlogits,) = torch.autograd.grad(loss, logits, g, retain_graph=True)
         _, grads = fp64_reference(
             cross_entropy_reference, {"logits": logits}, g, target=target, reduction="none"
         )
-        assert_close(dlogits, grads["logits"], torch.float32, "dlogits")
+        returned.append((dlogits, grads["logits"]))
+    for dlogits, expected in returned:
+        assert_close(dlogits, expected, torch.float32, "dlogits")
+
+
+def test_cross_entropy_backward_twice_accumulates():
+    logits = randn(5, 30, requires_grad=True)
+    target = make_target((5,), 30)
+    loss = cross_entropy(logits, target)
+    loss.backward(retain_graph=True)
+    (loss * 2.0).backward()
+    _, grads = fp64_reference(cross_entropy_reference, {"logits": logits}, None, target=target)
+    assert_close(logits.grad, 3.0 * grads["logits"], torch.float32, "dlogits")
+
+
+def test_cross_entropy_backward_again_after_zero_or_changed_gradient():
+    """A backward that keeps the graph hands out a copy: neither a grad_output of 0 (gradcheck's
+    one-hot rows) nor changing what it returned affects the backwards after it."""
+    logits = randn(4, 30, requires_grad=True)
+    target = make_target((4,), 30)
+    loss = cross_entropy(logits, target, reduction="none")
+    _, grads = fp64_reference(cross_entropy_reference, {"logits": logits}, torch.ones(4, device=DEVICE),
+                              target=target, reduction="none")
+    one_hot = torch.zeros(4, device=DEVICE)
+    one_hot[2] = 1.0
+    (first,) = torch.autograd.grad(loss, logits, one_hot, retain_graph=True)
+    assert not first[[0, 1, 3]].any()
+    assert_close(first[2], grads["logits"][2], torch.float32, "dlogits row 2")
+    first.mul_(5.0)
+    (zero,) = torch.autograd.grad(loss, logits, torch.zeros(4, device=DEVICE), retain_graph=True)
+    assert not zero.any()
+    (last,) = torch.autograd.grad(loss, logits, torch.ones(4, device=DEVICE))
+    assert_close(last, grads["logits"], torch.float32, "dlogits")
+    assert not zero.any()
 
 
 def test_cross_entropy_no_grad():

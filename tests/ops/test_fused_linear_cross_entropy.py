@@ -216,15 +216,26 @@ def test_flce_backward_twice(plan):
     target = make_target((5,), 260)
     for reduction, shape in (("mean", ()), ("none", (5,))):
         loss = fused_linear_cross_entropy(x, w, target, reduction=reduction)
-        for _ in range(2):
+        returned = []
+        for _ in range(3):
             g = randn(*shape) if shape else randn(1).squeeze()
             dx, dw = torch.autograd.grad(loss, (x, w), g, retain_graph=True)
             _, grads = fp64_reference(
                 fused_linear_cross_entropy_reference, {"input": x, "linear_weight": w}, g, target=target,
                 reduction=reduction,
             )
+            returned.append((dx, dw, grads))
+        for dx, dw, grads in returned:  # the earlier gradients were not rescaled by the later backwards
             assert_close(dx, grads["input"], torch.float32, "dx")
             assert_close(dw, grads["linear_weight"], torch.float32, "dw")
+    loss = fused_linear_cross_entropy(x, w, target)
+    zero_dx, zero_dw = torch.autograd.grad(loss * 0.0, (x, w), retain_graph=True)
+    assert not zero_dx.any() and not zero_dw.any()
+    dx, dw = torch.autograd.grad(loss, (x, w))  # the zero above did not erase the saved gradients
+    _, grads = fp64_reference(fused_linear_cross_entropy_reference, {"input": x, "linear_weight": w}, None,
+                              target=target)
+    assert_close(dx, grads["input"], torch.float32, "dx")
+    assert_close(dw, grads["linear_weight"], torch.float32, "dw")
 
 
 def test_flce_out_of_range_target_raises():

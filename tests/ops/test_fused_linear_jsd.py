@@ -93,14 +93,18 @@ def test_fused_linear_jsd_3d_inputs_and_upstream_scale(small_chunks):
 
 
 def test_fused_linear_jsd_backward_repeated_upstream_factors(small_chunks):
-    """retain_graph with upstream factors 1, −2, 0.5: each backward scales the saved gradients from
-    whatever factor they last held, on the GPU (no host read of the factor)."""
+    """retain_graph with upstream factors 1, −2, 0.5: the first backward scales the saved gradients in
+    place on the GPU (no host read of the factor); later ones rescale copies, leaving what the first
+    returned as it was."""
     tensors = make_inputs(7, 12, 20, 300, torch.float32)
     loss = fused_linear_jsd(**tensors, beta=0.5)
     _, ref_grads = fp64_reference(lambda **kw: fused_linear_jsd_reference(**kw, beta=0.5), tensors, None)
     student = [tensors["student_input"], tensors["student_weight"]]
+    returned = []
     for factor in (1.0, -2.0, 0.5):
         grads = torch.autograd.grad(loss, student, torch.tensor(factor, device=DEVICE), retain_graph=True)
+        returned.append((factor, grads))
+    for factor, grads in returned:  # each kept its own factor: later backwards made new tensors
         for name, grad in zip(("student_input", "student_weight"), grads, strict=True):
             assert_close(grad, ref_grads[name] * factor, torch.float32, f"d{name} x {factor}")
 

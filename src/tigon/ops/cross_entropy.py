@@ -65,7 +65,8 @@ N targets and N fp32 losses). The register regime moves exactly that; the stream
 second read of each row, from L2 where it hits, from HBM (another N·V·b at worst) where it misses.
 ``grad_output`` is applied lazily in the backward, by a row-scaling kernel that skips every row
 whose factor is already applied: with ``grad_output == 1`` (the usual case) the backward is one
-launch and no traffic.
+launch and no traffic. A backward that keeps the graph (``retain_graph=True``) gets a scaled copy
+instead, so that later backwards still find the gradient as the forward left it (apply_grad_output).
 
 In-place. With ``inplace_backward=True`` the gradient overwrites the logits' storage (a
 ``torch.autograd.Function`` around the mutating op ``tigon::cross_entropy_fwd_``), saving N·V·b of
@@ -756,11 +757,12 @@ def scale_rows_kernel(
     num_cols,
     BLOCK: tl.constexpr,
 ):
-    """Row r becomes rows[r]·g/applied, so a backward run twice (retain_graph) stays right.
+    """Row r becomes rows[r]·g/applied (applied: the factor the row carries; see apply_grad_output).
 
     A row whose factor is already applied is left alone: with grad_output == 1 the kernel reads two
-    scalars per row and writes nothing. A row zeroed by an earlier g = 0 cannot be rescaled and
-    becomes NaN rather than silently wrong.
+    scalars per row and writes nothing. A row zeroed by an earlier g = 0 cannot be rescaled; it
+    becomes NaN rather than a finite wrong value (apply_grad_output never scales in place a gradient
+    that a later backward will read).
     """
     row = tl.program_id(0).to(tl.int64)
     g = tl.load(grad_output_ptr + row * grad_output_stride).to(tl.float32)
@@ -1230,6 +1232,29 @@ def scale_lazily(grad: torch.Tensor, grad_output: torch.Tensor, applied: torch.T
     return grad
 
 
+def apply_grad_output(ctx, grad_output: torch.Tensor, saved: list) -> list:
+    """The gradients saved by a loss's forward (for grad_output = 1), brought to ``grad_output``.
+
+    ``saved`` holds (gradient, applied) pairs, or None for a gradient not computed. A backward that
+    frees the graph (the usual one) is the last to read them: they are scaled in place and handed
+    out as they are, with no copy, and with grad_output == 1 with no pass over them
+    (:func:`scale_lazily`). A backward that keeps the graph (``retain_graph=True``, which gradcheck,
+    jacobians and ``autograd.grad`` before ``backward`` use) hands out scaled copies and leaves the
+    saved gradients untouched. So every later backward starts from them again, and whatever the
+    caller does with what it got (hold it, change it) changes nothing here. A grad_output of 0 in an
+    earlier backward is no exception. Under torch.compile the traced backward keeps the in-place path.
+    """
+    keep_graph = _KEEP_GRAPH is None or _KEEP_GRAPH()
+    if torch.compiler.is_compiling() or not keep_graph:
+        return [scale_lazily(g, grad_output, a) if g is not None else None for g, a in saved]
+    return [scale_lazily(g.clone(), grad_output, a.clone()) if g is not None else None for g, a in saved]
+
+
+# Whether the running backward keeps the graph (torch's own AOTAutograd asks the same); if a torch
+# lacks it, every backward is taken as keeping it (copies: right, at the cost of memory).
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Loss and gradient in the forward; the backward only applies grad_output (lazily)."""
 
@@ -1259,7 +1284,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         if not ctx.compute_grad:
             return (None,) * 12
         grad, applied = ctx.saved_tensors
-        return (scale_lazily(grad, grad_loss, applied),) + (None,) * 11
+        return tuple(apply_grad_output(ctx, grad_loss, [(grad, applied)])) + (None,) * 11
 
 
 # ------------------------------------------------------------------------------------ public functions

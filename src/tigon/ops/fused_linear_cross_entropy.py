@@ -57,10 +57,10 @@ from tigon.ops.cross_entropy import (
     CROSS_ENTROPY_FWD_INPLACE,
     REDUCTION_SCALES,
     RangeCheck,
+    apply_grad_output,
     check_loss_options,
     check_target,
     cross_entropy_reference,
-    scale_lazily,
 )
 
 # -------------------------------------------------------------------------------------- chunk planning
@@ -351,9 +351,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def _backward(ctx, grad_loss):
         if ctx.reduction != "none":
             dx, dw, db, applied_x, applied_w, applied_b = ctx.saved_tensors
-            dx = scale_lazily(dx, grad_loss, applied_x).view(ctx.input_shape) if dx is not None else None
-            dw = scale_lazily(dw, grad_loss, applied_w) if dw is not None else None
-            db = scale_lazily(db, grad_loss, applied_b) if db is not None else None
+            dx, dw, db = apply_grad_output(ctx, grad_loss, [(dx, applied_x), (dw, applied_w), (db, applied_b)])
+            dx = dx.view(ctx.input_shape) if dx is not None else None
             return (dx, dw, db) + (None,) * 13
         input, linear_weight, linear_bias, target, weight, scales, lse = ctx.saved_tensors
         x, w, b = _compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import TigonOp, as_fp32, cdiv, check_tensor, next_power_of_2, wrap_triton
-from tigon.ops.cross_entropy import scale_lazily
+from tigon.ops.cross_entropy import apply_grad_output
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -233,10 +233,9 @@ class _FusedLinearJSD(torch.autograd.Function):
         # factor with each row's applied one on the GPU and skips the rows that already hold it: no
         # pass over V·H then, and no host read of grad_output (an ``.item()`` here stalled the GPU
         # until the whole forward had run, every step), eager or compiled alike.
-        if grad_input is not None:
-            grad_input = scale_lazily(grad_input, grad_output, applied_input)
-        if grad_weight is not None:
-            grad_weight = scale_lazily(grad_weight, grad_output, applied_weight)
+        grad_input, grad_weight = apply_grad_output(
+            ctx, grad_output, [(grad_input, applied_input), (grad_weight, applied_weight)]
+        )
         return grad_input, grad_weight, None, None, None, None, None, None
 
 
