@@ -1244,8 +1244,8 @@ def apply_grad_output(ctx, grad_output: torch.Tensor, saved: list) -> list:
     caller does with what it got (hold it, change it) changes nothing here. A grad_output of 0 in an
     earlier backward is no exception. Under torch.compile the traced backward keeps the in-place path.
     """
-    keep_graph = _KEEP_GRAPH is None or _KEEP_GRAPH()
-    if torch.compiler.is_compiling() or not keep_graph:
+    # is_compiling first: Dynamo must not meet the C accessor while it traces.
+    if torch.compiler.is_compiling() or not (_KEEP_GRAPH is None or _KEEP_GRAPH()):
         return [scale_lazily(g, grad_output, a) if g is not None else None for g, a in saved]
     return [scale_lazily(g.clone(), grad_output, a.clone()) if g is not None else None for g, a in saved]
 
