@@ -100,7 +100,6 @@ def test_reference_matches_torch_weighted_smoothed_mean():
     assert torch.allclose(ours, torch_mean, rtol=1e-12, atol=0)
 
 
-
 @pytest.mark.parametrize("ignored", (2, 9), ids=("some_ignored", "all_ignored"))
 def test_reference_traces_into_one_graph(ignored):
     """The benchmark compiles the reference as torch.compile's baseline: it must trace without a graph
@@ -116,6 +115,7 @@ def test_reference_traces_into_one_graph(ignored):
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     if ignored == 9:
         assert loss.item() == 0.0 and not grad.any()
+
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
@@ -293,7 +293,7 @@ def test_cross_entropy_inplace_backward():
 
 def test_cross_entropy_backward_twice():
     """retain_graph: each backward with another grad_output gets its own gradient, and the ones
-    returned before stay as they were (the first is the saved buffer itself, scaled in place)."""
+    returned before stay as they were (a backward that keeps the graph hands out a scaled copy)."""
     logits = randn(4, 30, requires_grad=True)
     target = make_target((4,), 30)
     loss = cross_entropy(logits, target, reduction="none")

@@ -93,9 +93,8 @@ def test_fused_linear_jsd_3d_inputs_and_upstream_scale(small_chunks):
 
 
 def test_fused_linear_jsd_backward_repeated_upstream_factors(small_chunks):
-    """retain_graph with upstream factors 1, −2, 0.5: the first backward scales the saved gradients in
-    place on the GPU (no host read of the factor); later ones rescale copies, leaving what the first
-    returned as it was."""
+    """retain_graph with upstream factors 1, −2, 0.5: each backward hands out a copy scaled on the GPU
+    (no host read of the factor), and the ones returned before keep their own factor."""
     tensors = make_inputs(7, 12, 20, 300, torch.float32)
     loss = fused_linear_jsd(**tensors, beta=0.5)
     _, ref_grads = fp64_reference(lambda **kw: fused_linear_jsd_reference(**kw, beta=0.5), tensors, None)

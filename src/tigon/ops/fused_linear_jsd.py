@@ -232,7 +232,8 @@ class _FusedLinearJSD(torch.autograd.Function):
         # The loss is usually the graph's root (grad_output = 1). The row-scaling kernel compares the
         # factor with each row's applied one on the GPU and skips the rows that already hold it: no
         # pass over V·H then, and no host read of grad_output (an ``.item()`` here stalled the GPU
-        # until the whole forward had run, every step), eager or compiled alike.
+        # until the whole forward had run, every step), eager or compiled alike. A backward that keeps
+        # the graph scales copies instead (apply_grad_output).
         grad_input, grad_weight = apply_grad_output(
             ctx, grad_output, [(grad_input, applied_input), (grad_weight, applied_weight)]
         )
