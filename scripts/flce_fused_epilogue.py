@@ -10,7 +10,8 @@ that work instead: per-tile (max, Σ exp) statistics (no logits written), or the
 (softmax − onehot)·scale. Plain options only (no bias, weights, smoothing, z-loss or softcap); the
 logits are rounded to bf16 before the epilogue, as the cuBLAS path rounds them. At Qwen2.5-0.5B's head
 (N = 8192, H = 896, chunks of 4608 classes) it times cuBLAS + tigon's kernels against pointer-based
-tiles and persistent TMA tiles with warp specialisation. Findings:
+tiles and persistent TMA tiles with warp specialisation, each launch timed by the harness's
+``gpu_time`` (the seventeenth session's log: a CUDA-event loop with L2 flushed, before). Findings:
 benchmarks/results/tune_flce_fused-*-seventeenth.log (the TMA epilogues would save ~2 ms of 16; not
 enough to pass torch.compile's 12.9 ms, because by classes needs a fourth matmul).
 """
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 import tigon.ops  # noqa: F401
+from tigon.bench.harness import gpu_time
 from tigon.ops.cross_entropy import CHUNK_GRAD, CHUNK_STATS, REDUCTION_SCALES
 
 LOG2E = 1.4426950408889634
@@ -231,22 +233,6 @@ def check():
     print("tma grad err", ((out2.double() - ref_g).norm() / ref_g.norm()).item())
 
 
-def events_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
-
-
 POINTER_CONFIGS = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3))  # BM, BN, BK, warps, stages
 TMA_CONFIGS = (  # BM, BN, BK, warps, stages, flatten, warp_specialize
     (128, 256, 64, 8, 3, False, False), (128, 256, 64, 8, 3, True, False), (128, 256, 64, 8, 4, True, False),
@@ -262,9 +248,9 @@ def time_config(label, cfg, launch, x, wc, chunk, lse_t, target, scale_rows, flo
     m = torch.empty(tiles, n, device=x.device)
     s = torch.empty(tiles, n, device=x.device)
     try:
-        t1 = events_ms(lambda: launch(0, x, wc, chunk, cfg))
-        t2 = events_ms(lambda: launch(1, x, wc, chunk, cfg, m=m, s=s))
-        t3 = events_ms(lambda: launch(2, x, wc, chunk, cfg, lse=lse_t, target=target, scale=scale_rows))
+        t1 = gpu_time(lambda: launch(0, x, wc, chunk, cfg), 0.15)
+        t2 = gpu_time(lambda: launch(1, x, wc, chunk, cfg, m=m, s=s), 0.15)
+        t3 = gpu_time(lambda: launch(2, x, wc, chunk, cfg, lse=lse_t, target=target, scale=scale_rows), 0.15)
     except Exception as e:  # noqa: BLE001  (a tiling this Triton cannot compile: say so, go on)
         print(f"  {label} cfg {cfg}: {type(e).__name__} {str(e)[:160]}", flush=True)
         return
@@ -313,9 +299,9 @@ def bench():
         torch.mm(x, wc.t(), out=chunk)
         CHUNK_GRAD(chunk, target, None, scales, None, lse_t, 0, vocab, *opts)
 
-    t_mm = events_ms(cublas_mm)
+    t_mm = gpu_time(cublas_mm, 0.1)
     print(f"\nchunk {c}: cuBLAS mm {t_mm:.3f} ms ({flops / t_mm / 1e9:.0f} TF/s); + stats kernel "
-          f"{events_ms(cublas_stats):.3f}; + grad kernel {events_ms(cublas_grad):.3f}", flush=True)
+          f"{gpu_time(cublas_stats, 0.15):.3f}; + grad kernel {gpu_time(cublas_grad, 0.15):.3f}", flush=True)
     for cfg in POINTER_CONFIGS:
         time_config("triton", cfg, pointer_launch, x, wc, chunk, lse_t, target, scale_rows, flops)
     for cfg in TMA_CONFIGS:

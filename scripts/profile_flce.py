@@ -7,10 +7,12 @@ is slower than torch.compile (Qwen2.5-0.5B's H = 896, V = 151936, by classes; Ge
 H = 2304, V = 256000 with softcap 30, by tokens; N = 8192, bf16), it prints:
 
 1. one forward + backward of tigon and of the compiled reference under torch.profiler, each
-   kernel's count and total GPU time, grouped (GEMMs, cross-entropy kernels, the rest);
+   kernel's count and total GPU time, largest first;
 2. each matmul of the plan alone at its chunk shape, and the three whole-problem matmuls that
-   compile runs, with their rates (median of CUDA-event timings, L2 not flushed: the operands of
-   the chunked matmuls are in L2 in the loss as well only in part, so these are upper bounds).
+   compile runs, with their rates.
+
+Times are the harness's ``gpu_time`` (L2 flushed, launches queued behind a sleeping GPU). The
+seventeenth session's log was taken with a plain CUDA-event loop before this script used it.
 """
 
 from __future__ import annotations
@@ -21,25 +23,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tigon.ops  # noqa: F401
+from tigon.bench.harness import gpu_time
 from tigon.bench.specs.cross_entropy import _target
 
 flce = sys.modules["tigon.ops.fused_linear_cross_entropy"]
 DEVICE = "cuda"
 N = 8192
 SHAPES = (("Qwen2.5-0.5B", 896, 151936, None), ("Gemma-2-2B", 2304, 256000, 30.0))
-
-
-def median_ms(fn, reps=10) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
 
 
 def kernel_table(label, step) -> None:
@@ -57,7 +47,7 @@ def kernel_table(label, step) -> None:
 
 
 def gemm(label, flops, fn) -> None:
-    ms = median_ms(fn)
+    ms = gpu_time(fn, flops / 600e9)
     print(f"    {label:58s} {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TF/s")
 
 
@@ -80,7 +70,7 @@ def profile_shape(name, hidden, vocab, softcap) -> None:
         compiled(x, w, target).backward()
         x.grad = w.grad = None
 
-    print(f"  whole step: tigon {median_ms(tigon_step, 5):.3f} ms, compile {median_ms(compile_step, 5):.3f} ms")
+    print(f"  whole step: tigon {gpu_time(tigon_step, 16.0):.3f} ms, compile {gpu_time(compile_step, 16.0):.3f} ms")
     kernel_table("tigon", tigon_step)
     kernel_table("compile", compile_step)
 
