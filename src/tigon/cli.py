@@ -46,14 +46,34 @@ def cmd_env(_args) -> int:
         print("device        no CUDA device: kernels can only run under the Triton interpreter")
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     print(f"interpreter   {'on (TRITON_INTERPRET=1)' if interp else 'off'}")
+    print_families()
     return 0
+
+
+def print_families(log=print) -> bool:
+    """One line per model family: does its row check out on the installed transformers? False if
+    a family this transformers has does not."""
+    try:
+        import transformers
+    except ImportError:
+        log("families      transformers is not installed: tigon.patch is unavailable")
+        return True
+    from tigon.patching.status import all_family_statuses, format_status
+
+    log(f"families      tigon.patch's table against transformers {transformers.__version__}:")
+    statuses = all_family_statuses()
+    for status in statuses:
+        log("  " + format_status(status))
+    return all(status.ok is not False for status in statuses)
 
 
 def cmd_check(args) -> int:
     use_interpreter_without_gpu()
     from tigon.check import run_checks
 
-    return 0 if run_checks(args.ops or None) else 1
+    families_ok = True if args.ops else print_families()
+    ops_ok = run_checks(args.ops or None)
+    return 0 if families_ok and ops_ok else 1
 
 
 def cmd_bench(args) -> int:
@@ -82,10 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tigon", description="Exact fused Triton kernels for LLM training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("env", help="print versions, device and interpreter mode")
+    p = sub.add_parser("env", help="print versions, device, interpreter mode and each model family's status")
     p.set_defaults(func=cmd_env)
 
-    p = sub.add_parser("check", help="self-test: every op against its reference on this machine")
+    p = sub.add_parser("check", help="self-test: every model family's row, every op against its reference")
     p.add_argument("ops", nargs="*", help="only these ops (default: all)")
     p.set_defaults(func=cmd_check)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 
 import pytest
@@ -158,7 +159,7 @@ def test_instance_patch_changes_only_that_model():
         assert not any("forward" in vars(m) for m in untouched.modules())
     assert dict(vars(modeling_llama)) == module_globals  # no module global assigned
     assert torch.nn.functional.cross_entropy is cross_entropy
-    assert modeling_llama.LlamaAttention.forward.__globals__ is vars(modeling_llama)
+    assert inspect.unwrap(modeling_llama.LlamaAttention.forward).__globals__ is vars(modeling_llama)
     assert "post_init" not in vars(modeling_llama.LlamaForCausalLM)
     handle.revert()
 
@@ -166,8 +167,8 @@ def test_instance_patch_changes_only_that_model():
 def test_rope_copy_sees_tigon_only_through_its_own_globals():
     _, patched, handle = stock_and_patched("llama")
     attention = patched.model.layers[0].self_attn
-    fn = attention.forward.__func__
-    assert fn.__code__ is modeling_llama.LlamaAttention.forward.__code__
+    fn = inspect.unwrap(attention.forward.__func__)  # the body, under the decorators transformers puts on it
+    assert fn.__code__ is inspect.unwrap(modeling_llama.LlamaAttention.forward).__code__
     assert fn.__globals__ is not vars(modeling_llama)
     assert fn.__globals__["apply_rotary_pos_emb"] is not modeling_llama.apply_rotary_pos_emb
     assert modeling_llama.apply_rotary_pos_emb.__module__ == modeling_llama.__name__

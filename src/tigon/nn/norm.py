@@ -40,7 +40,14 @@ class RMSNorm(nn.Module):
 
     @property
     def eps(self) -> float:
+        """The epsilon, under the name Gemma's and OLMo's norms give it (Llama's: ``variance_epsilon``).
+        Both names read and write the one value the forward uses, as code that tunes a model's norms
+        (transformers' test utilities set ``eps`` on every ``*RMSNorm``) expects of either module."""
         return self.variance_epsilon
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self.variance_epsilon = value
 
     def output_dtype(self, hidden_states):
         """The ``out_dtype`` this norm gives ``rms_norm`` for this input: the autocast dtype where

@@ -47,7 +47,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import sys
 import types
 import warnings
 from collections import defaultdict
@@ -57,10 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import causal_mask, graphs, joins
+from tigon.patching import causal_mask, graphs, joins, wrappers
 from tigon.patching import loss as loss_path
 from tigon.patching.families import FAMILIES, Family
-from tigon.patching.layer_forward import LayerForward, checkpoints_in_class_forward
+from tigon.patching.layer_forward import LayerForward, checkpoint_wrappers, checkpoints_in_class_forward
 from tigon.patching.shared_cast import CACHE_ATTR, CastCache, shared_cast_linear
 
 logger = logging.getLogger("tigon.patching")
@@ -77,6 +76,12 @@ SWITCHES = {
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 OUTPUT_PROJECTION = "o_proj"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def supported_models() -> list[str]:
@@ -106,10 +111,17 @@ class _SetAttr:
 
 
 class _SwapModule:
-    """Put ``new`` wherever ``old`` sits in the tree (every (parent, name) site)."""
+    """Put ``new`` wherever ``old`` sits in the tree (every (parent, name) site).
+
+    ``new`` also gets the plain attributes of ``old`` that it lacks (an MLP's ``config``), the same
+    objects: code that reads a replaced module's attributes keeps working.
+    """
 
     def __init__(self, old, new, sites):
         self.old, self.new, self.sites = old, new, sites
+        for name, value in vars(old).items():
+            if not name.startswith("_") and name != "training" and not hasattr(new, name):
+                setattr(new, name, value)
 
     def apply(self):
         for parent, name in self.sites:
@@ -233,13 +245,14 @@ class _Classes:
     decoder_layer: type | None
 
 
-def _lookup(module, dotted: str):
+def _lookup(module, dotted: str, family: Family, part: str):
     obj = module
-    for part in dotted.split("."):
-        obj = getattr(obj, part, None)
+    for piece in dotted.split("."):
+        obj = getattr(obj, piece, None)
         if obj is None:
             raise ValueError(
-                f"{module.__name__} has no {dotted}: this transformers version does not match tigon's table"
+                f"{family.model_type}: {part}: {module.__name__} has no {dotted} in transformers "
+                f"{_transformers_version()}: this version does not match tigon's table"
             )
     return obj
 
@@ -250,28 +263,40 @@ def _resolve(family: Family) -> _Classes:
     except ImportError as err:
         raise ValueError(f"cannot import {family.module_name} ({family.model_type!r}): {err}") from err
 
-    def get(spec):
-        return None if spec is None else _lookup(module, spec if isinstance(spec, str) else spec.cls)
+    def get(spec, part):
+        return None if spec is None else _lookup(module, spec if isinstance(spec, str) else spec.cls, family, part)
 
     classes = _Classes(
         module=module,
-        causal_lm=get(family.causal_lm),
-        model=get(family.model),
-        norm=get(family.norm),
-        layer_norm=get(family.layer_norm),
-        mlp=get(family.mlp),
-        attention=get(family.attention),
-        decoder_layer=get(family.decoder_layer),
+        causal_lm=get(family.causal_lm, "loss"),
+        model=get(family.model, "loss"),
+        norm=get(family.norm, "rms_norm"),
+        layer_norm=get(family.layer_norm, "layer_norm"),
+        mlp=get(family.mlp, "mlp"),
+        attention=get(family.attention, "rope"),
+        decoder_layer=get(family.decoder_layer, "decoder layer"),
     )
     if classes.attention is not None:
-        code = classes.attention.forward.__code__
-        if ROTARY_NAME not in code.co_names or ROTARY_NAME not in classes.attention.forward.__globals__:
+        # The forward's body, through any decorators (5.24 wraps it in @deprecate_kwarg): a wrapper
+        # that does not call what it names raises here too.
+        try:
+            rotary = wrappers.calls_global(classes.attention.forward, ROTARY_NAME)
+        except wrappers.WrapperMismatch as err:
+            raise ValueError(f"{family.model_type}: rope: {classes.attention.__name__}.forward: {err}") from err
+        if not rotary:
             raise ValueError(
-                f"{classes.attention.__name__}.forward does not call the module-level {ROTARY_NAME}: "
-                "this transformers version does not match tigon's table"
+                f"{family.model_type}: rope: {classes.attention.__name__}.forward does not call the module-level "
+                f"{ROTARY_NAME} in transformers {_transformers_version()}: this version does not match tigon's table"
             )
+    # The forwards tigon copies or rewraps must show the body they run, through every decorator.
+    for part, cls in (("loss", classes.causal_lm), ("decoder layer", classes.decoder_layer)):
+        if cls is not None:
+            try:
+                wrappers.wrapper_chain(cls.forward)
+            except wrappers.WrapperMismatch as err:
+                raise ValueError(f"{family.model_type}: {part}: {cls.__name__}.forward: {err}") from err
     if family.router_aux_loss is not None:
-        _lookup(module, family.router_aux_loss)
+        _lookup(module, family.router_aux_loss, family, "loss")
     return classes
 
 
@@ -356,15 +381,24 @@ def _plan_joined_layers(plan, root, family, classes):
 
     layout = joins.LAYOUTS[family.joined_layer]
     layer_cls = classes.decoder_layer
-    if not joins.matches_forward(layer_cls.forward, layout.source):
+    try:
+        variant = joins.matched_variant(layer_cls.forward, layout.source)
+    except wrappers.WrapperMismatch as err:
+        raise ValueError(f"{family.model_type}: joined layer: {layer_cls.__name__}.forward: {err}") from err
+    if variant is None:
         # Another transformers version's layer: its own forward keeps running (with tigon's norms, as
         # any layer does); only the fused joins, which would replace that forward, are left out.
         warnings.warn(
-            f"tigon: {layer_cls.__name__}.forward is not the {family.joined_layer} forward tigon knows (another "
-            "transformers version?): its residual joins stay unfused; everything else is patched",
+            f"tigon: {layer_cls.__name__}.forward is not the {family.joined_layer} forward tigon knows (transformers "
+            f"{_transformers_version()}): its residual joins stay unfused; everything else is patched",
             stacklevel=4,
         )
         return
+    # tigon's body under the class forward's own decorators (5.24's @deprecate_kwarg), except the
+    # checkpointing wrapper, which LayerForward stands for on the instance.
+    forward = wrappers.rewrapped(
+        layer_cls.forward, layout.forward_for(layer_cls.forward), skip_outer=checkpoint_wrappers(layer_cls.forward)
+    )
     line = _joins_line(family, classes)
     for layer, _, path in _sites(root, layer_cls):
         if _is_tigon(_own_forward(layer)):
@@ -373,10 +407,10 @@ def _plan_joined_layers(plan, root, family, classes):
         norms = [layer._modules.get(name) for name in layout.norms]
         if not all(isinstance(norm, (classes.norm, RMSNorm)) for norm in norms):
             raise ValueError(f"{path}'s {'/'.join(layout.norms)} are not all {classes.norm.__name__} modules")
-        forward = LayerForward(
-            layer, types.MethodType(layout.forward, layer), checkpoint=checkpoints_in_class_forward()
+        instance_forward = LayerForward(
+            layer, types.MethodType(forward, layer), checkpoint=checkpoints_in_class_forward()
         )
-        plan.add(_SetAttr(layer, "forward", forward), line)
+        plan.add(_SetAttr(layer, "forward", instance_forward), line)
 
 
 class _GraphLayer:
@@ -607,33 +641,6 @@ def tigon_rotary():
     return apply_rotary_pos_emb
 
 
-def with_globals(fn, **names):
-    """A copy of ``fn`` that sees ``names`` in place of its module's globals of those names.
-
-    The copy's globals are those of a module of tigon's own, ``tigon._patched.<module>``: a copy of
-    ``fn``'s module namespace with the names replaced, registered in ``sys.modules``. The original
-    module, and every other function reading its globals, are untouched. A real module (rather than
-    a bare dict) matters under torch.compile: Dynamo guards a global by looking the name up on the
-    module that ``__name__`` names, so the namespace must be a module where the name resolves to the
-    function the copy actually calls.
-    """
-    source = sys.modules[fn.__globals__["__name__"]]
-    key = "tigon._patched." + source.__name__
-    namespace = sys.modules.get(key)
-    if namespace is None or any(namespace.__dict__.get(n) is not v for n, v in names.items()):
-        namespace = types.ModuleType(key)
-        namespace.__dict__.update(fn.__globals__)
-        namespace.__dict__.update(names)
-        namespace.__name__ = key
-        sys.modules[key] = namespace
-    copy = types.FunctionType(fn.__code__, namespace.__dict__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, key
-    copy.__dict__.update(fn.__dict__)
-    copy._tigon = True
-    return copy
-
-
 def _plan_rope(plan, root, family, classes):
     forward = None
     line = _rope_line(classes)
@@ -642,7 +649,7 @@ def _plan_rope(plan, root, family, classes):
             continue
         _check_plain(old, classes.attention, path)
         if forward is None:
-            forward = with_globals(classes.attention.forward, **{ROTARY_NAME: tigon_rotary()})
+            forward = wrappers.with_globals(classes.attention.forward, **{ROTARY_NAME: tigon_rotary()})
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
 

@@ -77,9 +77,10 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from tigon.patching.layer_forward import CACHE_KWARGS
+
 MAX_SIGNATURES = 2
 WARMUP_RUNS = 2
-CACHE_KWARGS = ("past_key_values", "layer_past")
 
 
 class _Token:

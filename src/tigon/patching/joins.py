@@ -34,9 +34,12 @@ gradient to the norm's dtype (Gemma-2-2B, 4096 tokens under autocast: ~0.3 GB mo
 a layer). Fused, the norm's backward adds the stream's own gradient in the kernel.
 
 The engine installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
-class's forward is, statement for statement, transformers' own (:func:`matches_forward`, on the AST,
-so comments and annotations do not matter). A transformers version that changed the layer keeps its
-own forward, joins unfused, and ``patch`` warns: it never runs another version's layer.
+class's forward, seen through its decorators, is statement for statement transformers' own in one of
+the known releases (:func:`matched_variant`, on the AST, so comments and annotations do not matter;
+the releases differ in the name of the cache argument, :data:`CACHE_NAMES`). The decorators of the
+class forward stay around tigon's (the engine rewraps it), so 5.24's ``@deprecate_kwarg`` still takes
+the old name. A transformers version that changed the layer keeps its own forward, joins unfused, and
+``patch`` warns: it never runs another version's layer.
 """
 
 from __future__ import annotations
@@ -48,11 +51,12 @@ from dataclasses import dataclass
 
 from tigon.ops.rms_norm import add_rms_norm
 from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
+from tigon.patching import wrappers
 
 # The body of transformers' LlamaDecoderLayer.forward, and of Mistral's, Qwen2/3's, Gemma's, SmolLM3's
-# and Qwen3-MoE's (5.17 to 5.23).
+# and Qwen3-MoE's (5.17 to 5.24; CACHE stands for the key/value cache's argument).
 PRE_NORM_FORWARD = '''
-def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+def forward(self, hidden_states, attention_mask=None, position_ids=None, CACHE=None, use_cache=False,
             position_embeddings=None, **kwargs):
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
@@ -61,7 +65,7 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, past_ke
         hidden_states=hidden_states,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
+        CACHE=CACHE,
         use_cache=use_cache,
         position_embeddings=position_embeddings,
         **kwargs,
@@ -76,10 +80,10 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, past_ke
     return hidden_states
 '''
 
-# The body of transformers' Gemma2DecoderLayer.forward / Gemma3DecoderLayer.forward (5.17 to 5.23).
+# The body of transformers' Gemma2DecoderLayer.forward / Gemma3DecoderLayer.forward (5.17 to 5.24).
 SANDWICH_FORWARD = '''
 def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-            past_key_values=None, **kwargs):
+            CACHE=None, **kwargs):
     residual = hidden_states
 
     hidden_states = self.input_layernorm(hidden_states)
@@ -89,7 +93,7 @@ def forward(self, hidden_states, position_embeddings=None, attention_mask=None, 
         position_embeddings=position_embeddings,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
+        CACHE=CACHE,
         **kwargs,
     )
     hidden_states = self.post_attention_layernorm(hidden_states)
@@ -103,16 +107,16 @@ def forward(self, hidden_states, position_embeddings=None, attention_mask=None, 
 
     return hidden_states
 '''
-# The body of transformers' Olmo2DecoderLayer.forward / Olmo3DecoderLayer.forward (5.17 to 5.23).
+# The body of transformers' Olmo2DecoderLayer.forward / Olmo3DecoderLayer.forward (5.17 to 5.24).
 POST_NORM_FORWARD = '''
-def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+def forward(self, hidden_states, attention_mask=None, position_ids=None, CACHE=None, use_cache=False,
             position_embeddings=None, **kwargs):
     residual = hidden_states
     hidden_states, _ = self.self_attn(
         hidden_states=hidden_states,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
+        CACHE=CACHE,
         use_cache=use_cache,
         position_embeddings=position_embeddings,
         **kwargs,
@@ -129,6 +133,11 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, past_ke
 '''
 
 
+# What the key/value cache argument is called, by transformers release: the one difference between the
+# releases in the layer forwards above (5.24 renamed it, with @deprecate_kwarg taking the old name).
+CACHE_NAMES = {"past_key_values": "5.17 to 5.23", "cache": "5.24 and later"}
+
+
 def _shape(fn_node: ast.FunctionDef) -> str:
     """What must match: the argument names and the statements, without annotations or defaults."""
     args = fn_node.args
@@ -137,14 +146,24 @@ def _shape(fn_node: ast.FunctionDef) -> str:
     return repr((names, rest)) + "".join(ast.dump(statement) for statement in fn_node.body)
 
 
-def matches_forward(forward, source: str) -> bool:
-    """Whether ``forward`` (a decoder layer class's) is the forward written in ``source``."""
+def matched_variant(forward, source: str) -> str | None:
+    """The cache argument name under which ``forward`` (a decoder layer class's, seen through its
+    decorators) is the forward written in ``source``; None when it is none of the known variants.
+
+    A decorator whose wrapper does not call the function it names raises (wrappers.WrapperMismatch).
+    """
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(wrappers.body(forward))))
     except (OSError, TypeError, SyntaxError):
-        return False
+        return None
     node = tree.body[0] if tree.body else None
-    return isinstance(node, ast.FunctionDef) and _shape(node) == _shape(ast.parse(source).body[0])
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    shape = _shape(node)
+    for name in CACHE_NAMES:
+        if shape == _shape(ast.parse(source.replace("CACHE", name)).body[0]):
+            return name
+    return None
 
 
 def _add_and_norm(norm, hidden_states, residual):
@@ -170,78 +189,77 @@ def _join_and_norm(post, pre, hidden_states, residual):
     )
 
 
-def pre_norm_layer_forward(
-    self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-    position_embeddings=None, **kwargs,
-):
+class AttentionArguments:
+    """What each layer forward above hands its attention: every named argument of the layer's forward
+    but ``hidden_states``, given or defaulted, plus the extra keywords. (The sources show it: each
+    passes all of them on, and nothing else.) Read from the class forward's own signature, so the
+    tigon forwards below need not name the cache argument, which moved between releases."""
+
+    def __init__(self, forward):
+        self.positional, self.defaults = wrappers.named_parameters(forward, skip=2)  # after self, hidden_states
+
+    def __call__(self, args, kwargs):
+        return wrappers.bind(self.positional, self.defaults, args, kwargs)
+
+
+def pre_norm_layer_forward(arguments: AttentionArguments):
     """transformers' pre-norm decoder layer (PRE_NORM_FORWARD) with its first join fused."""
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
-    hidden_states, residual = _add_and_norm(self.post_attention_layernorm, hidden_states, residual)
-    hidden_states = self.mlp(hidden_states)
-    return residual + hidden_states
+
+    def forward(self, hidden_states, *args, **kwargs):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **arguments(args, kwargs))
+        hidden_states, residual = _add_and_norm(self.post_attention_layernorm, hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+    return forward
 
 
-def sandwich_layer_forward(
-    self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, past_key_values=None,
-    **kwargs,
-):
+def sandwich_layer_forward(arguments: AttentionArguments):
     """transformers' sandwich decoder layer (SANDWICH_FORWARD) with its residual joins fused."""
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
-        position_embeddings=position_embeddings,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        **kwargs,
-    )
-    hidden_states, residual = _join_and_norm(
-        self.post_attention_layernorm, self.pre_feedforward_layernorm, hidden_states, residual
-    )
-    hidden_states = self.mlp(hidden_states)
-    return _join(self.post_feedforward_layernorm, hidden_states, residual)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **arguments(args, kwargs))
+        hidden_states, residual = _join_and_norm(
+            self.post_attention_layernorm, self.pre_feedforward_layernorm, hidden_states, residual
+        )
+        hidden_states = self.mlp(hidden_states)
+        return _join(self.post_feedforward_layernorm, hidden_states, residual)
+
+    return forward
 
 
-def post_norm_layer_forward(
-    self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-    position_embeddings=None, **kwargs,
-):
+def post_norm_layer_forward(arguments: AttentionArguments):
     """transformers' post-norm decoder layer (POST_NORM_FORWARD) with its residual joins fused."""
-    residual = hidden_states
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
-    residual = _join(self.post_attention_layernorm, hidden_states, residual)
-    hidden_states = self.mlp(residual)
-    return _join(self.post_feedforward_layernorm, hidden_states, residual)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **arguments(args, kwargs))
+        residual = _join(self.post_attention_layernorm, hidden_states, residual)
+        hidden_states = self.mlp(residual)
+        return _join(self.post_feedforward_layernorm, hidden_states, residual)
+
+    return forward
 
 
 @dataclass(frozen=True)
 class JoinedLayer:
-    """A layer layout: transformers' forward (source), the norms it calls, tigon's forward, and what
-    the patch report says."""
+    """A layer layout: transformers' forward (source, with CACHE for the cache argument's name), the
+    norms it calls, the maker of tigon's forward for a class forward, and what the patch report says."""
 
     source: str
     norms: tuple[str, ...]
-    forward: object
+    make_forward: object
     ops: str
+
+    def forward_for(self, class_forward):
+        """tigon's forward for a layer class whose forward is this layout's (decorators not included)."""
+        forward = self.make_forward(AttentionArguments(wrappers.body(class_forward)))
+        forward._tigon = True
+        return forward
 
 
 LAYOUTS = {
@@ -259,5 +277,3 @@ LAYOUTS = {
         "tigon.ops.rms_norm_add",
     ),
 }
-for _layout in LAYOUTS.values():
-    _layout.forward._tigon = True

@@ -14,15 +14,54 @@ supports: gradient checkpointing.
 
 :class:`LayerForward` checkpoints exactly as that wrapper does (``use_cache`` and the key/value cache
 dropped with transformers' own warning, then ``layer._gradient_checkpointing_func``) when the class
-forward is the checkpointing one, and is otherwise a plain call.
+forward is the checkpointing one, and is otherwise a plain call. What that wrapper does is read off
+the installed transformers, not assumed: 5.24 checkpoints only while gradients are enabled
+(:data:`CHECKPOINT_NEEDS_GRAD`), and the cache argument is ``past_key_values`` before 5.24 and ``cache``
+from it (:data:`CACHE_KWARGS` holds every name; a call carries only its release's).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import types
 
-CACHE_KWARGS = ("past_key_values", "layer_past")
+import torch
+
+# The key/value cache's keyword in a decoder layer's call: ``past_key_values`` to 5.23, ``cache`` from
+# 5.24, ``layer_past`` in some families.
+CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+
+
+def _checkpoint_wrapper_code():
+    """The code of the checkpointing wrapper transformers puts around decoder layers' forwards, or None
+    where it checkpoints in ``__call__`` (5.17 to 5.22)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - transformers without the class
+        return None
+    hook = vars(GradientCheckpointingLayer).get("__init_subclass__")
+    hook = getattr(hook, "__func__", hook)
+    for const in getattr(getattr(hook, "__code__", None), "co_consts", ()):
+        if isinstance(const, types.CodeType) and const.co_name == "forward_with_checkpointing":
+            return const
+    return None
+
+
+CHECKPOINT_WRAPPER_CODE = _checkpoint_wrapper_code()
+# Whether that wrapper checkpoints only while gradients are enabled (5.24: a forward without gradients,
+# as generation in training mode runs, keeps its cache).
+CHECKPOINT_NEEDS_GRAD = CHECKPOINT_WRAPPER_CODE is not None and "is_grad_enabled" in CHECKPOINT_WRAPPER_CODE.co_names
+
+
+def checkpoint_wrappers(forward) -> int:
+    """How many of ``forward``'s outermost decorators are transformers' checkpointing wrapper (which
+    :class:`LayerForward` stands for when it runs another forward on the instance)."""
+    count = 0
+    while getattr(forward, "__code__", None) is CHECKPOINT_WRAPPER_CODE is not None:
+        forward, count = forward.__wrapped__, count + 1
+    return count
 
 
 def checkpoints_in_class_forward() -> bool:
@@ -67,10 +106,13 @@ class LayerForward:
 
     def __init__(self, layer, inner, *, checkpoint: bool, graphs=None):
         self.layer, self.inner, self.checkpoint, self.graphs = layer, inner, checkpoint, graphs
+        # What inspect.signature reports for the layer's forward: the class's, as before the patch.
+        self.__signature__ = inspect.signature(types.MethodType(type(layer).forward, layer))
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
-        if self.checkpoint and layer.training and getattr(layer, "gradient_checkpointing", False):
+        if (self.checkpoint and layer.training and getattr(layer, "gradient_checkpointing", False)
+                and (torch.is_grad_enabled() or not CHECKPOINT_NEEDS_GRAD)):
             return _checkpointed(layer, self.inner, args, kwargs)
         if self.graphs is not None:
             return self.graphs(self.inner, args, kwargs)

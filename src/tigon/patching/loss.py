@@ -29,11 +29,14 @@ the logits (with its own softcapping and scaling) and tigon's cross-entropy redu
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tigon.patching import wrappers
 
 IGNORE_INDEX = -100
 
@@ -129,49 +132,42 @@ def _takes_target(lm_head) -> bool:
 
 
 def causal_lm_forward(family, modeling_module, stock_forward):
-    """The generic CausalLM forward for one family row (see the module docstring)."""
+    """The generic CausalLM forward for one family row (see the module docstring).
+
+    It takes its arguments as the stock forward's body names them (``cache`` from transformers 5.24,
+    ``past_key_values`` before), reports the stock signature to ``inspect.signature``, and the engine
+    wraps it in the stock forward's own decorators (``@can_return_tuple``, 5.24's ``@deprecate_kwarg``).
+    """
+    import dataclasses
+
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     load_balancing_loss = getattr(modeling_module, family.router_aux_loss) if family.router_aux_loss else None
+    stock_body = wrappers.body(stock_forward)
+    positional, defaults = wrappers.named_parameters(stock_body, skip=1)  # after self
+    output_class = CausalLMOutputWithPast if load_balancing_loss is None else MoeCausalLMOutputWithPast
+    # What the backbone's output hands on as is: the cache (under either name), hidden states, attentions.
+    passed_on = [f.name for f in dataclasses.fields(output_class)
+                 if f.name not in ("loss", "aux_loss", "logits", "router_logits")]
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        *,
-        logits_to_keep=0,
-        **kwargs,
-    ):
+    def forward(self, *args, **kwargs):
+        arguments = wrappers.bind(positional, defaults, args, kwargs)
+        labels = arguments.pop("labels", None)
         if not (self.training and labels is not None) or not _takes_target(self.lm_head):
-            return stock_forward(
-                self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
-                use_cache, logits_to_keep=logits_to_keep, **kwargs,
-            )
-        return_dict = kwargs.pop("return_dict", None)
+            return stock_body(self, *args, **kwargs)
+        logits_to_keep = arguments.pop("logits_to_keep", 0)
+        return_dict = arguments.pop("return_dict", None)
         if load_balancing_loss is not None:
-            output_router_logits = kwargs.pop("output_router_logits", None)
+            output_router_logits = arguments.get("output_router_logits")
             if output_router_logits is None:
                 output_router_logits = self.config.output_router_logits
-            kwargs["output_router_logits"] = output_router_logits
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
+            arguments["output_router_logits"] = output_router_logits
+        outputs = self.model(**arguments)
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)  # (B, T', H)
 
-        ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
-        num_items_in_batch = kwargs.get("num_items_in_batch")
-        target = shifted_targets(labels, kwargs.get("shift_labels"), ignore_index)  # (B, T')
+        ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
+        num_items_in_batch = arguments.get("num_items_in_batch")
+        target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
         softcap = self.config.final_logit_softcapping if family.final_logit_softcapping else None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         loss = self.lm_head(
@@ -184,27 +180,25 @@ def causal_lm_forward(family, modeling_module, stock_forward):
         )
         loss = _per_item(loss, num_items_in_batch)
 
-        common = dict(
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        common = {name: getattr(outputs, name, None) for name in passed_on}
         if load_balancing_loss is None:
-            out = CausalLMOutputWithPast(loss=loss, logits=None, **common)
+            out = output_class(loss=loss, logits=None, **common)
         else:
             aux_loss = None
             if output_router_logits:
                 aux_loss = load_balancing_loss(
-                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, arguments.get("attention_mask")
                 )
                 loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-            out = MoeCausalLMOutputWithPast(
-                loss=loss, aux_loss=aux_loss, logits=None, router_logits=outputs.router_logits, **common
-            )
+            out = output_class(loss=loss, aux_loss=aux_loss, logits=None, router_logits=outputs.router_logits, **common)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         return out if return_dict else out.to_tuple()
 
-    forward._tigon = True
+    forward.__signature__ = inspect.signature(stock_body)
+    forward.__name__, forward.__qualname__ = stock_body.__name__, stock_body.__qualname__
     forward.__doc__ = f"tigon's generic CausalLM forward ({family.model_type}); see tigon.patching.loss."
-    return forward
+    forward._tigon = True
+    wrapped = wrappers.rewrapped(stock_forward, forward)
+    wrapped._tigon = True
+    return wrapped
