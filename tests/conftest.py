@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: runs in scripts/gpu-check.sh on the H100")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords or "bigmem" in item.keywords:
             item.add_marker(skip)
 
 

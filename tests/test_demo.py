@@ -76,6 +76,7 @@ def test_gpu_demo_tiny_bf16_agrees(tmp_path, capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_gpu_demo_llama_1b_shaped_agrees_in_less_memory(tmp_path, capsys):
     # 4096 tokens: enough that the peak falls in the backward (logits and activations alive), not at
     # the end of it where weights, grads and AdamW moments alone set it for both runs alike.

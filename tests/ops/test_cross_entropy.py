@@ -595,6 +595,7 @@ def test_cross_entropy_benchmark_vocabularies(vocab, softcap):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_cross_entropy_int64_offsets():
     """More than 2**31 logits: row offsets are 64-bit, so the last rows are right."""
     vocab = 256000

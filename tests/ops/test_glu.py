@@ -217,6 +217,7 @@ def test_swiglu_bf16_forward_matches_eager_bits():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_glu_int64_offsets():
     """Past 2**31 elements (flat path and strided path): the tail is right."""
     rows, num_cols = 2**31 // 14336 + 8, 14336

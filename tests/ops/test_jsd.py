@@ -183,6 +183,7 @@ def test_jsd_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_jsd_int64_offsets():
     """More than 2**31 elements: the last rows' gradient is right."""
     vocab = 128256

@@ -186,6 +186,7 @@ def test_kl_div_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_kl_div_int64_offsets():
     """More than 2**31 elements: the last rows' loss and gradient are right."""
     vocab = 128256

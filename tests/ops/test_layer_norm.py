@@ -356,6 +356,7 @@ def test_layer_norm_torch_compile_fullgraph(hidden):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_layer_norm_int64_offsets():
     """More than 2**31 elements: offsets computed in 64 bit, so the last rows are right."""
     hidden = 4096

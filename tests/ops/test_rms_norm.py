@@ -562,6 +562,7 @@ def test_rms_norm_split_rows_gpu(knobs, fn):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_rms_norm_int64_offsets():
     """More than 2**31 elements: offsets computed in 64 bit, so the last rows are right."""
     hidden = 4096

@@ -255,6 +255,7 @@ def test_torch_compile_fullgraph(hidden):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_int64_offsets():
     """More than 2**31 elements: offsets in 64 bit, so the last rows are right, forward and backward."""
     hidden = 4096

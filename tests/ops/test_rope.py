@@ -428,6 +428,7 @@ def test_rope_torch_compile_fullgraph(unsqueeze_dim, tiling, output_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_rope_int64_offsets(tiling):
     """q past 2**31 elements: the last positions of the last heads are rotated right."""
     head_dim, hq, hk = 128, 32, 8
