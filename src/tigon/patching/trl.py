@@ -219,10 +219,10 @@ def _nested_code(code, name):
 def _differences(utils, original) -> list[str]:
     """What in this TRL differs from the head tigon recognises (empty: recognised)."""
     kernels = importlib.import_module(original.__module__)
-    add_head = inspect.unwrap(getattr(utils, "add_fused_lm_head", None) or (lambda: None))
+    add_head = inspect.unwrap(getattr(utils, "add_fused_lm_head", None))
     found = []
-    if getattr(add_head, "__name__", None) != "add_fused_lm_head":
-        return [f"{TRL_UTILS}.add_fused_lm_head is missing"]
+    if not inspect.isfunction(add_head):
+        return [f"{TRL_UTILS}.add_fused_lm_head is missing or not a function"]
     if add_head.__globals__ is not vars(utils):
         found.append(f"add_fused_lm_head is not defined in {TRL_UTILS}, whose {HEAD_GLOBAL} tigon replaces")
     caller = _nested_code(add_head.__code__, HEAD_CALLER)
