@@ -200,6 +200,23 @@ def test_fused_forward_matches_trl(compact, monkeypatch):
         assert not field[~mask].any(), f"{name} is not zero where the label is -100"
 
 
+def test_fused_forward_all_labels_masked(monkeypatch):
+    """The compact path with no label at all (an all-prompt microbatch): zero tokens reach the head,
+    and the loss is still a differentiable zero, as with TRL's function."""
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
+    torch.manual_seed(0)
+    model = tiny_model("llama").to(DEVICE)
+    trl.trainer.utils.add_fused_lm_head(model, outputs=ALL_OUTPUTS)
+    ids, labels = _labels()
+    labels[:] = -100
+    want = _fused_run(model, ids, labels)
+    with tigon.patch_trl():
+        got = _fused_run(model, ids, labels)
+    assert got[0].item() == 0 and want[0].item() == 0
+    _assert_outputs_match(got[1], want[1], torch.float32)
+    assert got[2].keys() == want[2].keys() and all(not g.any() for g in got[2].values())
+
+
 def test_fused_forward_cast_lm_head_to_fp32_under_autocast():
     """GRPO's ``cast_lm_head_to_fp32``: the head's weight in fp32, the hidden states cast to fp32
     and autocast off around the head, the backbone in bf16 autocast."""
