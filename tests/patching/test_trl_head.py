@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import tigon
-from tests.helpers import DEVICE, ON_GPU
+from tests.helpers import DEVICE, ON_GPU, free_port
 from tests.patching.tiny import SEQ, VOCAB, rel, tiny_model
 
 trl = pytest.importorskip("trl")
@@ -27,6 +31,7 @@ trl_utils = importlib.import_module("trl.trainer.utils")
 trl_kernels = importlib.import_module("trl.kernels.chunked_logprob")
 from tigon.patching import trl as tigon_trl  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 TRL_HEAD = trl_kernels.ChunkedLogProbFunction
 ALL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 OPTIONAL = ALL_OUTPUTS[1:]
@@ -184,9 +189,9 @@ def _assert_fused_match(got, want, dtype=torch.float32, what=""):
 def test_fused_forward_matches_trl(compact, monkeypatch):
     """A Gemma-2-like model (final-logit softcap) with temperature; -100 labels give zeros. On the CPU
     TRL scores every position with its label clamped to 0; ``compact`` forces the CUDA path (only
-    labelled positions, one row with none), with TRL's own function still on its torch fallback."""
-    if compact:
-        monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
+    labelled positions, one row with none), with TRL's own function still on its torch fallback (on
+    CUDA, its Triton kernels on either path)."""
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: compact)
     torch.manual_seed(0)
     model = tiny_model("gemma2").to(DEVICE)
     trl.trainer.utils.add_fused_lm_head(model, temperature=0.8, outputs=ALL_OUTPUTS)
@@ -361,6 +366,31 @@ def test_grpo_trainer(tmp_path):
                                train_dataset=datasets.Dataset.from_list(rows), processing_class=_word_tokenizer())
 
     _check_trainer(make, tmp_path, with_backbone=True)
+
+
+def test_zero3_head(tmp_path):
+    """DeepSpeed ZeRO-3 (one process, tests/patching/trl_zero3_worker.py): the head's weight gathered
+    by TRL around the call; the same losses, outputs and weights with TRL's function and tigon's."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "results.pt"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+        "MASTER_PORT": str(free_port()),
+    }
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "patching" / "trl_zero3_worker.py"), str(out)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    runs = torch.load(out)
+    want, got = runs["trl"], runs["tigon"]
+    for g, w in zip(got["losses"], want["losses"], strict=True):
+        assert abs(g - w) <= TRAIN_TOLERANCE * abs(w)
+    for step_got, step_want in zip(got["fields"], want["fields"], strict=True):
+        _assert_outputs_match([step_got[n] for n in ALL_OUTPUTS], [step_want[n] for n in ALL_OUTPUTS],
+                              torch.float32, "zero3 ")
+    for name, w in want["state"].items():
+        assert rel(got["state"][name], w) <= TRAIN_TOLERANCE, name
 
 
 # ------------------------------------------------------------------------------------ the patch itself

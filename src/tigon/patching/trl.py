@@ -49,10 +49,13 @@ TRL                                  tigon
 A field not in ``outputs`` is None, as in TRL; ``log_probs`` is always computed.
 
 ZeRO-3: TRL's function gathers the partitioned head again in its backward, which recomputes the
-logits. tigon's op saves its inputs for its backward, and by then DeepSpeed has released the
-weight's data; so for a partitioned weight the op runs inside ``_GatheredInBackward``, whose backward
-enters TRL's ``maybe_gather_lm_head_ctx`` and runs the op's own backward inside it. Other weights
-(plain, FSDP2's gathered ``full_tensor()``) call the op directly.
+logits, since DeepSpeed may have released the weight's data after the call. tigon's op recomputes
+its chunks from the weight it saved, so for a partitioned weight (a ``ds_id`` attribute) the op runs
+inside ``_GatheredInBackward``, whose backward enters TRL's ``maybe_gather_lm_head_ctx`` and runs
+the op's own backward inside it: the weight is gathered exactly when TRL's function would have it
+gathered. (DeepSpeed 0.19 also registers a weight read outside its module with the running root
+module, which keeps it gathered through that module's backward; the re-gather does not rely on it.)
+Other weights (plain ones, FSDP2's gathered ``full_tensor()``) go to the op directly.
 
 Recognising the head: ``patch_trl`` reads TRL's source (through ``inspect.unwrap``, so decorators do
 not hide it) and requires the statements above and those that define each output, as TRL 1.16
