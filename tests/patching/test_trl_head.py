@@ -271,7 +271,7 @@ def _args(config_cls, out_dir, **extra):
         output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=DEVICE.type == "cpu", bf16=False, fp16=False, seed=0, data_seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, **extra,
+        dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False, **extra,
     )
 
 
