@@ -194,7 +194,7 @@ class TigonLogProbHead:
         # TRL: HAS_SOFTCAP = (cap is not None), softcap = cap or 1.0
         softcap = None if final_logit_softcapping is None else (final_logit_softcapping or 1.0)
         args = (targets, temperature, softcap, logit_scale, tuple(outputs))
-        if hasattr(weight, "ds_id"):  # a DeepSpeed ZeRO-3 parameter, gathered only while the head runs
+        if hasattr(weight, "ds_id") and torch.is_grad_enabled():  # ZeRO-3: gathered only while the head runs
             return _GatheredInBackward.apply(hidden, weight, bias, *args)
         return _token_stats(hidden, weight, bias, *args)
 
