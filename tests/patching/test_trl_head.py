@@ -66,12 +66,14 @@ def _head_inputs(dtype, *, bias, tokens=40, hidden=32, vocab=VOCAB, scale=1.0, w
     return h, w, b, targets, grads
 
 
-def _run_head(head, inputs, options, outputs):
-    """Every output and the gradients of ``Σ g1·log_probs + g2·entropy`` to hidden, weight, bias."""
+def _run_head(head, inputs, options, outputs, chunk_size=64):
+    """Every output and the gradients of ``Σ g1·log_probs + g2·entropy`` to hidden, weight, bias.
+    ``chunk_size``: TRL's vocabulary tile (64: three tiles of the tiny vocabulary, so that TRL's
+    running statistics merge across tiles)."""
     h, w, b, targets, grads = inputs
     params = [x for x in (h, w, b) if x is not None]
-    out = head.apply(h, w, b, targets, options["temperature"], 64, options["softcap"], options["logit_scale"],
-                     outputs)
+    out = head.apply(h, w, b, targets, options["temperature"], chunk_size, options["softcap"],
+                     options["logit_scale"], outputs)
     loss = (out[0] * grads[0]).sum()
     if out[1] is not None:
         loss = loss + (out[1] * grads[1]).sum()
@@ -492,7 +494,9 @@ def test_head_matches_trl_triton_kernel_on_cuda(dtype):
     """On CUDA TRL's function runs its Triton kernels and its cuBLAS tiles in the compute dtype."""
     assert ON_GPU and trl_kernels._use_triton(DEVICE)
     inputs = _head_inputs(dtype, bias=True, tokens=5000, hidden=256, vocab=40000, scale=2.0)
-    want, want_grads = _run_head(TRL_HEAD, inputs, OPTIONS["softcap_scale"], ALL_OUTPUTS)
+    # TRL's own tiles: two token tiles (4096 a tile), two vocabulary tiles
+    want, want_grads = _run_head(TRL_HEAD, inputs, OPTIONS["softcap_scale"], ALL_OUTPUTS,
+                                 chunk_size=trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)
     got, got_grads = _run_head(tigon_trl.TigonLogProbHead, inputs, OPTIONS["softcap_scale"], ALL_OUTPUTS)
     _assert_outputs_match(got, want, dtype)
     for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads, strict=True):
