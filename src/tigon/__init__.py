@@ -20,6 +20,7 @@ _LAZY = {
     "Patch": ("tigon.patching", "Patch"),
     "supported_models": ("tigon.patching", "supported_models"),
     "AutoModelForCausalLM": ("tigon.patching", "AutoModelForCausalLM"),
+    "patch_trl": ("tigon.patching.trl", "patch_trl"),
 }
 
 __all__ = ["__version__", *_LAZY]

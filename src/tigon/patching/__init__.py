@@ -8,5 +8,6 @@ row to a model instance or to a ``model_type``'s classes, ``loss.py`` the generi
 from tigon.patching.auto import AutoModelForCausalLM
 from tigon.patching.engine import SWITCHES, Patch, patch, supported_models
 from tigon.patching.families import FAMILIES, Family
+from tigon.patching.trl import patch_trl
 
-__all__ = ["FAMILIES", "SWITCHES", "AutoModelForCausalLM", "Family", "Patch", "patch", "supported_models"]
+__all__ = ["FAMILIES", "SWITCHES", "AutoModelForCausalLM", "Family", "Patch", "patch", "patch_trl", "supported_models"]
