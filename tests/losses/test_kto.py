@@ -10,7 +10,6 @@ from tests.losses.common import check_loss, make_batch, reference_model
 from tigon.losses import kto_loss
 
 ROWS, TOKENS, HIDDEN, VOCAB = 7, 8, 24, 37  # odd R: KTO's rows are unpaired
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def labels(rows=ROWS):
@@ -25,8 +24,8 @@ def with_reference(batch, variant):
     return batch
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", ("model", "ref_logps", "none"))
+@pytest.mark.parametrize("dtype,variant", [(torch.float32, "model"), (torch.float32, "ref_logps"),
+                                           (torch.float32, "none"), (torch.bfloat16, "model")], ids=str)
 def test_kto(dtype, variant):
     tensors = with_reference(make_batch(ROWS, TOKENS, HIDDEN, VOCAB, dtype=dtype), variant)
     tensors["preference_labels"] = labels()
