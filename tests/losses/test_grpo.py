@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, randn
-from tests.losses import reference
 from tests.losses.common import check_loss, make_batch
-from tigon.losses import grpo_loss
+from tigon.losses import grpo_loss, reference
 
 ROWS, TOKENS, HIDDEN, VOCAB = 5, 9, 24, 37
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -37,8 +36,15 @@ def rl_batch(dtype=torch.float32, *, old=True, ref=True):
 
 
 def test_clipping_clips_on_both_sides():
-    _, ref = check_loss(grpo_loss, reference.grpo, rl_batch(), dtype=torch.float32)
-    assert ref["clipped_low"] > 0 and ref["clipped_high"] > 0
+    batch = rl_batch()
+    out, _ = check_loss(grpo_loss, reference.grpo, batch, dtype=torch.float32)
+    counted = batch["target"] != -100
+    rho = torch.exp(policy_logps(batch) - batch["old_logps"])
+    advantage = batch["advantages"].unsqueeze(1)
+    low = ((rho < 0.8) & (advantage < 0) & counted).sum().item()
+    high = ((rho > 1.2) & (advantage > 0) & counted).sum().item()
+    assert low > 0 and high > 0
+    assert out.clip_ratio.item() == pytest.approx((low + high) / counted.sum().item())
 
 
 # every loss type off-policy with the KL term and on-policy without it, in fp32; two in bf16 (the other

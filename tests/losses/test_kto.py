@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, randn
-from tests.losses import reference
 from tests.losses.common import check_loss, make_batch, reference_model
-from tigon.losses import kto_loss
+from tigon.losses import kto_loss, reference
 
 ROWS, TOKENS, HIDDEN, VOCAB = 7, 8, 24, 37  # odd R: KTO's rows are unpaired
 

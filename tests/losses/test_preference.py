@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, randn
-from tests.losses import reference
 from tests.losses.common import check_loss, make_batch, reference_model
-from tigon.losses import cpo_loss, dpo_loss, orpo_loss, simpo_loss
+from tigon.losses import cpo_loss, dpo_loss, orpo_loss, reference, simpo_loss
 
 ROWS, TOKENS, HIDDEN, VOCAB = 6, 9, 24, 37  # B = 3 pairs
 DTYPES = (torch.float32, torch.bfloat16)

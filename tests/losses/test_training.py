@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE
-from tests.losses import reference
-from tigon.losses import cpo_loss, dpo_loss, grpo_loss, kto_loss, orpo_loss, simpo_loss
+from tigon.losses import cpo_loss, dpo_loss, grpo_loss, kto_loss, orpo_loss, reference, simpo_loss
 
 ROWS, TOKENS, HIDDEN, VOCAB = 4, 6, 8, 16
 STEPS, LR = 20, 0.5

@@ -28,6 +28,8 @@ the head ``linear_weight`` (V, H) (and ``linear_bias``) and shifted next-token i
 head does all the heavy work (chunked matmuls, fp32 softmax, gradients into input, weight and
 bias); each loss is a few fp32 torch ops on the (R, T) log-probs. They return a
 :class:`LossOutput`: ``.loss`` (fp32 scalar with gradient) and detached fp32 metrics.
+:mod:`tigon.losses.reference` holds their plain-torch references (logits held whole), which the
+tests and the benchmarks import.
 """
 
 from tigon.losses import distillation

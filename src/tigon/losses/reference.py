@@ -1,8 +1,12 @@
-"""Plain-torch references for tigon.losses, written from API.md's formulas (not from the package).
+"""Plain-torch references of the post-training losses, written from API.md's formulas.
 
-They materialise the ``[R, T, V]`` logits, in the dtype of what they are given: float64 leaves for
-the exactness tests, float32 for the "plain torch" side of the training runs. Each returns a dict:
-``loss`` and the metrics API.md names for that loss.
+They share no code with the fused implementations: they hold the ``[R, T, V]`` logits whole
+(``F.linear``, then ``log_softmax``) and write each formula out as API.md states it. Tests call
+them on float64 copies of the inputs (exactness), the tiny training runs and the benchmarks'
+``eager`` provider in the inputs' own dtype. Logits come from ``F.linear`` in the inputs' dtype and
+are upcast to fp32 (fp64 for fp64 inputs) before the softmax, as a plain PyTorch trainer computes
+them: for bf16 inputs that rounds the logits once, which the fused head does not (so tests compare
+on float64 inputs). Each returns a dict: ``loss`` and the metrics API.md names for that loss.
 """
 
 from __future__ import annotations
@@ -13,10 +17,9 @@ import torch.nn.functional as F
 
 def token_logps(input, weight, target, bias=None, *, temperature=1.0, softcap=None, logit_scale=1.0,
                 ignore_index=-100):
-    """log_softmax(z)[target] per token (0 where ignored) and the counted-token mask, in input's dtype."""
-    z = input @ weight.T
-    if bias is not None:
-        z = z + bias
+    """log_softmax(z)[target] per token (0 where ignored) and the counted-token mask; fp32 (fp64 for fp64)."""
+    wide = torch.float64 if input.dtype == torch.float64 else torch.float32
+    z = F.linear(input, weight, bias).to(wide)  # (R, T, V)
     z = z * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -27,16 +30,14 @@ def token_logps(input, weight, target, bias=None, *, temperature=1.0, softcap=No
 
 
 def sequence(logps, mask, average):
-    """ℓ_i: the sum over counted tokens, ÷ their count when averaged (row by row, as written)."""
-    rows = []
-    for i in range(logps.shape[0]):
-        total = logps[i][mask[i]].sum()
-        rows.append(total / max(int(mask[i].sum()), 1) if average else total)
-    return torch.stack(rows)
+    """ℓ_i: the sum over counted tokens, ÷ their count (at least 1) when averaged."""
+    total = (logps * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if average else total
 
 
 def nll(logps, mask, num_chosen):
-    return -logps[:num_chosen][mask[:num_chosen]].sum() / max(int(mask[:num_chosen].sum()), 1)
+    """−(Σ logp over the counted tokens of the chosen rows) / (their count)."""
+    return -(logps[:num_chosen] * mask[:num_chosen]).sum() / mask[:num_chosen].sum().clamp(min=1)
 
 
 def _head(kwargs):
@@ -49,8 +50,7 @@ def _reference_sequence(target, average, ref_input, ref_linear_weight, ref_linea
     if ref_input is None:
         return torch.zeros_like(like)
     with torch.no_grad():
-        lp, mask = token_logps(ref_input.to(like.dtype), ref_linear_weight.to(like.dtype), target,
-                               None if ref_linear_bias is None else ref_linear_bias.to(like.dtype), **head)
+        lp, mask = token_logps(ref_input, ref_linear_weight, target, ref_linear_bias, **head)
         return sequence(lp, mask, average)
 
 
@@ -120,13 +120,10 @@ def kto(input, linear_weight, target, preference_labels, *, linear_bias=None, be
                               head, seq)
     u = seq - ref
     kl = kl.to(seq.dtype) if isinstance(kl, torch.Tensor) else kl
-    rows = []
-    for i in range(seq.shape[0]):
-        if bool(preference_labels[i]):
-            rows.append(desirable_weight * (1 - torch.sigmoid(beta * (u[i] - kl))))
-        else:
-            rows.append(undesirable_weight * (1 - torch.sigmoid(beta * (kl - u[i]))))
-    return {"loss": torch.stack(rows).mean(), "logps": seq, "rewards": beta * u}
+    desirable = preference_labels.bool()
+    rows = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (u - kl))),
+                       undesirable_weight * (1 - torch.sigmoid(beta * (kl - u))))
+    return {"loss": rows.mean(), "logps": seq, "rewards": beta * u}
 
 
 def grpo(input, linear_weight, target, advantages, *, linear_bias=None, old_logps=None, ref_logps=None, beta=0.0,
@@ -154,8 +151,6 @@ def grpo(input, linear_weight, target, advantages, *, linear_bias=None, old_logp
         loss = (per_token * m).sum() / (r * (max_completion_length or t))
     else:
         loss = (per_token * m).sum() / (m.sum() if num_items_in_batch is None else num_items_in_batch)
-    low = (rho < 1 - epsilon_low) & (a < 0)
-    high = (rho > 1 + epsilon_high) & (a > 0)
-    clip_ratio = ((low | high) & mask).sum() / mask.sum()
-    return {"loss": loss, "logps": lp, "clip_ratio": clip_ratio.to(lp.dtype), "kl": kl,
-            "clipped_low": int((low & mask).sum()), "clipped_high": int((high & mask).sum())}
+    clipped = ((rho < 1 - epsilon_low) & (a < 0)) | ((rho > 1 + epsilon_high) & (a > 0))
+    clip_ratio = (clipped & mask).sum() / mask.sum()
+    return {"loss": loss, "logps": lp, "clip_ratio": clip_ratio.to(lp.dtype), "kl": kl}
