@@ -125,6 +125,10 @@ def test_odd_rows_is_an_error(function):
         ({"ref_logps": torch.zeros(6), "ref_input": torch.zeros(6, 9, 24),
           "ref_linear_weight": torch.zeros(37, 24)}, "ref_logps"),
         ({"ref_input": torch.zeros(6, 8, 24), "ref_linear_weight": torch.zeros(37, 24)}, "ref_input has shape"),
+        ({"ref_input": torch.zeros(6, 9, 24), "ref_linear_weight": torch.zeros(36, 24)}, "ref_linear_weight has shape"),
+        ({"ref_input": torch.zeros(6, 9, 24), "ref_linear_weight": torch.zeros(37, 24),
+          "ref_linear_bias": torch.zeros(36)}, "ref_linear_bias has shape"),
+        ({"linear_weight": torch.zeros(37, 23)}, "linear_weight"),
         ({"label_smoothing": 1.5}, "label_smoothing"),
         ({"beta": "big"}, "beta"),
         ({"beta": 0.0, "loss_type": "ipo"}, "beta"),
@@ -158,3 +162,21 @@ def test_dpo_large_against_materialised_logits():
     """A Llama-sized vocabulary: the fused head against logits held whole, in float64."""
     batch = make_batch(4, 256, 512, 128256, dtype=torch.bfloat16)
     check_loss(dpo_loss, reference.dpo, batch | reference_model(batch), dtype=torch.bfloat16)
+
+
+def test_dpo_reference_model_of_another_width():
+    """The reference model's hidden size may differ from the policy's (a smaller reference)."""
+    batch = make_batch(ROWS, TOKENS, HIDDEN, VOCAB)
+    ref = {"ref_input": randn(ROWS, TOKENS, 10), "ref_linear_weight": randn(VOCAB, 10, scale=0.5)}
+    check_loss(dpo_loss, reference.dpo, batch | ref, dtype=torch.float32, average_log_prob=True)
+
+
+def test_autocast_casts_like_f_linear():
+    """Under autocast the head runs on bf16 copies of input and weight; the loss math stays fp32."""
+    batch = make_batch(ROWS, TOKENS, HIDDEN, VOCAB, bias=False)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = dpo_loss(**batch)
+    plain = dpo_loss(**(batch | {k: batch[k].detach().bfloat16() for k in ("input", "linear_weight")}))
+    assert out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss, plain.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.chosen_logps, plain.chosen_logps, rtol=1e-6, atol=1e-6)

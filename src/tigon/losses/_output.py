@@ -129,8 +129,31 @@ def chosen_nll(logps: torch.Tensor, mask: torch.Tensor, num_chosen: int) -> torc
     return -logps[:num_chosen].sum() / mask[:num_chosen].sum().clamp(min=1).to(torch.float32)
 
 
+def _check_reference_model(ref_input, ref_linear_weight, ref_linear_bias, target, vocab, device) -> None:
+    """The reference's hidden states (R, T, H') and head (V, H') (and bias (V,)): the policy's rows,
+    tokens and vocabulary, on its device; its hidden size may differ."""
+    for t, name in ((ref_input, "ref_input"), (ref_linear_weight, "ref_linear_weight"),
+                    (ref_linear_bias, "ref_linear_bias")):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (input's device)")
+    if ref_input.dim() != 3 or ref_input.shape[:2] != target.shape:
+        raise ValueError(
+            f"ref_input has shape {tuple(ref_input.shape)}, expected (R, T, H) with (R, T) = {tuple(target.shape)}"
+        )
+    if tuple(ref_linear_weight.shape) != (vocab, ref_input.shape[-1]):
+        raise ValueError(
+            f"ref_linear_weight has shape {tuple(ref_linear_weight.shape)}, expected ({vocab}, {ref_input.shape[-1]})"
+        )
+    if ref_linear_bias is not None and tuple(ref_linear_bias.shape) != (vocab,):
+        raise ValueError(f"ref_linear_bias has shape {tuple(ref_linear_bias.shape)}, expected ({vocab},)")
+
+
 def reference_logps(
-    target, head: dict, average: bool, *, ref_input, ref_linear_weight, ref_linear_bias, ref_logps, device,
+    target, head: dict, average: bool, *, ref_input, ref_linear_weight, ref_linear_bias, ref_logps, vocab, device,
 ) -> torch.Tensor | None:
     """The reference's sequence log-probs (R,) fp32, or None when no reference is given.
 
@@ -151,9 +174,7 @@ def reference_logps(
         return ref_logps.detach().to(torch.float32)
     if not has_model:
         return None
-    if not isinstance(ref_input, torch.Tensor) or ref_input.dim() != 3 or ref_input.shape[:2] != target.shape:
-        shape = tuple(ref_input.shape) if isinstance(ref_input, torch.Tensor) else type(ref_input).__name__
-        raise ValueError(f"ref_input has shape {shape}, expected (R, T, H) with (R, T) = {tuple(target.shape)}")
+    _check_reference_model(ref_input, ref_linear_weight, ref_linear_bias, target, vocab, device)
     with torch.no_grad():
         logps, mask = token_logps(ref_input, ref_linear_weight, target, {**head, "linear_bias": ref_linear_bias})
         return sequence_logps(logps, mask, average)

@@ -70,12 +70,12 @@ def kto_loss(
     desirable = _check_labels(preference_labels, num_rows, input.device)
     kl = _check_kl(kl, input.device)
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
-    logps, mask = token_logps(input, linear_weight, target, head)
-    seq = sequence_logps(logps, mask, average_log_prob)  # (R,) ℓ
     ref = reference_logps(
         target, head, average_log_prob, ref_input=ref_input, ref_linear_weight=ref_linear_weight,
-        ref_linear_bias=ref_linear_bias, ref_logps=ref_logps, device=input.device,
+        ref_linear_bias=ref_linear_bias, ref_logps=ref_logps, vocab=linear_weight.shape[0], device=input.device,
     )
+    logps, mask = token_logps(input, linear_weight, target, head)
+    seq = sequence_logps(logps, mask, average_log_prob)  # (R,) ℓ
     log_ratio = seq if ref is None else seq - ref  # (R,) u
     per_row = torch.where(
         desirable,

@@ -57,8 +57,7 @@ def _check_smoothing(label_smoothing) -> float:
 
 def _policy_pass(input, linear_weight, target, head, average):
     """One pass of the fused head: (token log-probs (R, T), mask (R, T), ℓ (R,), B)."""
-    num_rows, _ = check_policy(input, linear_weight, target)
-    num_pairs = check_paired(num_rows)
+    num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
     logps, mask = token_logps(input, linear_weight, target, head)
     return logps, mask, sequence_logps(logps, mask, average), num_pairs
 
@@ -86,11 +85,12 @@ def dpo_loss(
     label_smoothing = _check_smoothing(label_smoothing)
     nll_weight = check_number(nll_weight, "nll_weight")
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
-    logps, mask, seq, num_pairs = _policy_pass(input, linear_weight, target, head, average_log_prob)
+    check_paired(check_policy(input, linear_weight, target)[0])  # before the reference's pass
     ref = reference_logps(
         target, head, average_log_prob, ref_input=ref_input, ref_linear_weight=ref_linear_weight,
-        ref_linear_bias=ref_linear_bias, ref_logps=ref_logps, device=input.device,
+        ref_linear_bias=ref_linear_bias, ref_logps=ref_logps, vocab=linear_weight.shape[0], device=input.device,
     )
+    logps, mask, seq, num_pairs = _policy_pass(input, linear_weight, target, head, average_log_prob)
     if ref is None:
         ref = torch.zeros_like(seq)
     chosen_ratio = seq[:num_pairs] - ref[:num_pairs]     # (B,) ℓc − ℓc_ref
