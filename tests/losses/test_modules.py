@@ -74,6 +74,16 @@ def test_per_batch_values_in_the_call_win():
                 grpo_loss(*positional(batch), advantages, loss_type="dapo", num_items_in_batch=11))
 
 
+def test_call_takes_bias_and_reference_by_position_too():
+    batch = make_batch(4, 6, 16, 29)
+    ref = reference_model(batch)
+    by_position = DPOLoss(beta=0.2)(*positional(batch), batch["linear_bias"], ref["ref_input"],
+                                    ref["ref_linear_weight"], ref["ref_linear_bias"])
+    assert_same(by_position, dpo_loss(**batch, **ref, beta=0.2))
+    with pytest.raises(TypeError, match="both by position and by name"):
+        DPOLoss()(*positional(batch), batch["linear_bias"], linear_bias=batch["linear_bias"])
+
+
 def test_options_and_tensors_go_where_they_belong():
     with pytest.raises(TypeError, match="unknown option"):
         DPOLoss(betta=0.1)

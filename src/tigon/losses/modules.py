@@ -2,9 +2,10 @@
 
 ``DPOLoss(beta=0.2, loss_type="ipo")(input, linear_weight, target, ref_logps=...)`` computes what
 ``dpo_loss(input, linear_weight, target, beta=0.2, loss_type="ipo", ref_logps=...)`` computes. The
-call takes the function's positional tensors (positionally or by name), then ``linear_bias`` and the
-other tensors by name (``ref_*``, ``old_logps``, …). The per-batch values ``kl`` (KTO) and
-``num_items_in_batch`` (GRPO) may be given in either place; the call's value wins.
+call takes the tensors in each class's ``call_order`` — the function's positional tensors, then
+``linear_bias``, then the others (``ref_*``, ``old_logps``, …) — positionally or by name. The
+per-batch values ``kl`` (KTO) and ``num_items_in_batch`` (GRPO) may be given in either place; the
+call's value wins.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _FusedLinearLoss(torch.nn.Module):
     """Binds a loss function's options; ``forward`` passes the tensors. No parameters, no buffers."""
 
     function = None  # the functional form, set by each class
+    call_order: tuple[str, ...] = ()  # what the call takes, in order
 
     def __init__(self, **options):
         super().__init__()
@@ -44,23 +46,25 @@ class _FusedLinearLoss(torch.nn.Module):
                 f"it takes {', '.join(sorted(allowed))}"
             )
         self.options = dict(options)
-        self._positional = [
-            name for name, p in signature.parameters.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-        ]
-        self._call_keywords = (TENSOR_KEYWORDS | PER_BATCH_KEYWORDS) & set(signature.parameters)
 
     def forward(self, *tensors, **keywords):
-        if len(tensors) > len(self._positional):
-            raise TypeError(f"{type(self).__name__} takes {len(self._positional)} positional tensors "
-                            f"({', '.join(self._positional)}), got {len(tensors)}")
-        unknown = sorted(set(keywords) - self._call_keywords - set(self._positional))
+        order = type(self).call_order
+        if len(tensors) > len(order):
+            raise TypeError(f"{type(self).__name__} takes at most {len(order)} tensors ({', '.join(order)}), "
+                            f"got {len(tensors)}")
+        unknown = sorted(set(keywords) - set(order))
         if unknown:
             raise TypeError(
                 f"{type(self).__name__}() got unexpected keyword(s) {', '.join(unknown)}; options go to the constructor"
             )
+        given = dict(zip(order, tensors, strict=False))
+        twice = sorted(set(given) & set(keywords))
+        if twice:
+            raise TypeError(f"{type(self).__name__}() got {', '.join(twice)} both by position and by name")
+        given |= keywords
         # a per-batch value passed as None leaves the constructor's (or the function's default) in place
-        keywords = {k: v for k, v in keywords.items() if not (k in PER_BATCH_KEYWORDS and v is None)}
-        return type(self).function(*tensors, **{**self.options, **keywords})
+        given = {k: v for k, v in given.items() if not (k in PER_BATCH_KEYWORDS and v is None)}
+        return type(self).function(**{**self.options, **given})
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
@@ -71,24 +75,29 @@ class DPOLoss(_FusedLinearLoss):
     ref_linear_weight=None, ref_linear_bias=None, ref_logps=None)``."""
 
     function = staticmethod(dpo_loss)
+    call_order = ("input", "linear_weight", "target", "linear_bias", "ref_input", "ref_linear_weight",
+                  "ref_linear_bias", "ref_logps")
 
 
 class ORPOLoss(_FusedLinearLoss):
     """:func:`tigon.losses.orpo_loss`; call ``(input, linear_weight, target, linear_bias=None)``."""
 
     function = staticmethod(orpo_loss)
+    call_order = ("input", "linear_weight", "target", "linear_bias")
 
 
 class CPOLoss(_FusedLinearLoss):
     """:func:`tigon.losses.cpo_loss`; call ``(input, linear_weight, target, linear_bias=None)``."""
 
     function = staticmethod(cpo_loss)
+    call_order = ("input", "linear_weight", "target", "linear_bias")
 
 
 class SimPOLoss(_FusedLinearLoss):
     """:func:`tigon.losses.simpo_loss`; call ``(input, linear_weight, target, linear_bias=None)``."""
 
     function = staticmethod(simpo_loss)
+    call_order = ("input", "linear_weight", "target", "linear_bias")
 
 
 class KTOLoss(_FusedLinearLoss):
@@ -96,6 +105,8 @@ class KTOLoss(_FusedLinearLoss):
     ref_input=None, ref_linear_weight=None, ref_linear_bias=None, ref_logps=None, kl=None)``."""
 
     function = staticmethod(kto_loss)
+    call_order = ("input", "linear_weight", "target", "preference_labels", "linear_bias", "ref_input",
+                  "ref_linear_weight", "ref_linear_bias", "ref_logps", "kl")
 
 
 class GRPOLoss(_FusedLinearLoss):
@@ -103,3 +114,5 @@ class GRPOLoss(_FusedLinearLoss):
     old_logps=None, ref_logps=None, num_items_in_batch=None)``."""
 
     function = staticmethod(grpo_loss)
+    call_order = ("input", "linear_weight", "target", "advantages", "linear_bias", "old_logps", "ref_logps",
+                  "num_items_in_batch")
