@@ -7,6 +7,7 @@ before the first import, since Triton reads it when the kernels below are define
 from tigon.ops.cross_entropy import cross_entropy
 from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from tigon.ops.fused_linear_jsd import fused_linear_jsd
+from tigon.ops.fused_linear_logprobs import fused_linear_logprobs, fused_linear_token_stats
 from tigon.ops.glu import geglu, swiglu
 from tigon.ops.jsd import jsd
 from tigon.ops.kl_div import kl_div
@@ -17,7 +18,8 @@ from tigon.ops.rope import rope
 from tigon.ops.tvd import tvd
 
 __all__ = [
-    "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd", "geglu", "jsd",
+    "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd",
+    "fused_linear_logprobs", "fused_linear_token_stats", "geglu", "jsd",
     "kl_div", "layer_norm", "rms_norm", "rms_norm_add", "rms_norm_add_rms_norm", "rope", "swiglu",
     "tvd",
 ]

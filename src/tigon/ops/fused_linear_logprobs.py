@@ -550,9 +550,8 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
             ctx.save_for_backward(input, linear_weight, linear_bias, target, lse, ent if entropy else None)
         shape = target.shape
         extra = (log_sum_sq.view(shape), mean.view(shape), top1.view(shape)) if extras else (None, None, None)
-        for e in extra:
-            if e is not None:
-                ctx.mark_non_differentiable(e)
+        if extras:
+            ctx.mark_non_differentiable(*extra)  # one call: each call replaces the last one's set
         return (logprobs.view(shape), ent.view(shape) if entropy else None) + extra
 
     @staticmethod
