@@ -8,6 +8,7 @@ Every loss is a few lines of fp32 torch over the ``[R, T]`` token log-probabilit
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple
 
@@ -49,6 +50,8 @@ def check_number(value, name: str, *, minimum=None, positive=False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
     value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
     if positive and not value > 0.0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     if minimum is not None and not value >= minimum:
