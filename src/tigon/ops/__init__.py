@@ -15,9 +15,11 @@ from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
 from tigon.ops.rope import rope
+from tigon.ops.tvd import tvd
 
 __all__ = [
     "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd",
     "fused_linear_logprobs", "fused_linear_token_stats", "geglu", "jsd",
     "kl_div", "layer_norm", "rms_norm", "rms_norm_add", "rms_norm_add_rms_norm", "rope", "swiglu",
+    "tvd",
 ]
