@@ -158,6 +158,7 @@ def test_torch_compile_fullgraph(function):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_dpo_large_against_materialised_logits():
     """A Llama-sized vocabulary: the fused head against logits held whole, in float64."""
     batch = make_batch(4, 256, 512, 128256, dtype=torch.bfloat16)

@@ -379,6 +379,7 @@ def test_out_of_range_target_is_nan_under_compile():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_more_than_2_31_logits():
     """N·V = 16384 · 151936 > 2^31 in bf16 (int64 offsets): a few rows and the gradients' norms
     against a chunked float32 torch reference."""
@@ -409,6 +410,7 @@ def test_more_than_2_31_logits():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_benchmark_shape_memory_within_trl():
     """Qwen2.5-0.5B's head at N = 8192 (bf16): forward + backward peak beyond inputs and gradients
     under TRL's 256 MiB tile plus its fp32 dX and dW accumulators."""

@@ -175,6 +175,7 @@ def test_tvd_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_tvd_int64_offsets():
     """More than 2**31 elements: the last rows' gradient is right."""
     vocab = 128256
