@@ -498,6 +498,19 @@ def test_head_matches_trl_triton_kernel_on_cuda(dtype):
     want, want_grads = _run_head(TRL_HEAD, inputs, OPTIONS["softcap_scale"], ALL_OUTPUTS,
                                  chunk_size=trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)
     got, got_grads = _run_head(tigon_trl.TigonLogProbHead, inputs, OPTIONS["softcap_scale"], ALL_OUTPUTS)
-    _assert_outputs_match(got, want, dtype)
+    # TRL multiplies in token tiles of 4096, tigon in class chunks over all tokens: cuBLAS sums in
+    # another order, and at this scale the softcap saturates (2·tanh(4) ≈ 1.9987), so the largest
+    # logits of a row can tie to within that rounding. is_top1 may differ there, and only there.
+    flipped = (got[4] != want[4]).nonzero().flatten()
+    assert _top_gap(inputs, OPTIONS["softcap_scale"], flipped).max().item() <= 1e-5 if len(flipped) else True
+    _assert_outputs_match(got[:4] + (want[4],), want, dtype)
     for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads, strict=True):
         assert rel(g, w) <= TOLERANCE[dtype], (name, rel(g, w))
+
+
+def _top_gap(inputs, options, rows):
+    """For these tokens, the float64 gap between the largest scaled logit and the target's."""
+    h, w, b, targets, _ = inputs
+    z = (h[rows].double() @ w.double().T + b.double()) * options["logit_scale"]
+    z = options["softcap"] * torch.tanh(z / options["softcap"]) / options["temperature"]
+    return z.max(-1).values - z.gather(-1, targets[rows, None]).squeeze(-1)

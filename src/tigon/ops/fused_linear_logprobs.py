@@ -549,9 +549,9 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         if any(need):
             ctx.save_for_backward(input, linear_weight, linear_bias, target, lse, ent if entropy else None)
         shape = target.shape
+        # The extras carry no gradient; they are detached by the caller (fused_linear_token_stats), not
+        # marked here: AOTAutograd (torch.compile) asks for gradients of outputs marked so and fails.
         extra = (log_sum_sq.view(shape), mean.view(shape), top1.view(shape)) if extras else (None, None, None)
-        if extras:
-            ctx.mark_non_differentiable(*extra)  # one call: each call replaces the last one's set
         return (logprobs.view(shape), ent.view(shape) if entropy else None) + extra
 
     @staticmethod
@@ -660,7 +660,8 @@ def fused_linear_token_stats(
         grad_on and linear_bias is not None and linear_bias.requires_grad,
     )
     check.raise_if_bad(vocab, ignore_index)  # after the launches: nothing was written to inputs
-    return TokenStats(*outputs)
+    logprobs, ent, *extra = outputs
+    return TokenStats(logprobs, ent, *(None if e is None else e.detach() for e in extra))
 
 
 def fused_linear_logprobs(
