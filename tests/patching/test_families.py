@@ -18,7 +18,7 @@ import torch
 
 import tigon
 from tests.patching.tiny import COMMON, CONFIGS, assert_grads_close, batch, grads, rel, stock_and_patched, train
-from tigon.patching import engine
+from tigon.patching import forwards
 from tigon.patching.families import FAMILIES
 
 FAMILY_TYPES = sorted(CONFIGS)
@@ -158,16 +158,16 @@ def test_rope_gives_autocast_output(model_type, monkeypatch):
         _, patched, _ = stock_and_patched(model_type)
     fp32_rope = copy.deepcopy(patched)
     chosen = []
-    autocast_dtypes = engine.rope_output_dtype
+    autocast_dtypes = forwards.rope_output_dtype
 
     def spy(q, k, unsqueeze_dim):
         chosen.append(autocast_dtypes(q, k, unsqueeze_dim))
         return chosen[-1]
 
-    monkeypatch.setattr(engine, "rope_output_dtype", spy)
+    monkeypatch.setattr(forwards, "rope_output_dtype", spy)
     loss, got = _autocast_step(patched)
     assert chosen and set(chosen) == {ROPE_AUTOCAST_FAMILIES[model_type]}
-    monkeypatch.setattr(engine, "rope_output_dtype", lambda q, k, unsqueeze_dim: None)
+    monkeypatch.setattr(forwards, "rope_output_dtype", lambda q, k, unsqueeze_dim: None)
     want_loss, want = _autocast_step(fp32_rope)
     assert torch.equal(loss, want_loss)
     assert got.keys() == want.keys()

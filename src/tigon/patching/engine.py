@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tigon.patching import causal_mask, graphs, joins, wrappers
+from tigon.patching import forwards as replacement_forwards
 from tigon.patching import loss as loss_path
 from tigon.patching.families import FAMILIES, Family
 from tigon.patching.layer_forward import LayerForward, checkpoint_wrappers, checkpoints_in_class_forward
@@ -566,17 +567,6 @@ def _plan_split_mlps(plan, root, family, classes):
         plan.add(_SwapModule(old, new, sites), line)
 
 
-def fused_gate_up_forward(glu):
-    """Forward for a ``gate_up_proj`` MLP (Phi-3): the first half of the projection is the gate."""
-
-    def forward(self, hidden_states):
-        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (..., I) each
-        return self.down_proj(glu(gate, up))
-
-    forward._tigon = True
-    return forward
-
-
 def _plan_fused_mlps(plan, root, family, classes):
     from tigon.ops.glu import geglu, swiglu
 
@@ -592,53 +582,9 @@ def _plan_fused_mlps(plan, root, family, classes):
         key = (kind, tuple(kwargs.items()))
         if key not in forwards:
             op = swiglu if kind == "swiglu" else functools.partial(geglu, **kwargs)
-            forwards[key] = fused_gate_up_forward(op)
+            forwards[key] = replacement_forwards.fused_gate_up_forward(op)
         line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} on gate_up_proj (instance forward)"
         plan.add(_SetAttr(old, "forward", types.MethodType(forwards[key], old)), line)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` over ``tigon.ops.rope``.
-
-    Module level and closure-free, so that torch.compile guards it like any global function.
-
-    Under autocast, q and k come from the projections in the autocast dtype while cos/sin are fp32
-    (the rotary embedding takes the fp32 residual stream's dtype), so transformers' result is fp32,
-    and attention (sdpa, flash, or eager's matmuls: every interface the patched attention calls)
-    casts it to the autocast dtype before any arithmetic. rope writes that copy itself where it is
-    exact (:func:`rope_output_dtype`): the values attention reads are the same, rounded once from
-    the same fp32 math, and their gradients arrive in that dtype, as the cast's backward would have
-    widened them exactly. Saved: the fp32 outputs written and read again by the cast in the forward,
-    and the gradients widened to fp32 in the backward (Gemma-2-2B, 4096 tokens: ~130 MB and two
-    launches a layer for q). One visible difference: where k is written in the autocast dtype (no
-    GQA), a KV cache filled in that forward holds the keys in it, as it holds the values.
-    """
-    from tigon.ops.rope import rope
-
-    return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, output_dtype=rope_output_dtype(q, k, unsqueeze_dim))
-
-
-def rope_output_dtype(q, k, unsqueeze_dim):
-    """Output dtypes for rope in a patched attention: ``(q's, k's)``, None for transformers' own.
-
-    q's: the autocast dtype when autocast is on and q is in it already (a q that a norm made fp32,
-    as Qwen3's q_norm does, keeps transformers' dtype). k's the same, but only when k has as many
-    heads as q: with fewer (GQA), eager attention and masked sdpa repeat k's heads before their
-    cast (transformers' ``repeat_kv``), and the backward sums the repeats' gradients in k's dtype,
-    fp32 in transformers; in the autocast dtype that sum would round once more.
-    """
-    device_type = q.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    dtype = torch.get_autocast_dtype(device_type)
-    q_dtype = dtype if q.dtype == dtype else None
-    heads = 1 if unsqueeze_dim == 1 else 2
-    k_dtype = dtype if k.dtype == dtype and k.shape[heads] == q.shape[heads] else None
-    return q_dtype, k_dtype
-
-
-def tigon_rotary():
-    return apply_rotary_pos_emb
 
 
 def _plan_rope(plan, root, family, classes):
@@ -649,7 +595,9 @@ def _plan_rope(plan, root, family, classes):
             continue
         _check_plain(old, classes.attention, path)
         if forward is None:
-            forward = wrappers.with_globals(classes.attention.forward, **{ROTARY_NAME: tigon_rotary()})
+            forward = wrappers.with_globals(
+                classes.attention.forward, **{ROTARY_NAME: replacement_forwards.tigon_rotary()}
+            )
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
 
@@ -707,6 +655,57 @@ def _plan_loss(plan, model, family, classes, switches):
         plan.add(_SetAttr(model, "_loss_function", loss_path.causal_lm_cross_entropy), lines[0])
 
 
+# ------------------------------------------------------------------------------------------- parts
+
+
+def _plan_norms(plan, model, family, classes, switches):
+    _plan_rms_norms(plan, model, family, classes)
+    if family.joined_layer:
+        _plan_joined_layers(plan, model, family, classes)
+
+
+def _plan_mlps(plan, model, family, classes, switches):
+    if family.mlp.layout == "split":
+        _plan_split_mlps(plan, model, family, classes)
+    else:
+        _plan_fused_mlps(plan, model, family, classes)
+
+
+def _plan_attention(plan, model, family, classes, switches):
+    _plan_rope(plan, model, family, classes)
+    _plan_shared_cast(plan, model, classes)
+    if not causal_mask.marked(model.config):
+        plan.add(causal_mask.MarkConfig(model.config))
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One part of a family that a switch turns on: where the family has it, how to plan it on a model
+    instance, and the lines a class patch reports for it. Instance and class patching both read PARTS."""
+
+    switch: str | None  # None: the loss, which two switches choose between
+    present: object  # (family, classes) -> bool
+    plan: object  # (plan, model, family, classes, switches) -> None
+    lines: object  # (family, classes, switches) -> list[str]
+
+    def on(self, family, classes, switches) -> bool:
+        return (self.switch is None or switches[self.switch]) and self.present(family, classes)
+
+
+PARTS = (
+    _Part("rms_norm", lambda f, c: c.norm is not None, _plan_norms,
+          lambda f, c, s: [_rms_norm_line(f, c)] + ([_joins_line(f, c)] if f.joined_layer else [])),
+    _Part("layer_norm", lambda f, c: c.layer_norm is not None,
+          lambda plan, m, f, c, s: _plan_layer_norms(plan, m, f, c), lambda f, c, s: [_layer_norm_line(c)]),
+    _Part("mlp", lambda f, c: c.mlp is not None, _plan_mlps,
+          lambda f, c, s: [f"{c.mlp.__name__} -> tigon GLU (activation read from each module)"]),
+    _Part("rope", lambda f, c: c.attention is not None, _plan_attention, lambda f, c, s: [_rope_line(c)]),
+    _Part(None, lambda f, c: True, _plan_loss, lambda f, c, s: _loss_lines(c, s)),
+    _Part("cuda_graphs", lambda f, c: c.decoder_layer is not None,
+          lambda plan, m, f, c, s: _plan_graphs(plan, m, c), lambda f, c, s: [_graphs_line(c)]),
+)
+
+
 def _unwrap(obj):
     """The transformers model inside a PEFT wrapper (``get_base_model``), or ``obj`` itself."""
     from transformers import PreTrainedModel
@@ -730,26 +729,9 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
             f"implementation ({family.module_name}): remote code is not patched"
         )
     plan = _Plan()
-    if switches["rms_norm"] and classes.norm is not None:
-        _plan_rms_norms(plan, model, family, classes)
-        if family.joined_layer:
-            _plan_joined_layers(plan, model, family, classes)
-    if switches["layer_norm"] and classes.layer_norm is not None:
-        _plan_layer_norms(plan, model, family, classes)
-    if switches["mlp"] and classes.mlp is not None:
-        if family.mlp.layout == "split":
-            _plan_split_mlps(plan, model, family, classes)
-        else:
-            _plan_fused_mlps(plan, model, family, classes)
-    if switches["rope"] and classes.attention is not None:
-        _plan_rope(plan, model, family, classes)
-        _plan_shared_cast(plan, model, classes)
-        if not causal_mask.marked(model.config):
-            plan.add(causal_mask.MarkConfig(model.config))
-    if isinstance(model, classes.causal_lm):
-        _plan_loss(plan, model, family, classes, switches)
-    if switches["cuda_graphs"] and classes.decoder_layer is not None:
-        _plan_graphs(plan, model, classes)
+    for part in PARTS:
+        if part.on(family, classes, switches) and (part.switch is not None or isinstance(model, classes.causal_lm)):
+            part.plan(plan, model, family, classes, switches)
     target = f"{type(model).__name__} instance"
     if not plan.changes:
         logger.log(log_level, "tigon: %s: nothing to replace (already patched?)", target)
@@ -791,20 +773,8 @@ def _patching_post_init(original, switches):
 
 def _class_parts(family, classes, switches):
     """What the hooks will replace in each model, for ``Patch.replaced`` of a class patch."""
-    parts = []
-    if switches["rms_norm"] and classes.norm is not None:
-        parts.append(_rms_norm_line(family, classes))
-        if family.joined_layer:
-            parts.append(_joins_line(family, classes))
-    if switches["layer_norm"] and classes.layer_norm is not None:
-        parts.append(_layer_norm_line(classes))
-    if switches["mlp"] and classes.mlp is not None:
-        parts.append(f"{classes.mlp.__name__} -> tigon GLU (activation read from each module)")
-    if switches["rope"] and classes.attention is not None:
-        parts.append(_rope_line(classes))
-    if switches["cuda_graphs"] and classes.decoder_layer is not None:
-        parts.append(_graphs_line(classes))
-    return parts + _loss_lines(classes, switches)
+    on = [part for part in PARTS if part.on(family, classes, switches)]
+    return [line for part in on for line in part.lines(family, classes, switches)]
 
 
 # ------------------------------------------------------------------------------------------- entry

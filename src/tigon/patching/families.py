@@ -34,10 +34,10 @@ Adding a family is one ``Family(...)`` line here. Everything is checked against 
 when a patch is planned (class names exist, forwards reference what the row says), so a transformers
 version that moved things raises ValueError instead of patching half a model.
 
-Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status). MoE experts (Mixtral, Qwen3-MoE) hold their weights as
-3-D tensors behind transformers' experts dispatch (eager loop / grouped_mm) and apply the activation
-inside it; there is no module boundary to swap there, so only Qwen3-MoE's dense ``Qwen3MoeMLP``
-layers (``mlp_only_layers``) get the fused GLU.
+Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status). MoE experts
+(Mixtral, Qwen3-MoE) hold their weights as 3-D tensors behind transformers' experts dispatch (eager
+loop / grouped_mm) and apply the activation inside it; there is no module boundary to swap there, so
+only Qwen3-MoE's dense ``Qwen3MoeMLP`` layers (``mlp_only_layers``) get the fused GLU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""The forwards tigon puts in place of transformers' own pieces (the engine decides where).
+
+- :func:`apply_rotary_pos_emb`: what a patched attention forward calls instead of transformers'
+  module-level ``apply_rotary_pos_emb`` (the engine gives each attention a copy of its class's forward
+  whose globals name this one, wrappers.with_globals).
+- :func:`fused_gate_up_forward`: the forward of a ``gate_up_proj`` MLP (Phi-3, GLM-4), set on the
+  instance with the family's GLU.
+
+The decoder layers' fused-join forwards are in joins.py, the CausalLM forward in loss.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fused_gate_up_forward(glu):
+    """Forward for a ``gate_up_proj`` MLP (Phi-3): the first half of the projection is the gate."""
+
+    def forward(self, hidden_states):
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (..., I) each
+        return self.down_proj(glu(gate, up))
+
+    forward._tigon = True
+    return forward
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` over ``tigon.ops.rope``.
+
+    Module level and closure-free, so that torch.compile guards it like any global function.
+
+    Under autocast, q and k come from the projections in the autocast dtype while cos/sin are fp32
+    (the rotary embedding takes the fp32 residual stream's dtype), so transformers' result is fp32,
+    and attention (sdpa, flash, or eager's matmuls: every interface the patched attention calls)
+    casts it to the autocast dtype before any arithmetic. rope writes that copy itself where it is
+    exact (:func:`rope_output_dtype`): the values attention reads are the same, rounded once from
+    the same fp32 math, and their gradients arrive in that dtype, as the cast's backward would have
+    widened them exactly. Saved: the fp32 outputs written and read again by the cast in the forward,
+    and the gradients widened to fp32 in the backward (Gemma-2-2B, 4096 tokens: ~130 MB and two
+    launches a layer for q). One visible difference: where k is written in the autocast dtype (no
+    GQA), a KV cache filled in that forward holds the keys in it, as it holds the values.
+    """
+    from tigon.ops.rope import rope
+
+    return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, output_dtype=rope_output_dtype(q, k, unsqueeze_dim))
+
+
+def rope_output_dtype(q, k, unsqueeze_dim):
+    """Output dtypes for rope in a patched attention: ``(q's, k's)``, None for transformers' own.
+
+    q's: the autocast dtype when autocast is on and q is in it already (a q that a norm made fp32,
+    as Qwen3's q_norm does, keeps transformers' dtype). k's the same, but only when k has as many
+    heads as q: with fewer (GQA), eager attention and masked sdpa repeat k's heads before their
+    cast (transformers' ``repeat_kv``), and the backward sums the repeats' gradients in k's dtype,
+    fp32 in transformers; in the autocast dtype that sum would round once more.
+    """
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    q_dtype = dtype if q.dtype == dtype else None
+    heads = 1 if unsqueeze_dim == 1 else 2
+    k_dtype = dtype if k.dtype == dtype and k.shape[heads] == q.shape[heads] else None
+    return q_dtype, k_dtype
+
+
+def tigon_rotary():
+    return apply_rotary_pos_emb
+
+
