@@ -6,7 +6,8 @@ row to a model instance or to a ``model_type``'s classes, ``loss.py`` the generi
 """
 
 from tigon.patching.auto import AutoModelForCausalLM
-from tigon.patching.engine import SWITCHES, Patch, patch, supported_models
+from tigon.patching.changes import Patch
+from tigon.patching.engine import SWITCHES, patch, supported_models
 from tigon.patching.families import FAMILIES, Family
 from tigon.patching.trl import patch_trl
 

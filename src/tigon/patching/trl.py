@@ -74,7 +74,7 @@ import textwrap
 import torch
 
 from tigon.ops.fused_linear_logprobs import fused_linear_token_stats
-from tigon.patching.engine import Patch, _apply, _Plan, _SetAttr
+from tigon.patching.changes import Patch, _apply, _Plan, _SetAttr
 
 logger = logging.getLogger("tigon.patching")
 
