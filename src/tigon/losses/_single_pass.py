@@ -62,11 +62,13 @@ from tigon.ops.fused_linear_logprobs import (
     CHUNK_GRAD,
     CHUNK_GRAD_INPLACE,
     CHUNK_STATS,
-    DEFAULT_CONFIG as HEAD_CONFIG,
     _check_arguments,
     _linear_fp32,
     _Options,
     fused_linear_logprobs,
+)
+from tigon.ops.fused_linear_logprobs import (
+    DEFAULT_CONFIG as HEAD_CONFIG,
 )
 
 # ------------------------------------------------------------------------------------ launch config
