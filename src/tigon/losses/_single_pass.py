@@ -81,7 +81,8 @@ class SinglePassConfig:
     ``workspace_bytes``: a chunk's fp32 logits (tokens × V × 4) may take this much; a chunk holds
     as many whole groups (pairs for the paired losses, rows otherwise) as fit, and at least one.
     ``grad_bytes``: one piece of ``dl`` in a bf16/fp16 matmul dtype (tokens × V × 2); the chunk's
-    gradient matmuls run piece by piece. ``groups_per_chunk`` / ``grad_tokens`` force those sizes
+    gradient matmuls run piece by piece (a multiple of ``token_align`` tokens where it fits: whole
+    matmul tiles; no piece spans two rows' ranges of a paired chunk). ``groups_per_chunk`` / ``grad_tokens`` force those sizes
     (tests use them to make many chunks and pieces at small sizes). ``enabled=False`` keeps the
     two-pass path everywhere. ``block_v`` / ``num_warps``: the head's row-kernel launch.
     """
@@ -91,6 +92,7 @@ class SinglePassConfig:
     groups_per_chunk: int | None = None
     grad_tokens: int | None = None
     enabled: bool = True
+    token_align: int = 256
     block_v: int = HEAD_CONFIG.block_v
     num_warps: int = HEAD_CONFIG.num_warps
 
@@ -106,7 +108,10 @@ class SinglePassConfig:
             return max(1, self.grad_tokens)
         if grad_elem == 0:
             return max(1, chunk_tokens)
-        return max(1, min(chunk_tokens, self.grad_bytes // max(1, vocab * grad_elem)))
+        fit = self.grad_bytes // max(1, vocab * grad_elem)
+        if fit >= self.token_align:
+            fit = fit // self.token_align * self.token_align  # whole matmul tiles (1046 → 1024 at V = 128256)
+        return max(1, min(chunk_tokens, fit))
 
 
 DEFAULT_CONFIG = SinglePassConfig()
