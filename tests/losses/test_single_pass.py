@@ -158,3 +158,27 @@ def test_agrees_with_two_passes_gpu_bf16(name):
     out, grads = _run(function, tensors, options, config)
     base, base_grads = _run(function, tensors, options, TWO_PASS)
     _compare(out, grads, base, base_grads, torch.bfloat16, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.bigmem
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_dpo_benchmark_shape_memory():
+    """The benchmark's DPO (8 pairs of 1024 tokens, H = 4096, V = 128256, bf16, a reference model):
+    forward + backward peak beyond the inputs within Liger-Kernel's 2665 MB (one pair's fp32 logits,
+    one 1024-token piece of dl, dW and dX), and the gradients agree with the two passes."""
+    batch = make_batch(16, 1024, 4096, 128256, dtype=torch.bfloat16, bias=False)
+    tensors = batch | reference_model(batch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = dpo_loss(**tensors)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= 2665 * 10**6, f"peak {peak / 1e6:.0f} MB"
+    grads = [batch["input"].grad, batch["linear_weight"].grad]
+    two = dpo_loss(**tensors, config=TWO_PASS)
+    expected = torch.autograd.grad(two.loss, [batch["input"], batch["linear_weight"]])
+    for name, g, e in zip(("input", "linear_weight"), grads, expected, strict=True):
+        assert_close(g, e, torch.bfloat16, f"d{name}")

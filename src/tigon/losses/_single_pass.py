@@ -82,9 +82,10 @@ class SinglePassConfig:
     as many whole groups (pairs for the paired losses, rows otherwise) as fit, and at least one.
     ``grad_bytes``: one piece of ``dl`` in a bf16/fp16 matmul dtype (tokens × V × 2); the chunk's
     gradient matmuls run piece by piece (a multiple of ``token_align`` tokens where it fits: whole
-    matmul tiles; no piece spans two rows' ranges of a paired chunk). ``groups_per_chunk`` / ``grad_tokens`` force those sizes
-    (tests use them to make many chunks and pieces at small sizes). ``enabled=False`` keeps the
-    two-pass path everywhere. ``block_v`` / ``num_warps``: the head's row-kernel launch.
+    matmul tiles; no piece spans two rows' ranges of a paired chunk). ``groups_per_chunk`` /
+    ``grad_tokens`` force those sizes (tests use them to make many chunks and pieces at small
+    sizes). ``enabled=False`` keeps the two-pass path everywhere. ``block_v`` / ``num_warps``: the
+    head's row-kernel launch.
     """
 
     workspace_bytes: int = 1 << 30
@@ -221,8 +222,8 @@ def single_pass(input, linear_weight, target, head: dict, formula, *, paired: bo
             with torch.enable_grad():
                 leaf = lp_rows.detach().requires_grad_(True)
                 loss_c = formula(stand_in.index_copy(0, rows, leaf), mask).loss
-                (g,) = torch.autograd.grad(loss_c, leaf)
-            g = g.reshape(-1).to(torch.float32).contiguous()
+                grad = torch.autograd.grad(loss_c, leaf, allow_unused=True)[0] if loss_c.requires_grad else None
+            g = torch.zeros_like(lp) if grad is None else grad.reshape(-1).to(torch.float32).contiguous()
             # pieces of dl, none across two token ranges: each has a contiguous block of dX
             offset = 0
             for t0, t1 in token_ranges:
