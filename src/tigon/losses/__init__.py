@@ -24,9 +24,12 @@ supervised         ``cross_entropy``,                          :mod:`tigon.ops.c
 
 The preference, unpaired and RL losses take the policy's last hidden states ``input`` (R, T, H),
 the head ``linear_weight`` (V, H) (and ``linear_bias``) and shifted next-token ids ``target``
-(R, T), and compute token log-probabilities with :func:`tigon.ops.fused_linear_logprobs` — the
-head does all the heavy work (chunked matmuls, fp32 softmax, gradients into input, weight and
-bias); each loss is a few fp32 torch ops on the (R, T) log-probs. They return a
+(R, T), and compute token log-probabilities as :func:`tigon.ops.fused_linear_logprobs` does;
+each loss is one formula, a few fp32 torch ops on the (R, T) log-probs. In eager mode with
+gradients, :mod:`tigon.losses._single_pass` makes loss and gradients in one pass over row chunks
+(one matmul of logits, then dX and dW: three in all, the backward only scales them); under
+torch.compile or without gradients the head's two passes run (four matmuls with gradients).
+``config=`` (a :class:`~tigon.losses._single_pass.SinglePassConfig`) sets the chunking. They return a
 :class:`LossOutput`: ``.loss`` (fp32 scalar with gradient) and detached fp32 metrics.
 :mod:`tigon.losses.reference` holds their plain-torch references (logits held whole), which the
 tests and the benchmarks import.

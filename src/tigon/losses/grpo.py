@@ -26,6 +26,7 @@ never read (they may be anything, -inf included). References: Shao et al. 2024 (
 from __future__ import annotations
 
 import numbers
+from functools import partial
 
 import torch
 
@@ -37,8 +38,8 @@ from tigon.losses._output import (
     check_rows,
     head_keywords,
     metric,
-    token_logps,
 )
+from tigon.losses._single_pass import evaluate
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -52,43 +53,11 @@ def _items_divisor(num_items_in_batch, device):
     return check_number(num_items_in_batch, "num_items_in_batch", positive=True)
 
 
-def grpo_loss(
-    input, linear_weight, target, advantages, *,
-    old_logps=None, ref_logps=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
-    max_completion_length=None, num_items_in_batch=None,
-    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0,
-) -> LossOutput:
-    """GRPO over ``R`` completions ``[R, T]``; ``advantages`` (R,), one per completion.
-
-    ``old_logps`` (R, T): the sampling policy's token log-probs (None: on-policy, ρ = 1).
-    ``ref_logps`` (R, T): the reference's token log-probs, required when ``beta > 0``.
-    Returns ``LossOutput(loss, logps, clip_ratio, kl)``; see the module docstring.
-    """
-    beta = check_number(beta, "beta", minimum=0.0)
-    epsilon_low = check_number(epsilon_low, "epsilon_low", minimum=0.0)
-    epsilon_high = check_number(epsilon_high, "epsilon_high", minimum=0.0)
-    check_choice(loss_type, "loss_type", GRPO_LOSS_TYPES)
-    if max_completion_length is not None and (
-        isinstance(max_completion_length, bool)
-        or not isinstance(max_completion_length, numbers.Integral)
-        or max_completion_length <= 0
-    ):
-        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
-    num_rows, num_tokens = check_policy(input, linear_weight, target)
-    if num_rows == 0:
-        raise ValueError("input has 0 rows")
-    device = input.device
-    check_rows(advantages, "advantages", (num_rows,), device)
-    if beta > 0.0 and ref_logps is None:
-        raise ValueError("beta > 0 needs ref_logps, the reference's per-token log-probs (R, T)")
-    if old_logps is not None:
-        check_rows(old_logps, "old_logps", (num_rows, num_tokens), device)
-    if ref_logps is not None:
-        check_rows(ref_logps, "ref_logps", (num_rows, num_tokens), device)
-    divisor = None if num_items_in_batch is None else _items_divisor(num_items_in_batch, device)
-
-    head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
-    logps, mask = token_logps(input, linear_weight, target, head)  # (R, T) each
+def _grpo_formula(logps, mask, *, advantages, old_logps, ref_logps, beta, epsilon_low, epsilon_high, loss_type,
+                  max_completion_length, divisor):
+    """GRPO from the token log-probs (R, T): the one formula of both paths (module docstring)."""
+    num_rows, num_tokens = logps.shape
+    device = logps.device
     own = logps.detach()
     # where a token does not count, the policy's own value: ρ = 1 and KL = 0 there, whatever was passed
     old = own if old_logps is None else torch.where(mask, old_logps.detach().to(torch.float32), own)
@@ -122,3 +91,47 @@ def grpo_loss(
     is_clipped = ((ratio < 1.0 - epsilon_low) & (advantage < 0)) | ((ratio > 1.0 + epsilon_high) & (advantage > 0))
     clip_ratio = (is_clipped & mask).sum().to(torch.float32) / counted
     return LossOutput(loss=loss, logps=metric(logps), clip_ratio=metric(clip_ratio), kl=metric(kl))
+
+
+def grpo_loss(
+    input, linear_weight, target, advantages, *,
+    old_logps=None, ref_logps=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
+    max_completion_length=None, num_items_in_batch=None,
+    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0, config=None,
+) -> LossOutput:
+    """GRPO over ``R`` completions ``[R, T]``; ``advantages`` (R,), one per completion.
+
+    ``old_logps`` (R, T): the sampling policy's token log-probs (None: on-policy, ρ = 1).
+    ``ref_logps`` (R, T): the reference's token log-probs, required when ``beta > 0``.
+    Returns ``LossOutput(loss, logps, clip_ratio, kl)``; see the module docstring.
+    """
+    beta = check_number(beta, "beta", minimum=0.0)
+    epsilon_low = check_number(epsilon_low, "epsilon_low", minimum=0.0)
+    epsilon_high = check_number(epsilon_high, "epsilon_high", minimum=0.0)
+    check_choice(loss_type, "loss_type", GRPO_LOSS_TYPES)
+    if max_completion_length is not None and (
+        isinstance(max_completion_length, bool)
+        or not isinstance(max_completion_length, numbers.Integral)
+        or max_completion_length <= 0
+    ):
+        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
+    num_rows, num_tokens = check_policy(input, linear_weight, target)
+    if num_rows == 0:
+        raise ValueError("input has 0 rows")
+    device = input.device
+    check_rows(advantages, "advantages", (num_rows,), device)
+    if beta > 0.0 and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps, the reference's per-token log-probs (R, T)")
+    if old_logps is not None:
+        check_rows(old_logps, "old_logps", (num_rows, num_tokens), device)
+    if ref_logps is not None:
+        check_rows(ref_logps, "ref_logps", (num_rows, num_tokens), device)
+    divisor = None if num_items_in_batch is None else _items_divisor(num_items_in_batch, device)
+
+    head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
+    formula = partial(
+        _grpo_formula, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, beta=beta,
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
+        max_completion_length=max_completion_length, divisor=divisor,
+    )
+    return evaluate(input, linear_weight, target, head, formula, paired=False, config=config)

@@ -15,6 +15,8 @@ Reference: Ethayarajh et al. 2024, as TRL's KTO trainer computes it.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from tigon.losses._output import (
@@ -25,8 +27,8 @@ from tigon.losses._output import (
     metric,
     reference_logps,
     sequence_logps,
-    token_logps,
 )
+from tigon.losses._single_pass import evaluate
 
 
 def _check_kl(kl, device) -> torch.Tensor | float:
@@ -49,11 +51,23 @@ def _check_labels(preference_labels, num_rows, device) -> torch.Tensor:
     return preference_labels.bool()
 
 
+def _kto_formula(logps, mask, *, ref, desirable, beta, kl, desirable_weight, undesirable_weight, average):
+    """KTO from the token log-probs (R, T): the one formula of both paths."""
+    seq = sequence_logps(logps, mask, average)  # (R,) ℓ
+    log_ratio = seq if ref is None else seq - ref  # (R,) u
+    per_row = torch.where(
+        desirable,
+        desirable_weight * (1.0 - torch.sigmoid(beta * (log_ratio - kl))),
+        undesirable_weight * (1.0 - torch.sigmoid(beta * (kl - log_ratio))),
+    )
+    return LossOutput(loss=per_row.mean(), logps=metric(seq), rewards=metric(beta * log_ratio))
+
+
 def kto_loss(
     input, linear_weight, target, preference_labels, *,
     beta=0.1, kl=0.0, desirable_weight=1.0, undesirable_weight=1.0, average_log_prob=False,
     ref_input=None, ref_linear_weight=None, ref_linear_bias=None, ref_logps=None,
-    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0,
+    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0, config=None,
 ) -> LossOutput:
     """KTO over ``R`` unpaired rows; ``preference_labels`` (R,) says which are desirable.
 
@@ -74,12 +88,7 @@ def kto_loss(
         target, head, average_log_prob, ref_input=ref_input, ref_linear_weight=ref_linear_weight,
         ref_linear_bias=ref_linear_bias, ref_logps=ref_logps, vocab=linear_weight.shape[0], device=input.device,
     )
-    logps, mask = token_logps(input, linear_weight, target, head)
-    seq = sequence_logps(logps, mask, average_log_prob)  # (R,) ℓ
-    log_ratio = seq if ref is None else seq - ref  # (R,) u
-    per_row = torch.where(
-        desirable,
-        desirable_weight * (1.0 - torch.sigmoid(beta * (log_ratio - kl))),
-        undesirable_weight * (1.0 - torch.sigmoid(beta * (kl - log_ratio))),
-    )
-    return LossOutput(loss=per_row.mean(), logps=metric(seq), rewards=metric(beta * log_ratio))
+    formula = partial(_kto_formula, ref=ref, desirable=desirable, beta=beta, kl=kl,
+                      desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+                      average=average_log_prob)
+    return evaluate(input, linear_weight, target, head, formula, paired=False, config=config)

@@ -12,9 +12,11 @@ Each loss below is then a mean over pairs of a function of ``ℓc − ℓr`` (an
 reference's ``ℓ_ref``), plus a weighted NLL. With ``σ`` the sigmoid and ``ε`` the label smoothing,
 the smoothed sigmoid loss of a margin ``x`` is ``−(1−ε)·logσ(x) − ε·logσ(−x)``.
 
-The gradient reaches ``input``, ``linear_weight`` and ``linear_bias`` through the head's backward;
-the math here is a handful of fp32 torch ops on (B,) vectors, so the head is the whole cost:
-one ``[R·T, H] × [H, V]`` product forward and two backward, without the ``[R·T, V]`` logits.
+Each loss is one formula of the token log-probs (``_dpo_formula`` …), a handful of fp32 torch ops
+on (B,) vectors; :func:`tigon.losses._single_pass.evaluate` runs it. In eager mode with gradients
+that is the single pass (pairs chunked together; loss and gradient from one ``[R·T, H] × [H, V]``
+product of logits, three in all), else the head's two passes (four products); never the
+``[R·T, V]`` logits whole.
 
 References: DPO (Rafailov et al. 2023; ``hinge`` from SLiC, ``ipo`` from Azar et al. 2023), ORPO
 (Hong et al. 2024), CPO (Xu et al. 2024), SimPO (Meng et al. 2024); the formulas as TRL writes
@@ -22,6 +24,8 @@ them, and as API.md states them.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +41,8 @@ from tigon.losses._output import (
     metric,
     reference_logps,
     sequence_logps,
-    token_logps,
 )
+from tigon.losses._single_pass import evaluate
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
@@ -55,47 +59,20 @@ def _check_smoothing(label_smoothing) -> float:
     return value
 
 
-def _policy_pass(input, linear_weight, target, head, average):
-    """One pass of the fused head: (token log-probs (R, T), mask (R, T), ℓ (R,), B)."""
-    num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
-    logps, mask = token_logps(input, linear_weight, target, head)
-    return logps, mask, sequence_logps(logps, mask, average), num_pairs
+def _sequences(logps, mask, average, num_pairs):
+    """(ℓ (R,), ℓc (B,), ℓr (B,)) from the token log-probs."""
+    seq = sequence_logps(logps, mask, average)
+    return seq, seq[:num_pairs], seq[num_pairs:]
 
 
-def dpo_loss(
-    input, linear_weight, target, *,
-    beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_weight=0.0, average_log_prob=False,
-    ref_input=None, ref_linear_weight=None, ref_linear_bias=None, ref_logps=None,
-    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0,
-) -> LossOutput:
-    """Direct preference optimisation over ``R = 2B`` rows, chosen first.
-
-    ``Δ = (ℓc − ℓc_ref) − (ℓr − ℓr_ref)`` per pair; ``"sigmoid"``: ``−(1−ε)logσ(βΔ) − ε logσ(−βΔ)``,
-    ``"hinge"``: ``relu(1 − βΔ)``, ``"ipo"``: ``(Δ − 1/(2β))²``; mean over pairs, plus
-    ``nll_weight · NLL``. The reference comes from ``ref_input``/``ref_linear_weight``/
-    ``ref_linear_bias`` (no gradient, same head options, averaged like the policy), or from per-row
-    ``ref_logps`` (R,) as given; with neither it is 0.
-
-    Returns ``LossOutput(loss, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, nll)``.
-    """
-    beta = check_number(beta, "beta")
-    check_choice(loss_type, "loss_type", DPO_LOSS_TYPES)
-    if loss_type == "ipo" and beta == 0.0:
-        raise ValueError("beta must be positive for loss_type='ipo' (its target margin is 1/(2·beta))")
-    label_smoothing = _check_smoothing(label_smoothing)
-    nll_weight = check_number(nll_weight, "nll_weight")
-    head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
-    check_paired(check_policy(input, linear_weight, target)[0])  # before the reference's pass
-    ref = reference_logps(
-        target, head, average_log_prob, ref_input=ref_input, ref_linear_weight=ref_linear_weight,
-        ref_linear_bias=ref_linear_bias, ref_logps=ref_logps, vocab=linear_weight.shape[0], device=input.device,
-    )
-    logps, mask, seq, num_pairs = _policy_pass(input, linear_weight, target, head, average_log_prob)
+def _dpo_formula(logps, mask, *, ref, num_pairs, beta, loss_type, label_smoothing, nll_weight, average):
+    """DPO from the token log-probs (R, T): the one formula of both paths (module docstring)."""
+    seq, chosen, rejected = _sequences(logps, mask, average, num_pairs)
     if ref is None:
         ref = torch.zeros_like(seq)
-    chosen_ratio = seq[:num_pairs] - ref[:num_pairs]     # (B,) ℓc − ℓc_ref
-    rejected_ratio = seq[num_pairs:] - ref[num_pairs:]   # (B,) ℓr − ℓr_ref
-    delta = chosen_ratio - rejected_ratio                # (B,) Δ
+    chosen_ratio = chosen - ref[:num_pairs]        # (B,) ℓc − ℓc_ref
+    rejected_ratio = rejected - ref[num_pairs:]    # (B,) ℓr − ℓr_ref
+    delta = chosen_ratio - rejected_ratio          # (B,) Δ
     if loss_type == "sigmoid":
         per_pair = smoothed_sigmoid_loss(beta * delta, label_smoothing)
     elif loss_type == "hinge":
@@ -103,33 +80,18 @@ def dpo_loss(
     else:
         per_pair = (delta - 1.0 / (2.0 * beta)) ** 2
     nll = chosen_nll(logps, mask, num_pairs)
-    loss = per_pair.mean() + nll_weight * nll
     return LossOutput(
-        loss=loss,
-        chosen_logps=metric(seq[:num_pairs]),
-        rejected_logps=metric(seq[num_pairs:]),
+        loss=per_pair.mean() + nll_weight * nll,
+        chosen_logps=metric(chosen),
+        rejected_logps=metric(rejected),
         chosen_rewards=metric(beta * chosen_ratio),
         rejected_rewards=metric(beta * rejected_ratio),
         nll=metric(nll),
     )
 
 
-def orpo_loss(
-    input, linear_weight, target, *,
-    beta=0.1, linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0,
-) -> LossOutput:
-    """Odds-ratio preference optimisation over ``R = 2B`` rows, chosen first; ℓ averaged per token.
-
-    ``log_odds = (ℓc − ℓr) − (log1p(−e^ℓc) − log1p(−e^ℓr))`` per pair; loss
-    ``NLL − β · mean logσ(log_odds)``.
-
-    Returns ``LossOutput(loss, chosen_logps, rejected_logps, nll, log_odds_ratio)`` with
-    ``log_odds_ratio`` = mean logσ(log_odds).
-    """
-    beta = check_number(beta, "beta")
-    head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
-    logps, mask, seq, num_pairs = _policy_pass(input, linear_weight, target, head, True)
-    chosen, rejected = seq[:num_pairs], seq[num_pairs:]
+def _orpo_formula(logps, mask, *, num_pairs, beta):
+    _, chosen, rejected = _sequences(logps, mask, True, num_pairs)
     log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))  # (B,)
     log_odds_ratio = F.logsigmoid(log_odds).mean()
     nll = chosen_nll(logps, mask, num_pairs)
@@ -142,10 +104,76 @@ def orpo_loss(
     )
 
 
+def _cpo_formula(logps, mask, *, num_pairs, beta, label_smoothing, alpha, average):
+    _, chosen, rejected = _sequences(logps, mask, average, num_pairs)
+    nll = chosen_nll(logps, mask, num_pairs)
+    loss = smoothed_sigmoid_loss(beta * (chosen - rejected), label_smoothing).mean() + alpha * nll
+    return LossOutput(loss=loss, chosen_logps=metric(chosen), rejected_logps=metric(rejected), nll=metric(nll))
+
+
+def _simpo_formula(logps, mask, *, num_pairs, beta, gamma, label_smoothing):
+    _, chosen, rejected = _sequences(logps, mask, True, num_pairs)
+    loss = smoothed_sigmoid_loss(beta * (chosen - rejected) - gamma, label_smoothing).mean()
+    return LossOutput(loss=loss, chosen_logps=metric(chosen), rejected_logps=metric(rejected))
+
+
+def dpo_loss(
+    input, linear_weight, target, *,
+    beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_weight=0.0, average_log_prob=False,
+    ref_input=None, ref_linear_weight=None, ref_linear_bias=None, ref_logps=None,
+    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0, config=None,
+) -> LossOutput:
+    """Direct preference optimisation over ``R = 2B`` rows, chosen first.
+
+    ``Δ = (ℓc − ℓc_ref) − (ℓr − ℓr_ref)`` per pair; ``"sigmoid"``: ``−(1−ε)logσ(βΔ) − ε logσ(−βΔ)``,
+    ``"hinge"``: ``relu(1 − βΔ)``, ``"ipo"``: ``(Δ − 1/(2β))²``; mean over pairs, plus
+    ``nll_weight · NLL``. The reference comes from ``ref_input``/``ref_linear_weight``/
+    ``ref_linear_bias`` (no gradient, same head options, averaged like the policy), or from per-row
+    ``ref_logps`` (R,) as given; with neither it is 0. ``config``: a
+    :class:`~tigon.losses._single_pass.SinglePassConfig` (None: the default).
+
+    Returns ``LossOutput(loss, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, nll)``.
+    """
+    beta = check_number(beta, "beta")
+    check_choice(loss_type, "loss_type", DPO_LOSS_TYPES)
+    if loss_type == "ipo" and beta == 0.0:
+        raise ValueError("beta must be positive for loss_type='ipo' (its target margin is 1/(2·beta))")
+    label_smoothing = _check_smoothing(label_smoothing)
+    nll_weight = check_number(nll_weight, "nll_weight")
+    head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
+    num_pairs = check_paired(check_policy(input, linear_weight, target)[0])  # before the reference's pass
+    ref = reference_logps(
+        target, head, average_log_prob, ref_input=ref_input, ref_linear_weight=ref_linear_weight,
+        ref_linear_bias=ref_linear_bias, ref_logps=ref_logps, vocab=linear_weight.shape[0], device=input.device,
+    )
+    formula = partial(_dpo_formula, ref=ref, num_pairs=num_pairs, beta=beta, loss_type=loss_type,
+                      label_smoothing=label_smoothing, nll_weight=nll_weight, average=average_log_prob)
+    return evaluate(input, linear_weight, target, head, formula, paired=True, config=config)
+
+
+def orpo_loss(
+    input, linear_weight, target, *,
+    beta=0.1, linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0, config=None,
+) -> LossOutput:
+    """Odds-ratio preference optimisation over ``R = 2B`` rows, chosen first; ℓ averaged per token.
+
+    ``log_odds = (ℓc − ℓr) − (log1p(−e^ℓc) − log1p(−e^ℓr))`` per pair; loss
+    ``NLL − β · mean logσ(log_odds)``.
+
+    Returns ``LossOutput(loss, chosen_logps, rejected_logps, nll, log_odds_ratio)`` with
+    ``log_odds_ratio`` = mean logσ(log_odds).
+    """
+    beta = check_number(beta, "beta")
+    head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
+    num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
+    formula = partial(_orpo_formula, num_pairs=num_pairs, beta=beta)
+    return evaluate(input, linear_weight, target, head, formula, paired=True, config=config)
+
+
 def cpo_loss(
     input, linear_weight, target, *,
     beta=0.1, label_smoothing=0.0, alpha=1.0, average_log_prob=False,
-    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0,
+    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0, config=None,
 ) -> LossOutput:
     """Contrastive preference optimisation over ``R = 2B`` rows, chosen first (no reference model).
 
@@ -157,17 +185,16 @@ def cpo_loss(
     label_smoothing = _check_smoothing(label_smoothing)
     alpha = check_number(alpha, "alpha")
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
-    logps, mask, seq, num_pairs = _policy_pass(input, linear_weight, target, head, average_log_prob)
-    chosen, rejected = seq[:num_pairs], seq[num_pairs:]
-    nll = chosen_nll(logps, mask, num_pairs)
-    loss = smoothed_sigmoid_loss(beta * (chosen - rejected), label_smoothing).mean() + alpha * nll
-    return LossOutput(loss=loss, chosen_logps=metric(chosen), rejected_logps=metric(rejected), nll=metric(nll))
+    num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
+    formula = partial(_cpo_formula, num_pairs=num_pairs, beta=beta, label_smoothing=label_smoothing, alpha=alpha,
+                      average=average_log_prob)
+    return evaluate(input, linear_weight, target, head, formula, paired=True, config=config)
 
 
 def simpo_loss(
     input, linear_weight, target, *,
     beta=2.0, gamma=0.5, label_smoothing=0.0,
-    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0,
+    linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0, config=None,
 ) -> LossOutput:
     """Simple preference optimisation over ``R = 2B`` rows, chosen first; ℓ averaged per token.
 
@@ -179,7 +206,6 @@ def simpo_loss(
     gamma = check_number(gamma, "gamma")
     label_smoothing = _check_smoothing(label_smoothing)
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
-    _logps, _mask, seq, num_pairs = _policy_pass(input, linear_weight, target, head, True)
-    chosen, rejected = seq[:num_pairs], seq[num_pairs:]
-    loss = smoothed_sigmoid_loss(beta * (chosen - rejected) - gamma, label_smoothing).mean()
-    return LossOutput(loss=loss, chosen_logps=metric(chosen), rejected_logps=metric(rejected))
+    num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
+    formula = partial(_simpo_formula, num_pairs=num_pairs, beta=beta, gamma=gamma, label_smoothing=label_smoothing)
+    return evaluate(input, linear_weight, target, head, formula, paired=True, config=config)
