@@ -60,7 +60,12 @@ completion), gradient checkpointing ON (TRL's default; enabled as ``Trainer.trai
 training step as above (``--context-steps``; a second step would also hold the AdamW moments). The
 largest L that completes without running out of memory: from ``--start`` up (or down) in steps of
 4096, then bisected by 1024, within [16384, 131072]; one fresh process per probe. TRL's published
-figure for its own head on Gemma-3-1B is 59,392 tokens.
+figure for its own head on Gemma-3-1B is 59,392 tokens (its attention implementation is not known
+here). With sdpa, transformers materialises each sliding-window layer's mask as a ``[2, 1, L, L]``
+bool tensor (≈ 2·L² bytes: 7 GB at 59K) for both providers alike; ``--attention flash_attention_2``
+(if flash-attn is installed) or ``flex_attention`` avoid it. Each probe is a fresh process of 20–60 s;
+``--start tigon=90112`` starts one provider's search elsewhere, and ``--providers tigon`` runs one
+provider per invocation where both would not fit a time limit.
 
 Results: ``--out`` (default benchmarks/results/) gets ``trl-steps-<device>-<date>.{json,md}`` or
 ``trl-longest-dpo-<device>-<date>.{json,md}``; the markdown is printed last.
@@ -181,7 +186,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     steps.add_argument("--steps", type=int, help=f"timed steps (default {STEPS})")
 
     longest = sub.add_parser("longest-dpo", parents=[common], help="longest DPO pair at batch 1, Gemma-3-1B")
-    longest.add_argument("--start", type=int, help=f"first length probed (default {LONGEST_START})")
+    longest.add_argument("--start", nargs="+", default=[], metavar="[PROVIDER=]LENGTH",
+                         help=f"first length probed, for all providers or one (default {LONGEST_START})")
     longest.add_argument("--min", dest="min_len", type=int, help=f"shortest length (default {LONGEST_MIN})")
     longest.add_argument("--max", dest="max_len", type=int, help=f"longest length (default {LONGEST_MAX})")
     longest.add_argument("--coarse", type=int, help=f"first search step (default {COARSE})")
@@ -200,6 +206,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.steps < 1 or args.warmup < 0 or args.prompt < 1 or args.completion < 1:
             parser.error("--steps, --prompt and --completion must be at least 1, --warmup at least 0")
     else:
+        starts = {}
+        for item in args.start:
+            provider, _, length = item.rpartition("=")
+            if provider and provider not in PROVIDERS or not length.isdigit():
+                parser.error(f"--start takes LENGTH or PROVIDER=LENGTH, not {item!r}")
+            starts[provider or None] = int(length)
+        args.start = starts.pop(None, None)
         for name, key, default in (("start", "start", LONGEST_START), ("min_len", "min", LONGEST_MIN),
                                    ("max_len", "max", LONGEST_MAX), ("coarse", "coarse", COARSE),
                                    ("fine", "fine", FINE)):
@@ -207,7 +220,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 setattr(args, name, tiny.get(key, default))
         if not (0 < args.fine <= args.coarse and args.coarse % args.fine == 0):
             parser.error("--fine must divide --coarse")
-        if not args.min_len <= args.start <= args.max_len:
+        args.starts = {p: starts.get(p, args.start) for p in PROVIDERS}
+        if not all(args.min_len <= v <= args.max_len for v in args.starts.values()):
             parser.error("--start must lie in [--min, --max]")
         args.prompt = tiny.get("longest_prompt", LONGEST_PROMPT)
     return args
@@ -548,13 +562,14 @@ def longest_mode(args, log=print) -> dict:
                            checkpointing=True)
                 result = pool.run(job)
                 probes.append({k: result.get(k) for k in ("completion", "error", "oom", "peak_bytes", "wall_s",
-                                                          "losses", "device", "label")} | {"seq": length})
+                                                          "losses", "device", "label",
+                                                          "activation_checkpointing")} | {"seq": length})
                 log(row_line(result))
                 if "traceback" in result:
                     log(result["traceback"])
                 return "error" not in result
 
-            longest, first_fail = search_longest(probe, start=args.start, minimum=args.min_len,
+            longest, first_fail = search_longest(probe, start=args.starts[provider], minimum=args.min_len,
                                                  maximum=args.max_len, coarse=args.coarse, fine=args.fine)
             failure = next((p["error"] for p in probes if p["seq"] == first_fail), None)
             rows.append({
@@ -600,10 +615,11 @@ def markdown(result: dict) -> str:
              "LM head. Each run in a fresh process (benchmarks/trl_steps.py documents what is timed)."]
     rows = result["rows"]
     if result["kind"] == "longest_dpo":
+        starts = ", ".join(f"{v} ({k})" for k, v in s["starts"].items() if k in s["providers"])
         lines += [
             f"Longest DPO pair at batch 1 (chosen and rejected of L tokens each, prompt {s['prompt']}), "
             f"gradient checkpointing on, {s['context_steps']} training step(s) (compute_loss, backward, clip, "
-            f"AdamW); searched from {s['start']} by {s['coarse']}, refined by {s['fine']}, within "
+            f"AdamW); searched from {starts} by {s['coarse']}, refined by {s['fine']}, within "
             f"[{s['min']}, {s['max']}]. TRL's published figure for its own head on Gemma-3-1B: "
             f"{TRL_PUBLISHED_LONGEST:,} tokens.", "",
             "| model | provider | longest L | first failure | peak GiB at longest | probes |",
