@@ -242,13 +242,24 @@ def _word_tokenizer(size: int = 64):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def _checkpointing_name() -> str:
+    """transformers 5.24 calls gradient checkpointing "activation checkpointing"; 5.17 to 5.23 do not."""
+    import dataclasses
+
+    import transformers
+
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def _trainer_args(config_cls, job: dict, out_dir: str, **extra):
     cuda = job["device"] == "cuda"
+    extra[_checkpointing_name()] = job["checkpointing"]
     return config_cls(
         output_dir=out_dir, per_device_train_batch_size=job["rows"] // (2 if job["trainer"] == "dpo" else 1),
         learning_rate=LR, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=not cuda, bf16=True, fp16=False, seed=SEED, data_seed=SEED, dataloader_num_workers=0,
-        disable_tqdm=True, activation_checkpointing=job["checkpointing"], **extra,
+        disable_tqdm=True, **extra,
     )
 
 
@@ -341,12 +352,17 @@ def _train(job, out, model, ref_model, device):
     out["tokens_per_step"] = sum(batch[k].numel() for k in ("input_ids", "prompt_ids", "completion_ids")
                                  if k in batch)
     if job["checkpointing"]:  # what Trainer.train() does with activation_checkpointing=True
-        kwargs = dict(trainer.args.activation_checkpointing_kwargs or {})
-        every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
-                                              every_n_layers=every_n_layers, offload=offload)
+        name = _checkpointing_name()
+        kwargs = dict(getattr(trainer.args, f"{name}_kwargs") or {})
+        if name == "activation_checkpointing":
+            every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                                  every_n_layers=every_n_layers, offload=offload)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
     model.train()
-    out["activation_checkpointing"] = bool(getattr(model, "is_activation_checkpointing", False))
+    out["activation_checkpointing"] = bool(getattr(model, "is_activation_checkpointing",
+                                                   getattr(model, "is_gradient_checkpointing", False)))
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train()'s loop; GRPO's loss reads it
     optimizer = trainer.create_optimizer()
     out["optimizer"] = type(optimizer).__name__
