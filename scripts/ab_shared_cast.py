@@ -20,7 +20,7 @@ import torch
 from benchmarks.e2e import LR, OPTIMIZER_BYTES_PER_PARAM, SEED, batch_for, model_spec
 
 import tigon
-from tigon.demo import build_model, parameter_count
+from tigon.bench.models import build_model, parameter_count
 from tigon.patching.engine import OUTPUT_PROJECTION, QKV_PROJECTIONS
 from tigon.patching.shared_cast import CACHE_ATTR
 

@@ -75,7 +75,7 @@ def main() -> None:
         return
 
     import tigon
-    from tigon.demo import build_model
+    from tigon.bench.models import build_model
 
     device = torch.device("cuda")
     spec = model_spec(args.model)

@@ -7,7 +7,6 @@ op's file; this module only holds what several ops would otherwise each write ag
 from __future__ import annotations
 
 import inspect
-import os
 from functools import cache, wraps
 
 import torch
@@ -20,80 +19,17 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
+from tigon._interpreter import interpreter_active
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The interpreter runs programs one after another at ~1 ms each: a handful is plenty.
 INTERPRETER_PROGRAMS = 4
 
 
-def interpreter_active() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _is_jit_kernel(kernel) -> bool:
     """A plain ``@triton.jit`` kernel (not interpreted, not autotuned): the kind FastLaunch runs."""
     return type(kernel) is JITFunction
-
-
-def _interpreter_numpy_compat() -> None:
-    """Let Triton 3.6's interpreter run loops with runtime bounds under NumPy >= 2.4.
-
-    The interpreter holds a scalar kernel argument as a 1-element array and gives Python its index
-    with ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to
-    Python scalars"): every ``for start in range(0, n, BLOCK)`` fails. Triton 3.9 squeezes the array
-    first; this installs the same ``__index__`` after the interpreter patches ``tl.tensor``, on any
-    version (the same result where it was already right). Only under ``TRITON_INTERPRET=1``.
-    """
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or getattr(patch, "_tigon", False):
-        return
-
-    def patch_lang_tensor(tensor, scope, *args, **kwargs):
-        patch(tensor, scope, *args, **kwargs)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch_lang_tensor._tigon = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-def _interpreter_bf16_rounding() -> None:
-    """Make the interpreter round fp32 to bf16 to nearest-even, as the GPU's ``cvt.rn.bf16.f32`` does.
-
-    The interpreter converts by cutting the mantissa (its "round to nearest" branch adds the cut bit
-    without carrying into the exponent and without ties to even), so every bf16 value a kernel stores
-    could be one ulp off the GPU's, and a kernel output could never be bitwise the cast that a
-    reference makes. This converts through torch instead, which rounds as the GPU does.
-    """
-    try:
-        import numpy as np
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    cast = getattr(builder, "cast_impl", None)
-    if cast is None or getattr(cast, "_tigon", False):
-        return
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            wide = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            data = wide.to(torch.bfloat16).view(torch.uint16).numpy().reshape(src.data.shape)
-            return interpreter.TensorHandle(data, dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    cast_impl._tigon = True
-    builder.cast_impl = cast_impl
-    # the builder's create_fp_trunc & co. are lambdas that look cast_impl up on the instance
-
-
-if interpreter_active():
-    _interpreter_numpy_compat()
-    _interpreter_bf16_rounding()
 
 
 def wrap_triton(kernel):
