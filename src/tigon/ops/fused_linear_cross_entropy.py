@@ -50,14 +50,12 @@ from dataclasses import dataclass
 import torch
 
 from tigon.ops._common import check_tensor, matmul_accumulate
+from tigon.ops._loss_grad import RangeCheck, apply_grad_output
+from tigon.ops._softmax_rows import REDUCTION_SCALES
+from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 from tigon.ops.cross_entropy import (
-    CHUNK_GRAD,
-    CHUNK_STATS,
     CROSS_ENTROPY_FWD,
     CROSS_ENTROPY_FWD_INPLACE,
-    REDUCTION_SCALES,
-    RangeCheck,
-    apply_grad_output,
     check_loss_options,
     check_target,
     cross_entropy_reference,
