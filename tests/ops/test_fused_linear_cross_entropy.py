@@ -18,7 +18,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn, rel_err
 from tigon.ops import _vocab_chunks
 from tigon.ops.fused_linear_cross_entropy import (
-    MAX_TOKEN_CHUNKS,
+    CONFIG,
     ChunkPlan,
     chunk_plan,
     fused_linear_cross_entropy,
@@ -284,7 +284,7 @@ def test_chunk_plan_at_benchmark_shapes(hidden, vocab, tokens_expected):
     gradient_bytes = (tokens + vocab) * hidden * elem
     assert plan.by_tokens == tokens_expected
     if plan.by_tokens:
-        assert -(-tokens // plan.size) <= MAX_TOKEN_CHUNKS
+        assert -(-tokens // plan.size) <= CONFIG.max_token_chunks
         workspace = plan.size * vocab * elem
     else:
         # While chunks are made: dW, one chunk and the fp32 dX accumulator; dX in its own dtype is
@@ -307,8 +307,8 @@ def test_chunk_plan_fp32_master_weight(hidden, vocab):
     for tokens in (8192, 4096, 1500):
         plan = chunk_plan(tokens, vocab, hidden, 2, dx_size=4, dw_size=4)
         gradient_bytes = (tokens + vocab) * hidden * 4
-        assert plan.by_tokens and plan.size >= min(tokens, flce_module.FP32_TOKEN_CHUNK)
-        budget = max(flce_module.WORKSPACE_FRACTION * gradient_bytes, flce_module.FP32_TOKEN_CHUNK * vocab * 2)
+        assert plan.by_tokens and plan.size >= min(tokens, CONFIG.fp32_token_chunk)
+        budget = max(CONFIG.workspace_fraction * gradient_bytes, CONFIG.fp32_token_chunk * vocab * 2)
         assert plan.size * vocab * 2 <= budget
     # bf16 weights (the benchmark's): the budget alone, as before
     assert chunk_plan(8192, 151936, 896, 2) == chunk_plan(8192, 151936, 896, 2, dw_size=2)
