@@ -497,3 +497,21 @@ def copysign_nonnegative(magnitude, sign):
     """``magnitude`` (≥ 0, its sign bit clear) with the sign of ``sign``: one bitwise instruction."""
     bits = magnitude.to(tl.int32, bitcast=True) | (sign.to(tl.int32, bitcast=True) & SIGN_BIT)
     return bits.to(tl.float32, bitcast=True)
+
+
+def deprecated_module_alias(old_name: str, new_name: str):
+    """A module object for ``sys.modules[old_name]`` that forwards every attribute to ``new_name``
+    with a DeprecationWarning (for an op module renamed so that its old name is the function's)."""
+    import importlib
+    import types
+    import warnings
+
+    class _Alias(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            warnings.warn(f"{old_name} is deprecated: import {name} from {new_name}", DeprecationWarning,
+                          stacklevel=2)
+            return getattr(importlib.import_module(new_name), name)
+
+    return _Alias(old_name, f"Deprecated alias of {new_name}.")

@@ -18,7 +18,7 @@ Forward, per row (``n``, ``s``, ``y`` rounded where transformers rounds them, se
     s     = residual + n
     rstd₂ = 1/sqrt(mean(s²) + next_eps)       y = norm₂(s)  (ŝ = s·rstd₂)
 
-with, for a norm of input ``v`` (io dtype = v's) and scale ``offset + w`` (rms_norm.py's module
+with, for a norm of input ``v`` (io dtype = v's) and scale ``offset + w`` (rmsnorm.py's module
 docstring): casting "llama" ``r_v(v̂)·(offset + w)`` in the promotion of v's and w's dtypes, casting
 "gemma" ``r_v(v̂·(offset + w))``. So n's dtype is x's or, for llama casting with a wider weight,
 fp32; s's is the promotion of residual's and n's (fp32 under autocast: the residual stream is fp32,
@@ -36,7 +36,7 @@ y and ``dS`` that of the s output (the residual stream's later uses)::
     dx  = rstd₁·(g₁ − x̂·c₁)
     dw₁ = Σ_rows dn·r_x(x̂) (llama) or dn·x̂ (gemma);   dw₂ likewise with dy and ŝ
 
-dw₁ and dw₂ are reduced as rms_norm.py's backward reduces dw: the persistent grid's bands each
+dw₁ and dw₂ are reduced as rmsnorm.py's backward reduces dw: the persistent grid's bands each
 accumulate an fp32 partial row, summed in a fixed order (bitwise repeatable, no atomics).
 
 Bytes (speed of light), M rows of N, element sizes b_x, b_r, b_s, b_y (b_dy: y's gradient)::
@@ -61,13 +61,16 @@ the ``pre_feedforward_layernorm`` that follows).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from tigon.ops._common import FLOAT_DTYPES, TigonOp, as_fp32, as_rows, cdiv, check_tensor, wrap_triton
-from tigon.ops.rms_norm import (
-    BWD_TUNING,
+from tigon.ops._norm_rows import sum_partial_rows
+from tigon.ops.rmsnorm import CONFIG as RMS_NORM_CONFIG
+from tigon.ops.rmsnorm import (
     _check_args,
     _output_dtype,
     check_scale,
@@ -75,17 +78,25 @@ from tigon.ops.rms_norm import (
     norm_launch,
     rms_norm,
     rms_norm_reference,
-    sum_partial_rows,
 )
 
-# Rows up to this many elements are fused (held in registers forward and backward); longer rows run
-# as three separate ops. The backward holds four row tiles (dy, dS, s, x), so its limit is the one.
-MAX_FUSED_HIDDEN = BWD_TUNING.max_fused_hidden
-# The backward's warps: rms_norm's backward geometry (bands, rows a tile) with at most this many
-# elements of a tile per warp, since this kernel holds four row tiles and two scale and two dw
-# vectors where rms_norm's holds two (and their prefetched successors).
-BWD_ELEMENTS_PER_WARP = 512
-BWD_MAX_WARPS = 16
+
+@dataclass(frozen=True)
+class RMSNormAddConfig:
+    """Launch settings of the fused join; its tiles and grid are otherwise RMSNorm's (rmsnorm.CONFIG)."""
+
+    # Rows up to this many elements are fused (held in registers forward and backward); longer rows
+    # run as three separate ops. The backward holds four row tiles (dy, dS, s, x): RMSNorm's
+    # backward limit is the one.
+    max_fused_hidden: int = RMS_NORM_CONFIG.backward.max_fused_hidden
+    # The backward's warps: RMSNorm's backward geometry (bands, rows a tile) with at most this many
+    # elements of a tile per warp, since this kernel holds four row tiles and two scale and two dw
+    # vectors where RMSNorm's holds two (and their prefetched successors).
+    bwd_elements_per_warp: int = 512
+    bwd_max_warps: int = 16
+
+
+CONFIG = RMSNormAddConfig()
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -255,6 +266,11 @@ def _rounds_n(x_dtype, weight_dtype, casting) -> bool:
     return n_dtype == x_dtype
 
 
+def _backward_warps(cfg) -> int:
+    """RMSNorm's backward warps for the tile, raised to hold this kernel's larger tiles."""
+    return min(CONFIG.bwd_max_warps, max(cfg.num_warps, cfg.block_m * cfg.block_n // CONFIG.bwd_elements_per_warp))
+
+
 def _forward(x, residual, weight, next_weight, eps, next_eps, offset, casting, has_next, out_dtype):
     """Launch the forward; returns (y or None, s, rstd, next_rstd or None), y and s shaped like x."""
     hidden = x.shape[-1]
@@ -326,7 +342,7 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
         ROUND_N=_rounds_n(x.dtype, weight.dtype if weight is not None else None, casting),
         HAS_WEIGHT=weight is not None, HAS_NEXT=has_next, HAS_NEXT_WEIGHT=has_next and next_weight is not None,
         HAS_DSUM=dsum is not None, LLAMA_CASTING=casting == "llama",
-        num_warps=min(BWD_MAX_WARPS, max(cfg.num_warps, cfg.block_m * cfg.block_n // BWD_ELEMENTS_PER_WARP)),
+        num_warps=_backward_warps(cfg),
     )
     if not has_next and next_weight is not None:
         next_dw.zero_()  # y got no gradient
@@ -440,7 +456,7 @@ def _check_join(x, residual, weight, eps, casting, next_weight=None, next_eps=No
 
 
 def _fused(x) -> bool:
-    return x.shape[-1] <= MAX_FUSED_HIDDEN
+    return x.shape[-1] <= CONFIG.max_fused_hidden
 
 
 def rms_norm_add(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):

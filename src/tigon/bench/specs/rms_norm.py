@@ -8,7 +8,6 @@ import torch
 
 from tigon.bench.models import MODELS, TOKENS
 from tigon.bench.spec import Case, Spec
-from tigon.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from tigon.ops.rms_norm_add import (
     MAX_FUSED_HIDDEN,
     rms_norm_add,
@@ -16,6 +15,7 @@ from tigon.ops.rms_norm_add import (
     rms_norm_add_rms_norm,
     rms_norm_add_rms_norm_reference,
 )
+from tigon.ops.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
 SWEEP = (1024, 2048, 8192, 16384, 32768, 65536)
 
