@@ -439,7 +439,7 @@ def test_layer_norm_tuning_rejects_bad_knobs(knobs):
         LayerNormConfig(**knobs)
 
 
-# What the fused sweep (scripts/tune_norm.py fused-ln) may pick, compiled for real.
+# What the fused sweep (dev/tune_norm.py fused-ln) may pick, compiled for real.
 GPU_FUSED_KNOBS = (
     dict(bwd_stages=0, bwd_paired_sums=True),
     dict(bwd_stages=1, bwd_paired_sums=False, bwd_programs_per_sm=1),

@@ -590,7 +590,7 @@ def test_rms_norm_int64_offsets():
 
 
 # Fused-regime knobs (CONFIG.forward / CONFIG.backward tile_elements, elements_per_warp, max_warps) as
-# scripts/tune_norm.py's fused sweep moves them, shrunk to interpreter sizes: (rows, hidden, knobs).
+# dev/tune_norm.py's fused sweep moves them, shrunk to interpreter sizes: (rows, hidden, knobs).
 FUSED_CASES = {
     # 4 rows of 100 (128 lanes) a tile, 37 rows: bands of 12, 12, 12 and 1, the last tile 3/4 padding
     "rows4": (37, 100, dict(tile_elements=512, elements_per_warp=128, max_warps=2)),

@@ -249,7 +249,7 @@ def test_rope_launch_shipped():
     """With the shipped constants, the benchmark's Qwen2.5-0.5B (14 / 2 heads of 64, where the
     head-block tiling reached 77% of SOL on the H100) takes the token tiling, and Llama-3-8B (32 / 8
     heads of 128, 92% with head blocks) keeps the head-block tiling. Update together with the
-    constants when scripts/tune_rope.py says otherwise."""
+    constants when dev/tune_rope.py says otherwise."""
     qwen = rope_mod.rope_launch.__wrapped__(2048, 14, 2, 64, 64, True)
     assert qwen.token_tiling and qwen.block_h == 16
     llama = rope_mod.rope_launch.__wrapped__(2048, 32, 8, 128, 128, True)

@@ -53,14 +53,6 @@ def scale_rows_kernel(
         tl.store(applied_ptr + row, g)
 
 
-# -------------------------------------------------------------------------------------- launch config
-#
-# Every knob below is read by row_launch (the one place that decides the row kernels' geometry) on
-# each call, so scripts/tune_ce.py can sweep them by assigning the module attributes.
-
-# Single-block regime: a row whose padded width is at most this is held in registers between the
-
-
 def launch_scale_rows(rows, grad_output, applied):
     num_rows, num_cols = rows.shape
     if num_rows == 0 or num_cols == 0:

@@ -225,7 +225,7 @@ def partial_rows_sum_kernel(
 def sum_partial_rows(dw_partial, db_partial, dw, db, bands, hidden, *, block_bands=32, block_cols=32, warps=4):
     """dw (db) = the column sums of the (bands, hidden) fp32 partial rows, in dw's (db's) dtype, in one
     launch of :func:`partial_rows_sum_kernel`. None for a parameter that is not there. The default
-    geometry is LayerNorm's tuned one (scripts/tune_norm.py fused-ln), which passes its own."""
+    geometry is LayerNorm's tuned one (dev/tune_norm.py fused-ln), which passes its own."""
     stand_in = dw if dw is not None else db
     wrap_triton(partial_rows_sum_kernel)[(cdiv(hidden, block_cols),)](
         dw_partial if dw is not None else stand_in, db_partial if db is not None else stand_in,

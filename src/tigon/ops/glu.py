@@ -164,7 +164,7 @@ def glu_bwd_kernel(
 # Elements per program. 4096 bf16 values are 8 KB per operand; with 16 warps that is 8 values per
 # thread, one 16-byte vector access per operand, and at most 5 operands live: few registers, so
 # many programs stay resident per SM and the loads of one cover the stores of another.
-# scripts/tune_glu.py on the H100 (fifth session, benchmarks/results/tune_glu-*.log), SwiGLU forward +
+# dev/tune_glu.py on the H100 (fifth session, benchmarks/results/tune_glu-*.log), SwiGLU forward +
 # backward at the four benchmark shapes against torch.compile in the same process: 16 warps a tile
 # (256 elements a warp) 0.9978x compile's time (geometric mean; faster at all four, by 0.1-0.3%),
 # against 1.0045x with the 8 warps before (512 elements a warp). All settings are within 1% of each

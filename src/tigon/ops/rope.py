@@ -302,7 +302,7 @@ def rope_token_kernel(
 
 # Head-block tiling (rope_kernel). Elements (heads × positions × padded head dim) one program moves
 # per tensor, and warps per program: one per ELEMENTS_PER_WARP elements, at most MAX_WARPS. Set from
-# scripts/tune_rope.py on the H100 (benchmarks/results/tune_rope-NVIDIA-H100-80GB-HBM3-2026-11-22.log):
+# dev/tune_rope.py on the H100 (benchmarks/results/tune_rope-NVIDIA-H100-80GB-HBM3-2026-11-22.log):
 # 2048 / 256 / 8 / 16 reached a geometric mean of 90.3% of SOL over the benchmark cases against 88.1%
 # for the 4096 / 1024 / 8 / 16 shipped before (2048 bf16 values are 4 KB read and 4 KB written per
 # program; 8 warps give each thread 8 values, so many small programs keep every SM's loads in flight).
@@ -317,7 +317,7 @@ MAX_BLOCK_H = 16
 # TOKEN_TILING_BELOW_BLOCK_H heads in a program (gcd(Hq, Hk) has a small power-of-two part: 14 / 2
 # gives 2) and one position's Hq + Hk heads, padded to a power of two, fit in TOKEN_TILE_ELEMENTS.
 # Set TOKEN_TILING_BELOW_BLOCK_H to 0 to never take it, above MAX_BLOCK_H to take it wherever it
-# fits. The tile knobs mean what the head-block ones do. scripts/tune_rope.py's second H100 sweep (the
+# fits. The tile knobs mean what the head-block ones do. dev/tune_rope.py's second H100 sweep (the
 # same log, second run) kept all four: at Qwen2.5-0.5B the token tiling took 0.0567 ms (79% of SOL)
 # against the head-block tiling's best 0.0583 (77%); where heads per program are already >= 4 it is
 # 1-5% slower, hence the threshold. (Each of the two launches at Qwen2.5-0.5B moves only ~34 MB of q

@@ -1,7 +1,7 @@
 """Sweep the GLU kernels' launch geometry on a GPU against torch.compile, in one process.
 
-    PYTHONPATH=src python3 scripts/tune_glu.py            # swiglu at every benchmark intermediate size
-    PYTHONPATH=src python3 scripts/tune_glu.py geglu      # or geglu
+    PYTHONPATH=src python3 dev/tune_glu.py            # swiglu at every benchmark intermediate size
+    PYTHONPATH=src python3 dev/tune_glu.py geglu      # or geglu
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the launch
 constants of src/tigon/ops/glu.py (TILE_ELEMENTS, ELEMENTS_PER_WARP, MAX_WARPS). The harness's

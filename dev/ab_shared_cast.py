@@ -1,6 +1,6 @@
 """A/B of the attention projections' shared casts (src/tigon/patching/shared_cast.py) in the e2e step.
 
-    PYTHONPATH=src:. python3 scripts/ab_shared_cast.py MODEL VARIANT     # one process per run
+    PYTHONPATH=src:. python3 dev/ab_shared_cast.py MODEL VARIANT     # one process per run
     for m in qwen2 llama gemma2; do for v in stock tigon noshared; do ...; done; done
 
 VARIANT: stock (unpatched), tigon (tigon.patch), noshared (tigon.patch, then q/k/v/o's instance

@@ -1,7 +1,7 @@
 """Fused linear CE with the CE work in a Triton matmul's epilogue: a measurement, not shipped code.
 
-    PYTHONPATH=src python3 scripts/flce_fused_epilogue.py                            # GPU: timings
-    TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/flce_fused_epilogue.py check   # CPU: correctness
+    PYTHONPATH=src python3 dev/flce_fused_epilogue.py                            # GPU: timings
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 dev/flce_fused_epilogue.py check   # CPU: correctness
 
 An experiment kept out of the package (STYLE: llm.c habit). By classes (fused_linear_cross_entropy.py),
 each chunk of logits is written by cuBLAS and then read by tigon's statistics kernel (pass 1) or

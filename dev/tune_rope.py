@@ -1,9 +1,9 @@
 """Sweep RoPE's launch geometry on a GPU, both tilings and the rule between them, checking every
 setting against transformers' formula.
 
-    PYTHONPATH=src python3 scripts/tune_rope.py                # every benchmark case
-    PYTHONPATH=src python3 scripts/tune_rope.py Qwen2.5-0.5B   # only cases whose label holds a name
-    PYTHONPATH=src python3 scripts/tune_rope.py --cpu          # a dry run of the logic (interpreter)
+    PYTHONPATH=src python3 dev/tune_rope.py                # every benchmark case
+    PYTHONPATH=src python3 dev/tune_rope.py Qwen2.5-0.5B   # only cases whose label holds a name
+    PYTHONPATH=src python3 dev/tune_rope.py --cpu          # a dry run of the logic (interpreter)
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the launch-config
 constants of src/tigon/ops/rope.py, which the last line prints as assignments to copy. Cases: the

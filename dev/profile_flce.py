@@ -1,6 +1,6 @@
 """Where the fused linear CE's time goes, kernel by kernel, against torch.compile's (GPU only).
 
-    PYTHONPATH=src python3 scripts/profile_flce.py
+    PYTHONPATH=src python3 dev/profile_flce.py
 
 An experiment kept out of the package (STYLE: llm.c habit). At the two benchmark heads where tigon
 is slower than torch.compile (Qwen2.5-0.5B's H = 896, V = 151936, by classes; Gemma-2-2B's

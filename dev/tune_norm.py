@@ -4,8 +4,8 @@ An experiment kept out of the package (STYLE: llm.c habit): its findings go into
 ``FWD_TUNING`` / ``BWD_TUNING`` in src/tigon/ops/rms_norm.py and ``TUNING`` in
 src/tigon/ops/layer_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
 
-    PYTHONPATH=src python3 scripts/tune_norm.py                 # every section
-    PYTHONPATH=src python3 scripts/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary
+    PYTHONPATH=src python3 dev/tune_norm.py                 # every section
+    PYTHONPATH=src python3 dev/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary
                                                                 # wide long-fwd split host
 
 fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of layer_norm.py's

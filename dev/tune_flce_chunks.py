@@ -1,14 +1,14 @@
 """Sweep the geometry of the fused linear loss's vocabulary-chunk kernels on a GPU.
 
-    PYTHONPATH=src python3 scripts/tune_flce_chunks.py
+    PYTHONPATH=src python3 dev/tune_flce_chunks.py
 
-An experiment kept out of the package (STYLE: llm.c habit): its findings go into the CHUNK_*
-knobs of src/tigon/ops/cross_entropy.py. By classes (fused_linear_cross_entropy.py), each chunk of
+An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults
+of VocabChunkConfig in src/tigon/ops/_vocab_chunks.py (each setting is one, passed to the launchers). By classes (fused_linear_cross_entropy.py), each chunk of
 logits (N tokens × a few thousand classes) is written by a matmul and then read by the statistics
 kernel (pass 1) or overwritten with the gradient (pass 2). Each kernel is timed alone, right
 after the matmul that writes its chunk (so L2 holds what it would hold in the fused loss), at
 Qwen2.5-0.5B's head (H = 896, V = 151936) and the chunk widths the plan picks at N = 8192 and
-4096, for: the persistent streamed grid (CHUNK_ROW_MAX_WIDTH = 0) and one program a row with each
+4096, for: the persistent streamed grid (row_max_width = 0) and one program a row with each
 block width, warps and prefetch. Then the whole fused loss (forward + backward, GPU time behind a
 sleeping GPU) and its peak memory against the gradients, with the shipped knobs and with the
 persistent grid. Each setting's outputs are checked against the persistent grid's. About a
@@ -17,6 +17,8 @@ minute on the H100, mostly Triton compiles; its log is benchmarks/results/tune_f
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import sys
 
@@ -24,9 +26,10 @@ import torch
 
 import tigon.ops  # noqa: F401  (defines the kernels)
 from tigon.bench.specs.cross_entropy import _target
-from tigon.ops.cross_entropy import CHUNK_GRAD, CHUNK_STATS, REDUCTION_SCALES
+from tigon.ops import _vocab_chunks
+from tigon.ops._softmax_rows import REDUCTION_SCALES
+from tigon.ops._vocab_chunks import VocabChunkConfig, launch_chunk_grad, launch_chunk_stats
 
-ce = sys.modules["tigon.ops.cross_entropy"]
 flce = sys.modules["tigon.ops.fused_linear_cross_entropy"]
 
 DEVICE = "cuda"
@@ -51,17 +54,21 @@ def _events_us(before, fn) -> float:
     return sorted(times)[REPS // 2]
 
 
-def _knobs(**values):
-    for name, value in values.items():
-        setattr(ce, name, value)
-
-
-CHUNK_KNOBS = ("CHUNK_ROW_MAX_WIDTH", "CHUNK_BLOCK_V", "CHUNK_WARPS", "CHUNK_PREFETCH")
+@contextlib.contextmanager
+def _default_chunk_config(config: VocabChunkConfig):
+    """The whole loss launches its chunk kernels through registered ops, which take no config: for
+    the end-to-end comparison only, the module's default is swapped (as the tests do)."""
+    shipped = _vocab_chunks.CONFIG
+    _vocab_chunks.CONFIG = config
+    try:
+        yield
+    finally:
+        _vocab_chunks.CONFIG = shipped
 
 
 def sweep_case(weight, tokens: int, width: int, softcap) -> None:
     """Every setting's two kernel times at one chunk shape, fastest first."""
-    shipped = {name: getattr(ce, name) for name in CHUNK_KNOBS}
+    shipped = _vocab_chunks.CONFIG
     x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     target = _target(tokens, VOCAB, DEVICE)
     scales, _ = REDUCTION_SCALES(target, None, -100, "mean", VOCAB)
@@ -76,33 +83,33 @@ def sweep_case(weight, tokens: int, width: int, softcap) -> None:
     state = torch.empty(4, tokens, device=DEVICE)
     start_state = torch.tensor([[-1e4], [1.0], [0.0], [0.0]], device=DEVICE).expand_as(state)
 
-    def stats():
+    def stats(config):
         state.copy_(start_state)
         loss_rows = torch.empty(tokens, device=DEVICE)
-        CHUNK_STATS(chunk, target, None, scales, state, loss_rows, torch.empty_like(lse), 0, VOCAB, False, *opts)
+        launch_chunk_stats(chunk, target, None, scales, state, loss_rows, torch.empty_like(lse), 0, VOCAB, False,
+                           *opts, config=config)
 
-    def grad():
-        CHUNK_GRAD(chunk, target, None, scales, None, lse, 0, VOCAB, *opts)
+    def grad(config):
+        launch_chunk_grad(chunk, target, None, scales, None, lse, 0, VOCAB, *opts, config=config)
 
-    def outputs():
+    def outputs(config):
         make()
-        stats()
-        grad()
+        stats(config)
+        grad(config)
         return state.clone(), chunk.clone()
 
-    settings = [("persistent grid", dict(shipped, CHUNK_ROW_MAX_WIDTH=0))]
+    settings = [("persistent grid", dataclasses.replace(shipped, row_max_width=0))]
     for block, warps, prefetch in itertools.product(BLOCKS, WARPS, PREFETCH):
         if 4 <= block // (32 * warps) <= 32 and not (prefetch == 2 and block >= width):
-            settings.append((f"one row a program: block {block}, {warps} warps, {prefetch} ahead", dict(
-                CHUNK_ROW_MAX_WIDTH=1 << 30, CHUNK_BLOCK_V=block, CHUNK_WARPS=warps, CHUNK_PREFETCH=prefetch)))
+            settings.append((f"one row a program: block {block}, {warps} warps, {prefetch} ahead", VocabChunkConfig(
+                row_max_width=1 << 30, block_v=block, num_warps=warps, prefetch=prefetch)))
     rows, reference = [], None
-    for label, knobs in settings:
-        _knobs(**knobs)
-        got = outputs()
+    for label, config in settings:
+        got = outputs(config)
         reference = reference or got
         ok = torch.allclose(got[0], reference[0], rtol=1e-5, atol=1e-5) and torch.equal(got[1], reference[1])
-        rows.append((_events_us(make, stats), _events_us(make, grad), label, ok))
-    _knobs(**shipped)
+        stats_us = _events_us(make, lambda c=config: stats(c))
+        rows.append((stats_us, _events_us(make, lambda c=config: grad(c)), label, ok))
     hbm_us = tokens * width * 2 / 3.0e6
     cap = f", softcap {softcap:g}" if softcap else ""
     print(f"N={tokens} width={width}{cap}: HBM read {hbm_us:.1f} us, read + write {2 * hbm_us:.1f}; "
@@ -116,8 +123,8 @@ def sweep_case(weight, tokens: int, width: int, softcap) -> None:
 
 
 def whole_loss(weight, tokens: int) -> None:
-    """The fused loss's GPU time and peak memory, shipped knobs against the persistent grid."""
-    shipped = ce.CHUNK_ROW_MAX_WIDTH
+    """The fused loss's GPU time and peak memory, the shipped chunk config against the persistent grid."""
+    shipped = _vocab_chunks.CONFIG
     x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     w = weight.clone().requires_grad_()
     target = _target(tokens, VOCAB, DEVICE)
@@ -127,28 +134,27 @@ def whole_loss(weight, tokens: int) -> None:
         x.grad = w.grad = None
 
     plan = flce.chunk_plan(tokens, VOCAB, HIDDEN, 2)
-    for label, width in (("shipped", shipped), ("persistent grid", 0)):
-        _knobs(CHUNK_ROW_MAX_WIDTH=width)
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        times = []
-        for _ in range(5):
-            torch.cuda._sleep(30_000_000)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    for label, config in (("shipped", shipped), ("persistent grid", dataclasses.replace(shipped, row_max_width=0))):
+        with _default_chunk_config(config):
             step()
-            end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        gradients = (tokens + VOCAB) * HIDDEN * 2
-        print(f"fused linear CE N={tokens} H={HIDDEN} V={VOCAB}, {plan}, {label}: "
-              f"{sorted(times)[2]:.3f} ms, peak {peak / gradients:.3f}x the gradients", flush=True)
-    _knobs(CHUNK_ROW_MAX_WIDTH=shipped)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            times = []
+            for _ in range(5):
+                torch.cuda._sleep(30_000_000)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            gradients = (tokens + VOCAB) * HIDDEN * 2
+            print(f"fused linear CE N={tokens} H={HIDDEN} V={VOCAB}, {plan}, {label}: "
+                  f"{sorted(times)[2]:.3f} ms, peak {peak / gradients:.3f}x the gradients", flush=True)
 
 
 def main() -> None:
