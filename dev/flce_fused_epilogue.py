@@ -27,7 +27,8 @@ import triton.language as tl
 
 import tigon.ops  # noqa: F401
 from tigon.bench.harness import gpu_time
-from tigon.ops.cross_entropy import CHUNK_GRAD, CHUNK_STATS, REDUCTION_SCALES
+from tigon.ops._softmax_rows import REDUCTION_SCALES
+from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 
 LOG2E = 1.4426950408889634
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
