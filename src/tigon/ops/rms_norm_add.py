@@ -69,6 +69,7 @@ import triton.language as tl
 
 from tigon.ops._common import FLOAT_DTYPES, TigonOp, as_fp32, as_rows, cdiv, check_tensor, wrap_triton
 from tigon.ops._norm_rows import sum_partial_rows
+from tigon.ops._tiles import load_tile
 from tigon.ops.rmsnorm import CONFIG as RMS_NORM_CONFIG
 from tigon.ops.rmsnorm import (
     _check_args,
@@ -100,12 +101,6 @@ CONFIG = RMSNormAddConfig()
 
 
 # --------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _load_tile(ptr, row_stride, col_stride, rows, cols, mask):
-    """A [BLOCK_M, BLOCK_N] tile of a strided (M, N) tensor, upcast to fp32 at once (0 outside)."""
-    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :] * col_stride, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -162,8 +157,8 @@ def rms_norm_add_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < hidden)[None, :]
-    x = _load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
-    residual = _load_tile(res_ptr, res_row_stride, res_col_stride, rows, cols, mask)
+    x = load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
+    residual = load_tile(res_ptr, res_row_stride, res_col_stride, rows, cols, mask)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
     n = _norm_value(x * rstd[:, None], _scale(weight_ptr, cols, hidden, offset, HAS_WEIGHT), X_DTYPE, LLAMA_CASTING)
     if ROUND_N:
@@ -216,13 +211,13 @@ def rms_norm_add_bwd_kernel(
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
         # every load of the tile first, so that they are in flight together
-        x = _load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
+        x = load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         if HAS_DSUM:
-            ds = _load_tile(ds_ptr, ds_row_stride, ds_col_stride, rows, cols, mask)
+            ds = load_tile(ds_ptr, ds_row_stride, ds_col_stride, rows, cols, mask)
         if HAS_NEXT:
-            dy = _load_tile(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask)
-            s = _load_tile(s_ptr, hidden, 1, rows, cols, mask)
+            dy = load_tile(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask)
+            s = load_tile(s_ptr, hidden, 1, rows, cols, mask)
             next_rstd = tl.load(next_rstd_ptr + rows, mask=row_mask, other=0.0)
             s_hat = s * next_rstd[:, None]
             # padding lanes: dy = 0 there, so g₂ = 0 and they add nothing to c₂ or dw₂
