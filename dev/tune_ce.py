@@ -32,7 +32,7 @@ import torch
 
 from tigon.bench.harness import copy_bandwidth, gpu_time
 from tigon.bench.specs.cross_entropy import IGNORED_EVERY
-from tigon.ops._common import next_power_of_2
+from tigon.ops._launch import next_power_of_2
 from tigon.ops._softmax_rows import REDUCTION_SCALES
 from tigon.ops.cross_entropy import CONFIG, launch_cross_entropy_rows, row_launch
 

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import tigon.ops  # noqa: F401  (defines the kernels)
-from tigon.ops._common import _direct_launch
+from tigon.ops._launch import _direct_launch
 
 rms = sys.modules["tigon.ops.rmsnorm"]
 ln = sys.modules["tigon.ops.layer_norm"]

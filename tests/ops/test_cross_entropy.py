@@ -26,7 +26,7 @@ from tests.helpers import (
     stride0_like,
 )
 from tigon.ops import _softmax_rows, _vocab_chunks
-from tigon.ops._common import persistent_programs
+from tigon.ops._launch import persistent_programs
 from tigon.ops.cross_entropy import CONFIG, cross_entropy, cross_entropy_reference
 
 # The module itself (``tigon.ops.cross_entropy`` the attribute is the function): its launch config.

@@ -44,7 +44,7 @@ from tests.ops.test_rms_norm import (
     use_split_tuning,
     use_stream_tuning,
 )
-from tigon.ops._common import next_power_of_2
+from tigon.ops._launch import next_power_of_2
 from tigon.ops.layer_norm import LayerNormConfig, backward_launch, forward_launch, layer_norm, layer_norm_reference
 
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)

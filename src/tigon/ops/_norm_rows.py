@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from tigon._interpreter import interpreter_active
-from tigon.ops._common import cache_by_size, cdiv, next_power_of_2, persistent_programs, tracing_active, wrap_triton
+from tigon.ops._launch import cache_by_size, cdiv, next_power_of_2, persistent_programs, tracing_active, wrap_triton
 
 # --------------------------------------------------------------------------------------------- kernels
 

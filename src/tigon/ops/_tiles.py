@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from tigon.ops._common import cache_by_size, cdiv, next_power_of_2
+from tigon.ops._launch import cache_by_size, cdiv, next_power_of_2
 
 
 @triton.jit

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, cache_by_size, next_power_of_2, persistent_programs, wrap_triton
+from tigon.ops._common import as_fp32
+from tigon.ops._launch import TigonOp, cache_by_size, next_power_of_2, persistent_programs, wrap_triton
 from tigon.ops._softmax_rows import (
     RowLaunch,
     grad_coefficients,

@@ -87,16 +87,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import (
-    TigonOp,
-    as_fp32,
-    as_rows,
-    cache_by_size,
-    check_tensor,
-    fast_exp,
-    next_power_of_2,
-    wrap_triton,
-)
+from tigon.ops._common import as_fp32, as_rows, check_tensor, fast_exp
+from tigon.ops._launch import TigonOp, cache_by_size, next_power_of_2, wrap_triton
 from tigon.ops._loss_grad import RangeCheck, apply_grad_output
 from tigon.ops._softmax_rows import (
     EVICT_FIRST,

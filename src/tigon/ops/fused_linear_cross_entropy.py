@@ -50,8 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon.ops._common import check_tensor, matmul_accumulate
+from tigon.ops._common import check_tensor
 from tigon.ops._loss_grad import RangeCheck, apply_grad_output
+from tigon.ops._matmul import matmul_accumulate
 from tigon.ops._softmax_rows import REDUCTION_SCALES
 from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 from tigon.ops.cross_entropy import (

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, cdiv, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import as_fp32, check_tensor
+from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
 from tigon.ops._loss_grad import apply_grad_output
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_rows, cache_by_size, cdiv, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import as_rows, check_tensor
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 
 # The activations the kernel knows, by the name the torch op takes.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")

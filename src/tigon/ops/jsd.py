@@ -46,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, wrap_triton
+from tigon.ops._common import as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, wrap_triton
 from tigon.ops._tiles import tile_indices, tile_launch
 
 INDEX_DTYPES = (torch.int64, torch.int32)

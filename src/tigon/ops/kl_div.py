@@ -42,7 +42,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, wrap_triton
+from tigon.ops._common import as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, wrap_triton
 from tigon.ops._tiles import load_tile, tile_indices, tile_launch
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")

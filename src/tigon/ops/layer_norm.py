@@ -67,17 +67,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import (
-    TigonOp,
-    as_fp32,
-    as_rows,
-    cache_by_size,
-    cdiv,
-    check_tensor,
-    next_power_of_2,
-    persistent_programs,
-    wrap_triton,
-)
+from tigon.ops._common import as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, persistent_programs, wrap_triton
 from tigon.ops._norm_rows import (
     NormBackwardLaunch,
     NormLaunch,

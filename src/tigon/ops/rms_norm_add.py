@@ -51,7 +51,7 @@ Against the three separate kernels (norm, add, norm; with bf16 x, fp32 residual 
 an element forward, 34 backward counting autograd's sum and cast), the join moves 12 and 18.
 
 Rows are held in registers (one pass over each tensor); rows longer than
-``rms_norm.BWD_TUNING.max_fused_hidden`` (8192) are not fused: the functions run rms_norm, the add
+``CONFIG.max_fused_hidden`` (8192, RMSNorm's backward limit) are not fused: the functions run rms_norm, the add
 and rms_norm as three ops there (the same values and gradients).
 
 Reference: :func:`rms_norm_add_reference` / :func:`rms_norm_add_rms_norm_reference` (transformers'
@@ -67,7 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import FLOAT_DTYPES, TigonOp, as_fp32, as_rows, cdiv, check_tensor, wrap_triton
+from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, cdiv, wrap_triton
 from tigon.ops._norm_rows import sum_partial_rows
 from tigon.ops._tiles import load_tile
 from tigon.ops.rmsnorm import CONFIG as RMS_NORM_CONFIG

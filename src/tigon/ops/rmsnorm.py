@@ -59,7 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import FLOAT_DTYPES, TigonOp, as_fp32, as_rows, cdiv, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
 from tigon.ops._norm_rows import (
     NormBackwardLaunch,
     NormLaunch,

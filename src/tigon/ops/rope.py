@@ -66,7 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, cache_by_size, cdiv, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import check_tensor
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 
 UNSQUEEZE_DIMS = (1, 2)
 
