@@ -12,7 +12,8 @@ H = 2304, V = 256000 with softcap 30, by tokens; N = 8192, bf16), it prints:
    compile runs, with their rates.
 
 Times are the harness's ``gpu_time`` (L2 flushed, launches queued behind a sleeping GPU). The
-seventeenth session's log was taken with a plain CUDA-event loop before this script used it.
+log in benchmarks/results/ from 2026-11 was taken with a plain CUDA-event loop, before this script
+used ``gpu_time``.
 """
 
 from __future__ import annotations
