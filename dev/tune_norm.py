@@ -22,8 +22,8 @@ fused:  the same for RMSNorm and add_rms_norm at the short-row shapes 16384x896 
 stream: the streamed backward's knobs (the ``stream_*`` fields and ``chunk``, ``elements_per_warp``)
         for rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: per shape a coordinate
         descent from the shipped default (each knob in turn over its values, the others held, two
-        rounds), then every shape's winner and the shipped knobs under several L2 budgets timed on
-        every shape, so that one setting can be picked for all. About 3-4 minutes on an H100.
+        rounds), then every shape's winner and the shipped knobs timed on every shape, so that one
+        setting can be picked for all. About 3-4 minutes on an H100.
 boundary: RMSNorm's forward and backward over hidden sizes 896..65536 with where rows stop being
         held in registers (max_fused_hidden) moved; inputs replayed from L2 at the small sizes.
 wide:   RMSNorm, add_rms_norm and LayerNorm at 4096x16384 with the row held in registers (the
@@ -147,7 +147,7 @@ STREAM_SHAPES = {
     "add_rms_norm": ((4096, 16384), (2048, 32768), (1024, 65536)),
     "layer_norm": ((4096, 16384), (2048, 32768)),
 }
-# The descent's space: each knob's values (the ``stream_*`` ones exact: stream_l2_bytes=None).
+# The descent's space: each knob's values.
 STREAM_SPACE = {
     "stream_rows": (1, 2, 4),
     "stream_split": (1, 2, 4),
@@ -159,7 +159,6 @@ STREAM_SPACE = {
 }
 STREAM_ROUNDS = 2
 STREAM_REP = 20  # ms of replays per timing: the descent times ~200 configurations
-STREAM_BUDGETS = (16 << 20, 24 << 20, 32 << 20, 48 << 20)
 
 
 @dataclasses.dataclass
@@ -171,7 +170,7 @@ class StreamCase:
     backward: object  # () -> grads, its backward launcher
     fwd_bytes: int  # minimal bytes moved (the M×N tensors read and written)
     bwd_bytes: int
-    row_bytes: int  # what norm_backward_launch is given
+    row_bytes: int  # bytes of one row pass 2 reads again (dy and x)
     partials: int
 
     @property
@@ -218,9 +217,6 @@ def describe(knobs):
     short = {"stream_rows": "rows", "stream_split": "split", "stream_stages": "stages", "chunk": "chunk",
              "elements_per_warp": "epw", "stream_programs_per_sm": "pps", "stream_evict_first": "evict"}
     parts = [f"{short[k]}={knobs[k]}" for k in STREAM_SPACE if k in knobs]
-    if "stream_l2_bytes" in knobs:
-        budget = knobs["stream_l2_bytes"]
-        parts.append("l2=" + ("none" if budget is None else f"{budget >> 20}MiB"))
     return " ".join(parts)
 
 
@@ -255,9 +251,9 @@ class StreamTimer:
 
 
 def descend(timer, start):
-    """Coordinate descent over STREAM_SPACE from ``start`` (exact knobs, no L2 budget)."""
+    """Coordinate descent over STREAM_SPACE from ``start``."""
     best = dict(start)
-    best_ms = timer(stream_l2_bytes=None, **best)
+    best_ms = timer(**best)
     for _ in range(STREAM_ROUNDS):
         improved = False
         for knob, values in STREAM_SPACE.items():
@@ -265,7 +261,7 @@ def descend(timer, start):
                 if value == best[knob]:
                     continue
                 trial = {**best, knob: value}
-                ms = timer(stream_l2_bytes=None, **trial)
+                ms = timer(**trial)
                 if ms < best_ms:
                     best, best_ms, improved = trial, ms, True
         if not improved:
@@ -282,7 +278,7 @@ def sweep_stream(bandwidth):
     for case in cases:
         timer = timers[case.name]
         sol_ms = case.bwd_bytes / bandwidth * 1e3
-        launch = rms.norm_backward_launch(case.rows, case.hidden, case.row_bytes, case.partials, torch.device(DEVICE))
+        launch = rms.norm_backward_launch(case.rows, case.hidden, torch.device(DEVICE))
         shipped_ms = timer()
         fwd_ms = bench(case.forward, rep=STREAM_REP)
         start = {**knobs_of(base), "stream_rows": launch.block_m, "stream_split": launch.split}
@@ -290,7 +286,7 @@ def sweep_stream(bandwidth):
         winners.append(best)
         fwd_bwd = 100 * (case.fwd_bytes + case.bwd_bytes) / bandwidth * 1e3 / (fwd_ms + best_ms)
         print(
-            f"{case.name}: shipped knobs (l2 {base.stream_l2_bytes}) -> rows={launch.block_m} split={launch.split} "
+            f"{case.name}: shipped knobs -> rows={launch.block_m} split={launch.split} "
             f"bands={launch.bands} warps={launch.num_warps}: bwd {shipped_ms:.4f} ms "
             f"({100 * sol_ms / shipped_ms:.0f}% SOL)"
         )
@@ -300,11 +296,9 @@ def sweep_stream(bandwidth):
         )
         ranked = sorted(((ms, dict(k)) for k, ms in timer.seen.items() if ms < math.inf), key=lambda r: r[0])
         for ms, knobs in ranked[1:6]:
-            knobs.pop("stream_l2_bytes", None)
             print(f"    next  {describe(knobs)}: {ms:.4f} ms ({100 * sol_ms / ms:.0f}%)")
 
-    # Every shape's winner on every shape; then the best of them under L2 budgets (the budget picks
-    # rows and split per shape, up to 4 each), and the shipped knobs: one setting for all shapes.
+    # Every shape's winner on every shape, and the shipped knobs: one setting for all shapes.
     print("\nbwd % of SOL, every candidate on every shape (geomean last):")
     print("  #  " + " ".join(f"{case.op:>12}" for case in cases) + "  geomean")
     print("     " + " ".join(f"{case.rows}x{case.hidden}".rjust(12) for case in cases))
@@ -321,11 +315,8 @@ def sweep_stream(bandwidth):
         print(f"  {index:<2} " + " ".join(f"{v:12.0f}" for v in row) + f"  {geo:7.1f}   {describe(setting)}")
 
     for knobs in winners:
-        score({**knobs, "stream_l2_bytes": None})
-    best_exact = candidates[max(scores)[1]]
-    for budget in STREAM_BUDGETS:
-        score({**best_exact, "stream_rows": 4, "stream_split": 4, "stream_l2_bytes": budget})
-    score({**knobs_of(base), "stream_l2_bytes": base.stream_l2_bytes})
+        score(knobs)
+    score(knobs_of(base))
     geo, i = max(scores)
     fields = ", ".join(f"{k}={v!r}" for k, v in candidates[i].items())
     print(f"best single setting: #{i} (geomean {geo:.1f}% of SOL): RMSNormConfig.backward fields {fields}")
@@ -510,11 +501,11 @@ def geometry(case, direction):
         if direction == "fwd":
             return ln.forward_launch(case.rows, case.hidden)
         t = ln.CONFIG
-        launch = ln.backward_launch(case.rows, case.hidden, 4 * case.hidden, device)
+        launch = ln.backward_launch(case.rows, case.hidden, device)
         return launch, t.bwd_paired_sums, t.reduce_bands, t.reduce_cols, t.reduce_warps
     if direction == "fwd":
         return rms.norm_launch(case.rows, case.hidden, backward=False)
-    return rms.norm_backward_launch(case.rows, case.hidden, 4 * case.hidden, 1, device)
+    return rms.norm_backward_launch(case.rows, case.hidden, device)
 
 
 def describe_launch(launch):

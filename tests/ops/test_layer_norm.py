@@ -331,7 +331,7 @@ def test_layer_norm_deterministic_gpu_many_rows(hidden):
 @pytest.mark.parametrize("knobs", GPU_STREAM_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_layer_norm_streamed_backward_gpu(monkeypatch, knobs):
     """Compiled for real (pipelined loads, two partial rows): right, and bitwise the same twice."""
-    tuning = dataclasses.replace(RMS_MODULE.CONFIG.backward, stream_l2_bytes=None, split_max_hidden=0, **knobs)
+    tuning = dataclasses.replace(RMS_MODULE.CONFIG.backward, split_max_hidden=0, **knobs)
     set_tuning(monkeypatch, backward=tuning)
     check_right_and_deterministic(2048, 5 * 4096 - 93)
 
@@ -382,7 +382,7 @@ def test_layer_norm_fused_geometry(monkeypatch, case):
     """The shrunken tunings select the geometries FUSED_CASES says (and the forward's tiles too)."""
     rows, hidden, knobs, (block_m, bands, rows_per_band) = FUSED_CASES[case]
     use_fused_tuning(monkeypatch, **knobs)
-    cfg = backward_launch(rows, hidden, 4 * hidden, DEVICE)
+    cfg = backward_launch(rows, hidden, DEVICE)
     assert cfg.single_pass and cfg.split == 1
     assert cfg.block_m == block_m
     assert cfg.bands * cfg.rows_per_band >= rows > (cfg.bands - 1) * cfg.rows_per_band  # every row, no empty band

@@ -60,7 +60,7 @@ def set_tuning(monkeypatch, *, forward=None, backward=None):
 def use_stream_tuning(monkeypatch, **knobs):
     """Make rows longer than 16 take the streamed backward, with the given ``stream_*`` knobs exact."""
     tuning = dataclasses.replace(
-        RMS_MODULE.CONFIG.backward, max_fused_hidden=STREAM_CHUNK, chunk=STREAM_CHUNK, stream_l2_bytes=None,
+        RMS_MODULE.CONFIG.backward, max_fused_hidden=STREAM_CHUNK, chunk=STREAM_CHUNK,
         split_max_hidden=0, **knobs,
     )
     set_tuning(monkeypatch, backward=tuning)
@@ -68,7 +68,10 @@ def use_stream_tuning(monkeypatch, **knobs):
 
 # Split rows under the interpreter: rows over 16 wide cut into 16-wide slices, one program each.
 # (rows, hidden): (1, 20) two parts; (7, 40) three (a masked fourth slot); (19, 50)
-# four, the last 2 wide.
+# four, the last 2 wide. The interpreter runs programs one after another, so a program never sees
+# a later partner's sums: the split-row kernels' RECOMPUTE_LATE branch (the only interpreter-only
+# code in the GPU kernels) recomputes them from the inputs, and exists so that these tests can run
+# the split-row path on a CPU; on a GPU the partners run at once and the branch is compiled out.
 SPLIT_CASES = {"1row-2parts": (1, 20), "7rows-3parts": (7, 40), "19rows-4parts": (19, 50)}
 
 
@@ -341,7 +344,7 @@ def test_rms_norm_split_rows(monkeypatch, dtype, case):
     of each row finds no partner yet and recomputes their sums, the later parts find them published."""
     rows, hidden = SPLIT_CASES[case]
     use_split_tuning(monkeypatch)
-    cfg = RMS_MODULE.norm_backward_launch(rows, hidden, 4 * hidden, 1, torch.device(DEVICE))
+    cfg = RMS_MODULE.norm_backward_launch(rows, hidden, torch.device(DEVICE))
     assert cfg.single_pass and cfg.split == -(-hidden // 16) and cfg.parts_block >= cfg.split
     assert RMS_MODULE.forward_launch(rows, hidden)[1] == cfg.split
     x = randn(rows, hidden, dtype=dtype, requires_grad=True)
@@ -374,35 +377,29 @@ def test_split_rows_need_every_program_at_once():
 
 
 def test_norm_backward_launch_geometry(monkeypatch):
-    """The L2 budget picks the split first, then the rows per group; the grid covers every row."""
+    """The streamed grid takes stream_rows rows a group and stream_split programs a band, each capped
+    by what there is (rows, chunks, programs); the grid covers every row."""
     tuning = dataclasses.replace(
         RMS_MODULE.CONFIG.backward, max_fused_hidden=1024, chunk=1024, stream_rows=4, stream_split=2,
         stream_programs_per_sm=1.0, split_max_hidden=0,
     )
     cpu = torch.device("cpu")  # 4 programs under the interpreter
+    set_tuning(monkeypatch, backward=tuning)
 
-    def launch(budget, num_rows=1000, hidden=8192, partials=1):
-        set_tuning(monkeypatch, backward=dataclasses.replace(tuning, stream_l2_bytes=budget))
-        cfg = RMS_MODULE.norm_backward_launch(num_rows, hidden, 4 * hidden, partials, cpu)
+    def launch(num_rows=1000, hidden=8192):
+        cfg = RMS_MODULE.norm_backward_launch(num_rows, hidden, cpu)
         assert not cfg.single_pass and cfg.block_n == 1024
         assert cfg.rows_per_band % cfg.block_m == 0
         assert (cfg.bands - 1) * cfg.rows_per_band < num_rows <= cfg.bands * cfg.rows_per_band
         assert cfg.programs == cfg.bands * cfg.split
         return cfg.block_m, cfg.split
 
-    row, partial = 4 * 8192, 4 * 8192
-    assert launch(None) == (4, 2)  # no budget: the maxima
-    assert launch(4 * (row + partial)) == (1, 1)  # 4 bands of one row fit, two rows do not
-    assert launch(4 * (2 * row + partial)) == (2, 1)
-    assert launch(2 * (row + partial)) == (1, 2)  # only 2 bands of one row fit: split
-    assert launch(2 * (2 * row + partial)) == (2, 2)  # split, then the rows grow to what fits
-    assert launch(1) == (1, 2)  # nothing fits: the most split, one row
-    assert launch(4 * (row + 2 * partial), partials=2) == (1, 1)  # LayerNorm's two partial rows
-    assert launch(None, num_rows=3) == (4, 2)  # a group holds at most the rows there are (padded to 4)
-    assert launch(None, num_rows=1) == (1, 2)
-    assert launch(None, hidden=1500) == (4, 2)  # two chunks: split 2 at most
-    set_tuning(monkeypatch, backward=dataclasses.replace(tuning, stream_split=8, stream_l2_bytes=None))
-    assert RMS_MODULE.norm_backward_launch(1000, 1500, 6000, 1, cpu).split == 2  # capped by the chunks
+    assert launch() == (4, 2)  # the maxima
+    assert launch(num_rows=3) == (4, 2)  # a group holds at most the rows there are (padded to 4)
+    assert launch(num_rows=1) == (1, 2)
+    assert launch(hidden=1500) == (4, 2)  # two chunks: split 2 at most
+    set_tuning(monkeypatch, backward=dataclasses.replace(tuning, stream_split=8))
+    assert RMS_MODULE.norm_backward_launch(1000, 1500, cpu).split == 2  # capped by the chunks
     with pytest.raises(ValueError, match="stream_rows must be a power of two"):
         dataclasses.replace(tuning, stream_rows=3)
     with pytest.raises(ValueError, match="stream_split"):
@@ -501,7 +498,7 @@ GPU_STREAM_KNOBS = (
 @pytest.mark.parametrize("knobs", GPU_STREAM_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
 @pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
 def test_rms_norm_streamed_backward_gpu(monkeypatch, knobs, fn):
-    tuning = dataclasses.replace(RMS_MODULE.CONFIG.backward, stream_l2_bytes=None, split_max_hidden=0, **knobs)
+    tuning = dataclasses.replace(RMS_MODULE.CONFIG.backward, split_max_hidden=0, **knobs)
     set_tuning(monkeypatch, backward=tuning)
     rows, hidden = 2048, 5 * 4096 - 93  # several groups per band; the last chunk partly padding
     x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)

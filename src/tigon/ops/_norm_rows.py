@@ -261,10 +261,6 @@ class NormTuning:
     stream_split: programs sharing one band of rows (at most): each reads the whole rows for the
       row reductions but writes only its 1/split of the columns, so bands, and with them the rows in
       flight and the partial rows that must stay in L2, number programs/split.
-    stream_l2_bytes: what the rows in flight and the partial rows may take of L2 together,
-      bands·(rows·(dy + x row bytes) + partial row bytes). The split grows (up to stream_split)
-      until one row fits, then the rows grow (up to stream_rows) while they fit. None: no budget,
-      stream_rows and stream_split are used as they are.
     stream_programs_per_sm: persistent programs per multiprocessor (a fraction is allowed).
     stream_stages: software-pipelining depth of the chunk loops (tl.range num_stages; 1 = none):
       the loads of the next stages-1 chunks are in flight while one is computed.
@@ -286,7 +282,6 @@ class NormTuning:
     programs_per_sm: float = 1
     stream_rows: int = 1
     stream_split: int = 1
-    stream_l2_bytes: int | None = None
     stream_programs_per_sm: float = 1.0
     stream_stages: int = 1
     stream_evict_first: bool = False
@@ -366,7 +361,7 @@ def tile_launch(num_rows: int, hidden: int, tuning: NormTuning) -> NormLaunch:
 
 @cache_by_size
 def backward_launch(
-    num_rows: int, hidden: int, row_bytes: int, partials: int, device: torch.device, tuning: NormTuning
+    num_rows: int, hidden: int, device: torch.device, tuning: NormTuning
 ) -> NormBackwardLaunch:
     tile = tile_launch(num_rows, hidden, tuning)
     block_m, split, stages = tile.block_m, 1, 1
@@ -380,21 +375,8 @@ def backward_launch(
         target = max(1, round(persistent_programs(device, tuning.programs_per_sm)))
     else:
         target = max(1, round(tuning.stream_programs_per_sm * persistent_programs(device, 1)))
-        max_split = max(1, min(tuning.stream_split, cdiv(hidden, tuning.chunk), target))
-        max_rows = max(1, min(tuning.stream_rows, next_power_of_2(num_rows)))
-        partial_bytes = 4 * hidden * partials
-        budget = tuning.stream_l2_bytes
-
-        def fits(split, rows):
-            return budget is None or (target // split) * (rows * row_bytes + partial_bytes) <= budget
-
-        split = max_split if budget is None else 1
-        while split < max_split and not fits(split, 1):
-            split *= 2
-        split = min(split, max_split)
-        block_m = max_rows if budget is None else 1
-        while 2 * block_m <= max_rows and fits(split, 2 * block_m):
-            block_m *= 2
+        split = max(1, min(tuning.stream_split, cdiv(hidden, tuning.chunk), target))
+        block_m = max(1, min(tuning.stream_rows, next_power_of_2(num_rows)))
         stages = tuning.stream_stages
     bands = max(1, min(target // split, cdiv(num_rows, block_m)))
     rows_per_band = cdiv(cdiv(num_rows, bands), block_m) * block_m

@@ -486,12 +486,12 @@ def _forward_launch(num_rows, hidden, tuning, shared) -> NormLaunch:
     return _fused_tile(num_rows, hidden, tuning.fwd_tile_elements, tuning.fwd_elements_per_warp, tuning.fwd_max_warps)
 
 
-def backward_launch(num_rows: int, hidden: int, row_bytes: int, device: torch.device) -> NormBackwardLaunch:
+def backward_launch(num_rows: int, hidden: int, device: torch.device) -> NormBackwardLaunch:
     """The backward's persistent grid: CONFIG's where the row is held in registers, else RMSNorm's
     split-row or streamed geometry (with two partial rows a band; split rows keep the next tile in
     flight the way CONFIG's bwd_stages says)."""
     if not norm_launch(num_rows, hidden, backward=True).single_pass:
-        cfg = norm_backward_launch(num_rows, hidden, row_bytes, 2, device)
+        cfg = norm_backward_launch(num_rows, hidden, device)
         return dataclasses.replace(cfg, stages=CONFIG.bwd_stages) if cfg.single_pass else cfg
     return _fused_backward_launch(num_rows, hidden, device, CONFIG)
 
@@ -559,8 +559,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dw = torch.zeros_like(weight) if weight is not None else no_param()
         db = torch.zeros_like(bias) if bias is not None else no_param()
         return dx, dw, db
-    row_bytes = (dy.element_size() + x.element_size()) * hidden
-    cfg = backward_launch(num_rows, hidden, row_bytes, x.device)
+    cfg = backward_launch(num_rows, hidden, x.device)
     # Every element of a band's partial rows is written by the band's first group, so no zeroing.
     # Without a weight (bias) the kernels never touch its pointers; dx stands in for them.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx

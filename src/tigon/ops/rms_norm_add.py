@@ -319,9 +319,7 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
     if num_rows == 0 or hidden == 0 or (dsum is None and not has_next):
         # nothing flows back (or nothing to reduce over): every gradient is zero
         return dx.zero_(), dres.zero_(), dw.zero_(), next_dw.zero_()
-    tiles = [t for t in (dy if has_next else None, dsum, s if has_next else None, x) if t is not None]
-    row_bytes = sum(t.element_size() for t in tiles) * hidden
-    cfg = norm_backward_launch(num_rows, hidden, row_bytes, 2, x.device)
+    cfg = norm_backward_launch(num_rows, hidden, x.device)
     partials = torch.empty((2, cfg.bands, hidden), dtype=torch.float32, device=x.device)
     dy2 = as_rows(dy) if has_next else x2
     ds2 = as_rows(dsum) if dsum is not None else x2

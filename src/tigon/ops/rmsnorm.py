@@ -428,7 +428,7 @@ class RMSNormConfig:
     ))
     backward: NormTuning = field(default_factory=lambda: NormTuning(
         max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=1024, max_warps=16,
-        programs_per_sm=2, stream_rows=4, stream_split=2, stream_l2_bytes=None, stream_programs_per_sm=1.0,
+        programs_per_sm=2, stream_rows=4, stream_split=2, stream_programs_per_sm=1.0,
         stream_stages=1, stream_evict_first=True,
         split_max_hidden=65536, split_slice=8192, split_warps=8, split_programs_per_sm=1.0,
     ))
@@ -452,15 +452,9 @@ def forward_launch(num_rows: int, hidden: int) -> tuple[NormLaunch, int]:
     return split_forward_launch(num_rows, hidden, CONFIG.forward)
 
 
-def norm_backward_launch(
-    num_rows: int, hidden: int, row_bytes: int, partials: int, device: torch.device
-) -> NormBackwardLaunch:
-    """The backward's launch for (num_rows, hidden) rows on ``device``.
-
-    row_bytes: bytes of one row of the tensors pass 2 reads again (dy and x); partials: how many
-    fp32 partial rows each band accumulates (1 for dw; 2 for LayerNorm's dw and db).
-    """
-    return backward_launch(num_rows, hidden, row_bytes, partials, device, CONFIG.backward)
+def norm_backward_launch(num_rows: int, hidden: int, device: torch.device) -> NormBackwardLaunch:
+    """The backward's launch for (num_rows, hidden) rows on ``device``."""
+    return backward_launch(num_rows, hidden, device, CONFIG.backward)
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -520,8 +514,7 @@ def _backward(dy, x, weight, rstd, dsum, eps, offset, casting, narrow_dtype=None
         dw = torch.empty(0, dtype=x.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
         return dx, (torch.zeros_like(weight) if weight is not None else dw), dx2
-    row_bytes = (dy.element_size() + x.element_size()) * hidden
-    cfg = norm_backward_launch(num_rows, hidden, row_bytes, 1, x.device)
+    cfg = norm_backward_launch(num_rows, hidden, x.device)
     # Every element of a band's partial row is written by the band's first group, so no zeroing.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else rstd
     scratch, _, max_polls, recompute_late = split_rows_scratch(cfg.parts_split, num_rows, 1, x.device)
