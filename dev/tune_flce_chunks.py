@@ -4,8 +4,8 @@
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults
 of VocabChunkConfig in src/tigon/ops/_vocab_chunks.py (each setting is one, passed to the
-launchers). By classes (fused_linear_cross_entropy.py), each chunk of logits (N tokens × a few thousand classes) is written by a matmul and then read by the statistics
-kernel (pass 1) or overwritten with the gradient (pass 2). Each kernel is timed alone, right
+launchers). By classes (fused_linear_cross_entropy.py), each chunk of logits (N tokens × a few
+thousand classes) is written by a matmul and then read by the statistics kernel (pass 1) or overwritten with the gradient (pass 2). Each kernel is timed alone, right
 after the matmul that writes its chunk (so L2 holds what it would hold in the fused loss), at
 Qwen2.5-0.5B's head (H = 896, V = 151936) and the chunk widths the plan picks at N = 8192 and
 4096, for: the persistent streamed grid (row_max_width = 0) and one program a row with each
