@@ -2,17 +2,18 @@
 
     PYTHONPATH=src python3 dev/tune_flce_chunks.py
 
-An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults
-of VocabChunkConfig in src/tigon/ops/_vocab_chunks.py (each setting is one, passed to the
-launchers). By classes (fused_linear_cross_entropy.py), each chunk of logits (N tokens × a few
-thousand classes) is written by a matmul and then read by the statistics kernel (pass 1) or overwritten with the gradient (pass 2). Each kernel is timed alone, right
-after the matmul that writes its chunk (so L2 holds what it would hold in the fused loss), at
-Qwen2.5-0.5B's head (H = 896, V = 151936) and the chunk widths the plan picks at N = 8192 and
-4096, for: the persistent streamed grid (row_max_width = 0) and one program a row with each
-block width, warps and prefetch. Then the whole fused loss (forward + backward, GPU time behind a
-sleeping GPU) and its peak memory against the gradients, with the shipped knobs and with the
-persistent grid. Each setting's outputs are checked against the persistent grid's. About a
-minute on the H100, mostly Triton compiles; its log is benchmarks/results/tune_flce_chunks-*.log.
+An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults of
+VocabChunkConfig in src/tigon/ops/_vocab_chunks.py (each setting is one, passed to the launchers).
+By classes (fused_linear_cross_entropy.py), each chunk of logits (N tokens × a few thousand classes)
+is written by a matmul and then read by the statistics kernel (pass 1) or overwritten with the
+gradient (pass 2). Each kernel is timed alone, right after the matmul that writes its chunk (so L2
+holds what it would hold in the fused loss), at Qwen2.5-0.5B's head (H = 896, V = 151936) and the
+chunk widths the plan picks at N = 8192 and 4096, for: the persistent streamed grid (row_max_width =
+0) and one program a row with each block width, warps and prefetch. Then the whole fused loss
+(forward + backward, GPU time behind a sleeping GPU) and its peak memory against the gradients, with
+the shipped knobs and with the persistent grid. Each setting's outputs are checked against the
+persistent grid's. About a minute on the H100, mostly Triton compiles; its log is
+benchmarks/results/tune_flce_chunks-*.log.
 """
 
 from __future__ import annotations
