@@ -6,7 +6,7 @@
     python benchmarks/e2e.py --models qwen2 --providers stock tigon --profile   # where the GPU time goes
     python benchmarks/e2e.py --device cpu --tiny --seq 16 --warmup 1 --steps 1   # pipeline smoke test
 
-What is measured. Models are built from config with random weights (``tigon.demo.model_config``,
+What is measured. Models are built from config with random weights (``tigon.bench.models.model_config``,
 the same configs ``tigon demo`` trains): Llama-3.2-1B-shaped (V=128256), Qwen2.5-0.5B-shaped
 (V=151936, H=896) and Gemma-2-2B-shaped (V=256000, final-logit softcap; its attention-logit softcap
 is off, as transformers' sdpa path cannot apply it; batch 2), fp32 weights,
@@ -63,7 +63,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tigon.demo import GPU_BATCH_OVERRIDES, model_config
+from tigon.bench.models import GPU_BATCH_OVERRIDES, model_config
 
 MODELS = ("llama", "qwen2", "gemma2")
 PROVIDERS = ("stock", "tigon", "compile", "tigon+compile", "liger")
@@ -280,7 +280,7 @@ def run_job(job: dict) -> dict:
     import torch
 
     import tigon
-    from tigon.demo import build_model, parameter_count
+    from tigon.bench.models import build_model, parameter_count
 
     parts = set(job["provider"].split("+"))
     device = torch.device(job.get("device", "cuda"))
@@ -444,6 +444,9 @@ def worker_main(ready_path: str | None = None) -> int:
     import transformers  # noqa: F401
 
     import tigon.patching  # noqa: F401  (imports tigon.ops)
+    from tigon._interpreter import apply_interpreter_fixes
+
+    apply_interpreter_fixes()  # --device cpu: the parent set TRITON_INTERPRET=1
 
     if ready_path:
         Path(ready_path).touch()

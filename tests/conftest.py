@@ -2,17 +2,16 @@
 
 TRITON_INTERPRET must be set before the first ``@triton.jit`` decorator runs, i.e. before anything
 imports ``tigon.ops``; pytest imports this file before any test module, so setting it here is early
-enough. On a GPU machine nothing is set and the same tests compile the kernels for real.
+enough (``use_interpreter_without_gpu`` also applies tigon's fixes to the interpreter). On a GPU
+machine nothing is set and the same tests compile the kernels for real.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from tigon._interpreter import use_interpreter_without_gpu
 
-import pytest  # noqa: E402
+use_interpreter_without_gpu()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -57,8 +57,8 @@ def check_spec(spec, device: torch.device) -> tuple[float, str]:
 
 
 def run_checks(names=None, *, log=print) -> bool:
+    from tigon._interpreter import interpreter_active
     from tigon.bench.specs import load_specs
-    from tigon.ops._common import interpreter_active
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mode = "Triton interpreter on CPU" if interpreter_active() and device.type == "cpu" else str(device)

@@ -7,7 +7,6 @@ Nothing here imports ``tigon.ops`` at module level: ``check`` must decide on Tri
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -18,21 +17,11 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def use_interpreter_without_gpu() -> bool:
-    """Turn on Triton's CPU interpreter when there is no GPU; True if it is on.
-
-    Must run before anything imports ``tigon.ops``: Triton reads the variable when a kernel is
-    defined, not when it runs.
-    """
-    if not _cuda_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def cmd_env(_args) -> int:
     import torch
 
     from tigon import __version__
+    from tigon._interpreter import interpreter_active
     from tigon.bench.harness import versions
 
     print(f"tigon {__version__}")
@@ -44,7 +33,7 @@ def cmd_env(_args) -> int:
         print(f"cuda          {torch.version.cuda}")
     else:
         print("device        no CUDA device: kernels can only run under the Triton interpreter")
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = interpreter_active()
     print(f"interpreter   {'on (TRITON_INTERPRET=1)' if interp else 'off'}")
     print_families()
     return 0
@@ -68,6 +57,8 @@ def print_families(log=print) -> bool:
 
 
 def cmd_check(args) -> int:
+    from tigon._interpreter import use_interpreter_without_gpu
+
     use_interpreter_without_gpu()
     from tigon.check import run_checks
 
@@ -91,6 +82,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from tigon._interpreter import use_interpreter_without_gpu
+
     use_interpreter_without_gpu()
     from tigon.demo import run_demo
 

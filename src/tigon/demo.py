@@ -29,7 +29,6 @@ The configs here are also what ``benchmarks/e2e.py`` builds its models from.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import importlib.util
@@ -43,151 +42,7 @@ from pathlib import Path
 
 import torch
 
-# --------------------------------------------------------------------------------- model configs
-
-# Llama-3.2-1B as published (rope scaling aside, which changes no cost); other families take its
-# dimensions when they have no real shape of their own below.
-LLAMA_3_2_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-)
-
-# model_type -> (label, config keywords): published shapes, random weights.
-FULL_SHAPES = {
-    "llama": ("Llama-3.2-1B-shaped", LLAMA_3_2_1B),
-    "qwen2": ("Qwen2.5-0.5B-shaped", dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )),
-    # Gemma-2's attention-logit softcapping is switched off: transformers' sdpa path cannot apply it
-    # (it would force eager attention). The final-logit softcap, the part the loss head sees, stays.
-    "gemma2": ("Gemma-2-2B-shaped", dict(
-        vocab_size=256000,
-        hidden_size=2304,
-        intermediate_size=9216,
-        num_hidden_layers=26,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=256,
-        max_position_embeddings=8192,
-        final_logit_softcapping=30.0,
-        attn_logit_softcapping=None,
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        hidden_activation="gelu_pytorch_tanh",
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )),
-}
-
-# CPU fallback: small enough that a step of the patched model takes seconds under the interpreter.
-TINY_SHAPE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
-
-# What a family needs beyond the shared keywords to be a sensible model at either size. MoE
-# families get 8 (tiny: 4) experts of a quarter of the dense width, top-2 routing; Gemma-2 drops
-# its attention-logit softcap (see FULL_SHAPES); the Gemmas' query scale follows the head dim.
-FAMILY_EXTRAS = {
-    "gemma2": lambda s: dict(attn_logit_softcapping=None, final_logit_softcapping=30.0,
-                             query_pre_attn_scalar=s["head_dim"], sliding_window=4096),
-    "gemma3_text": lambda s: dict(query_pre_attn_scalar=s["head_dim"], sliding_window=4096),
-    "mixtral": lambda s: dict(num_local_experts=_experts(s), num_experts_per_tok=2,
-                              intermediate_size=s["intermediate_size"] // 4),
-    "qwen3_moe": lambda s: dict(num_experts=_experts(s), num_experts_per_tok=2,
-                                moe_intermediate_size=s["intermediate_size"] // 4),
-}
-
-
-SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)
-
-
-def _experts(shape) -> int:
-    return 4 if shape["hidden_size"] < 1024 else 8
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    model_type: str
-    label: str
-    config: object  # a transformers PretrainedConfig
-
-
-def model_config(model_type: str, *, tiny: bool) -> ModelSpec:
-    """A config for ``model_type``: the tiny CPU shape, or the family's published shape (or, for a
-    family without one here, the family at Llama-3.2-1B's dimensions)."""
-    import transformers
-
-    if tiny:
-        label, shape = f"tiny {model_type}", TINY_SHAPE
-    elif model_type in FULL_SHAPES:
-        label, shape = FULL_SHAPES[model_type]
-    else:
-        label, shape = f"{model_type} at Llama-3.2-1B dims", LLAMA_3_2_1B
-    extras = FAMILY_EXTRAS.get(model_type, lambda s: {})({**TINY_SHAPE, **shape} if tiny else shape)
-    # Special ids inside every vocabulary (GLM-4's defaults are not), and no padding row: an
-    # embedding's padding_idx would freeze a row the corpus uses.
-    keywords = {**shape, **extras, **SPECIAL_IDS}
-    if tiny:  # tiny models tie embeddings too, as the small real models do
-        keywords["tie_word_embeddings"] = True
-    # A deep copy: some configs (Gemma-3) rewrite the rope_parameters dict they are given in place.
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(keywords))
-    except (AttributeError, TypeError, ValueError):
-        # Families with per-layer-type rope tables (Gemma-3, OLMo-3) take rope_parameters in a form
-        # that changed across transformers 5.x (5.17 rejects the flat dict): their defaults then. The
-        # rope base changes no cost, so the benchmark shapes are unaffected.
-        keywords.pop("rope_parameters", None)
-        config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(keywords))
-    return ModelSpec(model_type, label, config)
-
-
-def build_model(config, *, device, attention: str = "sdpa"):
-    """A random-init CausalLM (fp32 weights) built directly on ``device``, in train mode.
-
-    Gemma-2's class declares no sdpa support because of its attention-logit softcap; with that
-    softcap off (as our configs have it) sdpa computes the same thing, so the model is built eager
-    and switched to sdpa.
-    """
-    import transformers
-
-    with torch.device(device):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
-        except ValueError:
-            if getattr(config, "attn_logit_softcapping", None) is not None:
-                raise
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-            model.config._attn_implementation = attention
-    return model.train()
-
-
-def parameter_count(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+from tigon.bench.models import GPU_BATCH_OVERRIDES, ModelSpec, build_model, model_config, parameter_count
 
 
 def fingerprint(model) -> float:
@@ -618,7 +473,6 @@ def record(setup: Setup, stock: Run, tigon_run: Run, data: str) -> dict:
 # -------------------------------------------------------------------------------------------- main
 
 GPU_DEFAULTS = dict(model="llama", batch=4, seq=2048, steps=50, lr=3e-4)
-GPU_BATCH_OVERRIDES = {"gemma2": 2}  # Gemma-2-2B-shaped at batch 4 x 2048 does not fit stock in 80 GB
 TINY_GPU_DEFAULTS = dict(model="llama", batch=8, seq=512, steps=50, lr=3e-3)
 CPU_DEFAULTS = dict(model="llama", batch=4, seq=64, steps=24, lr=3e-3)
 TOLERANCE = {None: 1e-4, torch.bfloat16: 2e-2}  # per-step relative loss difference, by autocast dtype
@@ -627,7 +481,7 @@ TOLERANCE = {None: 1e-4, torch.bfloat16: 2e-2}  # per-step relative loss differe
 def run_demo(*, model=None, batch=None, seq=None, steps=None, lr=None, seed=0, data=None,
              out="tigon-demo", tiny=False, log=print) -> int:
     """The ``tigon demo`` command; returns the exit status (0 agree, 1 disagree, 2 bad usage)."""
-    from tigon.cli import use_interpreter_without_gpu
+    from tigon._interpreter import use_interpreter_without_gpu
 
     interpreter = use_interpreter_without_gpu()  # before anything imports tigon.ops
     import tigon

@@ -157,7 +157,7 @@ def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias):
     for g, w, q in zip(got, want, [x, *params], strict=True):
         assert g.dtype == q.dtype
         if DEVICE.type == "cuda" and q is not x and q.dim() == 2:
-            # On the GPU the matmul writes a weight's fp32 gradient itself (ops._common.matmul_to):
+            # On the GPU the matmul writes a weight's fp32 gradient itself (ops._matmul.matmul_to):
             # its fp32 accumulator, of which the bf16 product is the rounding.
             assert_close(g, w.float(), torch.bfloat16, "weight gradient")
             assert not torch.equal(g, w.to(q.dtype)), "the fp32 gradient was rounded to bf16"

@@ -1,12 +1,13 @@
 """tigon.ops.cross_entropy against the fp64 reference (torch's F.cross_entropy plus softcap, scale, z-loss).
 
-Regimes (cross_entropy.py's launch config): a row of V ≤ MAX_SINGLE_BLOCK_V classes is held in
-registers (read once); a longer one is streamed twice, block by block (V = MAX_SINGLE_BLOCK_V + 1
+Regimes (cross_entropy.py's launch config): a row of V ≤ max_single_block_v classes is held in
+registers (read once); a longer one is streamed twice, block by block (V = max_single_block_v + 1
 has a one-element second block, V > 65536 several). Options switch kernel branches (HAS_WEIGHT,
 HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers their full product at a small V and
 the size test runs every branch at once in both regimes.
 """
 
+import dataclasses
 import importlib
 import itertools
 
@@ -24,15 +25,14 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops.cross_entropy import (
-    MAX_SINGLE_BLOCK_V,
-    MAX_SINGLE_BLOCK_V_SOFTCAP,
-    cross_entropy,
-    cross_entropy_reference,
-)
+from tigon.ops import _softmax_rows, _vocab_chunks
+from tigon.ops._launch import persistent_programs
+from tigon.ops.cross_entropy import CONFIG, cross_entropy, cross_entropy_reference
 
-# The module itself (``tigon.ops.cross_entropy`` the attribute is the function): its launch knobs.
+# The module itself (``tigon.ops.cross_entropy`` the attribute is the function): its launch config.
 ce_module = importlib.import_module("tigon.ops.cross_entropy")
+MAX_SINGLE_BLOCK_V = CONFIG.max_single_block_v
+MAX_SINGLE_BLOCK_V_SOFTCAP = CONFIG.max_single_block_v_softcap
 
 TRANSFORMS = {
     "plain": {},
@@ -400,36 +400,30 @@ def test_cross_entropy_cpu_needs_interpreter(monkeypatch):
 
 # ------------------------------------------------------------------------------ kernel variants (knobs)
 
-# Every geometry the launch knobs can select (scripts/tune_ce.py sweeps them on the GPU), shrunk so
+# Every geometry the launch config can select (dev/tune_ce.py sweeps it on the GPU), shrunk so
 # that a vocabulary of 101 classes walks four blocks of 32 (the last one partial): streamed with
-# one or two blocks prefetched into registers, with Triton's pipelined loop (STREAM_STAGES), with
-# L2 hints and an L2 budget that leaves a single program for all rows, past the hinted budget; and
-# held in registers with several warps (values spread over 4 warps), with and without each
-# program's next row loaded ahead.
-SMALL_STREAM = dict(MAX_SINGLE_BLOCK_V=32, MAX_SINGLE_BLOCK_V_SOFTCAP=32, STREAM_BLOCK_V=32, STREAM_WARPS=1)
+# one or two blocks prefetched into registers, with L2 hints and fewer programs per SM, past the
+# hinted budget; and held in registers with several warps (values spread over 4 warps), with and
+# without each program's next row loaded ahead.
+SMALL_STREAM = dict(max_single_block_v=32, max_single_block_v_softcap=32, stream_block_v=32, stream_warps=1)
 VARIANTS = {
-    "single": dict(SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2, SINGLE_ROW_PREFETCH=False),
+    "single": dict(single_values_per_thread=1, single_max_warps=4, single_programs_per_sm=2, single_row_prefetch=False),
     "single_row_prefetch": dict(
-        SINGLE_VALUES_PER_THREAD=1, SINGLE_MAX_WARPS=4, SINGLE_PROGRAMS_PER_SM=2, SINGLE_ROW_PREFETCH=True
+        single_values_per_thread=1, single_max_warps=4, single_programs_per_sm=2, single_row_prefetch=True
     ),
-    "prefetch1": dict(SMALL_STREAM, STREAM_PREFETCH=1),
-    "prefetch2": dict(SMALL_STREAM, STREAM_PREFETCH=2),
-    # rows in flight over the hinted budget: STREAM_WIDE_PREFETCH blocks ahead, no L2 hints
-    "wide": dict(SMALL_STREAM, STREAM_HINTED_MAX_BYTES=0, STREAM_WIDE_PREFETCH=2),
-    "stages3": dict(SMALL_STREAM, STREAM_STAGES=3, STREAM_PREFETCH=1),
-    "hints_budget": dict(
-        SMALL_STREAM, STREAM_PREFETCH=2, STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=256, STREAM_PROGRAMS_PER_SM=0.5
-    ),
+    "prefetch1": dict(SMALL_STREAM, stream_prefetch=1),
+    "prefetch2": dict(SMALL_STREAM, stream_prefetch=2),
+    # rows in flight over the hinted budget: stream_wide_prefetch blocks ahead, no L2 hints
+    "wide": dict(SMALL_STREAM, stream_hinted_max_bytes=0, stream_wide_prefetch=2),
+    "hints_half_grid": dict(SMALL_STREAM, stream_prefetch=2, stream_l2_hints=True, stream_programs_per_sm=0.5),
 }
 VARIANT_VOCAB = 101
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
-    """Apply one variant's knobs to the module for the test (the geometry cache keys on them)."""
-    for name, value in VARIANTS[request.param].items():
-        assert hasattr(ce_module, name), name
-        monkeypatch.setattr(ce_module, name, value)
+    """Make one variant's config the module's default for the test (the geometry cache keys on it)."""
+    monkeypatch.setattr(ce_module, "CONFIG", dataclasses.replace(CONFIG, **VARIANTS[request.param]))
     return request.param
 
 
@@ -450,33 +444,36 @@ def test_variants_select_their_geometry(variant):
         assert cfg.num_warps == 4
     else:
         assert cfg.block_v == 32 and cfg.num_warps == 1
-        assert cfg.stages == VARIANTS[variant].get("STREAM_STAGES", 1)
-    if variant == "hints_budget":
-        assert cfg.programs == 1 and cfg.first_read_policy == ce_module.EVICT_LAST
-        assert cfg.second_read_policy == cfg.store_policy == ce_module.EVICT_FIRST
+    if variant == "hints_half_grid":
+        assert cfg.first_read_policy == _softmax_rows.EVICT_LAST
+        assert cfg.second_read_policy == cfg.store_policy == _softmax_rows.EVICT_FIRST
     if variant == "wide":
-        assert cfg.prefetch == 2 and cfg.first_read_policy == cfg.store_policy == ce_module.EVICT_NORMAL
+        assert cfg.prefetch == 2 and cfg.first_read_policy == cfg.store_policy == _softmax_rows.EVICT_NORMAL
     if variant == "prefetch1":
-        assert cfg.prefetch == 1 and cfg.first_read_policy == ce_module.EVICT_LAST  # hinted (shipped hints)
+        assert cfg.prefetch == 1 and cfg.first_read_policy == _softmax_rows.EVICT_LAST  # hinted (shipped hints)
     # the fused linear loss's vocabulary chunks: one program a row (a few on the interpreter) in
-    # blocks of CHUNK_BLOCK_V, softcap or not, never hinted ...
+    # blocks of the chunk config's block_v, softcap or not, never hinted ...
+    chunks = _vocab_chunks.CONFIG
     for softcap in (False, True):
-        chunk_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, softcap=softcap, streamed=True)
-        assert not chunk_cfg.single_block and chunk_cfg.num_warps == ce_module.CHUNK_WARPS
-        assert chunk_cfg.block_v == min(128, ce_module.CHUNK_BLOCK_V) and chunk_cfg.prefetch == ce_module.CHUNK_PREFETCH
-        assert chunk_cfg.programs == (5 if device.type == "cuda" else min(5, ce_module.persistent_programs(device)))
-        assert chunk_cfg.first_read_policy == chunk_cfg.store_policy == ce_module.EVICT_NORMAL
+        chunk_cfg = _vocab_chunks.chunk_launch(5, VARIANT_VOCAB, device, softcap=softcap)
+        assert not chunk_cfg.single_block and chunk_cfg.num_warps == chunks.num_warps
+        assert chunk_cfg.block_v == min(128, chunks.block_v) and chunk_cfg.prefetch == chunks.prefetch
+        assert chunk_cfg.programs == (5 if device.type == "cuda" else min(5, persistent_programs(device)))
+        assert chunk_cfg.first_read_policy == chunk_cfg.store_policy == _softmax_rows.EVICT_NORMAL
     # ... and wider chunks the persistent grid's wide setting
-    wide = ce_module.row_launch(5, ce_module.CHUNK_ROW_MAX_WIDTH + 1, device, streamed=True)
-    assert wide.prefetch == ce_module.STREAM_WIDE_PREFETCH and wide.first_read_policy == ce_module.EVICT_NORMAL
+    wide = _vocab_chunks.chunk_launch(5, chunks.row_max_width + 1, device)
+    assert wide.prefetch == ce_module.CONFIG.stream_wide_prefetch
+    assert wide.first_read_policy == _softmax_rows.EVICT_NORMAL
     # softcap rows, bound by MUFU rather than load latency, take their own prefetch, streamed or not,
     # and the L2 hints whatever their bytes in flight (not the vocabulary chunks, which never do)
     for streamed in (False, True):
-        width = ce_module.CHUNK_ROW_MAX_WIDTH + 1 if streamed else VARIANT_VOCAB
-        softcap_cfg = ce_module.row_launch(5, width, device, softcap=True, streamed=streamed)
-        assert softcap_cfg.single_block or softcap_cfg.prefetch == ce_module.STREAM_SOFTCAP_PREFETCH
-        hinted = not streamed and ce_module.STREAM_L2_HINTS and not softcap_cfg.single_block
-        assert (softcap_cfg.first_read_policy == ce_module.EVICT_LAST) == hinted
+        if streamed:
+            softcap_cfg = _vocab_chunks.chunk_launch(5, chunks.row_max_width + 1, device, softcap=True)
+        else:
+            softcap_cfg = ce_module.row_launch(5, VARIANT_VOCAB, device, softcap=True)
+        assert softcap_cfg.single_block or softcap_cfg.prefetch == ce_module.CONFIG.stream_softcap_prefetch
+        hinted = not streamed and ce_module.CONFIG.stream_l2_hints and not softcap_cfg.single_block
+        assert (softcap_cfg.first_read_policy == _softmax_rows.EVICT_LAST) == hinted
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -491,7 +488,7 @@ def test_variants_dtypes(variant, dtype, options):
     if options != "plain":
         kwargs = dict(ALL_OPTIONS, weight=class_weight(VARIANT_VOCAB), reduction="none")
     if options == "softcap_running_max":
-        kwargs["softcap"] = ce_module.MAX_SHIFT_SOFTCAP + 20.0
+        kwargs["softcap"] = _softmax_rows.MAX_SHIFT_SOFTCAP + 20.0
     check_cross_entropy(logits, target, **kwargs)
 
 
@@ -651,22 +648,20 @@ def test_cross_entropy_all_options_streaming(dtype):
 # Full-size geometries the tuner can pick, for the GPU (the interpreter ignores pipelining and hints).
 GPU_VARIANTS = {
     "shipped": {},
-    "single16warps": dict(SINGLE_MAX_WARPS=16, SINGLE_PROGRAMS_PER_SM=1),
-    "single_row_prefetch": dict(SINGLE_ROW_PREFETCH=not ce_module.SINGLE_ROW_PREFETCH),
-    "stream8192_prefetch1": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=1),
-    "stream8192_prefetch2_2per_sm": dict(STREAM_BLOCK_V=8192, STREAM_WARPS=16, STREAM_PREFETCH=2,
-                                         STREAM_PROGRAMS_PER_SM=2.0),
-    "stages3": dict(STREAM_STAGES=3),
-    "stream_prefetch2_no_hints": dict(STREAM_PREFETCH=2, STREAM_L2_HINTS=False),  # the fourth session's
-    "hints_budget": dict(STREAM_L2_HINTS=True, STREAM_L2_BUDGET_BYTES=24 << 20, STREAM_PROGRAMS_PER_SM=0.5),
+    "single16warps": dict(single_max_warps=16, single_programs_per_sm=1),
+    "single_row_prefetch": dict(single_row_prefetch=not CONFIG.single_row_prefetch),
+    "stream8192_prefetch1": dict(stream_block_v=8192, stream_warps=16, stream_prefetch=1),
+    "stream8192_prefetch2_2per_sm": dict(stream_block_v=8192, stream_warps=16, stream_prefetch=2,
+                                         stream_programs_per_sm=2.0),
+    "stream_prefetch2_no_hints": dict(stream_prefetch=2, stream_l2_hints=False),
+    "hints_half_grid": dict(stream_l2_hints=True, stream_programs_per_sm=0.5),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", GPU_VARIANTS)
 def test_cross_entropy_gpu_variants(name, monkeypatch):
-    for knob, value in GPU_VARIANTS[name].items():
-        monkeypatch.setattr(ce_module, knob, value)
+    monkeypatch.setattr(ce_module, "CONFIG", dataclasses.replace(CONFIG, **GPU_VARIANTS[name]))
     for vocab, softcap in ((32000, None), (128256, None), (256000, 30.0)):
         logits = randn(48, vocab, scale=3.0, dtype=torch.bfloat16, requires_grad=True)
         target = make_target((48,), vocab, ignored=3)

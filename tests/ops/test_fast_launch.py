@@ -17,8 +17,8 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton import knobs
 
-from tigon.ops import _common
-from tigon.ops._common import FastLaunch, _direct_launch, wrap_triton
+from tigon.ops import _launch
+from tigon.ops._launch import FastLaunch, _direct_launch, wrap_triton
 
 
 def _signature(x_ptr, y_ptr, n, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = "a"):
@@ -58,7 +58,7 @@ class FakeKernel:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_common, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
 
 
@@ -171,8 +171,8 @@ def test_missing_argument_is_a_clear_error(fake_cuda):
 
 def test_wrap_triton_picks_the_path(monkeypatch):
     kernel = FakeKernel()
-    monkeypatch.setattr(_common, "_is_jit_kernel", lambda k: k is kernel)
-    monkeypatch.setattr(_common, "_torch_wrap_triton", lambda k: ("traceable", k))
+    monkeypatch.setattr(_launch, "_is_jit_kernel", lambda k: k is kernel)
+    monkeypatch.setattr(_launch, "_torch_wrap_triton", lambda k: ("traceable", k))
     with FakeTensorMode():                                      # a dispatch mode: something traces
         assert wrap_triton(kernel) == ("traceable", kernel)
     with _direct_launch(), FakeTensorMode():                    # the registered op's eager run
@@ -180,7 +180,7 @@ def test_wrap_triton_picks_the_path(monkeypatch):
     first = wrap_triton(kernel)                                 # nothing traces (a backward, say)
     assert type(first) is FastLaunch and wrap_triton(kernel) is first   # one launcher per kernel
     other = object()
-    if _common.interpreter_active():
+    if _launch.interpreter_active():
         assert wrap_triton(other) is other                      # interpreted kernels launch as they are
 
 

@@ -8,6 +8,7 @@ of tigon.ops.cross_entropy (whose tests sweep them all); here each reaches the l
 chunking, with and without a bias.
 """
 
+import dataclasses
 import importlib
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn, rel_err
+from tigon.ops import _vocab_chunks
 from tigon.ops.fused_linear_cross_entropy import (
-    MAX_TOKEN_CHUNKS,
+    CONFIG,
     ChunkPlan,
     chunk_plan,
     fused_linear_cross_entropy,
@@ -28,15 +30,15 @@ flce_module = importlib.import_module("tigon.ops.fused_linear_cross_entropy")
 ce_module = importlib.import_module("tigon.ops.cross_entropy")
 
 ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=0.7)
-# Forced chunkings, each with the cross-entropy knobs it sets: the class-chunk kernels in several
-# blocks a row (one program a row, one or two blocks ahead), and in the persistent streamed grid
-# that chunks wider than CHUNK_ROW_MAX_WIDTH take.
+# Forced chunkings, each with the launch configs it sets (vocabulary-chunk kernels, cross-entropy
+# rows): the class-chunk kernels in several blocks a row (one program a row, one or two blocks
+# ahead), and in the persistent streamed grid that chunks wider than row_max_width take.
 PLANS = {
-    "tokens": (ChunkPlan(True, 4), {}),
-    "classes": (ChunkPlan(False, 128), {}),
-    "classes_blocks": (ChunkPlan(False, 128), dict(CHUNK_BLOCK_V=32, CHUNK_PREFETCH=2)),
-    "classes_persistent": (ChunkPlan(False, 128), dict(
-        CHUNK_ROW_MAX_WIDTH=0, STREAM_BLOCK_V=32, STREAM_WARPS=1, STREAM_SOFTCAP_BLOCK_V=32, STREAM_SOFTCAP_WARPS=1,
+    "tokens": (ChunkPlan(True, 4), {}, {}),
+    "classes": (ChunkPlan(False, 128), {}, {}),
+    "classes_blocks": (ChunkPlan(False, 128), dict(block_v=32, prefetch=2), {}),
+    "classes_persistent": (ChunkPlan(False, 128), dict(row_max_width=0), dict(
+        stream_block_v=32, stream_warps=1, stream_softcap_block_v=32, stream_softcap_warps=1,
     )),
 }
 CHUNKED_PLANS = tuple(PLANS)
@@ -80,11 +82,10 @@ def check_flce(x, w, target, bias=None, *, io_dtype=None, **options):
 def plan(request, monkeypatch):
     """Force a chunking: "default" leaves chunk_plan alone (one chunk at these sizes)."""
     if request.param != "default":
-        forced, knobs = PLANS[request.param]
+        forced, chunk_knobs, row_knobs = PLANS[request.param]
         monkeypatch.setattr(flce_module, "chunk_plan", lambda *args, **kwargs: forced)
-        for name, value in knobs.items():
-            assert hasattr(ce_module, name), name
-            monkeypatch.setattr(ce_module, name, value)
+        monkeypatch.setattr(_vocab_chunks, "CONFIG", dataclasses.replace(_vocab_chunks.CONFIG, **chunk_knobs))
+        monkeypatch.setattr(ce_module, "CONFIG", dataclasses.replace(ce_module.CONFIG, **row_knobs))
     return request.param
 
 
@@ -283,7 +284,7 @@ def test_chunk_plan_at_benchmark_shapes(hidden, vocab, tokens_expected):
     gradient_bytes = (tokens + vocab) * hidden * elem
     assert plan.by_tokens == tokens_expected
     if plan.by_tokens:
-        assert -(-tokens // plan.size) <= MAX_TOKEN_CHUNKS
+        assert -(-tokens // plan.size) <= CONFIG.max_token_chunks
         workspace = plan.size * vocab * elem
     else:
         # While chunks are made: dW, one chunk and the fp32 dX accumulator; dX in its own dtype is
@@ -306,8 +307,8 @@ def test_chunk_plan_fp32_master_weight(hidden, vocab):
     for tokens in (8192, 4096, 1500):
         plan = chunk_plan(tokens, vocab, hidden, 2, dx_size=4, dw_size=4)
         gradient_bytes = (tokens + vocab) * hidden * 4
-        assert plan.by_tokens and plan.size >= min(tokens, flce_module.FP32_TOKEN_CHUNK)
-        budget = max(flce_module.WORKSPACE_FRACTION * gradient_bytes, flce_module.FP32_TOKEN_CHUNK * vocab * 2)
+        assert plan.by_tokens and plan.size >= min(tokens, CONFIG.fp32_token_chunk)
+        budget = max(CONFIG.workspace_fraction * gradient_bytes, CONFIG.fp32_token_chunk * vocab * 2)
         assert plan.size * vocab * 2 <= budget
     # bf16 weights (the benchmark's): the budget alone, as before
     assert chunk_plan(8192, 151936, 896, 2) == chunk_plan(8192, 151936, 896, 2, dw_size=2)

@@ -2,17 +2,20 @@
 
 The reference rounds the logits to the io dtype as the matmul in that dtype does (and its backward
 rounds their gradient the same way), then runs log_softmax and the JSD in fp64. Chunking is forced
-by shrinking LOGITS_CHUNK_ELEMENTS, so the ∂W accumulation over chunks (and an uneven split) is
+by shrinking logits_chunk_elements, so the ∂W accumulation over chunks (and an uneven split) is
 exercised at test sizes; vocab sizes cover one BLOCK_V chunk per row and several.
 """
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn
-from tigon.ops.fused_linear_jsd import BLOCK_V, fused_linear_jsd, fused_linear_jsd_reference
+from tigon.ops.fused_linear_jsd import CONFIG, fused_linear_jsd, fused_linear_jsd_reference
+
+BLOCK_V = CONFIG.block_v
 
 # the module itself: tigon.ops re-exports the function under the module's name
 fljsd_module = importlib.import_module("tigon.ops.fused_linear_jsd")
@@ -60,7 +63,7 @@ def check_fljsd(tensors, *, scale=1.0, **kwargs):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """About 3 rows per chunk at vocab 300: a 7-row batch runs as 3 chunks (3, 2, 2 rows)."""
-    monkeypatch.setattr(fljsd_module, "LOGITS_CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(fljsd_module, "CONFIG", dataclasses.replace(CONFIG, logits_chunk_elements=1000))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -3,7 +3,7 @@
 Regimes of glu.py's launch config: contiguous operands take the flat path (a single element; fewer
 elements than one tile; 37×1000, which is not a multiple of the 4096-element tile, so the last
 program is partial and straddles rows); any strided operand takes the row/column path (rows shorter
-than a column block, and 1500 > MAX_BLOCK_N columns, two column blocks with the second partial).
+than a column block, and 1500 > max_block_n columns, two column blocks with the second partial).
 """
 
 import pytest
@@ -12,8 +12,7 @@ import torch
 from tests.helpers import DEVICE, DTYPES, assert_close, fp64_reference, noncontiguous, randn, stride0_like
 from tigon.ops.glu import (
     ACTIVATIONS,
-    MAX_BLOCK_N,
-    TILE_ELEMENTS,
+    CONFIG,
     geglu,
     glu,
     glu_backward_into,
@@ -61,7 +60,7 @@ def test_glu_sizes(dtype, activation, shape):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_glu_fused_gate_up_slices_and_stride0_grad(dtype, activation):
     """gate and up as halves of one fused gate_up projection (row stride 2N), dh from ``.sum()``."""
-    num_cols = MAX_BLOCK_N + 476
+    num_cols = CONFIG.max_block_n + 476
     gate_up = randn(5, 2 * num_cols, dtype=dtype, scale=3.0)
     gate = gate_up[:, :num_cols].detach().requires_grad_()
     up = gate_up[:, num_cols:].detach().requires_grad_()
@@ -78,8 +77,8 @@ def test_glu_noncontiguous_columns(activation):
 
 def test_glu_flat_tail_program():
     """More than one flat tile, the last one partial."""
-    gate = randn(TILE_ELEMENTS + 5, dtype=torch.float16, scale=3.0, requires_grad=True)
-    up = randn(TILE_ELEMENTS + 5, dtype=torch.float16, requires_grad=True)
+    gate = randn(CONFIG.tile_elements + 5, dtype=torch.float16, scale=3.0, requires_grad=True)
+    up = randn(CONFIG.tile_elements + 5, dtype=torch.float16, requires_grad=True)
     check_glu(gate, up, "silu")
 
 

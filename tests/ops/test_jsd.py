@@ -1,7 +1,7 @@
 """tigon.ops.jsd against the fp64 generalised-JSD reference.
 
 beta covers both special-cased ends (0: forward KL, 1: reverse KL) and the mixture between them.
-Vocab sizes sit on the tiling's boundaries (kl_div.py's tile_launch, shared): short rows packed
+Vocab sizes sit on the tiling's boundaries (_tiles.py's tile_launch, shared with kl_div): short rows packed
 several to a tile, and rows past TILE_ELEMENTS split over column tiles.
 """
 
@@ -18,8 +18,8 @@ from tests.helpers import (
     noncontiguous,
     randn,
 )
+from tigon.ops._tiles import CONFIG as TILE_CONFIG
 from tigon.ops.jsd import jsd, jsd_reference
-from tigon.ops.kl_div import TILE_ELEMENTS
 
 pytestmark = [
     # the interpreter evaluates both sides of a tl.where in numpy: 0·inf in padding lanes
@@ -65,7 +65,9 @@ def test_jsd(dtype, beta, with_labels):
     check_jsd(s, t, beta=beta, labels=labels)
 
 
-@pytest.mark.parametrize("shape", ((1, 7), (2, 3, 300), (1, TILE_ELEMENTS), (3, TILE_ELEMENTS + 3)), ids=str)
+@pytest.mark.parametrize(
+    "shape", ((1, 7), (2, 3, 300), (1, TILE_CONFIG.tile_elements), (3, TILE_CONFIG.tile_elements + 3)), ids=str
+)
 @pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
 def test_jsd_shapes(shape, beta):
     s = log_probs(*shape, requires_grad=True)

@@ -1,13 +1,13 @@
 """tigon.ops.layer_norm against the fp64 ``F.layer_norm`` reference.
 
-Sizes sit on the kernel's regime boundaries (the launch config shared with rms_norm.py): hidden 1
+Sizes sit on the kernel's regime boundaries (the launch config shared with rmsnorm.py): hidden 1
 and 7 (tiles far wider than the row, many rows per program; at 1 the output is the bias and every
 gradient but the bias's is exactly zero), 96 and 1000 (non-powers of two), 4096 (one tile, one row
 per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385 (forward
 streamed too, statistics merged chunk by chunk). The streamed backward's geometry is tested at
 small hidden sizes with test_rms_norm.py's shrunken tuning (the launch is shared).
 
-The fused regime's own knobs (``TUNING``, LayerNormTuning) are tested by shrinking the tiles
+The fused regime's own knobs (``CONFIG``, LayerNormConfig) are tested by shrinking the tiles
 (``use_fused_tuning``), so that a few interpreted programs reach every geometry they can select:
 several rows per tile, a band's last tile part padding, one row per tile, each way of keeping loads
 in flight, one or two row reductions, and partial rows summed over several blocks of bands and
@@ -34,16 +34,18 @@ from tests.helpers import (
 from tests.ops.test_rms_norm import (
     GPU_SPLIT_KNOBS,
     GPU_STREAM_KNOBS,
+    MAX_FUSED_HIDDEN_BWD,
+    MAX_FUSED_HIDDEN_FWD,
     RMS_MODULE,
     SPLIT_CASES,
     STREAM_CASES,
+    set_tuning,
     split_grads,
     use_split_tuning,
     use_stream_tuning,
 )
-from tigon.ops._common import next_power_of_2
-from tigon.ops.layer_norm import LayerNormTuning, backward_launch, forward_launch, layer_norm, layer_norm_reference
-from tigon.ops.rms_norm import MAX_FUSED_HIDDEN_BWD, MAX_FUSED_HIDDEN_FWD
+from tigon.ops._launch import next_power_of_2
+from tigon.ops.layer_norm import LayerNormConfig, backward_launch, forward_launch, layer_norm, layer_norm_reference
 
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)
 # Below this the fp64 reference is rounding noise around an exact zero (hidden == 1).
@@ -89,7 +91,7 @@ FUSED_CASES = {
 
 
 def use_fused_tuning(monkeypatch, **knobs):
-    monkeypatch.setattr(LN_MODULE, "TUNING", dataclasses.replace(LN_MODULE.TUNING, **knobs))
+    monkeypatch.setattr(LN_MODULE, "CONFIG", dataclasses.replace(LN_MODULE.CONFIG, **knobs))
 
 
 def check_layer_norm(x, weight, bias, dy, *, eps=1e-5):
@@ -329,8 +331,8 @@ def test_layer_norm_deterministic_gpu_many_rows(hidden):
 @pytest.mark.parametrize("knobs", GPU_STREAM_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_layer_norm_streamed_backward_gpu(monkeypatch, knobs):
     """Compiled for real (pipelined loads, two partial rows): right, and bitwise the same twice."""
-    tuning = dataclasses.replace(RMS_MODULE.BWD_TUNING, stream_l2_bytes=None, split_max_hidden=0, **knobs)
-    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    tuning = dataclasses.replace(RMS_MODULE.CONFIG.backward, split_max_hidden=0, **knobs)
+    set_tuning(monkeypatch, backward=tuning)
     check_right_and_deterministic(2048, 5 * 4096 - 93)
 
 
@@ -381,15 +383,15 @@ def test_layer_norm_fused_geometry(monkeypatch, case):
     """The shrunken tunings select the geometries FUSED_CASES says (and the forward's tiles too)."""
     rows, hidden, knobs, (block_m, bands, rows_per_band) = FUSED_CASES[case]
     use_fused_tuning(monkeypatch, **knobs)
-    cfg = backward_launch(rows, hidden, 4 * hidden, DEVICE)
+    cfg = backward_launch(rows, hidden, DEVICE)
     assert cfg.single_pass and cfg.split == 1
     assert cfg.block_m == block_m
     assert cfg.bands * cfg.rows_per_band >= rows > (cfg.bands - 1) * cfg.rows_per_band  # every row, no empty band
     if DEVICE.type != "cuda":  # the band split FUSED_CASES gives is for the interpreter's program count
         assert (cfg.bands, cfg.rows_per_band) == (bands, rows_per_band)
-    assert cfg.stages == LN_MODULE.TUNING.bwd_stages
+    assert cfg.stages == LN_MODULE.CONFIG.bwd_stages
     fwd = forward_launch(rows, hidden)
-    fwd_rows = LN_MODULE.TUNING.fwd_tile_elements // fwd.block_n
+    fwd_rows = LN_MODULE.CONFIG.fwd_tile_elements // fwd.block_n
     assert fwd.single_pass and fwd.block_m == max(1, min(fwd_rows, next_power_of_2(rows)))
 
 
@@ -434,11 +436,11 @@ def test_layer_norm_fused_knobs_deterministic(monkeypatch, case):
     (dict(fwd_tile_elements=1000), dict(reduce_cols=48), dict(bwd_stages=-1), dict(bwd_programs_per_sm=0)),
 )
 def test_layer_norm_tuning_rejects_bad_knobs(knobs):
-    with pytest.raises(ValueError, match="LayerNormTuning"):
-        LayerNormTuning(**knobs)
+    with pytest.raises(ValueError, match="LayerNormConfig"):
+        LayerNormConfig(**knobs)
 
 
-# What the fused sweep (scripts/tune_norm.py fused-ln) may pick, compiled for real.
+# What the fused sweep (dev/tune_norm.py fused-ln) may pick, compiled for real.
 GPU_FUSED_KNOBS = (
     dict(bwd_stages=0, bwd_paired_sums=True),
     dict(bwd_stages=1, bwd_paired_sums=False, bwd_programs_per_sm=1),

@@ -1,6 +1,6 @@
 """tigon.ops.rms_norm / add_rms_norm against the fp64 transformers-equivalent reference.
 
-Sizes sit on the kernel's regime boundaries (rms_norm.py's launch config): hidden 1 and 7 (tiles
+Sizes sit on the kernel's regime boundaries (rmsnorm.py's launch config): hidden 1 and 7 (tiles
 far wider than the row, many rows per program), 96 and 1000 (non-powers of two), 4096 (one tile,
 one row per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385
 (forward streamed too).
@@ -30,15 +30,12 @@ from tests.helpers import (
     stride0_like,
 )
 from tigon.ops import add_rms_norm, rms_norm
-from tigon.ops.rms_norm import (
-    MAX_FUSED_HIDDEN_BWD,
-    MAX_FUSED_HIDDEN_FWD,
-    add_rms_norm_reference,
-    rms_norm_reference,
-)
+from tigon.ops.rmsnorm import CONFIG, add_rms_norm_reference, rms_norm_reference
 
+MAX_FUSED_HIDDEN_FWD = CONFIG.forward.max_fused_hidden
+MAX_FUSED_HIDDEN_BWD = CONFIG.backward.max_fused_hidden
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)
-RMS_MODULE = importlib.import_module("tigon.ops.rms_norm")  # `tigon.ops.rms_norm` is also the function
+RMS_MODULE = importlib.import_module("tigon.ops.rmsnorm")
 STREAM_CHUNK = 16
 
 # (rows, hidden, stream knobs): under the interpreter there are 4·stream_programs_per_sm programs.
@@ -52,28 +49,41 @@ STREAM_CASES = {
 }
 
 
+def set_tuning(monkeypatch, *, forward=None, backward=None):
+    """Make the norms launch with these direction settings (RMSNormConfig fields) for the test."""
+    config = RMS_MODULE.CONFIG
+    monkeypatch.setattr(RMS_MODULE, "CONFIG", dataclasses.replace(
+        config, forward=forward or config.forward, backward=backward or config.backward,
+    ))
+
+
 def use_stream_tuning(monkeypatch, **knobs):
     """Make rows longer than 16 take the streamed backward, with the given ``stream_*`` knobs exact."""
     tuning = dataclasses.replace(
-        RMS_MODULE.BWD_TUNING, max_fused_hidden=STREAM_CHUNK, chunk=STREAM_CHUNK, stream_l2_bytes=None,
+        RMS_MODULE.CONFIG.backward, max_fused_hidden=STREAM_CHUNK, chunk=STREAM_CHUNK,
         split_max_hidden=0, **knobs,
     )
-    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    set_tuning(monkeypatch, backward=tuning)
 
 
 # Split rows under the interpreter: rows over 16 wide cut into 16-wide slices, one program each.
 # (rows, hidden): (1, 20) two parts; (7, 40) three (a masked fourth slot); (19, 50)
-# four, the last 2 wide.
+# four, the last 2 wide. The interpreter runs programs one after another, so a program never sees
+# a later partner's sums: the split-row kernels' RECOMPUTE_LATE branch (the only interpreter-only
+# code in the GPU kernels) recomputes them from the inputs, and exists so that these tests can run
+# the split-row path on a CPU; on a GPU the partners run at once and the branch is compiled out.
 SPLIT_CASES = {"1row-2parts": (1, 20), "7rows-3parts": (7, 40), "19rows-4parts": (19, 50)}
 
 
 def use_split_tuning(monkeypatch, **knobs):
     """Make rows of 17..64 take the split-row forward and backward (16-wide slices)."""
-    for name in ("FWD_TUNING", "BWD_TUNING"):
-        tuning = dataclasses.replace(
-            getattr(RMS_MODULE, name), max_fused_hidden=16, split_max_hidden=64, split_slice=16, split_warps=1, **knobs
+    forward, backward = (
+        dataclasses.replace(
+            tuning, max_fused_hidden=16, split_max_hidden=64, split_slice=16, split_warps=1, **knobs
         )
-        monkeypatch.setattr(RMS_MODULE, name, tuning)
+        for tuning in (RMS_MODULE.CONFIG.forward, RMS_MODULE.CONFIG.backward)
+    )
+    set_tuning(monkeypatch, forward=forward, backward=backward)
 
 
 def check_rms_norm(x, weight, dy, *, eps=1e-6, offset=0.0, casting="llama"):
@@ -334,7 +344,7 @@ def test_rms_norm_split_rows(monkeypatch, dtype, case):
     of each row finds no partner yet and recomputes their sums, the later parts find them published."""
     rows, hidden = SPLIT_CASES[case]
     use_split_tuning(monkeypatch)
-    cfg = RMS_MODULE.norm_backward_launch(rows, hidden, 4 * hidden, 1, torch.device(DEVICE))
+    cfg = RMS_MODULE.norm_backward_launch(rows, hidden, torch.device(DEVICE))
     assert cfg.single_pass and cfg.split == -(-hidden // 16) and cfg.parts_block >= cfg.split
     assert RMS_MODULE.forward_launch(rows, hidden)[1] == cfg.split
     x = randn(rows, hidden, dtype=dtype, requires_grad=True)
@@ -363,39 +373,33 @@ def test_add_rms_norm_split_rows(monkeypatch, case):
 def test_split_rows_need_every_program_at_once():
     """Programs wait for their partners: more than one program per multiprocessor is refused."""
     with pytest.raises(ValueError, match="split_programs_per_sm"):
-        dataclasses.replace(RMS_MODULE.BWD_TUNING, split_programs_per_sm=2.0)
+        dataclasses.replace(RMS_MODULE.CONFIG.backward, split_programs_per_sm=2.0)
 
 
 def test_norm_backward_launch_geometry(monkeypatch):
-    """The L2 budget picks the split first, then the rows per group; the grid covers every row."""
+    """The streamed grid takes stream_rows rows a group and stream_split programs a band, each capped
+    by what there is (rows, chunks, programs); the grid covers every row."""
     tuning = dataclasses.replace(
-        RMS_MODULE.BWD_TUNING, max_fused_hidden=1024, chunk=1024, stream_rows=4, stream_split=2,
+        RMS_MODULE.CONFIG.backward, max_fused_hidden=1024, chunk=1024, stream_rows=4, stream_split=2,
         stream_programs_per_sm=1.0, split_max_hidden=0,
     )
     cpu = torch.device("cpu")  # 4 programs under the interpreter
+    set_tuning(monkeypatch, backward=tuning)
 
-    def launch(budget, num_rows=1000, hidden=8192, partials=1):
-        monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", dataclasses.replace(tuning, stream_l2_bytes=budget))
-        cfg = RMS_MODULE.norm_backward_launch(num_rows, hidden, 4 * hidden, partials, cpu)
+    def launch(num_rows=1000, hidden=8192):
+        cfg = RMS_MODULE.norm_backward_launch(num_rows, hidden, cpu)
         assert not cfg.single_pass and cfg.block_n == 1024
         assert cfg.rows_per_band % cfg.block_m == 0
         assert (cfg.bands - 1) * cfg.rows_per_band < num_rows <= cfg.bands * cfg.rows_per_band
         assert cfg.programs == cfg.bands * cfg.split
         return cfg.block_m, cfg.split
 
-    row, partial = 4 * 8192, 4 * 8192
-    assert launch(None) == (4, 2)  # no budget: the maxima
-    assert launch(4 * (row + partial)) == (1, 1)  # 4 bands of one row fit, two rows do not
-    assert launch(4 * (2 * row + partial)) == (2, 1)
-    assert launch(2 * (row + partial)) == (1, 2)  # only 2 bands of one row fit: split
-    assert launch(2 * (2 * row + partial)) == (2, 2)  # split, then the rows grow to what fits
-    assert launch(1) == (1, 2)  # nothing fits: the most split, one row
-    assert launch(4 * (row + 2 * partial), partials=2) == (1, 1)  # LayerNorm's two partial rows
-    assert launch(None, num_rows=3) == (4, 2)  # a group holds at most the rows there are (padded to 4)
-    assert launch(None, num_rows=1) == (1, 2)
-    assert launch(None, hidden=1500) == (4, 2)  # two chunks: split 2 at most
-    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", dataclasses.replace(tuning, stream_split=8, stream_l2_bytes=None))
-    assert RMS_MODULE.norm_backward_launch(1000, 1500, 6000, 1, cpu).split == 2  # capped by the chunks
+    assert launch() == (4, 2)  # the maxima
+    assert launch(num_rows=3) == (4, 2)  # a group holds at most the rows there are (padded to 4)
+    assert launch(num_rows=1) == (1, 2)
+    assert launch(hidden=1500) == (4, 2)  # two chunks: split 2 at most
+    set_tuning(monkeypatch, backward=dataclasses.replace(tuning, stream_split=8))
+    assert RMS_MODULE.norm_backward_launch(1000, 1500, cpu).split == 2  # capped by the chunks
     with pytest.raises(ValueError, match="stream_rows must be a power of two"):
         dataclasses.replace(tuning, stream_rows=3)
     with pytest.raises(ValueError, match="stream_split"):
@@ -494,8 +498,8 @@ GPU_STREAM_KNOBS = (
 @pytest.mark.parametrize("knobs", GPU_STREAM_KNOBS, ids=lambda k: "-".join(str(v) for v in k.values()))
 @pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
 def test_rms_norm_streamed_backward_gpu(monkeypatch, knobs, fn):
-    tuning = dataclasses.replace(RMS_MODULE.BWD_TUNING, stream_l2_bytes=None, split_max_hidden=0, **knobs)
-    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    tuning = dataclasses.replace(RMS_MODULE.CONFIG.backward, split_max_hidden=0, **knobs)
+    set_tuning(monkeypatch, backward=tuning)
     rows, hidden = 2048, 5 * 4096 - 93  # several groups per band; the last chunk partly padding
     x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
     w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -524,15 +528,17 @@ GPU_SPLIT_KNOBS = (
 
 def split_grads(fn, inputs, grad_outputs, **knobs):
     """Gradients with rows split (split_max_hidden past any row), under the given knobs."""
-    saved = RMS_MODULE.BWD_TUNING
-    RMS_MODULE.BWD_TUNING = dataclasses.replace(saved, split_max_hidden=1 << 20, **knobs)
+    saved = RMS_MODULE.CONFIG
+    RMS_MODULE.CONFIG = dataclasses.replace(
+        saved, backward=dataclasses.replace(saved.backward, split_max_hidden=1 << 20, **knobs)
+    )
     try:
         outputs = fn()
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         grad_outputs = grad_outputs if isinstance(grad_outputs, tuple) else (grad_outputs,)
         return torch.autograd.grad(outputs, inputs, grad_outputs)
     finally:
-        RMS_MODULE.BWD_TUNING = saved
+        RMS_MODULE.CONFIG = saved
 
 
 @pytest.mark.gpu
@@ -581,8 +587,8 @@ def test_rms_norm_int64_offsets():
     assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
 
 
-# Fused-regime knobs (FWD_TUNING / BWD_TUNING tile_elements, elements_per_warp, max_warps) as
-# scripts/tune_norm.py's fused sweep moves them, shrunk to interpreter sizes: (rows, hidden, knobs).
+# Fused-regime knobs (CONFIG.forward / CONFIG.backward tile_elements, elements_per_warp, max_warps) as
+# dev/tune_norm.py's fused sweep moves them, shrunk to interpreter sizes: (rows, hidden, knobs).
 FUSED_CASES = {
     # 4 rows of 100 (128 lanes) a tile, 37 rows: bands of 12, 12, 12 and 1, the last tile 3/4 padding
     "rows4": (37, 100, dict(tile_elements=512, elements_per_warp=128, max_warps=2)),
@@ -596,8 +602,8 @@ FUSED_CASES = {
 @pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
 def test_rms_norm_fused_knobs(monkeypatch, dtype, case, fn):
     rows, hidden, knobs = FUSED_CASES[case]
-    for name in ("FWD_TUNING", "BWD_TUNING"):
-        monkeypatch.setattr(RMS_MODULE, name, dataclasses.replace(getattr(RMS_MODULE, name), **knobs))
+    set_tuning(monkeypatch, forward=dataclasses.replace(RMS_MODULE.CONFIG.forward, **knobs),
+               backward=dataclasses.replace(RMS_MODULE.CONFIG.backward, **knobs))
     x = noncontiguous(randn(rows, hidden, dtype=dtype, requires_grad=True))
     w = randn(hidden, dtype=dtype, requires_grad=True)
     dy = randn(rows, hidden, dtype=dtype)
@@ -623,8 +629,8 @@ def test_rms_norm_fused_knobs(monkeypatch, dtype, case, fn):
 @pytest.mark.parametrize("fn", ("rms_norm", "add_rms_norm"))
 def test_rms_norm_fused_programs_per_sm_gpu(monkeypatch, programs_per_sm, fn):
     """Fractional persistent grids (the fused sweep tries them): right, and bitwise the same twice."""
-    tuning = dataclasses.replace(RMS_MODULE.BWD_TUNING, programs_per_sm=programs_per_sm)
-    monkeypatch.setattr(RMS_MODULE, "BWD_TUNING", tuning)
+    tuning = dataclasses.replace(RMS_MODULE.CONFIG.backward, programs_per_sm=programs_per_sm)
+    set_tuning(monkeypatch, backward=tuning)
     rows, hidden = 9001, 896
     x = randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
     w = randn(hidden, dtype=torch.bfloat16, requires_grad=True)

@@ -21,11 +21,9 @@ from tests.helpers import (
     stride0_like,
 )
 from tigon.ops import rms_norm_add, rms_norm_add_rms_norm
-from tigon.ops.rms_norm_add import (
-    MAX_FUSED_HIDDEN,
-    rms_norm_add_reference,
-    rms_norm_add_rms_norm_reference,
-)
+from tigon.ops.rms_norm_add import CONFIG, rms_norm_add_reference, rms_norm_add_rms_norm_reference
+
+MAX_FUSED_HIDDEN = CONFIG.max_fused_hidden
 
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN + 1)
 NAMES = ("x", "residual", "weight", "next_weight")

@@ -16,6 +16,7 @@ part. cos/sin are random (not cat(freqs, freqs)), so the backward is checked in 
 not only as "rotate by -sin".
 """
 
+import dataclasses
 import importlib
 
 import pytest
@@ -31,13 +32,13 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops._common import next_power_of_2
+from tigon.ops._launch import next_power_of_2
 from tigon.ops.rope import rope, rope_reference
 
 rope_mod = importlib.import_module("tigon.ops.rope")  # the module: tigon.ops.rope, the attribute, is rope()
 
 TILINGS = ("head_block", "token")
-# TOKEN_TILE_ELEMENTS while the token tiling is forced: one position of the largest shape here
+# token_tile_elements while the token tiling is forced: one position of the largest shape here
 # (32 + 8 heads padded to 64, 2·64 dims each) fills it exactly.
 FORCED_TOKEN_TILE = 64 * 2 * 64
 
@@ -57,14 +58,14 @@ def qk_shape(batch, heads, seq_len, head_dim, unsqueeze_dim):
 
 @pytest.fixture(params=TILINGS)
 def tiling(request, monkeypatch):
-    """Force one tiling (see the module docstring); the uncached rope_launch reads the patched
-    constants on every call, and nothing leaks into other tests."""
-    monkeypatch.setattr(rope_mod, "rope_launch", rope_mod.rope_launch.__wrapped__)
+    """Force one tiling (see the module docstring) through the module's default config (the
+    launch geometry's cache keys on it), and nothing leaks into other tests."""
     if request.param == "head_block":
-        monkeypatch.setattr(rope_mod, "TOKEN_TILING_BELOW_BLOCK_H", 0)
+        forced = dataclasses.replace(rope_mod.CONFIG, token_tiling_below_block_h=0)
     else:
-        monkeypatch.setattr(rope_mod, "TOKEN_TILING_BELOW_BLOCK_H", rope_mod.MAX_BLOCK_H + 1)
-        monkeypatch.setattr(rope_mod, "TOKEN_TILE_ELEMENTS", FORCED_TOKEN_TILE)
+        forced = dataclasses.replace(rope_mod.CONFIG, token_tiling_below_block_h=rope_mod.CONFIG.max_block_h + 1,
+                                     token_tile_elements=FORCED_TOKEN_TILE)
+    monkeypatch.setattr(rope_mod, "CONFIG", forced)
     return request.param
 
 
@@ -226,16 +227,15 @@ def test_rope_mixed_dtypes_take_head_blocks():
     ],
     ids=str,
 )
-def test_rope_launch_rule(monkeypatch, heads, dims, same_dtypes, token):
-    """The choice between the tilings, at its boundaries, with the constants pinned (so that a retune
-    of the shipped ones does not move the cases)."""
-    for name, value in (
-        ("TILE_ELEMENTS", 2048), ("MAX_BLOCK_H", 16), ("TOKEN_TILING_BELOW_BLOCK_H", 4),
-        ("TOKEN_TILE_ELEMENTS", 2048), ("TOKEN_ELEMENTS_PER_WARP", 256), ("TOKEN_MAX_WARPS", 8),
-    ):
-        monkeypatch.setattr(rope_mod, name, value)
+def test_rope_launch_rule(heads, dims, same_dtypes, token):
+    """The choice between the tilings, at its boundaries, with the config pinned (so that a retune
+    of the shipped one does not move the cases)."""
+    pinned = rope_mod.RopeConfig(
+        tile_elements=2048, max_block_h=16, token_tiling_below_block_h=4, token_tile_elements=2048,
+        token_elements_per_warp=256, token_max_warps=8,
+    )
     (hq, hk), (head_dim, rot_dim) = heads, dims
-    cfg = rope_mod.rope_launch.__wrapped__(2048, hq, hk, rot_dim, head_dim, same_dtypes)
+    cfg = rope_mod.rope_launch(2048, hq, hk, rot_dim, head_dim, same_dtypes, config=pinned)
     assert cfg.token_tiling == token
     row = 2 * cfg.block_half + (cfg.block_pass if cfg.has_pass else 0)
     if token:
@@ -249,10 +249,10 @@ def test_rope_launch_shipped():
     """With the shipped constants, the benchmark's Qwen2.5-0.5B (14 / 2 heads of 64, where the
     head-block tiling reached 77% of SOL on the H100) takes the token tiling, and Llama-3-8B (32 / 8
     heads of 128, 92% with head blocks) keeps the head-block tiling. Update together with the
-    constants when scripts/tune_rope.py says otherwise."""
-    qwen = rope_mod.rope_launch.__wrapped__(2048, 14, 2, 64, 64, True)
+    config when dev/tune_rope.py says otherwise."""
+    qwen = rope_mod.rope_launch(2048, 14, 2, 64, 64, True)
     assert qwen.token_tiling and qwen.block_h == 16
-    llama = rope_mod.rope_launch.__wrapped__(2048, 32, 8, 128, 128, True)
+    llama = rope_mod.rope_launch(2048, 32, 8, 128, 128, True)
     assert not llama.token_tiling and llama.block_h == 8
 
 

@@ -43,6 +43,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tigon
 from tests.patching.tiny import tiny_model
+from tigon._interpreter import apply_interpreter_fixes
+
+apply_interpreter_fixes()  # the parent sets TRITON_INTERPRET=1 on a machine without CUDA
 
 STEPS = 3
 LR = 0.1

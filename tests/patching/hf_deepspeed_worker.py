@@ -20,6 +20,9 @@ import transformers
 
 import tigon
 from tests.patching.tiny import PromptMaskedSamples, tiny_model
+from tigon._interpreter import apply_interpreter_fixes
+
+apply_interpreter_fixes()  # the parent sets TRITON_INTERPRET=1 on a machine without CUDA
 
 STEPS = 3
 ZERO3 = {

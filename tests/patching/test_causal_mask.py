@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import tigon
 from tests.helpers import DEVICE
 from tests.patching.tiny import SEQ, VOCAB, tiny_config, tiny_model
-from tigon.demo import build_model
+from tigon.bench.models import build_model
 from tigon.patching import causal_mask
 
 

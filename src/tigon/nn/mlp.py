@@ -27,11 +27,11 @@ of its own would read gate and up a second time as well (3·M·I·b).
 Autocast: as ``nn.Linear`` under ``torch.autocast``, x and the biases are cast to the autocast dtype
 before the node (the casts stay in the graph), and inside it autocast finds every operand in its
 dtype already (it casts nothing there). The weights are cast inside the node (all of them by one
-launch: :func:`tigon.ops._common.cast_all`), and cast again in the backward rather than saved:
+launch: :func:`tigon.ops._matmul.cast_all`), and cast again in the backward rather than saved:
 autocast's ``nn.Linear`` keeps a bf16 copy of every weight from the forward to the backward (2 bytes
 per MLP parameter: 1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves
 are there anyway. The weight gradients are the bf16 products in the weights' dtype
-(:func:`tigon.ops._common.matmul_to`): on the CPU the bf16 product cast, as autocast's cast returns
+(:func:`tigon.ops._matmul.matmul_to`): on the CPU the bf16 product cast, as autocast's cast returns
 it (bitwise the same); on the GPU the matmul's fp32 accumulator written as it is (no cast kernel, and
 no rounding to bf16 on the way).
 
@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.ops._common import FLOAT_DTYPES, cast_all, check_tensor, matmul_to
+from tigon.ops._common import FLOAT_DTYPES, check_tensor
+from tigon.ops._matmul import cast_all, matmul_to
 from tigon.ops.glu import ACTIVATIONS, GLU, activation_reference, gelu_activation_name, glu, glu_backward_into
 
 

@@ -4,6 +4,9 @@ Import this only after deciding on the interpreter: without a GPU, set ``TRITON_
 before the first import, since Triton reads it when the kernels below are defined.
 """
 
+import sys
+
+from tigon.ops._common import deprecated_module_alias as _deprecated_module_alias
 from tigon.ops.cross_entropy import cross_entropy
 from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from tigon.ops.fused_linear_jsd import fused_linear_jsd
@@ -12,10 +15,16 @@ from tigon.ops.glu import geglu, swiglu
 from tigon.ops.jsd import jsd
 from tigon.ops.kl_div import kl_div
 from tigon.ops.layer_norm import layer_norm
-from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
+from tigon.ops.rmsnorm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 from tigon.ops.tvd import tvd
+
+# ``tigon.ops.rms_norm`` is the function (the module is ``tigon.ops.rmsnorm``). Code that still
+# imports from the module's former name, ``from tigon.ops.rms_norm import add_rms_norm``, gets the
+# module with a DeprecationWarning; the alias lives in sys.modules only, so the attribute stays the
+# function whatever is imported first.
+sys.modules.setdefault(__name__ + ".rms_norm", _deprecated_module_alias(__name__ + ".rms_norm", "tigon.ops.rmsnorm"))
 
 __all__ = [
     "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd",

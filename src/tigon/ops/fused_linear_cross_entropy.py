@@ -20,7 +20,7 @@ Two chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   Summing k bf16 partials drifts: measured relative error of dW against fp64 with random data is
   1.7e-3 for k = 1, 3.5e-3 for k = 8, 4.7e-3 for k = 16, 6.5e-3 for k = 32 (the final rounding
   alone gives 1.7e-3). So by-tokens is used only when the chunk allowed by the memory budget gives
-  k ≤ MAX_TOKEN_CHUNKS (12, ≈ 4.2e-3 < the 5e-3 target).
+  k ≤ max_token_chunks (12, ≈ 4.2e-3 < the 5e-3 target).
 * by classes (all N tokens × Vc classes at a time): pass 1 makes every chunk once for the row
   statistics (lse), pass 2 makes each again (the last one is still there) and writes dL, then
   dW[chunk] = dLᵀ·X in one matmul over all tokens (one rounding) and dX += dL·W[chunk] in fp32.
@@ -29,8 +29,9 @@ Two chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   makes the gradients small, hence the memory budget and C small (H = 896, V = 151936: C ≈ 280).
 
 Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized to
-WORKSPACE_FRACTION of the gradient bytes (at least MIN_WORKSPACE_BYTES), plus fp32 per-token
-state and, by classes, an fp32 dX accumulator (dX in its own dtype is made from it after the
+``workspace_fraction`` of the gradient bytes (at least ``min_workspace_bytes``; both in
+:class:`FusedLinearCrossEntropyConfig`), plus fp32 per-token state and, by classes, an fp32 dX
+accumulator (dX in its own dtype is made from it after the
 chunk buffer is freed, so the accumulator takes its place in the budget). At N = 8192 in bf16:
 H = 4096, V = 128256 → 7 token chunks of 1280, peak ≈ 1.12 GB of gradients + 0.33 GB; H = 2304,
 V = 256000 → 11 token chunks of 768, peak ≈ 1.32× the 1.22 GB of gradients; H = 896, V = 151936 →
@@ -49,15 +50,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon.ops._common import check_tensor, matmul_accumulate
+from tigon.ops._common import check_tensor
+from tigon.ops._loss_grad import RangeCheck, apply_grad_output
+from tigon.ops._matmul import matmul_accumulate
+from tigon.ops._softmax_rows import REDUCTION_SCALES
+from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 from tigon.ops.cross_entropy import (
-    CHUNK_GRAD,
-    CHUNK_STATS,
     CROSS_ENTROPY_FWD,
     CROSS_ENTROPY_FWD_INPLACE,
-    REDUCTION_SCALES,
-    RangeCheck,
-    apply_grad_output,
     check_loss_options,
     check_target,
     cross_entropy_reference,
@@ -65,31 +65,33 @@ from tigon.ops.cross_entropy import (
 
 # -------------------------------------------------------------------------------------- chunk planning
 
-# One chunk of logits may take this fraction of the bytes of the gradients the op returns (the
-# issue's budget is a peak of 1.35× the gradients; the rest covers per-token state and rounding).
-# 0.3 before the sixteenth session; 0.33 lets the aligned chunks below in (see TOKEN_ALIGN).
-WORKSPACE_FRACTION = 0.33
-# Below this, chunks are never made smaller: small problems run as one chunk.
-MIN_WORKSPACE_BYTES = 64 << 20
-# By tokens, dW is a sum of this many partials at most in the weight's dtype (accuracy, see above).
-MAX_TOKEN_CHUNKS = 12
-# By tokens with an fp32 dW, each chunk's dW matmul reads and writes all of dW (8·V·H bytes) for
-# 2·C·V·H flops, C/4 flops per byte: at C ≥ 512 tokens that is ≥ 128 flops per byte.
-MIN_FP32_TOKEN_CHUNK = 512
-# ... and the H100's matmul needs ~300 flops per byte (990 Tflop/s over 3.35 TB/s) not to wait on
-# that read and write: with an fp32 dW, token chunks get at least this many tokens (when there are
-# as many) even past the workspace budget, C·V·2 bytes of logits (1 GB at V = 256000). Measured in
-# the e2e profiles before: Qwen2.5-0.5B's 16 chunks of 512 tokens spent 9.5 ms in dW matmuls whose
-# flops take 3.2, Gemma-2-2B's 4 chunks of 1024 tokens 2.7 ms per accumulating chunk against 1.6 ms.
-FP32_TOKEN_CHUNK = 2048
-# Chunk sizes are multiples of these (whole matmul tiles; column blocks of the CE kernel). Sixteenth
-# session, H100, harness GPU time of forward + backward with the plan forced, three alternating rounds
-# (benchmarks/results/tune_flce_plan-*-sixteenth.log): at Gemma-2-2B's head 768-token chunks took
-# 50.2 ms against 51.2 for the 704 that an alignment of 64 gave (and 51.2 / 53.3 for 640 / 576); at
-# Qwen2.5-0.5B's, class chunks of 4608 took 16.09 ms against 17.01 for 4352 (4096: 16.31, 5120:
-# 16.16). Chunks of whole 256-row and 512-column blocks divide evenly into cuBLAS's tiles.
-TOKEN_ALIGN = 256
-CLASS_ALIGN = 512
+
+@dataclass(frozen=True)
+class FusedLinearCrossEntropyConfig:
+    """How the logits are cut into chunks (docs/tuning.md, "fused_linear_cross_entropy"). The
+    vocabulary-chunk kernels' own block sizes and warps are ``_vocab_chunks.VocabChunkConfig``."""
+
+    # One chunk of logits may take this fraction of the bytes of the gradients the op returns (a
+    # peak of 1.35× the gradients is the budget; the rest covers per-token state and rounding).
+    workspace_fraction: float = 0.33
+    # Below this, chunks are never made smaller: small problems run as one chunk.
+    min_workspace_bytes: int = 64 << 20
+    # By tokens, dW is a sum of this many partials at most in the weight's dtype (accuracy).
+    max_token_chunks: int = 12
+    # By tokens with an fp32 dW, each chunk's dW matmul reads and writes all of dW (8·V·H bytes) for
+    # 2·C·V·H flops, C/4 flops per byte: at C ≥ 512 tokens that is ≥ 128 flops per byte.
+    min_fp32_token_chunk: int = 512
+    # ... and the H100's matmul needs ~300 flops per byte (990 Tflop/s over 3.35 TB/s) not to wait
+    # on that read and write: with an fp32 dW, token chunks get at least this many tokens (when
+    # there are as many) even past the workspace budget, C·V·2 bytes of logits (1 GB at V = 256000).
+    fp32_token_chunk: int = 2048
+    # Chunk sizes are multiples of these: whole 256-row and 512-column blocks divide evenly into
+    # cuBLAS's tiles (and the chunk kernels' column blocks).
+    token_align: int = 256
+    class_align: int = 512
+
+
+CONFIG = FusedLinearCrossEntropyConfig()
 # By classes: bytes per token·hidden of the fp32 dX accumulator.
 DX_ACCUMULATOR_BYTES = 4
 
@@ -104,37 +106,38 @@ class ChunkPlan:
 
 def chunk_plan(
     num_tokens: int, vocab: int, hidden: int, elem_size: int, *, dx_size: int | None = None,
-    dw_size: int | None = None,
+    dw_size: int | None = None, config: FusedLinearCrossEntropyConfig | None = None,
 ) -> ChunkPlan:
     """Chunking for N tokens, V classes, H hidden, logits of ``elem_size`` bytes (see module docs).
 
     ``dx_size`` and ``dw_size`` are the element sizes of the gradients returned for the input and
     the weight (default: ``elem_size``). An fp32 weight gradient (the fp32 master weight of mixed
-    precision) is summed over token chunks in fp32, so the MAX_TOKEN_CHUNKS accuracy limit does not
-    apply to it; its chunks get FP32_TOKEN_CHUNK tokens at least, past the workspace budget if need
+    precision) is summed over token chunks in fp32, so the max_token_chunks accuracy limit does not
+    apply to it; its chunks get fp32_token_chunk tokens at least, past the workspace budget if need
     be, so that the dW matmul (K = the chunk's tokens) is bound by its flops rather than by the read
     and write of the fp32 dW.
     """
+    config = config or CONFIG
     dx_size = elem_size if dx_size is None else dx_size
     dw_size = elem_size if dw_size is None else dw_size
     gradient_bytes = num_tokens * hidden * dx_size + vocab * hidden * dw_size
-    workspace = max(WORKSPACE_FRACTION * gradient_bytes, MIN_WORKSPACE_BYTES)
+    workspace = max(config.workspace_fraction * gradient_bytes, config.min_workspace_bytes)
     tokens_fit = int(workspace // (vocab * elem_size))
     if dw_size >= 4:
-        tokens_fit = max(tokens_fit, FP32_TOKEN_CHUNK)
+        tokens_fit = max(tokens_fit, config.fp32_token_chunk)
     if tokens_fit >= num_tokens:
         return ChunkPlan(True, max(num_tokens, 1))
-    tokens_fit = tokens_fit // TOKEN_ALIGN * TOKEN_ALIGN
+    tokens_fit = tokens_fit // config.token_align * config.token_align
     chunks = -(-num_tokens // tokens_fit) if tokens_fit > 0 else None
-    fp32_sum = dw_size >= 4 and tokens_fit >= MIN_FP32_TOKEN_CHUNK
-    if chunks is not None and (fp32_sum or chunks <= MAX_TOKEN_CHUNKS):
+    fp32_sum = dw_size >= 4 and tokens_fit >= config.min_fp32_token_chunk
+    if chunks is not None and (fp32_sum or chunks <= config.max_token_chunks):
         size = -(-num_tokens // chunks)
-        return ChunkPlan(True, min(tokens_fit, -(-size // TOKEN_ALIGN) * TOKEN_ALIGN))
+        return ChunkPlan(True, min(tokens_fit, -(-size // config.token_align) * config.token_align))
     # By classes, dX in its own dtype is made from the fp32 accumulator only after the last chunk
     # (the chunk buffer is freed first), so while chunks are made the accumulator stands in for it.
     accumulator = num_tokens * hidden * (DX_ACCUMULATOR_BYTES - dx_size)
     classes_fit = int((workspace - accumulator) // (num_tokens * elem_size))
-    return ChunkPlan(False, min(vocab, max(CLASS_ALIGN, classes_fit // CLASS_ALIGN * CLASS_ALIGN)))
+    return ChunkPlan(False, min(vocab, max(config.class_align, classes_fit // config.class_align * config.class_align)))
 
 
 # ------------------------------------------------------------------------------------ chunked passes

@@ -22,7 +22,7 @@ factor, 1 usually, are skipped on the GPU). Peak extra memory:
 two ``[C, V]`` blocks, ``∂x_s`` and ``∂W_s``. ``∂W_s`` is accumulated over chunks in the weight's
 dtype by ``addmm`` (fp32 accumulation inside each matmul, one rounding per chunk).
 
-The row kernel streams each row three times in ``BLOCK_V`` chunks: (1) the two log-sum-exps (an
+The row kernel streams each row three times in ``block_v`` chunks: (1) the two log-sum-exps (an
 online max/sum per chunk), (2) the row loss and ``Σ_v g``, (3) ``∂z_s``. Ignored rows skip (1)-(2)
 and get a zero gradient.
 
@@ -39,13 +39,15 @@ Reference: :func:`fused_linear_jsd_reference` (matmuls, ``log_softmax`` in fp32,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, cdiv, check_tensor, next_power_of_2, wrap_triton
-from tigon.ops.cross_entropy import apply_grad_output
+from tigon.ops._common import as_fp32, check_tensor
+from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
+from tigon.ops._loss_grad import apply_grad_output
 from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -126,17 +128,25 @@ def fused_linear_jsd_row_kernel(
 
 # -------------------------------------------------------------------------------------- launch config
 
-# Logit elements per [C, V] block (each of student and teacher): 2**27 is 256 MiB in bf16, about a
-# thousand tokens at V = 128K. Bigger chunks mean fewer passes of ∂W_s through addmm (each reads and
-# writes V·H) and longer matmuls; smaller ones, less memory.
-LOGITS_CHUNK_ELEMENTS = 2**27
-BLOCK_V = 4096
-ROW_WARPS = 8
+@dataclass(frozen=True)
+class FusedLinearJSDConfig:
+    """Chunking and the row kernel's launch settings (docs/tuning.md)."""
+
+    # Logit elements per [C, V] block (each of student and teacher): 2**27 is 256 MiB in bf16, about
+    # a thousand tokens at V = 128K. Bigger chunks mean fewer passes of ∂W_s through addmm (each
+    # reads and writes V·H) and longer matmuls; smaller ones, less memory.
+    logits_chunk_elements: int = 2**27
+    # The row kernel streams each row in blocks of block_v over row_warps warps.
+    block_v: int = 4096
+    row_warps: int = 8
+
+
+CONFIG = FusedLinearJSDConfig()
 
 
 def chunk_rows(num_rows: int, vocab: int) -> int:
     """Rows per chunk: as many as the budget allows, split evenly (no small tail chunk)."""
-    most = max(1, LOGITS_CHUNK_ELEMENTS // max(vocab, 1))
+    most = max(1, CONFIG.logits_chunk_elements // max(vocab, 1))
     chunks = max(cdiv(num_rows, most), 1)
     return max(cdiv(num_rows, chunks), 1)
 
@@ -162,9 +172,9 @@ def _jsd_rows_impl(
             labels if labels is not None else loss,
             scale, loss,
             vocab, inv_temperature, beta, ignore_index,
-            BLOCK_V=min(BLOCK_V, next_power_of_2(vocab)), BETA_MODE=beta_mode(beta),
+            BLOCK_V=min(CONFIG.block_v, next_power_of_2(vocab)), BETA_MODE=beta_mode(beta),
             HAS_LABELS=labels is not None,
-            num_warps=ROW_WARPS,
+            num_warps=CONFIG.row_warps,
         )
     return loss
 

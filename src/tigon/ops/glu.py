@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_rows, cache_by_size, cdiv, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import as_rows, check_tensor
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 
 # The activations the kernel knows, by the name the torch op takes.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -161,19 +162,23 @@ def glu_bwd_kernel(
 
 # -------------------------------------------------------------------------------------- launch config
 
-# Elements per program. 4096 bf16 values are 8 KB per operand; with 16 warps that is 8 values per
-# thread, one 16-byte vector access per operand, and at most 5 operands live: few registers, so
-# many programs stay resident per SM and the loads of one cover the stores of another.
-# scripts/tune_glu.py on the H100 (fifth session, benchmarks/results/tune_glu-*.log), SwiGLU forward +
-# backward at the four benchmark shapes against torch.compile in the same process: 16 warps a tile
-# (256 elements a warp) 0.9978x compile's time (geometric mean; faster at all four, by 0.1-0.3%),
-# against 1.0045x with the 8 warps before (512 elements a warp). All settings are within 1% of each
-# other and of the copy-bandwidth speed of light.
-TILE_ELEMENTS = 4096
-ELEMENTS_PER_WARP = 256
-MAX_WARPS = 16
-# Strided layouts: the widest column block; shorter rows get several rows per program instead.
-MAX_BLOCK_N = 1024
+@dataclass(frozen=True)
+class GluConfig:
+    """Tile geometry settings, forward and backward (docs/tuning.md, "glu"; dev/tune_glu.py).
+
+    A tile of tile_elements (4096 bf16 values: 8 KB per operand; over 16 warps, 8 values a thread,
+    one 16-byte vector access per operand, at most 5 operands live): few registers, so many
+    programs stay resident per SM and the loads of one cover the stores of another.
+    """
+
+    tile_elements: int = 4096
+    elements_per_warp: int = 256
+    max_warps: int = 16
+    # Strided layouts: the widest column block; shorter rows get several rows per program instead.
+    max_block_n: int = 1024
+
+
+CONFIG = GluConfig()
 
 
 @dataclass(frozen=True)
@@ -188,17 +193,22 @@ class GluLaunch:
     num_warps: int
 
 
+def glu_launch(num_rows: int, num_cols: int, *, flat: bool, config: GluConfig | None = None) -> GluLaunch:
+    """The tiles for (num_rows, num_cols) operands: flat (contiguous) or by rows and column blocks."""
+    return _glu_launch(num_rows, num_cols, flat, config or CONFIG)
+
+
 @cache_by_size
-def glu_launch(num_rows: int, num_cols: int, *, flat: bool) -> GluLaunch:
+def _glu_launch(num_rows, num_cols, flat, config) -> GluLaunch:
     if flat:
         num_elements = num_rows * num_cols
-        block_n = min(TILE_ELEMENTS, next_power_of_2(num_elements))
+        block_n = min(config.tile_elements, next_power_of_2(num_elements))
         return GluLaunch(True, 1, block_n, 1, cdiv(num_elements, block_n),
-                         max(1, min(block_n // ELEMENTS_PER_WARP, MAX_WARPS)))
-    block_n = min(next_power_of_2(num_cols), MAX_BLOCK_N)
-    block_m = max(1, min(TILE_ELEMENTS // block_n, next_power_of_2(num_rows)))
+                         max(1, min(block_n // config.elements_per_warp, config.max_warps)))
+    block_n = min(next_power_of_2(num_cols), config.max_block_n)
+    block_m = max(1, min(config.tile_elements // block_n, next_power_of_2(num_rows)))
     col_blocks = cdiv(num_cols, block_n)
-    num_warps = max(1, min(block_m * block_n // ELEMENTS_PER_WARP, MAX_WARPS))
+    num_warps = max(1, min(block_m * block_n // config.elements_per_warp, config.max_warps))
     num_programs = cdiv(num_rows, block_m) * col_blocks
     return GluLaunch(False, block_m, block_n, col_blocks, num_programs, num_warps)
 

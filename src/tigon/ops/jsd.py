@@ -25,7 +25,7 @@ formula), per element, before the 1/rows scale::
     β = 1       ∂/∂s = P_s·(s − t + 1)
 
 No row reduction is needed, so the backward is one elementwise pass, like the forward; both tile
-the ``(rows, V)`` views with the KL kernels' :func:`tile_launch`, read any strides in place, and sum
+the ``(rows, V)`` views with the KL kernels' :func:`tile_launch` (``_tiles``), read any strides in place, and sum
 the loss per tile into fp32 partials added up in a fixed order (deterministic). The loss is fp32.
 
 :func:`_jsd_terms` (the per-element loss and gradient) is shared with ``fused_linear_jsd``.
@@ -46,8 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, check_tensor, wrap_triton
-from tigon.ops.kl_div import _tile, tile_launch
+from tigon.ops._common import as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, wrap_triton
+from tigon.ops._tiles import tile_indices, tile_launch
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -121,7 +122,7 @@ def jsd_fwd_kernel(
 ):
     beta = as_fp32(beta)
     pid = tl.program_id(0)
-    rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
+    rows, cols = tile_indices(pid, col_tiles, BLOCK_M, BLOCK_N)
     s, t, _mask = _load_log_probs(
         student_ptr, student_row_stride, student_col_stride,
         teacher_ptr, teacher_row_stride, teacher_col_stride,
@@ -143,7 +144,7 @@ def jsd_bwd_kernel(
 ):
     beta = as_fp32(beta)
     pid = tl.program_id(0)
-    rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
+    rows, cols = tile_indices(pid, col_tiles, BLOCK_M, BLOCK_N)
     s, t, mask = _load_log_probs(
         student_ptr, student_row_stride, student_col_stride,
         teacher_ptr, teacher_row_stride, teacher_col_stride,

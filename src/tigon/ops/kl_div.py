@@ -32,40 +32,23 @@ Bytes (speed of light), E elements, element size b::
 
 Reference: :func:`kl_div_reference` (``torch.nn.functional.kl_div`` in fp32 or fp64).
 
-The tile launch (:class:`TileLaunch`, :func:`tile_launch`) also serves the JSD kernels.
+The tiles (``_tiles``: :func:`tile_launch`, :class:`TileConfig`) are shared with the JSD kernels.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_fp32, as_rows, cdiv, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, wrap_triton
+from tigon.ops._tiles import load_tile, tile_indices, tile_launch
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
 # --------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _tile(pid, col_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row and column indices (int64) of program ``pid``'s tile on the 1-D grid, row-major."""
-    pid_m = (pid // col_tiles).to(tl.int64)
-    pid_n = (pid % col_tiles).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rows, cols
-
-
-@triton.jit
-def _load_tile(ptr, row_stride, col_stride, rows, cols, mask):
-    """A [BLOCK_M, BLOCK_N] tile of a strided (rows, cols) view, upcast to fp32 at once (0 outside)."""
-    tile = tl.load(ptr + rows[:, None] * row_stride + cols[None, :] * col_stride, mask=mask, other=0.0)
-    return tile.to(tl.float32)
 
 
 @triton.jit
@@ -77,10 +60,10 @@ def kl_div_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_TARGET: tl.constexpr, REDUCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
+    rows, cols = tile_indices(pid, col_tiles, BLOCK_M, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-    x = _load_tile(input_ptr, input_row_stride, input_col_stride, rows, cols, mask)
-    t = _load_tile(target_ptr, target_row_stride, target_col_stride, rows, cols, mask)
+    x = load_tile(input_ptr, input_row_stride, input_col_stride, rows, cols, mask)
+    t = load_tile(target_ptr, target_row_stride, target_col_stride, rows, cols, mask)
     if LOG_TARGET:
         loss = tl.exp(t) * (t - x)
     else:
@@ -106,53 +89,24 @@ def kl_div_bwd_kernel(
 ):
     grad_scale = as_fp32(grad_scale)
     pid = tl.program_id(0)
-    rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
+    rows, cols = tile_indices(pid, col_tiles, BLOCK_M, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     if REDUCED:
         grad = tl.load(grad_ptr).to(tl.float32) * grad_scale
     else:
-        grad = _load_tile(grad_ptr, grad_row_stride, grad_col_stride, rows, cols, mask)
-    t = _load_tile(target_ptr, target_row_stride, target_col_stride, rows, cols, mask)
+        grad = load_tile(grad_ptr, grad_row_stride, grad_col_stride, rows, cols, mask)
+    t = load_tile(target_ptr, target_row_stride, target_col_stride, rows, cols, mask)
     p = tl.exp(t) if LOG_TARGET else t
     out_offsets = rows[:, None] * num_cols + cols[None, :]
     if INPUT_GRAD:
         tl.store(dinput_ptr + out_offsets, (-p * grad).to(dinput_ptr.dtype.element_ty), mask=mask)
     if TARGET_GRAD:
-        x = _load_tile(input_ptr, input_row_stride, input_col_stride, rows, cols, mask)
+        x = load_tile(input_ptr, input_row_stride, input_col_stride, rows, cols, mask)
         if LOG_TARGET:
             dtarget = p * (t - x + 1.0) * grad
         else:
             dtarget = (tl.log(t) + 1.0 - x) * grad
         tl.store(dtarget_ptr + out_offsets, dtarget.to(dtarget_ptr.dtype.element_ty), mask=mask)
-
-
-# -------------------------------------------------------------------------------------- launch config
-
-# Elements one program's tile aims at: 16 (fp32) to 32 (bf16) bytes per thread per input at 8 warps,
-# enough loads in flight per thread to stream at full bandwidth without spilling.
-TILE_ELEMENTS = 8192
-ELEMENTS_PER_WARP = 1024
-MAX_WARPS = 8
-
-
-@dataclass(frozen=True)
-class TileLaunch:
-    """Tiling of a (rows, cols) view by elementwise-with-reduction kernels (KL, JSD), 1-D grid."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    col_tiles: int
-    programs: int
-
-
-def tile_launch(num_rows: int, num_cols: int) -> TileLaunch:
-    """A row segment of up to TILE_ELEMENTS, and several short rows per tile when rows are short."""
-    block_n = min(next_power_of_2(num_cols), TILE_ELEMENTS)
-    block_m = max(1, min(TILE_ELEMENTS // block_n, next_power_of_2(num_rows)))
-    num_warps = max(1, min(block_m * block_n // ELEMENTS_PER_WARP, MAX_WARPS))
-    col_tiles = cdiv(num_cols, block_n)
-    return TileLaunch(block_m, block_n, num_warps, col_tiles, cdiv(num_rows, block_m) * col_tiles)
 
 
 # ------------------------------------------------------------------------------------------ launchers

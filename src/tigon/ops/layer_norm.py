@@ -26,29 +26,20 @@ the identity::
 Only ``x``, ``mean`` and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` and ``db`` are reduced
 without atomics: the persistent backward grid cuts the rows into fixed bands, each band accumulates
 its own fp32 partial rows (always in the same order), and one small kernel sums the partials in a
-fixed order and rounds them (rms_norm.py's :func:`partial_rows_sum_kernel`), so the same input gives bitwise
-the same gradients on every run.
+fixed order and rounds them (_norm_rows.py's :func:`partial_rows_sum_kernel`), so the same input
+gives bitwise the same gradients on every run.
 
-Short rows. Where a row is held in registers (N up to ``BWD_TUNING.max_fused_hidden``) a backward
-tile of BLOCK_M rows costs, besides its loads and stores, every reduction that crosses warps: a
-row of 1024 bf16 elements spans 4 warps, and each such sum is a round trip through shared memory
-with barriers. The first design did four per tile (c1, c2, and a column sum for dw and one for db
-over the tile's rows) with one tile of loads in flight and 2 programs per SM (16 warps per SM, as
-its registers allow); LayerNorm reached 44% of SOL at N = 1024 where RMSNorm, with two per tile,
-reached 70% (H100, fwd+bwd), which points at those round trips rather than at memory. Now dw and
-db are added lane by lane into [BLOCK_M, BLOCK_N] fp32 registers and reduced over the rows once per
-band, c1 and c2 may share one reduction, and how the next tile's loads are kept in flight is a knob
-(registers, or Triton's pipeliner through shared memory). Measured on the H100 (kernel times by
-CUDA-graph replay, scripts/tune_norm.py fused-ln), this design's backward with the tuned knobs:
-0.0407 ms at 16384 x 896, 0.1485 at 65536 x 1024, 0.1498 at 16384 x 4096 (0.0612, 0.1863, 0.1841
-with its first knobs). The first design was not timed the same way, and the harness's fwd+bwd
-table has not been re-run since. ``TUNING``
-(:class:`LayerNormTuning`) holds every knob of this regime, forward and backward; scripts/tune_norm.py
-``fused-ln`` sweeps them. Longer rows take RMSNorm's geometry (:func:`norm_launch`,
-:func:`norm_backward_launch`, rms_norm.py's docstring): in the backward, split rows up to 65536 (each
-program a slice, c1 and c2 swapped between the slices' programs: 0.229 / 0.287 / 0.329 ms streamed
-to 0.171 / 0.189 / 0.246 at 16384 / 32768 / 65536 on the H100), streamed beyond; the forward
-streams past 32768 with Chan's merge.
+Short rows. Where a row is held in registers (N up to RMSNorm's ``CONFIG.backward.max_fused_hidden``)
+a backward tile of BLOCK_M rows costs, besides its loads and stores, every reduction that crosses
+warps: a row of 1024 bf16 elements spans 4 warps, and each such sum is a round trip through shared
+memory with barriers. So dw and db are added lane by lane into [BLOCK_M, BLOCK_N] fp32 registers and
+reduced over the rows once per band, c1 and c2 may share one reduction, and how the next tile's
+loads are kept in flight is a setting (registers, or Triton's pipeliner through shared memory).
+:class:`LayerNormConfig` holds every setting of this regime, forward and backward (dev/tune_norm.py
+``fused-ln`` sweeps them; docs/tuning.md says why the defaults). Longer rows take RMSNorm's
+geometry (:func:`norm_launch`, :func:`norm_backward_launch`, rmsnorm.py's docstring): in the
+backward, split rows up to 65536 (each program a slice, c1 and c2 swapped between the slices'
+programs), streamed beyond; the forward streams past 32768 with Chan's merge.
 
 Output dtype. ``torch.nn.functional.layer_norm`` on CUDA requires weight and bias in x's dtype
 (fp32 weights with bf16 x raise "expected scalar type"); under ``torch.autocast`` it runs in fp32
@@ -76,18 +67,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import (
-    TigonOp,
-    as_fp32,
-    as_rows,
-    cache_by_size,
-    cdiv,
-    check_tensor,
-    next_power_of_2,
-    persistent_programs,
-    wrap_triton,
-)
-from tigon.ops.rms_norm import (
+from tigon.ops._common import as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, persistent_programs, wrap_triton
+from tigon.ops._norm_rows import (
     NormBackwardLaunch,
     NormLaunch,
     accumulate_partial,
@@ -96,14 +78,13 @@ from tigon.ops.rms_norm import (
     grad_tile,
     lacking_part,
     load_grad_rows,
-    norm_backward_launch,
-    norm_launch,
     part_chunks,
     publish_part_sums,
     read_row_sums,
     split_rows_scratch,
     sum_partial_rows,
 )
+from tigon.ops.rmsnorm import norm_backward_launch, norm_launch
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -440,11 +421,12 @@ def layer_norm_bwd_kernel(
 
 
 @dataclass(frozen=True)
-class LayerNormTuning:
-    """LayerNorm's own geometry where rows are held in registers (scripts/tune_norm.py fused-ln).
+class LayerNormConfig:
+    """LayerNorm's own launch settings where rows are held in registers (dev/tune_norm.py fused-ln;
+    docs/tuning.md, "norms").
 
-    Where that stops (``max_fused_hidden``) and the streamed backward's knobs are RMSNorm's
-    (``FWD_TUNING`` / ``BWD_TUNING`` in rms_norm.py): the regimes are the same for both ops.
+    Where that stops (``max_fused_hidden``) and the split and streamed geometry are RMSNorm's
+    (``rmsnorm.CONFIG``): the regimes are the same for both ops.
 
     fwd_tile_elements: the forward program's [rows, N] tile aims at this many elements (rows =
       tile / next_power_of_2(N), at least 1): several short rows per program.
@@ -457,14 +439,9 @@ class LayerNormTuning:
       one tile prefetched into registers; k >= 1 = Triton's pipeliner, k − 1 tiles in shared memory.
     bwd_paired_sums: c1's and c2's row sums in one reduction (True) or two (_fused_rows).
     reduce_bands, reduce_cols, reduce_warps: the [bands, columns] tile and warps of the kernel that
-      sums the partial rows (rms_norm.py's partial_rows_sum_kernel; also after the streamed backward).
+      sums the partial rows (_norm_rows.partial_rows_sum_kernel; also after the streamed backward).
     """
 
-    # Defaults: the one setting scripts/tune_norm.py fused-ln recommended for all shapes on the H100
-    # (2026-11-22, benchmarks/results/tune_norm_fused-*.log; kernel times by CUDA-graph replay):
-    # backward 0.0612 -> 0.0407 ms at 16384 x 896, 0.1863 -> 0.1485 at 65536 x 1024, 0.1841 ->
-    # 0.1498 at 16384 x 4096 against the knobs before the sweep. Triton's pipeliner (stages >= 1)
-    # won two shapes' descents, but this setting without it is faster on both.
     fwd_tile_elements: int = 2048
     fwd_elements_per_warp: int = 512
     fwd_max_warps: int = 16
@@ -482,12 +459,12 @@ class LayerNormTuning:
         for name in ("fwd_tile_elements", "bwd_tile_elements", "reduce_bands", "reduce_cols"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):  # tl.arange extents
-                raise ValueError(f"LayerNormTuning.{name} must be a power of two, got {value}")
+                raise ValueError(f"LayerNormConfig.{name} must be a power of two, got {value}")
         if self.bwd_stages < 0 or not self.bwd_programs_per_sm > 0:
-            raise ValueError(f"LayerNormTuning: bwd_stages >= 0 and bwd_programs_per_sm > 0 ({self})")
+            raise ValueError(f"LayerNormConfig: bwd_stages >= 0 and bwd_programs_per_sm > 0 ({self})")
 
 
-TUNING = LayerNormTuning()
+CONFIG = LayerNormConfig()
 
 
 def _fused_tile(num_rows, hidden, tile_elements, elements_per_warp, max_warps) -> NormLaunch:
@@ -498,25 +475,25 @@ def _fused_tile(num_rows, hidden, tile_elements, elements_per_warp, max_warps) -
 
 
 def forward_launch(num_rows: int, hidden: int) -> NormLaunch:
-    """The forward's geometry: TUNING's where the row is held in registers, else RMSNorm's streamed."""
-    return _forward_launch(num_rows, hidden, TUNING, norm_launch(num_rows, hidden, backward=False))
+    """The forward's geometry: CONFIG's where the row is held in registers, else RMSNorm's streamed."""
+    return _forward_launch(num_rows, hidden, CONFIG, norm_launch(num_rows, hidden, backward=False))
 
 
-@cache_by_size  # keyed on the tuning: tests and scripts/tune_norm.py swap it
+@cache_by_size  # keyed on the config: tests and dev/tune_norm.py pass their own
 def _forward_launch(num_rows, hidden, tuning, shared) -> NormLaunch:
     if not shared.single_pass:
         return shared
     return _fused_tile(num_rows, hidden, tuning.fwd_tile_elements, tuning.fwd_elements_per_warp, tuning.fwd_max_warps)
 
 
-def backward_launch(num_rows: int, hidden: int, row_bytes: int, device: torch.device) -> NormBackwardLaunch:
-    """The backward's persistent grid: TUNING's where the row is held in registers, else RMSNorm's
+def backward_launch(num_rows: int, hidden: int, device: torch.device) -> NormBackwardLaunch:
+    """The backward's persistent grid: CONFIG's where the row is held in registers, else RMSNorm's
     split-row or streamed geometry (with two partial rows a band; split rows keep the next tile in
-    flight the way TUNING's bwd_stages says)."""
+    flight the way CONFIG's bwd_stages says)."""
     if not norm_launch(num_rows, hidden, backward=True).single_pass:
-        cfg = norm_backward_launch(num_rows, hidden, row_bytes, 2, device)
-        return dataclasses.replace(cfg, stages=TUNING.bwd_stages) if cfg.single_pass else cfg
-    return _fused_backward_launch(num_rows, hidden, device, TUNING)
+        cfg = norm_backward_launch(num_rows, hidden, device)
+        return dataclasses.replace(cfg, stages=CONFIG.bwd_stages) if cfg.single_pass else cfg
+    return _fused_backward_launch(num_rows, hidden, device, CONFIG)
 
 
 @cache_by_size
@@ -582,8 +559,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
         dw = torch.zeros_like(weight) if weight is not None else no_param()
         db = torch.zeros_like(bias) if bias is not None else no_param()
         return dx, dw, db
-    row_bytes = (dy.element_size() + x.element_size()) * hidden
-    cfg = backward_launch(num_rows, hidden, row_bytes, x.device)
+    cfg = backward_launch(num_rows, hidden, x.device)
     # Every element of a band's partial rows is written by the band's first group, so no zeroing.
     # Without a weight (bias) the kernels never touch its pointers; dx stands in for them.
     dw_partial = torch.empty((cfg.bands, hidden), dtype=torch.float32, device=x.device) if weight is not None else dx
@@ -598,7 +574,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
         num_rows, hidden, cfg.rows_per_band, cfg.split, max_polls,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, PARTS_BLOCK=cfg.parts_block,
         RECOMPUTE_LATE=recompute_late,
-        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=TUNING.bwd_paired_sums,
+        STAGES=cfg.stages, EVICT_FIRST=cfg.evict_first, PAIRED_SUMS=CONFIG.bwd_paired_sums,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,
     )
@@ -608,7 +584,7 @@ def _backward(dy, x, weight, bias, mean, rstd):
     db = torch.empty(hidden, dtype=bias.dtype, device=x.device) if bias is not None else no_param()
     sum_partial_rows(
         dw_partial, db_partial, dw if weight is not None else None, db if bias is not None else None, cfg.bands,
-        hidden, block_bands=TUNING.reduce_bands, block_cols=TUNING.reduce_cols, warps=TUNING.reduce_warps,
+        hidden, block_bands=CONFIG.reduce_bands, block_cols=CONFIG.reduce_cols, warps=CONFIG.reduce_warps,
     )
     return dx, dw, db
 

@@ -18,7 +18,7 @@ Forward, per row (``n``, ``s``, ``y`` rounded where transformers rounds them, se
     s     = residual + n
     rstd₂ = 1/sqrt(mean(s²) + next_eps)       y = norm₂(s)  (ŝ = s·rstd₂)
 
-with, for a norm of input ``v`` (io dtype = v's) and scale ``offset + w`` (rms_norm.py's module
+with, for a norm of input ``v`` (io dtype = v's) and scale ``offset + w`` (rmsnorm.py's module
 docstring): casting "llama" ``r_v(v̂)·(offset + w)`` in the promotion of v's and w's dtypes, casting
 "gemma" ``r_v(v̂·(offset + w))``. So n's dtype is x's or, for llama casting with a wider weight,
 fp32; s's is the promotion of residual's and n's (fp32 under autocast: the residual stream is fp32,
@@ -36,7 +36,7 @@ y and ``dS`` that of the s output (the residual stream's later uses)::
     dx  = rstd₁·(g₁ − x̂·c₁)
     dw₁ = Σ_rows dn·r_x(x̂) (llama) or dn·x̂ (gemma);   dw₂ likewise with dy and ŝ
 
-dw₁ and dw₂ are reduced as rms_norm.py's backward reduces dw: the persistent grid's bands each
+dw₁ and dw₂ are reduced as rmsnorm.py's backward reduces dw: the persistent grid's bands each
 accumulate an fp32 partial row, summed in a fixed order (bitwise repeatable, no atomics).
 
 Bytes (speed of light), M rows of N, element sizes b_x, b_r, b_s, b_y (b_dy: y's gradient)::
@@ -51,7 +51,7 @@ Against the three separate kernels (norm, add, norm; with bf16 x, fp32 residual 
 an element forward, 34 backward counting autograd's sum and cast), the join moves 12 and 18.
 
 Rows are held in registers (one pass over each tensor); rows longer than
-``rms_norm.BWD_TUNING.max_fused_hidden`` (8192) are not fused: the functions run rms_norm, the add
+``CONFIG.max_fused_hidden`` (8192, RMSNorm's backward limit) are not fused: the functions run rms_norm, the add
 and rms_norm as three ops there (the same values and gradients).
 
 Reference: :func:`rms_norm_add_reference` / :func:`rms_norm_add_rms_norm_reference` (transformers'
@@ -61,13 +61,18 @@ the ``pre_feedforward_layernorm`` that follows).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import FLOAT_DTYPES, TigonOp, as_fp32, as_rows, cdiv, check_tensor, wrap_triton
-from tigon.ops.rms_norm import (
-    BWD_TUNING,
+from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_tensor
+from tigon.ops._launch import TigonOp, cdiv, wrap_triton
+from tigon.ops._norm_rows import sum_partial_rows
+from tigon.ops._tiles import load_tile
+from tigon.ops.rmsnorm import CONFIG as RMS_NORM_CONFIG
+from tigon.ops.rmsnorm import (
     _check_args,
     _output_dtype,
     check_scale,
@@ -75,26 +80,28 @@ from tigon.ops.rms_norm import (
     norm_launch,
     rms_norm,
     rms_norm_reference,
-    sum_partial_rows,
 )
 
-# Rows up to this many elements are fused (held in registers forward and backward); longer rows run
-# as three separate ops. The backward holds four row tiles (dy, dS, s, x), so its limit is the one.
-MAX_FUSED_HIDDEN = BWD_TUNING.max_fused_hidden
-# The backward's warps: rms_norm's backward geometry (bands, rows a tile) with at most this many
-# elements of a tile per warp, since this kernel holds four row tiles and two scale and two dw
-# vectors where rms_norm's holds two (and their prefetched successors).
-BWD_ELEMENTS_PER_WARP = 512
-BWD_MAX_WARPS = 16
+
+@dataclass(frozen=True)
+class RMSNormAddConfig:
+    """Launch settings of the fused join; its tiles and grid are otherwise RMSNorm's (rmsnorm.CONFIG)."""
+
+    # Rows up to this many elements are fused (held in registers forward and backward); longer rows
+    # run as three separate ops. The backward holds four row tiles (dy, dS, s, x): RMSNorm's
+    # backward limit is the one.
+    max_fused_hidden: int = RMS_NORM_CONFIG.backward.max_fused_hidden
+    # The backward's warps: RMSNorm's backward geometry (bands, rows a tile) with at most this many
+    # elements of a tile per warp, since this kernel holds four row tiles and two scale and two dw
+    # vectors where RMSNorm's holds two (and their prefetched successors).
+    bwd_elements_per_warp: int = 512
+    bwd_max_warps: int = 16
+
+
+CONFIG = RMSNormAddConfig()
 
 
 # --------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _load_tile(ptr, row_stride, col_stride, rows, cols, mask):
-    """A [BLOCK_M, BLOCK_N] tile of a strided (M, N) tensor, upcast to fp32 at once (0 outside)."""
-    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :] * col_stride, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -151,8 +158,8 @@ def rms_norm_add_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < hidden)[None, :]
-    x = _load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
-    residual = _load_tile(res_ptr, res_row_stride, res_col_stride, rows, cols, mask)
+    x = load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
+    residual = load_tile(res_ptr, res_row_stride, res_col_stride, rows, cols, mask)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
     n = _norm_value(x * rstd[:, None], _scale(weight_ptr, cols, hidden, offset, HAS_WEIGHT), X_DTYPE, LLAMA_CASTING)
     if ROUND_N:
@@ -205,13 +212,13 @@ def rms_norm_add_bwd_kernel(
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
         # every load of the tile first, so that they are in flight together
-        x = _load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
+        x = load_tile(x_ptr, x_row_stride, x_col_stride, rows, cols, mask)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         if HAS_DSUM:
-            ds = _load_tile(ds_ptr, ds_row_stride, ds_col_stride, rows, cols, mask)
+            ds = load_tile(ds_ptr, ds_row_stride, ds_col_stride, rows, cols, mask)
         if HAS_NEXT:
-            dy = _load_tile(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask)
-            s = _load_tile(s_ptr, hidden, 1, rows, cols, mask)
+            dy = load_tile(dy_ptr, dy_row_stride, dy_col_stride, rows, cols, mask)
+            s = load_tile(s_ptr, hidden, 1, rows, cols, mask)
             next_rstd = tl.load(next_rstd_ptr + rows, mask=row_mask, other=0.0)
             s_hat = s * next_rstd[:, None]
             # padding lanes: dy = 0 there, so g₂ = 0 and they add nothing to c₂ or dw₂
@@ -253,6 +260,11 @@ def _rounds_n(x_dtype, weight_dtype, casting) -> bool:
     if n_dtype not in (x_dtype, torch.float32):  # cannot happen: promotion gives x's dtype or fp32
         raise AssertionError(f"norm output dtype {n_dtype} from x {x_dtype}")
     return n_dtype == x_dtype
+
+
+def _backward_warps(cfg) -> int:
+    """RMSNorm's backward warps for the tile, raised to hold this kernel's larger tiles."""
+    return min(CONFIG.bwd_max_warps, max(cfg.num_warps, cfg.block_m * cfg.block_n // CONFIG.bwd_elements_per_warp))
 
 
 def _forward(x, residual, weight, next_weight, eps, next_eps, offset, casting, has_next, out_dtype):
@@ -307,9 +319,7 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
     if num_rows == 0 or hidden == 0 or (dsum is None and not has_next):
         # nothing flows back (or nothing to reduce over): every gradient is zero
         return dx.zero_(), dres.zero_(), dw.zero_(), next_dw.zero_()
-    tiles = [t for t in (dy if has_next else None, dsum, s if has_next else None, x) if t is not None]
-    row_bytes = sum(t.element_size() for t in tiles) * hidden
-    cfg = norm_backward_launch(num_rows, hidden, row_bytes, 2, x.device)
+    cfg = norm_backward_launch(num_rows, hidden, x.device)
     partials = torch.empty((2, cfg.bands, hidden), dtype=torch.float32, device=x.device)
     dy2 = as_rows(dy) if has_next else x2
     ds2 = as_rows(dsum) if dsum is not None else x2
@@ -326,7 +336,7 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
         ROUND_N=_rounds_n(x.dtype, weight.dtype if weight is not None else None, casting),
         HAS_WEIGHT=weight is not None, HAS_NEXT=has_next, HAS_NEXT_WEIGHT=has_next and next_weight is not None,
         HAS_DSUM=dsum is not None, LLAMA_CASTING=casting == "llama",
-        num_warps=min(BWD_MAX_WARPS, max(cfg.num_warps, cfg.block_m * cfg.block_n // BWD_ELEMENTS_PER_WARP)),
+        num_warps=_backward_warps(cfg),
     )
     if not has_next and next_weight is not None:
         next_dw.zero_()  # y got no gradient
@@ -440,7 +450,7 @@ def _check_join(x, residual, weight, eps, casting, next_weight=None, next_eps=No
 
 
 def _fused(x) -> bool:
-    return x.shape[-1] <= MAX_FUSED_HIDDEN
+    return x.shape[-1] <= CONFIG.max_fused_hidden
 
 
 def rms_norm_add(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):

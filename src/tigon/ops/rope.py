@@ -40,8 +40,8 @@ of the ``[B, T, H, D]`` projection and the same cos/sin rows again (77% of SOL).
 then makes the tile's rows the Hq + Hk heads (padded to a power of two, the padding masked): row h
 is q's head h for h < Hq, k's head h − Hq after, each row's pointers chosen with ``tl.where``. A
 program reads cos/sin once per position for every head, and a token's q and k rows in one tile. It
-is taken when the head-block tiling would hold fewer than ``TOKEN_TILING_BELOW_BLOCK_H`` heads, one
-position's padded heads fit in ``TOKEN_TILE_ELEMENTS``, and q and k (and their outputs) share a
+is taken when the head-block tiling would hold fewer than ``token_tiling_below_block_h`` heads, one
+position's padded heads fit in ``token_tile_elements``, and q and k (and their outputs) share a
 dtype (one pointer type for the select); the head-block tiling serves every other case.
 
 Bytes (speed of light), element size b, N_q = B·Hq·T·D, N_k = B·Hk·T·D::
@@ -66,7 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, cache_by_size, cdiv, check_tensor, next_power_of_2, wrap_triton
+from tigon.ops._common import check_tensor
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 
 UNSQUEEZE_DIMS = (1, 2)
 
@@ -300,48 +301,36 @@ def rope_token_kernel(
 
 # -------------------------------------------------------------------------------------- launch config
 
-# Head-block tiling (rope_kernel). Elements (heads × positions × padded head dim) one program moves
-# per tensor, and warps per program: one per ELEMENTS_PER_WARP elements, at most MAX_WARPS. Set from
-# scripts/tune_rope.py on the H100 (benchmarks/results/tune_rope-NVIDIA-H100-80GB-HBM3-2026-11-22.log):
-# 2048 / 256 / 8 / 16 reached a geometric mean of 90.3% of SOL over the benchmark cases against 88.1%
-# for the 4096 / 1024 / 8 / 16 shipped before (2048 bf16 values are 4 KB read and 4 KB written per
-# program; 8 warps give each thread 8 values, so many small programs keep every SM's loads in flight).
-TILE_ELEMENTS = 2048
-ELEMENTS_PER_WARP = 256
-MAX_WARPS = 8
-# Heads per program: the largest power of two dividing both head counts (so neither q's nor k's last
-# block is partly masked), at most this many; positions fill the rest of the tile.
-MAX_BLOCK_H = 16
+@dataclass(frozen=True)
+class RopeConfig:
+    """Launch settings of both tilings (docs/tuning.md, "rope"; dev/tune_rope.py sweeps them)."""
 
-# Token tiling (rope_token_kernel): taken where the head-block tiling would put fewer than
-# TOKEN_TILING_BELOW_BLOCK_H heads in a program (gcd(Hq, Hk) has a small power-of-two part: 14 / 2
-# gives 2) and one position's Hq + Hk heads, padded to a power of two, fit in TOKEN_TILE_ELEMENTS.
-# Set TOKEN_TILING_BELOW_BLOCK_H to 0 to never take it, above MAX_BLOCK_H to take it wherever it
-# fits. The tile knobs mean what the head-block ones do. scripts/tune_rope.py's second H100 sweep (the
-# same log, second run) kept all four: at Qwen2.5-0.5B the token tiling took 0.0567 ms (79% of SOL)
-# against the head-block tiling's best 0.0583 (77%); where heads per program are already >= 4 it is
-# 1-5% slower, hence the threshold. (Each of the two launches at Qwen2.5-0.5B moves only ~34 MB of q
-# and k, ~11 µs at full bandwidth, so launch ramp-up and tail weigh; cos/sin add 4 MB a launch. The
-# second sweep also found TILE_ELEMENTS = 1024 equal to 2048 in geomean.) The fifteenth session's
-# sweep, with the cos/sin hint below, moved TOKEN_TILE_ELEMENTS from 2048 to 4096: four positions a
-# program, 0.0532-0.0534 ms against 0.0536-0.0539 at Qwen2.5-0.5B (tune_rope-*-fifteenth.log).
-TOKEN_TILING_BELOW_BLOCK_H = 4
-TOKEN_TILE_ELEMENTS = 4096
-TOKEN_ELEMENTS_PER_WARP = 256
-TOKEN_MAX_WARPS = 8
+    # Head-block tiling (rope_kernel): elements (heads × positions × padded head dim) one program
+    # moves per tensor, and warps: one per elements_per_warp elements, at most max_warps (2048 bf16
+    # values are 4 KB read and 4 KB written a program; 8 warps give each thread 8 values, so many
+    # small programs keep every SM's loads in flight).
+    tile_elements: int = 2048
+    elements_per_warp: int = 256
+    max_warps: int = 8
+    # Heads per program: the largest power of two dividing both head counts (so neither q's nor k's
+    # last block is partly masked), at most this many; positions fill the rest of the tile.
+    max_block_h: int = 16
+    # Token tiling (rope_token_kernel): taken where the head-block tiling would put fewer than
+    # token_tiling_below_block_h heads in a program (gcd(Hq, Hk) has a small power-of-two part: 14 / 2
+    # gives 2) and one position's Hq + Hk heads, padded to a power of two, fit in token_tile_elements.
+    # 0 never takes it, above max_block_h takes it wherever it fits; where heads per program are
+    # already >= 4 it is 1-5% slower, hence the threshold.
+    token_tiling_below_block_h: int = 4
+    token_tile_elements: int = 4096
+    token_elements_per_warp: int = 256
+    token_max_warps: int = 8
+    # Eviction policy of the cos/sin loads (both tilings): "", "evict_first" or "evict_last". A
+    # program's cos/sin rows are read once per head of its tile and by the other head blocks of the
+    # same positions, while q and k stream through the caches once: "evict_last" keeps the rows.
+    trig_eviction: str = "evict_last"
 
-# Eviction policy of the cos/sin loads (both tilings): "", "evict_first" or "evict_last". Triton
-# turns it into an L1 qualifier plus, on the H100, an L2 cache policy. A program's cos/sin rows are
-# read once per head of its tile (``_load_trig``) and by the other head blocks of the same positions,
-# while q and k stream through the same caches once: "evict_last" keeps the rows there for those
-# repeats. Fifteenth session (benchmarks/results/tune_rope-*-fifteenth.log; H100, harness GPU time of
-# forward + backward, median of three alternating rounds): 0.2409 -> 0.2374 ms (Llama-3-8B BHTD),
-# 0.2361 -> 0.2307 (proj), 0.1233 -> 0.1204 (Llama-3.2-1B), 0.1925 -> 0.1891 (Qwen2.5-7B),
-# 0.0567 -> 0.0540 (Qwen2.5-0.5B), 0.2853 -> 0.2844 (Gemma-2-9B). The session's sweeps kept no hint
-# on the q/k loads or the output stores: evict_first, .cs and .cg were equal or up to 4% slower;
-# evict_last on the loads was 1% faster at Gemma-2-9B but 0.5-0.9% slower at three of the other four
-# head-block shapes. Dropping the masks of tiles that cover the shape exactly gained nothing either.
-TRIG_EVICTION = "evict_last"
+
+CONFIG = RopeConfig()
 
 
 @dataclass(frozen=True)
@@ -362,26 +351,32 @@ def _floor_power_of_2(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
 
 
-@cache_by_size
 def rope_launch(
-    seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, head_dim: int, same_dtypes: bool
+    seq_len: int, num_q_heads: int, num_k_heads: int, rot_dim: int, head_dim: int, same_dtypes: bool, *,
+    config: RopeConfig | None = None,
 ) -> RopeLaunch:
     """The tiling and its blocks. ``same_dtypes``: q and k share a dtype, and so do their outputs
     (the token tiling selects between their pointers, which must then have one type)."""
+    return _rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtypes, config or CONFIG)
+
+
+@cache_by_size
+def _rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtypes, config) -> RopeLaunch:
     block_half = next_power_of_2(rot_dim // 2)
     has_pass = head_dim > rot_dim
     block_pass = next_power_of_2(head_dim - rot_dim) if has_pass else 1
     row = 2 * block_half + (block_pass if has_pass else 0)
     common = math.gcd(num_q_heads, num_k_heads) or max(num_q_heads, num_k_heads, 1)
-    block_h = min(common & -common, MAX_BLOCK_H, _floor_power_of_2(TILE_ELEMENTS // row))
+    block_h = min(common & -common, config.max_block_h, _floor_power_of_2(config.tile_elements // row))
     all_heads = next_power_of_2(num_q_heads + num_k_heads)
     token_tiling = (
-        same_dtypes and block_h < TOKEN_TILING_BELOW_BLOCK_H and all_heads * row <= TOKEN_TILE_ELEMENTS
+        same_dtypes and block_h < config.token_tiling_below_block_h and all_heads * row <= config.token_tile_elements
     )
     if token_tiling:
-        block_h, tile, per_warp, max_warps = all_heads, TOKEN_TILE_ELEMENTS, TOKEN_ELEMENTS_PER_WARP, TOKEN_MAX_WARPS
+        block_h, tile = all_heads, config.token_tile_elements
+        per_warp, max_warps = config.token_elements_per_warp, config.token_max_warps
     else:
-        tile, per_warp, max_warps = TILE_ELEMENTS, ELEMENTS_PER_WARP, MAX_WARPS
+        tile, per_warp, max_warps = config.tile_elements, config.elements_per_warp, config.max_warps
     block_t = min(_floor_power_of_2(tile // (block_h * row)), next_power_of_2(seq_len))
     # A padded row of 2·block_half + block_pass need not be a power of two; Triton's warps must be.
     num_warps = _floor_power_of_2(max(1, min(block_h * block_t * row // per_warp, max_warps)))
@@ -457,7 +452,7 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
     )
     blocks = dict(
         BLOCK_H=cfg.block_h, BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, BLOCK_PASS=cfg.block_pass,
-        HAS_PASS=cfg.has_pass, BACKWARD=backward, num_warps=cfg.num_warps, TRIG_EVICT=TRIG_EVICTION,
+        HAS_PASS=cfg.has_pass, BACKWARD=backward, num_warps=cfg.num_warps, TRIG_EVICT=CONFIG.trig_eviction,
     )
     if cfg.token_tiling:
         wrap_triton(rope_token_kernel)[(batch_position_blocks,)](*tensors, **blocks)

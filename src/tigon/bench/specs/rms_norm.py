@@ -8,14 +8,16 @@ import torch
 
 from tigon.bench.models import MODELS, TOKENS
 from tigon.bench.spec import Case, Spec
-from tigon.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from tigon.ops.rms_norm_add import (
-    MAX_FUSED_HIDDEN,
+    CONFIG as RMS_NORM_ADD_CONFIG,
+)
+from tigon.ops.rms_norm_add import (
     rms_norm_add,
     rms_norm_add_reference,
     rms_norm_add_rms_norm,
     rms_norm_add_rms_norm_reference,
 )
+from tigon.ops.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
 SWEEP = (1024, 2048, 8192, 16384, 32768, 65536)
 
@@ -119,7 +121,8 @@ def _join_cases(with_next=True):
     # s (4), x (2); write dx (2), dresidual (4). Without the next norm: forward 10; backward reads
     # ds and x and writes dx (8; residual's gradient is ds itself). Weights and rstd are noise.
     return _autocast_join_cases(
-        sorted({m.hidden for m in MODELS} | {2304, MAX_FUSED_HIDDEN}), (12, 18) if with_next else (10, 8),
+        sorted({m.hidden for m in MODELS} | {2304, RMS_NORM_ADD_CONFIG.max_fused_hidden}),
+        (12, 18) if with_next else (10, 8),
         ("weight", "next_weight") if with_next else ("weight",), weight_offset=0.0,
     )
 

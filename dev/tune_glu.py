@@ -1,11 +1,11 @@
 """Sweep the GLU kernels' launch geometry on a GPU against torch.compile, in one process.
 
-    PYTHONPATH=src python3 scripts/tune_glu.py            # swiglu at every benchmark intermediate size
-    PYTHONPATH=src python3 scripts/tune_glu.py geglu      # or geglu
+    PYTHONPATH=src python3 dev/tune_glu.py            # swiglu at every benchmark intermediate size
+    PYTHONPATH=src python3 dev/tune_glu.py geglu      # or geglu
 
-An experiment kept out of the package (STYLE: llm.c habit): its findings go into the launch
-constants of src/tigon/ops/glu.py (TILE_ELEMENTS, ELEMENTS_PER_WARP, MAX_WARPS). The harness's
-fourth-session run put SwiGLU and GeGLU at 99-101% of the copy-bandwidth SOL, with torch.compile
+An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults
+of GluConfig in src/tigon/ops/glu.py (tile_elements, elements_per_warp, max_warps). A harness run
+on the H100 put SwiGLU and GeGLU at 99-101% of the copy-bandwidth SOL, with torch.compile
 0.1-0.6% ahead at every shape (benchmarks/results/rope-glu-*). Here each setting is timed as the
 harness times a cell (forward + backward, GPU time behind a sleeping GPU, L2 flushed), checked
 against the fp32 reference first, and set next to compile's time measured in the same process,
@@ -14,11 +14,12 @@ before and after the sweep (the bandwidth drifts a little over minutes).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import math
 import sys
 import time
-from unittest import mock
 
 import torch
 
@@ -29,16 +30,23 @@ from tigon.bench.specs import load_specs
 glu_mod = sys.modules["tigon.ops.glu"]
 
 KNOBS = {
-    "TILE_ELEMENTS": (2048, 4096, 8192, 16384),
-    "ELEMENTS_PER_WARP": (256, 512, 1024),
-    "MAX_WARPS": (4, 8, 16),
+    "tile_elements": (2048, 4096, 8192, 16384),
+    "elements_per_warp": (256, 512, 1024),
+    "max_warps": (4, 8, 16),
 }
 TOLERANCE = 2e-2  # relative norm error of bf16 outputs and gradients against the fp32 reference
 
 
+@contextlib.contextmanager
 def constants(setting: dict):
-    """glu.py's launch constants set to ``setting`` (name -> value) for the block, then restored."""
-    return mock.patch.multiple(glu_mod, **setting)
+    """glu.py's GluConfig with ``setting`` (field -> value) for the block, then the shipped one. The
+    op launches through registered ops, which take no config, so the module's default is swapped."""
+    shipped = glu_mod.CONFIG
+    glu_mod.CONFIG = dataclasses.replace(shipped, **setting)
+    try:
+        yield
+    finally:
+        glu_mod.CONFIG = shipped
 
 
 def relative_error(fn, inputs, activation) -> float:
@@ -60,9 +68,8 @@ def main(argv) -> None:
     spec = load_specs([op])[op]
     bandwidth = copy_bandwidth()
     print(f"{op}: copy bandwidth {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
-    glu_mod.glu_launch = getattr(glu_mod.glu_launch, "__wrapped__", glu_mod.glu_launch)  # uncached
     providers = providers_of(spec, only=("tigon", "compile"))
-    shipped = {name: getattr(glu_mod, name) for name in KNOBS}
+    shipped = {name: getattr(glu_mod.CONFIG, name) for name in KNOBS}
     settings = [dict(zip(KNOBS, values, strict=True)) for values in itertools.product(*KNOBS.values())]
     table = {}  # setting index -> [ms per case]
     compile_ms = []

@@ -1,11 +1,11 @@
 """Sweep the norm kernels' launch geometry on a GPU and print the kernel time of each choice.
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into
-``FWD_TUNING`` / ``BWD_TUNING`` in src/tigon/ops/rms_norm.py and ``TUNING`` in
+``RMSNormConfig`` (forward / backward) in src/tigon/ops/rmsnorm.py and ``LayerNormConfig`` in
 src/tigon/ops/layer_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
 
-    PYTHONPATH=src python3 scripts/tune_norm.py                 # every section
-    PYTHONPATH=src python3 scripts/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary
+    PYTHONPATH=src python3 dev/tune_norm.py                 # every section
+    PYTHONPATH=src python3 dev/tune_norm.py fused-ln fused  # one or more of: fused-ln fused stream boundary
                                                                 # wide long-fwd split host
 
 fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of layer_norm.py's
@@ -17,25 +17,25 @@ fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of
         shape's winner timed on every shape, and the one setting with the best geomean of % of SOL
         printed as LayerNormTuning fields. About 2 minutes on an H100 (most of it compiling).
 fused:  the same for RMSNorm and add_rms_norm at the short-row shapes 16384x896 and 65536x1024
-        (rms_norm.py's FWD_TUNING / BWD_TUNING: tile_elements, elements_per_warp, max_warps,
+        (rmsnorm.py's RMSNormConfig forward / backward: tile_elements, elements_per_warp, max_warps,
         programs_per_sm; one setting for both ops, which share them). About 1 minute.
 stream: the streamed backward's knobs (the ``stream_*`` fields and ``chunk``, ``elements_per_warp``)
         for rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: per shape a coordinate
         descent from the shipped default (each knob in turn over its values, the others held, two
-        rounds), then every shape's winner and the shipped knobs under several L2 budgets timed on
-        every shape, so that one setting can be picked for all. About 3-4 minutes on an H100.
+        rounds), then every shape's winner and the shipped knobs timed on every shape, so that one
+        setting can be picked for all. About 3-4 minutes on an H100.
 boundary: RMSNorm's forward and backward over hidden sizes 896..65536 with where rows stop being
         held in registers (max_fused_hidden) moved; inputs replayed from L2 at the small sizes.
 wide:   RMSNorm, add_rms_norm and LayerNorm at 4096x16384 with the row held in registers (the
         backward's max_fused_hidden raised to 16384) and up to 32 warps a row, against the shipped
-        streamed backward; each setting checked against torch first. About 1-2 minutes. Fifth
-        session (benchmarks/results/tune_norm_wide-*.log): the fused backward loses (RMSNorm 0.30 ms
+        streamed backward; each setting checked against torch first. About 1-2 minutes. On the H100
+        (benchmarks/results/tune_norm_wide-*.log) the fused backward loses (RMSNorm 0.30 ms
         against the streamed 0.20; LayerNorm 0.62 against 0.23); without its software prefetch (a
         kernel variant tried then, not kept) RMSNorm reached 0.194 and add_rms_norm 0.247 against
         0.203 and 0.254: 3-5% on one size, not enough to catch Liger-Kernel there, so the streamed
         backward stays.
 split:  the backward of rows of 16K-64K split over programs that swap their partial row sums (the
-        split_* knobs of BWD_TUNING), each setting checked, against the streamed backward.
+        split_* fields of RMSNormConfig.backward), each setting checked, against the streamed backward.
 long-fwd: the forward of rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: where rows stop
         being held in registers (max_fused_hidden) and the streamed forward's chunk and warps.
 host:   the eager host cost of one small forward+backward, with a profile.
@@ -60,10 +60,18 @@ import torch.nn.functional as F
 import triton.testing
 
 import tigon.ops  # noqa: F401  (defines the kernels)
-from tigon.ops._common import _direct_launch
+from tigon.ops._launch import _direct_launch
 
-rms = sys.modules["tigon.ops.rms_norm"]
+rms = sys.modules["tigon.ops.rmsnorm"]
 ln = sys.modules["tigon.ops.layer_norm"]
+
+
+def set_rms_config(*, forward=None, backward=None):
+    """Make RMSNorm's config (shared by the three norms' split and streamed geometry) launch with
+    these direction settings. The norms launch through registered ops, which take no config, so
+    this script swaps the module's default (frozen) config, as the tests do."""
+    rms.CONFIG = dataclasses.replace(rms.CONFIG, forward=forward or rms.CONFIG.forward,
+                                     backward=backward or rms.CONFIG.backward)
 
 SHAPES = ((16384, 896), (16384, 2048), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 32768), (1024, 65536))
 BWD_VARIANTS = [
@@ -91,7 +99,7 @@ def copy_bandwidth():
 
 
 def sweep_boundary(bandwidth):
-    base_fwd, base_bwd = rms.FWD_TUNING, rms.BWD_TUNING
+    base_fwd, base_bwd = rms.CONFIG.forward, rms.CONFIG.backward
     for rows, hidden in SHAPES:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
@@ -102,23 +110,23 @@ def sweep_boundary(bandwidth):
         forward = functools.partial(rms._forward, x, None, w, 1e-6, 0.0, "llama")
         results = []
         for v in FWD_VARIANTS:
-            rms.FWD_TUNING = dataclasses.replace(base_fwd, **v)
+            set_rms_config(forward=dataclasses.replace(base_fwd, **v))
             try:
                 ms = bench(forward)
                 results.append(("fwd", v, ms, 100 * fwd_sol / ms))
             except Exception as exc:
                 results.append(("fwd", v, float("nan"), f"{type(exc).__name__}"))
-        rms.FWD_TUNING = base_fwd
+        set_rms_config(forward=base_fwd)
         _, _, rstd = forward()
         backward = functools.partial(rms._backward, dy, x, w, rstd, None, 1e-6, 0.0, "llama")
         for v in BWD_VARIANTS:
-            rms.BWD_TUNING = dataclasses.replace(base_bwd, **v)
+            set_rms_config(backward=dataclasses.replace(base_bwd, **v))
             try:
                 ms = bench(backward)
                 results.append(("bwd", v, ms, 100 * bwd_sol / ms))
             except Exception as exc:
                 results.append(("bwd", v, float("nan"), f"{type(exc).__name__}"))
-        rms.BWD_TUNING = base_bwd
+        set_rms_config(backward=base_bwd)
         for direction in ("fwd", "bwd"):
             rs = sorted((r for r in results if r[0] == direction and r[2] == r[2]), key=lambda r: r[2])
             best = rs[0] if rs else None
@@ -139,7 +147,7 @@ STREAM_SHAPES = {
     "add_rms_norm": ((4096, 16384), (2048, 32768), (1024, 65536)),
     "layer_norm": ((4096, 16384), (2048, 32768)),
 }
-# The descent's space: each knob's values (the ``stream_*`` ones exact: stream_l2_bytes=None).
+# The descent's space: each knob's values.
 STREAM_SPACE = {
     "stream_rows": (1, 2, 4),
     "stream_split": (1, 2, 4),
@@ -151,7 +159,6 @@ STREAM_SPACE = {
 }
 STREAM_ROUNDS = 2
 STREAM_REP = 20  # ms of replays per timing: the descent times ~200 configurations
-STREAM_BUDGETS = (16 << 20, 24 << 20, 32 << 20, 48 << 20)
 
 
 @dataclasses.dataclass
@@ -163,7 +170,7 @@ class StreamCase:
     backward: object  # () -> grads, its backward launcher
     fwd_bytes: int  # minimal bytes moved (the M×N tensors read and written)
     bwd_bytes: int
-    row_bytes: int  # what norm_backward_launch is given
+    row_bytes: int  # bytes of one row pass 2 reads again (dy and x)
     partials: int
 
     @property
@@ -210,17 +217,14 @@ def describe(knobs):
     short = {"stream_rows": "rows", "stream_split": "split", "stream_stages": "stages", "chunk": "chunk",
              "elements_per_warp": "epw", "stream_programs_per_sm": "pps", "stream_evict_first": "evict"}
     parts = [f"{short[k]}={knobs[k]}" for k in STREAM_SPACE if k in knobs]
-    if "stream_l2_bytes" in knobs:
-        budget = knobs["stream_l2_bytes"]
-        parts.append("l2=" + ("none" if budget is None else f"{budget >> 20}MiB"))
     return " ".join(parts)
 
 
 class StreamTimer:
-    """Times one case's backward under BWD_TUNING overrides, each setting once."""
+    """Times one case's backward under RMSNormConfig.backward overrides, each setting once."""
 
     def __init__(self, case, base):
-        self.case, self.base, self.seen, self.shipped = case, base, {}, rms.BWD_TUNING
+        self.case, self.base, self.seen, self.shipped = case, base, {}, rms.CONFIG.backward
         self.expected = [g.float().clone() for g in case.backward() if g is not None and g.numel()]
 
     def check(self):
@@ -234,7 +238,7 @@ class StreamTimer:
     def __call__(self, **overrides):
         key = tuple(sorted(overrides.items()))
         if key not in self.seen:
-            rms.BWD_TUNING = dataclasses.replace(self.base, **overrides)
+            set_rms_config(backward=dataclasses.replace(self.base, **overrides))
             try:
                 self.check()
                 self.seen[key] = bench(self.case.backward, rep=STREAM_REP)
@@ -242,14 +246,14 @@ class StreamTimer:
                 print(f"      {describe(overrides)}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
                 self.seen[key] = math.inf
             finally:
-                rms.BWD_TUNING = self.shipped
+                set_rms_config(backward=self.shipped)
         return self.seen[key]
 
 
 def descend(timer, start):
-    """Coordinate descent over STREAM_SPACE from ``start`` (exact knobs, no L2 budget)."""
+    """Coordinate descent over STREAM_SPACE from ``start``."""
     best = dict(start)
-    best_ms = timer(stream_l2_bytes=None, **best)
+    best_ms = timer(**best)
     for _ in range(STREAM_ROUNDS):
         improved = False
         for knob, values in STREAM_SPACE.items():
@@ -257,7 +261,7 @@ def descend(timer, start):
                 if value == best[knob]:
                     continue
                 trial = {**best, knob: value}
-                ms = timer(stream_l2_bytes=None, **trial)
+                ms = timer(**trial)
                 if ms < best_ms:
                     best, best_ms, improved = trial, ms, True
         if not improved:
@@ -266,7 +270,7 @@ def descend(timer, start):
 
 
 def sweep_stream(bandwidth):
-    base = dataclasses.replace(rms.BWD_TUNING, split_max_hidden=0)  # the streamed backward itself
+    base = dataclasses.replace(rms.CONFIG.backward, split_max_hidden=0)  # the streamed backward itself
     # ~6 tensors of 128 MiB per case, all kept: ~5 GiB
     cases = [make_case(op, rows, hidden) for op, shapes in STREAM_SHAPES.items() for rows, hidden in shapes]
     timers = {case.name: StreamTimer(case, base) for case in cases}
@@ -274,7 +278,7 @@ def sweep_stream(bandwidth):
     for case in cases:
         timer = timers[case.name]
         sol_ms = case.bwd_bytes / bandwidth * 1e3
-        launch = rms.norm_backward_launch(case.rows, case.hidden, case.row_bytes, case.partials, torch.device(DEVICE))
+        launch = rms.norm_backward_launch(case.rows, case.hidden, torch.device(DEVICE))
         shipped_ms = timer()
         fwd_ms = bench(case.forward, rep=STREAM_REP)
         start = {**knobs_of(base), "stream_rows": launch.block_m, "stream_split": launch.split}
@@ -282,7 +286,7 @@ def sweep_stream(bandwidth):
         winners.append(best)
         fwd_bwd = 100 * (case.fwd_bytes + case.bwd_bytes) / bandwidth * 1e3 / (fwd_ms + best_ms)
         print(
-            f"{case.name}: shipped knobs (l2 {base.stream_l2_bytes}) -> rows={launch.block_m} split={launch.split} "
+            f"{case.name}: shipped knobs -> rows={launch.block_m} split={launch.split} "
             f"bands={launch.bands} warps={launch.num_warps}: bwd {shipped_ms:.4f} ms "
             f"({100 * sol_ms / shipped_ms:.0f}% SOL)"
         )
@@ -292,11 +296,9 @@ def sweep_stream(bandwidth):
         )
         ranked = sorted(((ms, dict(k)) for k, ms in timer.seen.items() if ms < math.inf), key=lambda r: r[0])
         for ms, knobs in ranked[1:6]:
-            knobs.pop("stream_l2_bytes", None)
             print(f"    next  {describe(knobs)}: {ms:.4f} ms ({100 * sol_ms / ms:.0f}%)")
 
-    # Every shape's winner on every shape; then the best of them under L2 budgets (the budget picks
-    # rows and split per shape, up to 4 each), and the shipped knobs: one setting for all shapes.
+    # Every shape's winner on every shape, and the shipped knobs: one setting for all shapes.
     print("\nbwd % of SOL, every candidate on every shape (geomean last):")
     print("  #  " + " ".join(f"{case.op:>12}" for case in cases) + "  geomean")
     print("     " + " ".join(f"{case.rows}x{case.hidden}".rjust(12) for case in cases))
@@ -313,14 +315,11 @@ def sweep_stream(bandwidth):
         print(f"  {index:<2} " + " ".join(f"{v:12.0f}" for v in row) + f"  {geo:7.1f}   {describe(setting)}")
 
     for knobs in winners:
-        score({**knobs, "stream_l2_bytes": None})
-    best_exact = candidates[max(scores)[1]]
-    for budget in STREAM_BUDGETS:
-        score({**best_exact, "stream_rows": 4, "stream_split": 4, "stream_l2_bytes": budget})
-    score({**knobs_of(base), "stream_l2_bytes": base.stream_l2_bytes})
+        score(knobs)
+    score(knobs_of(base))
     geo, i = max(scores)
     fields = ", ".join(f"{k}={v!r}" for k, v in candidates[i].items())
-    print(f"best single setting: #{i} (geomean {geo:.1f}% of SOL): BWD_TUNING fields {fields}")
+    print(f"best single setting: #{i} (geomean {geo:.1f}% of SOL): RMSNormConfig.backward fields {fields}")
 
 
 # ------------------------------------------------------------------------- split rows, backward
@@ -338,7 +337,7 @@ def sweep_split(bandwidth):
     """The backward of rows of 16K-64K with each row split over programs that swap partial row sums
     (split_max_hidden raised past the row), per slice width, warps and programs per SM, against the
     streamed backward; every setting checked against the streamed one's gradients first."""
-    base = rms.BWD_TUNING
+    base = rms.CONFIG.backward
     best_of = {}
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         for rows, hidden in SPLIT_SHAPES:
@@ -384,7 +383,7 @@ def sweep_long_forward(bandwidth):
     """The forward of rows of 16K-64K: where rows stop being held in registers (a row held whole
     spills past ~32K values a program) and the streamed forward's chunk and warps, per op; split rows
     off (the shipped forward, printed first, may split them)."""
-    base = rms.FWD_TUNING
+    base = rms.CONFIG.forward
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         for rows, hidden in LONG_FWD_SHAPES:
             case = make_case(op, rows, hidden)
@@ -393,13 +392,14 @@ def sweep_long_forward(bandwidth):
             for knobs in LONG_FWD_SPACE:
                 if knobs["max_fused_hidden"] >= hidden and knobs["chunk"] != base.chunk:
                     continue  # a row held whole: the chunk is unused
-                rms.FWD_TUNING = dataclasses.replace(base, split_max_hidden=0, **knobs)  # held whole or streamed
+                # held whole or streamed
+                set_rms_config(forward=dataclasses.replace(base, split_max_hidden=0, **knobs))
                 try:
                     results.append((bench(case.forward, rep=STREAM_REP), knobs))
                 except Exception as exc:
                     print(f"      {op} {rows}x{hidden} {knobs}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
                 finally:
-                    rms.FWD_TUNING = base
+                    set_rms_config(forward=base)
             shipped = bench(case.forward, rep=STREAM_REP)
             results.sort(key=lambda r: r[0])
             print(f"{case.name} fwd: shipped {shipped:.4f} ms ({100 * sol_ms / shipped:.0f}% SOL)")
@@ -415,7 +415,7 @@ FUSED_SHAPES = {
     "add_rms_norm": ((16384, 896), (65536, 1024)),
 }
 # Each direction's knobs and their values: layer_norm.py's LayerNormTuning fields, and the fused
-# fields of rms_norm.py's FWD_TUNING / BWD_TUNING. Settings that launch the same geometry (e.g. every
+# fields of rmsnorm.py's RMSNormConfig forward / backward. Settings that launch the same geometry (e.g. every
 # tile of one row at N = 8192) are timed once.
 LN_SPACE = {
     "fwd": {
@@ -477,23 +477,21 @@ def fused_space(slot):
     return LN_SPACE if slot == "layer_norm" else RMS_SPACE
 
 
-def tuning_slot(slot, direction):
-    """(module, attribute name) of the tuning that holds this slot's knobs for ``direction``."""
-    if slot == "layer_norm":
-        return ln, "TUNING"
-    return rms, "FWD_TUNING" if direction == "fwd" else "BWD_TUNING"
-
-
 @contextlib.contextmanager
 def tuned(slot, direction, knobs):
-    """The op's tuning with ``knobs`` replaced, for the duration."""
-    module, attr = tuning_slot(slot, direction)
-    base = getattr(module, attr)
-    setattr(module, attr, dataclasses.replace(base, **knobs))
+    """The op's config with ``knobs`` replaced, for the duration (LayerNormConfig for layer_norm,
+    else RMSNormConfig's ``direction``)."""
+    base_ln, base_rms = ln.CONFIG, rms.CONFIG
+    if slot == "layer_norm":
+        ln.CONFIG = dataclasses.replace(base_ln, **knobs)
+    elif direction == "fwd":
+        set_rms_config(forward=dataclasses.replace(base_rms.forward, **knobs))
+    else:
+        set_rms_config(backward=dataclasses.replace(base_rms.backward, **knobs))
     try:
         yield
     finally:
-        setattr(module, attr, base)
+        ln.CONFIG, rms.CONFIG = base_ln, base_rms
 
 
 def geometry(case, direction):
@@ -502,12 +500,12 @@ def geometry(case, direction):
     if case.slot == "layer_norm":
         if direction == "fwd":
             return ln.forward_launch(case.rows, case.hidden)
-        t = ln.TUNING
-        launch = ln.backward_launch(case.rows, case.hidden, 4 * case.hidden, device)
+        t = ln.CONFIG
+        launch = ln.backward_launch(case.rows, case.hidden, device)
         return launch, t.bwd_paired_sums, t.reduce_bands, t.reduce_cols, t.reduce_warps
     if direction == "fwd":
         return rms.norm_launch(case.rows, case.hidden, backward=False)
-    return rms.norm_backward_launch(case.rows, case.hidden, 4 * case.hidden, 1, device)
+    return rms.norm_backward_launch(case.rows, case.hidden, device)
 
 
 def describe_launch(launch):
@@ -660,7 +658,10 @@ def sweep_fused_ops(bandwidth, ops):
     space = fused_space(slot)
     recommended = {}
     for direction in ("fwd", "bwd"):
-        shipped_tuning = getattr(*tuning_slot(slot, direction))
+        if slot == "layer_norm":
+            shipped_tuning = ln.CONFIG
+        else:
+            shipped_tuning = rms.CONFIG.forward if direction == "fwd" else rms.CONFIG.backward
         shipped = {k: getattr(shipped_tuning, k) for k in space[direction]}
         timers = {case.name: FusedTimer(case, direction, bandwidth) for case in cases}
         winners = []
@@ -695,11 +696,11 @@ def sweep_fused_ops(bandwidth, ops):
     if slot == "layer_norm":
         fields = {**recommended["fwd"], **recommended["bwd"]}
         text = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-        print(f"recommended: layer_norm.py TUNING = LayerNormTuning({text})")
+        print(f"recommended: layer_norm.py LayerNormConfig({text})")
     else:
-        for direction, name in (("fwd", "FWD_TUNING"), ("bwd", "BWD_TUNING")):
+        for direction, name in (("fwd", "forward"), ("bwd", "backward")):
             fields = ", ".join(f"{k}={v!r}" for k, v in recommended[direction].items())
-            print(f"recommended: rms_norm.py {name} fields {fields}")
+            print(f"recommended: rmsnorm.py RMSNormConfig.{name} fields {fields}")
 
 
 def sweep_fused_ln(bandwidth):

@@ -1,21 +1,22 @@
 """Sweep the cross-entropy row kernels' knobs on a GPU, checking every setting against torch.
 
-    PYTHONPATH=src python3 scripts/tune_ce.py            # all four shapes
-    PYTHONPATH=src python3 scripts/tune_ce.py 128256     # only the shapes whose V is named
+    PYTHONPATH=src python3 dev/tune_ce.py            # all four shapes
+    PYTHONPATH=src python3 dev/tune_ce.py 128256     # only the shapes whose V is named
 
-An experiment kept out of the package (STYLE: llm.c habit): its findings go into the UPPER_CASE
-knobs of src/tigon/ops/cross_entropy.py (the launch-config section). Shapes: N = 8192 tokens in
-bf16 at V = 32000, 128256, 151936 and 256000 with softcap 30, targets as the benchmark draws them
-(every IGNORED_EVERY-th token ignored; before the fifth session none were, and the sweep's times
-differed from the harness's). Each shape runs a
-coordinate descent from the shipped knobs: every value of one knob with the others at the best so
-far, knob after knob, one pass (V = 32000 once in each regime: row in registers, and streamed).
+An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults of
+CrossEntropyConfig in src/tigon/ops/cross_entropy.py (and their why into docs/tuning.md). Each
+setting is a CrossEntropyConfig passed to the row launcher. Shapes: N = 8192 tokens in bf16 at
+V = 32000, 128256, 151936 and 256000 with softcap 30, targets as the benchmark draws them (every
+IGNORED_EVERY-th token ignored). Each shape runs a coordinate descent from the shipped config:
+every value of one knob with the others at the best so far, knob after knob, one pass (V = 32000
+once in each regime: row in registers, and streamed).
 One line per setting (printed as it is measured, so a cut-off run still says something), then
 the best setting per shape and a summary. About 60 settings; on the H100 (2026-11-22) the sweep
 took under 3 minutes, mostly Triton compiles (each distinct block/warps/pipeline combination
 compiles once per softcap flag); its log is benchmarks/results/tune_ce-*.log.
 
-Times are GPU times of forward+backward from the benchmark harness (the step queued behind a
+Times are GPU times of the row kernel (loss and gradient: the whole work of forward + backward, the
+backward's scaling by grad_output = 1 being a no-op) from the benchmark harness (the step queued behind a
 sleeping GPU, L2 flushed before each step); SOL = one read of the logits and one write of the
 gradient over the copy bandwidth measured first. A setting that fails to compile or gives a
 wrong loss/gradient is reported and never chosen.
@@ -23,16 +24,17 @@ wrong loss/gradient is reported and never chosen.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 import torch
 
-import tigon.ops  # noqa: F401  (defines the kernels)
 from tigon.bench.harness import copy_bandwidth, gpu_time
 from tigon.bench.specs.cross_entropy import IGNORED_EVERY
-
-ce = sys.modules["tigon.ops.cross_entropy"]
+from tigon.ops._launch import next_power_of_2
+from tigon.ops._softmax_rows import REDUCTION_SCALES
+from tigon.ops.cross_entropy import CONFIG, launch_cross_entropy_rows, row_launch
 
 DEVICE = "cuda"
 TOKENS = 8192
@@ -43,24 +45,22 @@ MB = 1 << 20
 
 # Values tried per knob, in the order the descent visits them. Block width and warps go together
 # (the pair sets the registers per thread: ptxas -v for sm_90 shows no spills for these pairs).
-# (SINGLE_VALUES_PER_THREAD only matters below 32768 classes, where the warp cap does not bind.)
+# (single_values_per_thread only matters below 32768 classes, where the warp cap does not bind.)
 SINGLE_KNOBS = {
-    "SINGLE_MAX_WARPS": (16, 32),
-    "SINGLE_PROGRAMS_PER_SM": (1, 2, 4),
-    "SINGLE_ROW_PREFETCH": (False, True),
+    "single_max_warps": (16, 32),
+    "single_programs_per_sm": (1, 2, 4),
+    "single_row_prefetch": (False, True),
 }
 STREAM_KNOBS = {
-    ("STREAM_BLOCK_V", "STREAM_WARPS"): ((8192, 16), (16384, 32), (16384, 16), (8192, 8)),
-    ("STREAM_SOFTCAP_BLOCK_V", "STREAM_SOFTCAP_WARPS"): ((8192, 16), (16384, 32), (16384, 16), (8192, 8)),
-    "STREAM_PREFETCH": (1, 2),
-    "STREAM_WIDE_PREFETCH": (1, 2),
-    "STREAM_SOFTCAP_PREFETCH": (1, 2),
-    "STREAM_SOFTCAP_HINTED": (False, True),
-    "STREAM_HINTED_MAX_BYTES": (0, 96 * MB, 256 * MB),
-    "STREAM_STAGES": (1, 2, 3),
-    "STREAM_PROGRAMS_PER_SM": (0.5, 0.75, 1.0, 2.0),
-    "STREAM_L2_HINTS": (False, True),
-    "STREAM_L2_BUDGET_BYTES": (0, 24 * MB, 40 * MB),
+    ("stream_block_v", "stream_warps"): ((8192, 16), (16384, 32), (16384, 16), (8192, 8)),
+    ("stream_softcap_block_v", "stream_softcap_warps"): ((8192, 16), (16384, 32), (16384, 16), (8192, 8)),
+    "stream_prefetch": (1, 2),
+    "stream_wide_prefetch": (1, 2),
+    "stream_softcap_prefetch": (1, 2),
+    "stream_softcap_hinted": (False, True),
+    "stream_hinted_max_bytes": (0, 96 * MB, 256 * MB),
+    "stream_programs_per_sm": (0.5, 0.75, 1.0, 2.0),
+    "stream_l2_hints": (False, True),
 }
 
 
@@ -95,20 +95,22 @@ class Shape:
         self.sol_ms = 2 * self.logits.numel() * self.logits.element_size() / bandwidth * 1e3
         self.label = f"V={vocab}" + (f" softcap={softcap:g}" if softcap else "")
 
-    def step(self):
-        loss = ce.cross_entropy(self.logits, self.target, softcap=self.softcap)
-        return torch.autograd.grad(loss, self.logits)
+    def step(self, config):
+        """Loss and gradient of every row under ``config``: the launches of forward + backward."""
+        scales, _ = REDUCTION_SCALES(self.target, None, -100, "mean", self.vocab)
+        loss_rows = torch.empty(TOKENS, dtype=torch.float32, device=DEVICE)
+        grad = torch.empty_like(self.logits)
+        launch_cross_entropy_rows(self.logits.detach(), self.target, None, scales, None, grad, loss_rows,
+                                  -100, 0.0, 0.0, self.softcap, 1.0, config=config)
+        return loss_rows.sum(), grad
 
     def measure(self, setting: dict):
-        """ms of one setting (knob name -> value), or None when it fails; prints one line."""
-        shipped = {name: getattr(ce, name) for name in setting}
-        for name, value in setting.items():
-            setattr(ce, name, value)
+        """ms of one setting (CrossEntropyConfig field -> value), or None when it fails; prints one line."""
         try:
-            cfg = ce.row_launch(TOKENS, self.vocab, self.logits.device, softcap=self.softcap is not None)
+            config = dataclasses.replace(CONFIG, **setting)
+            cfg = row_launch(TOKENS, self.vocab, self.logits.device, softcap=self.softcap is not None, config=config)
             start = time.perf_counter()
-            loss = ce.cross_entropy(self.logits, self.target, softcap=self.softcap)
-            (grad,) = torch.autograd.grad(loss, self.logits)
+            loss, grad = self.step(config)
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
             first_s = time.perf_counter() - start  # mostly the compile, for a new geometry
@@ -116,14 +118,11 @@ class Shape:
             grad_err = ((grad.float() - self.ref_grad.float()).norm() / self.ref_grad.float().norm()).item()
             grad = None
             ok = loss_err <= LOSS_TOLERANCE and grad_err <= GRAD_TOLERANCE
-            ms = gpu_time(self.step, self.sol_ms * 2)
+            ms = gpu_time(lambda: self.step(config), self.sol_ms * 2)
         except Exception as exc:  # a setting that does not compile (or runs out of resources) is a result
             print(f"  {self.label} {_fmt(setting)}: FAILED {type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:160] if str(exc) else ''}", flush=True)
             return None
-        finally:
-            for name, value in shipped.items():
-                setattr(ce, name, value)
         geometry = (f"[{'single' if cfg.single_block else 'stream'} block={cfg.block_v} warps={cfg.num_warps} "
                     f"programs={cfg.programs}]")
         mark = "" if ok else f"  WRONG (loss {loss_err:.1e}, grad {grad_err:.1e})"
@@ -138,7 +137,7 @@ class Shape:
 
 
 def _fmt(setting: dict) -> str:
-    return " ".join(f"{name.lower()}={value}" for name, value in setting.items())
+    return " ".join(f"{name}={value}" for name, value in setting.items())
 
 
 def descend(shape: Shape, knobs: dict, start: dict):
@@ -160,7 +159,7 @@ def descend(shape: Shape, knobs: dict, start: dict):
 
 
 def _start(knobs: dict, **overrides) -> dict:
-    setting = {name: getattr(ce, name) for knob in knobs for name in _names(knob)}
+    setting = {name: getattr(CONFIG, name) for knob in knobs for name in _names(knob)}
     setting.update(overrides)
     return setting
 
@@ -170,7 +169,7 @@ def main(vocabs=None) -> None:
     bandwidth = copy_bandwidth() if DEVICE == "cuda" else 1e12
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {device}", flush=True)
-    print("shipped: " + _fmt({name: getattr(ce, name) for name in _knob_names()}), flush=True)
+    print("shipped: " + _fmt({name: getattr(CONFIG, name) for name in _knob_names()}), flush=True)
     summary = []
     for vocab, softcap in SHAPES:
         if vocabs and vocab not in vocabs:
@@ -178,8 +177,8 @@ def main(vocabs=None) -> None:
         shape = Shape(vocab, softcap, bandwidth)
         print(f"{shape.label}: SOL {shape.sol_ms:.3f} ms", flush=True)
         runs = []
-        single_key = "MAX_SINGLE_BLOCK_V_SOFTCAP" if softcap else "MAX_SINGLE_BLOCK_V"
-        if ce.next_power_of_2(vocab) <= 32768:  # fits the register regime: try it, then streaming
+        single_key = "max_single_block_v_softcap" if softcap else "max_single_block_v"
+        if next_power_of_2(vocab) <= 32768:  # fits the register regime: try it, then streaming
             runs.append(descend(shape, SINGLE_KNOBS, _start(SINGLE_KNOBS, **{single_key: 32768})))
             runs.append(descend(shape, STREAM_KNOBS, _start(STREAM_KNOBS, **{single_key: 8192})))
         else:
@@ -199,7 +198,7 @@ def main(vocabs=None) -> None:
 
 
 def _knob_names():
-    names = ["MAX_SINGLE_BLOCK_V", "MAX_SINGLE_BLOCK_V_SOFTCAP"]
+    names = ["max_single_block_v", "max_single_block_v_softcap"]
     for knobs in (SINGLE_KNOBS, STREAM_KNOBS):
         for knob in knobs:
             names.extend(_names(knob))

@@ -1,6 +1,6 @@
 """Where the fused linear CE's time goes, kernel by kernel, against torch.compile's (GPU only).
 
-    PYTHONPATH=src python3 scripts/profile_flce.py
+    PYTHONPATH=src python3 dev/profile_flce.py
 
 An experiment kept out of the package (STYLE: llm.c habit). At the two benchmark heads where tigon
 is slower than torch.compile (Qwen2.5-0.5B's H = 896, V = 151936, by classes; Gemma-2-2B's
@@ -12,7 +12,8 @@ H = 2304, V = 256000 with softcap 30, by tokens; N = 8192, bf16), it prints:
    compile runs, with their rates.
 
 Times are the harness's ``gpu_time`` (L2 flushed, launches queued behind a sleeping GPU). The
-seventeenth session's log was taken with a plain CUDA-event loop before this script used it.
+log in benchmarks/results/ from 2026-11 was taken with a plain CUDA-event loop, before this script
+used ``gpu_time``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Where the host's time goes in one training step (the e2e benchmark's model and step), eager or compiled.
 
-    PYTHONPATH=src:. python scripts/host_profile.py --model qwen2 --provider tigon [--steps 3]
-    PYTHONPATH=src:. python scripts/host_profile.py --model gemma2 --provider tigon+compile  # the compiled step
-    PYTHONPATH=src:. python scripts/host_profile.py --ops rms_norm rope swiglu   # per-op host cost
+    PYTHONPATH=src:. python dev/host_profile.py --model qwen2 --provider tigon [--steps 3]
+    PYTHONPATH=src:. python dev/host_profile.py --model gemma2 --provider tigon+compile  # the compiled step
+    PYTHONPATH=src:. python dev/host_profile.py --ops rms_norm rope swiglu   # per-op host cost
 
 A step whose GPU time is below its wall time is bound by the host (the e2e profile's busy / wall
 column). This runs the benchmark's own step under cProfile and prints the functions with the most
@@ -75,7 +75,7 @@ def main() -> None:
         return
 
     import tigon
-    from tigon.demo import build_model
+    from tigon.bench.models import build_model
 
     device = torch.device("cuda")
     spec = model_spec(args.model)

@@ -1,6 +1,6 @@
 """A/B of the attention projections' shared casts (src/tigon/patching/shared_cast.py) in the e2e step.
 
-    PYTHONPATH=src:. python3 scripts/ab_shared_cast.py MODEL VARIANT     # one process per run
+    PYTHONPATH=src:. python3 dev/ab_shared_cast.py MODEL VARIANT     # one process per run
     for m in qwen2 llama gemma2; do for v in stock tigon noshared; do ...; done; done
 
 VARIANT: stock (unpatched), tigon (tigon.patch), noshared (tigon.patch, then q/k/v/o's instance
@@ -20,7 +20,7 @@ import torch
 from benchmarks.e2e import LR, OPTIMIZER_BYTES_PER_PARAM, SEED, batch_for, model_spec
 
 import tigon
-from tigon.demo import build_model, parameter_count
+from tigon.bench.models import build_model, parameter_count
 from tigon.patching.engine import OUTPUT_PROJECTION, QKV_PROJECTIONS
 from tigon.patching.shared_cast import CACHE_ATTR
 

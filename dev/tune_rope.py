@@ -1,25 +1,25 @@
 """Sweep RoPE's launch geometry on a GPU, both tilings and the rule between them, checking every
 setting against transformers' formula.
 
-    PYTHONPATH=src python3 scripts/tune_rope.py                # every benchmark case
-    PYTHONPATH=src python3 scripts/tune_rope.py Qwen2.5-0.5B   # only cases whose label holds a name
-    PYTHONPATH=src python3 scripts/tune_rope.py --cpu          # a dry run of the logic (interpreter)
+    PYTHONPATH=src python3 dev/tune_rope.py                # every benchmark case
+    PYTHONPATH=src python3 dev/tune_rope.py Qwen2.5-0.5B   # only cases whose label holds a name
+    PYTHONPATH=src python3 dev/tune_rope.py --cpu          # a dry run of the logic (interpreter)
 
-An experiment kept out of the package (STYLE: llm.c habit): its findings go into the launch-config
-constants of src/tigon/ops/rope.py, which the last line prints as assignments to copy. Cases: the
+An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults of
+RopeConfig in src/tigon/ops/rope.py, which the last line prints as fields to copy. Cases: the
 benchmark spec's (src/tigon/bench/specs/rope.py): Llama-3-8B heads in [B, H, T, D], and every model
 of the table in the projection layout, B = 8, T = 2048, bf16. The first sweep (head-block tiling
 only; benchmarks/results/tune_rope-NVIDIA-H100-80GB-HBM3-2026-11-22.log, 55 s) set the head-block
 constants and left Qwen2.5-0.5B (14 / 2 heads of 64) at 77% of SOL, for which the token tiling
 was written.
 
-rope.py has two tilings (its docstring): head-block (TILE_ELEMENTS, ELEMENTS_PER_WARP, MAX_WARPS,
-MAX_BLOCK_H) and token (TOKEN_TILE_ELEMENTS, TOKEN_ELEMENTS_PER_WARP, TOKEN_MAX_WARPS), and a rule
-choosing between them (TOKEN_TILING_BELOW_BLOCK_H; the token tiling also needs one position's heads
-to fit in TOKEN_TILE_ELEMENTS). The sweep, in one call:
+rope.py has two tilings (its docstring): head-block (tile_elements, elements_per_warp, max_warps,
+max_block_h) and token (token_tile_elements, token_elements_per_warp, token_max_warps), and a rule
+choosing between them (token_tiling_below_block_h; the token tiling also needs one position's heads
+to fit in token_tile_elements). The sweep, in one call:
 
 1. baseline: the shipped constants on every case;
-2. head-block: the token tiling switched off (TOKEN_TILING_BELOW_BLOCK_H = 0); per case a
+2. head-block: the token tiling switched off (token_tiling_below_block_h = 0); per case a
    coordinate descent over the head-block knobs from the shipped values (each knob over its
    values, the others held at the best so far, one pass); then every case's winner on every case,
    and the best geometric mean of % SOL is kept;
@@ -34,18 +34,17 @@ One line per setting, printed as it is measured. Times are GPU times of forward 
 the benchmark harness (the step queued behind a sleeping GPU, L2 flushed before each step); SOL =
 q and k read and written once forward and once backward over the copy bandwidth measured first. A
 setting whose output or gradients differ from the reference beyond bf16 rounding is reported and
-never chosen. The launch geometry is cached per shape in the package; the sweep calls the uncached
-function.
+never chosen. The launch geometry is cached per shape and config in the package.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
 import time
-from contextlib import nullcontext
-from unittest import mock
+from contextlib import contextmanager
 
 if "--cpu" in sys.argv[1:]:  # before tigon defines its kernels: @triton.jit reads it then
     os.environ["TRITON_INTERPRET"] = "1"
@@ -58,31 +57,38 @@ from tigon.bench.specs import load_specs  # noqa: E402
 rope_mod = sys.modules["tigon.ops.rope"]
 
 HEAD_BLOCK_KNOBS = {
-    "TILE_ELEMENTS": (1024, 2048, 4096, 8192),
-    "ELEMENTS_PER_WARP": (128, 256, 512, 1024),
-    "MAX_WARPS": (4, 8, 16),
-    "MAX_BLOCK_H": (1, 2, 4, 8, 16),
+    "tile_elements": (1024, 2048, 4096, 8192),
+    "elements_per_warp": (128, 256, 512, 1024),
+    "max_warps": (4, 8, 16),
+    "max_block_h": (1, 2, 4, 8, 16),
 }
 TOKEN_KNOBS = {
-    "TOKEN_TILE_ELEMENTS": (1024, 2048, 4096, 8192, 16384),
-    "TOKEN_ELEMENTS_PER_WARP": (128, 256, 512, 1024),
-    "TOKEN_MAX_WARPS": (4, 8, 16),
+    "token_tile_elements": (1024, 2048, 4096, 8192, 16384),
+    "token_elements_per_warp": (128, 256, 512, 1024),
+    "token_max_warps": (4, 8, 16),
 }
-RULE = "TOKEN_TILING_BELOW_BLOCK_H"
+RULE = "token_tiling_below_block_h"
 # Token tiling where the head-block tiling would hold fewer heads than this: 0 never, and a value
-# above every MAX_BLOCK_H swept wherever one position's heads fit in a token tile.
-THRESHOLDS = (0, 2, 4, 8, 16, 2 * max(HEAD_BLOCK_KNOBS["MAX_BLOCK_H"]))
+# above every max_block_h swept wherever one position's heads fit in a token tile.
+THRESHOLDS = (0, 2, 4, 8, 16, 2 * max(HEAD_BLOCK_KNOBS["max_block_h"]))
 NEVER, ALWAYS = THRESHOLDS[0], THRESHOLDS[-1]
 TOLERANCE = 2e-2  # relative norm error of bf16 outputs and gradients against the fp32 reference
 
 
 def _fmt(setting: dict) -> str:
-    return " ".join(f"{name.lower()}={value}" for name, value in setting.items())
+    return " ".join(f"{name}={value}" for name, value in setting.items())
 
 
+@contextmanager
 def _constants(setting: dict):
-    """rope.py's module constants set to ``setting`` (name -> value) for the block, then restored."""
-    return mock.patch.multiple(rope_mod, **setting) if setting else nullcontext()
+    """rope.py's RopeConfig with ``setting`` (field -> value) for the block, then the shipped one. The op
+    launches through registered ops, which take no config, so the module's default is swapped."""
+    shipped = rope_mod.CONFIG
+    rope_mod.CONFIG = dataclasses.replace(shipped, **setting)
+    try:
+        yield
+    finally:
+        rope_mod.CONFIG = shipped
 
 
 def _geomean(percents) -> float:
@@ -106,11 +112,10 @@ class Case:
 
     def launch(self, setting: dict):
         """The launch config rope.py picks for this case under ``setting`` (q, k are [B, H, T, D])."""
-        with _constants(setting):
-            return rope_mod.rope_launch(
-                self.q.shape[2], self.q.shape[1], self.k.shape[1], self.cos.shape[-1], self.q.shape[3],
-                self.q.dtype == self.k.dtype,
-            )
+        return rope_mod.rope_launch(
+            self.q.shape[2], self.q.shape[1], self.k.shape[1], self.cos.shape[-1], self.q.shape[3],
+            self.q.dtype == self.k.dtype, config=dataclasses.replace(rope_mod.CONFIG, **setting),
+        )
 
     def step(self):
         q_out, k_out = rope_mod.rope(self.q, self.k, self.cos, self.sin)
@@ -234,8 +239,7 @@ def main(argv) -> None:
         device, bandwidth, timer = torch.device("cuda"), copy_bandwidth(), gpu_time
         cases = [c for c in spec.cases() if not names or any(n in c.label for n in names)]
         print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
-    rope_mod.rope_launch = getattr(rope_mod.rope_launch, "__wrapped__", rope_mod.rope_launch)  # uncached
-    shipped = {name: getattr(rope_mod, name) for name in (*HEAD_BLOCK_KNOBS, *TOKEN_KNOBS, RULE)}
+    shipped = {name: getattr(rope_mod.CONFIG, name) for name in (*HEAD_BLOCK_KNOBS, *TOKEN_KNOBS, RULE)}
     measured = [Case(c, device, bandwidth) for c in cases]
 
     print(f"=== baseline: {_fmt(shipped)}", flush=True)

@@ -1,6 +1,6 @@
 """Compile one tigon kernel for the H100 (sm_90) on a machine without a GPU: registers, spills, SASS.
 
-    python3 scripts/kernel_resources.py cross_entropy cross_entropy_fwd_kernel \
+    python3 dev/kernel_resources.py cross_entropy cross_entropy_fwd_kernel \
         BLOCK_V=16384 SINGLE_BLOCK=0 COMPUTE_GRAD=1 ROW_PREFETCH=0 PREFETCH=2 STAGES=1 \
         FIRST_READ_POLICY=0 SECOND_READ_POLICY=0 STORE_POLICY=0 HAS_WEIGHT=0 HAS_SMOOTHING=0 \
         HAS_Z_LOSS=0 HAS_SOFTCAP=1 HAS_ROW_SCALE=0 SOFTCAP_SHIFT=1 --warps 32 --ptr logits_ptr=bf16 \

@@ -1,7 +1,7 @@
 """Fused linear CE with the CE work in a Triton matmul's epilogue: a measurement, not shipped code.
 
-    PYTHONPATH=src python3 scripts/flce_fused_epilogue.py                            # GPU: timings
-    TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/flce_fused_epilogue.py check   # CPU: correctness
+    PYTHONPATH=src python3 dev/flce_fused_epilogue.py                            # GPU: timings
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 dev/flce_fused_epilogue.py check   # CPU: correctness
 
 An experiment kept out of the package (STYLE: llm.c habit). By classes (fused_linear_cross_entropy.py),
 each chunk of logits is written by cuBLAS and then read by tigon's statistics kernel (pass 1) or
@@ -11,7 +11,7 @@ that work instead: per-tile (max, Σ exp) statistics (no logits written), or the
 logits are rounded to bf16 before the epilogue, as the cuBLAS path rounds them. At Qwen2.5-0.5B's head
 (N = 8192, H = 896, chunks of 4608 classes) it times cuBLAS + tigon's kernels against pointer-based
 tiles and persistent TMA tiles with warp specialisation, each launch timed by the harness's
-``gpu_time`` (the seventeenth session's log: a CUDA-event loop with L2 flushed, before). Findings:
+``gpu_time`` (the logged run used a CUDA-event loop with L2 flushed). Findings:
 benchmarks/results/tune_flce_fused-*-seventeenth.log (the TMA epilogues would save ~2 ms of 16; not
 enough to pass torch.compile's 12.9 ms, because by classes needs a fourth matmul).
 """
@@ -27,7 +27,8 @@ import triton.language as tl
 
 import tigon.ops  # noqa: F401
 from tigon.bench.harness import gpu_time
-from tigon.ops.cross_entropy import CHUNK_GRAD, CHUNK_STATS, REDUCTION_SCALES
+from tigon.ops._softmax_rows import REDUCTION_SCALES
+from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 
 LOG2E = 1.4426950408889634
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")

@@ -1,6 +1,6 @@
 """How close can anything get to RoPE's speed of light at Qwen2.5-0.5B's shape under the harness?
 
-    PYTHONPATH=src python3 scripts/rope_floor.py      # on the GPU; Liger-Kernel's rope too if importable
+    PYTHONPATH=src python3 dev/rope_floor.py      # on the GPU; Liger-Kernel's rope too if importable
 
 A plain device copy of the same bytes in the same number of launches (one for the forward, one for
 the backward), against tigon's and Liger-Kernel's rope, forward + backward, each timed twice with the

@@ -3,7 +3,7 @@ several backward warp settings (BWD_ELEMENTS_PER_WARP), the same math as tigon's
 rms_norm, torch.compile of the eager reference and eager itself, at Gemma-2-2B's and -9B's hidden sizes
 with bf16 x, an fp32 residual stream and fp32 weights (autocast training).
 
-    python3 scripts/tune_join.py
+    python3 dev/tune_join.py
 
 Times are medians of 50 forward+backward steps between CUDA events, host launch cost included (the
 harness, ``tigon bench rms_norm_add_rms_norm``, gives the GPU times). "post": the second join of a

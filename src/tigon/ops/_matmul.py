@@ -1,0 +1,87 @@
+"""Matmuls into a chosen dtype and fused casts, shared by the ops that call cuBLAS around their
+kernels (nn/mlp.py, the fused linear losses) and by the patching's shared casts."""
+
+from __future__ import annotations
+
+import torch
+
+HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def fp32_product_in_place(a: torch.Tensor) -> bool:
+    """Whether a matmul of ``a`` (bf16/fp16) can write or accumulate an fp32 result itself."""
+    return HAS_MM_OUT_DTYPE and a.is_cuda and a.dtype != torch.float32 and not torch.compiler.is_compiling()
+
+
+def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` returned in ``dtype``: the gradient of a tensor (an fp32 master weight, an fp32
+    input) that autocast cast to the operands' dtype.
+
+    Stock autograd makes it the bf16 product cast to fp32: the matmul rounds its fp32 accumulator
+    to bf16, then a cast kernel reads that and writes fp32. On the GPU the matmul writes its fp32
+    accumulator itself instead: no cast kernel (2 bytes read and 2 written less per element, one
+    launch less) and no rounding to bf16 on the way, so the gradient is nearer the exact product.
+    """
+    if dtype == a.dtype:
+        return a @ b
+    if dtype == torch.float32 and fp32_product_in_place(a):
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+        return torch.addmm(out, a, b, beta=0.0, out_dtype=dtype, out=out)
+    return (a @ b).to(dtype)
+
+
+def matmul_accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
+    """out = a @ b (``first``) or out += a @ b, summed in ``out``'s dtype, in place.
+
+    In the operands' dtype the matmul adds its product to ``out`` itself (beta = 1): each sum is
+    rounded once and no product is written on its own. An fp32 ``out`` (the gradient of an fp32
+    tensor) is summed in fp32: on the GPU by the matmul itself (``out_dtype``); elsewhere as autograd
+    sums the products of separate nodes, each rounded to the operands' dtype and widened.
+    """
+    beta = 0.0 if first else 1.0
+    if out.dtype == a.dtype:
+        out.addmm_(a, b, beta=beta)
+    elif out.dtype == torch.float32 and fp32_product_in_place(a):
+        torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
+    elif first:
+        out.copy_(a @ b)
+    else:
+        out += a @ b
+
+
+def cast_all(tensors, dtype: torch.dtype) -> list:
+    """``[t.to(dtype) for t in tensors]`` (None stays None), the casts made by one launch.
+
+    Why: a node that casts its fp32 weights (and biases) to the autocast dtype, as ``nn.Linear``
+    under autocast does, made one cast kernel each, and in eager mode each ``.to`` costs ~20 µs of
+    the host's dispatch, allocation and launch on the H100 machine: 17 of them a Qwen2.5-0.5B layer,
+    forward and backward, 400 a step that was bound by its host. Here the outputs are allocated as
+    ``.to`` allocates them (``empty_like``: same sizes and strides) and filled by one
+    ``torch._foreach_copy_``, which converts the dtype in one multi-tensor kernel on the GPU (and
+    copies one by one elsewhere): the same values, bit for bit, as the separate casts. Under
+    torch.compile the plain casts are left to Inductor, which fuses them itself.
+    """
+    out = list(tensors)
+    todo = [i for i, t in enumerate(tensors) if t is not None and t.dtype != dtype]
+    if len(todo) < 2 or torch.compiler.is_compiling():
+        for i in todo:
+            out[i] = tensors[i].to(dtype)
+        return out
+    sources = [tensors[i] for i in todo]
+    casts = [torch.empty_like(t, dtype=dtype) for t in sources]
+    torch._foreach_copy_(casts, sources)
+    for i, cast in zip(todo, casts, strict=True):
+        out[i] = cast
+    return out
+
+
+def sum_rows_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.sum(0)`` returned in ``dtype``: the gradient of a bias that autocast cast to ``t``'s dtype.
+
+    Stock autograd rounds the (fp32-accumulated) sum to ``t``'s dtype and casts it back; on the GPU
+    the reduction writes its fp32 accumulator in ``dtype`` itself (one kernel less, and no rounding
+    on the way, as :func:`matmul_to` does for the weights). Elsewhere it is the stock's, bit for bit.
+    """
+    if dtype == torch.float32 and t.dtype != dtype and t.is_cuda and not torch.compiler.is_compiling():
+        return t.sum(0, dtype=dtype)
+    return t.sum(0).to(dtype)
