@@ -56,7 +56,8 @@ from dataclasses import dataclass
 import torch
 
 from tigon.ops._common import matmul_accumulate
-from tigon.ops.cross_entropy import REDUCTION_SCALES, RangeCheck, apply_grad_output
+from tigon.ops._loss_grad import RangeCheck, apply_grad_output
+from tigon.ops._softmax_rows import REDUCTION_SCALES
 from tigon.ops.fused_linear_cross_entropy import _compute_dtype, _compute_operands
 from tigon.ops.fused_linear_logprobs import (
     CHUNK_GRAD,

@@ -11,7 +11,7 @@ Forward. With X (N, H) the tokens, W (V, H) the head, b (V,) its bias, σ = ``lo
     Hent  = −Σ_j p_j·log p_j = log s − (Σ_j e^(z_j−m)·(z_j − m)) / s          entropy
 
 T folds into the cross-entropy kernels' parametrisation: z = σ'·l with σ' = σ/T, or κ'·tanh(σ·l/κ)
-with κ' = κ/T; so the scaling helpers of cross_entropy.py (``_scaled_logits``, ``_scaled_with_slope``)
+with κ' = κ/T; so the scaling helpers of cross_entropy.py (``scaled_logits``, ``scaled_with_slope``)
 serve unchanged. Σ e·(z − m) is kept relative to the running max (rescaled as
 r·(S + (m − m')·s) with r = e^(m − m') when the max moves to m'): entropy without the cancellation
 of lse − Σ p·z when the logits are large. Rows whose target is ``ignore_index`` give 0 and pass no
@@ -79,16 +79,9 @@ from tigon.ops._common import (
     persistent_programs,
     wrap_triton,
 )
-from tigon.ops.cross_entropy import (
-    REDUCTION_SCALES,
-    RangeCheck,
-    _local_column,
-    _scaled_logits,
-    _scaled_with_slope,
-    _store_zeros,
-    check_loss_options,
-    check_target,
-)
+from tigon.ops._loss_grad import RangeCheck
+from tigon.ops._softmax_rows import REDUCTION_SCALES, local_column, scaled_logits, scaled_with_slope, store_zeros
+from tigon.ops.cross_entropy import check_loss_options, check_target
 from tigon.ops.fused_linear_cross_entropy import _compute_dtype, _compute_operands
 
 # ------------------------------------------------------------------------------------ launch config
@@ -179,7 +172,7 @@ def logprobs_chunk_stats_kernel(
                 z_sum = tl.load(state_in_ptr + 4 * num_rows + row64)
                 before = tl.load(state_in_ptr + 5 * num_rows + row64)
                 z_t = tl.load(state_in_ptr + 6 * num_rows + row64)
-            t_local = _local_column(t, col0, width)  # −1 when the target is elsewhere
+            t_local = local_column(t, col0, width)  # −1 when the target is elsewhere
             row_in = chunk_ptr + row64 * chunk_row_stride
             z_sum_lanes = tl.zeros([BLOCK_V], tl.float32)
             before_lanes = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -188,7 +181,7 @@ def logprobs_chunk_stats_kernel(
                 cols = start + tl.arange(0, BLOCK_V)
                 mask = cols < width
                 l = tl.load(row_in + cols, mask=mask, other=0.0).to(tl.float32)
-                z = _scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+                z = scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
                 z_t_lanes += tl.where(cols == t_local, z, 0.0)
                 z = tl.where(mask, z, float("-inf"))
                 m_new = tl.maximum(m, tl.max(z, axis=0))
@@ -254,7 +247,7 @@ def logprobs_chunk_grad_kernel(
         row_out = grad_ptr + row64 * grad_row_stride
         t = tl.load(target_ptr + row64 * target_stride).to(tl.int64)
         if t == ignore_index:
-            _store_zeros(row_out, 1, width, BLOCK_V)
+            store_zeros(row_out, 1, width, BLOCK_V)
         else:
             row_in = chunk_ptr + row64 * chunk_row_stride
             lse = tl.load(lse_ptr + row64)
@@ -268,12 +261,12 @@ def logprobs_chunk_grad_kernel(
             else:
                 g_ent = 0.0
                 ent = 0.0
-            t_local = _local_column(t, col0, width)
+            t_local = local_column(t, col0, width)
             for start in range(0, width, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)
                 mask = cols < width
                 l = tl.load(row_in + cols, mask=mask, other=0.0).to(tl.float32)
-                z, slope = _scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+                z, slope = scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
                 log_p = z - lse
                 p = fast_exp(log_p)
                 dz = tl.zeros([BLOCK_V], tl.float32)

@@ -33,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import TigonOp, as_rows, check_tensor, wrap_triton
+from tigon.ops._common import as_rows, check_tensor
+from tigon.ops._launch import TigonOp, wrap_triton
+from tigon.ops._tiles import tile_indices, tile_launch
 from tigon.ops.jsd import _load_log_probs, _rows_counted, check_labels
-from tigon.ops.kl_div import _tile, tile_launch
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -62,7 +63,7 @@ def tvd_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LABELS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
+    rows, cols = tile_indices(pid, col_tiles, BLOCK_M, BLOCK_N)
     s, t, _mask = _load_log_probs(
         student_ptr, student_row_stride, student_col_stride,
         teacher_ptr, teacher_row_stride, teacher_col_stride,
@@ -83,7 +84,7 @@ def tvd_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LABELS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows, cols = _tile(pid, col_tiles, BLOCK_M, BLOCK_N)
+    rows, cols = tile_indices(pid, col_tiles, BLOCK_M, BLOCK_N)
     s, t, _mask = _load_log_probs(
         student_ptr, student_row_stride, student_col_stride,
         teacher_ptr, teacher_row_stride, teacher_col_stride,

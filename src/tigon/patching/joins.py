@@ -49,8 +49,8 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
-from tigon.ops.rms_norm import add_rms_norm
 from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
+from tigon.ops.rmsnorm import add_rms_norm
 from tigon.patching import wrappers
 
 # The body of transformers' LlamaDecoderLayer.forward, and of Mistral's, Qwen2/3's, Gemma's, SmolLM3's
