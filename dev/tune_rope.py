@@ -9,7 +9,7 @@ An experiment kept out of the package (STYLE: llm.c habit): its findings go into
 RopeConfig in src/tigon/ops/rope.py, which the last line prints as fields to copy. Cases: the
 benchmark spec's (src/tigon/bench/specs/rope.py): Llama-3-8B heads in [B, H, T, D], and every model
 of the table in the projection layout, B = 8, T = 2048, bf16. The first sweep (head-block tiling
-only; benchmarks/results/tune_rope-NVIDIA-H100-80GB-HBM3-2026-11-22.log, 55 s) set the head-block
+only; benchmarks/results/2026-11-22/tune_rope.log, 55 s) set the head-block
 constants and left Qwen2.5-0.5B (14 / 2 heads of 64) at 77% of SOL, for which the token tiling
 was written.
 
