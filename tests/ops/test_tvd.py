@@ -18,8 +18,10 @@ from tests.helpers import (
     randn,
 )
 from tigon.ops import tvd as tvd_exported
-from tigon.ops.kl_div import TILE_ELEMENTS
+from tigon.ops._tiles import CONFIG as TILE_CONFIG
 from tigon.ops.tvd import tvd, tvd_reference
+
+TILE_ELEMENTS = TILE_CONFIG.tile_elements
 
 pytestmark = [
     # the interpreter evaluates both sides of a tl.where in numpy: 0·inf in padding lanes
