@@ -22,6 +22,9 @@ import torch
 
 import tigon
 from tests.patching.tiny import batch, tiny_model
+from tigon._interpreter import apply_interpreter_fixes
+
+apply_interpreter_fixes()  # the parent sets TRITON_INTERPRET=1: this worker runs on the CPU
 
 STEPS = 2
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")

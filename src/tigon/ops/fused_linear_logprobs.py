@@ -314,7 +314,8 @@ def _chunk_stats_impl(
     logprobs, lse = out((num_rows,), is_last), out((num_rows,), is_last)
     ent = out((num_rows,), is_last and entropy)
     log_sum_sq, mean = out((num_rows,), is_last and extras), out((num_rows,), is_last and extras)
-    top1 = out((num_rows,), is_last and extras, torch.bool)
+    top1 = out((num_rows,), is_last and extras, torch.uint8)  # 0/1; made bool outside the op (Inductor
+    # cannot lower a bool-to-uint8 view inside it)
     if num_rows == 0:
         return state_out, logprobs, lse, ent, log_sum_sq, mean, top1
     placeholder = logprobs if is_last else state_out
@@ -326,7 +327,7 @@ def _chunk_stats_impl(
         ent if is_last and entropy else placeholder,
         log_sum_sq if is_last and extras else placeholder,
         mean if is_last and extras else placeholder,
-        top1.view(torch.uint8) if is_last and extras else placeholder,
+        top1 if is_last and extras else placeholder,
         num_rows, vocab, col0, width, ignore_index, logit_scale,
         0.0 if softcap is None else softcap, softcap_scale,
         BLOCK_V=block_v, IS_FIRST=is_first, IS_LAST=is_last, HAS_SOFTCAP=softcap is not None,
@@ -480,7 +481,8 @@ def _forward_pass(x, w, b, t, opts: _Options, chunk: int, launch: tuple[int, int
             logits, t, state, c0, vocab, i == 0, i == len(chunks) - 1, opts.ignore_index, opts.logit_scale,
             opts.softcap, opts.softcap_scale, opts.entropy, opts.extras, *launch,
         )
-    return outputs
+    logprobs, lse, ent, log_sum_sq, mean, top1 = outputs
+    return logprobs, lse, ent, log_sum_sq, mean, top1.bool()
 
 
 def _backward_pass(x, w, b, t, lse, entropy, grad_lp, grad_ent, opts, chunk, launch, need, grad_dtypes):
