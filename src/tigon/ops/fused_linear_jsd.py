@@ -7,7 +7,7 @@ Forward, for student hidden states ``x_s`` ``[N, Hs]`` with head ``W_s`` ``[V, H
     s   = log_softmax(z_s / T),  t = log_softmax(z_t / T)  (fp32)
     loss = jsd(s, t, beta, labels, ignore_index)        (tigon.ops.jsd: mean over counted rows)
 
-Backward, to the student only. With ``g = ∂loss/∂s`` per element (``jsd.py``'s ``_jsd_terms``,
+Backward, to the student only. With ``g = ∂loss/∂s`` per element (``jsd.py``'s ``jsd_terms``,
 already divided by the counted rows) and the log-softmax Jacobian ``∂s_j/∂z_i = (δ_ij − P_s,i)/T``::
 
     ∂loss/∂z_s = (g − P_s · Σ_v g) / T                  one more row reduction (Σ_v g)
@@ -46,9 +46,10 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import as_fp32, check_tensor
+from tigon.ops._divergence_rows import beta_mode, check_labels, jsd_terms, rows_counted
 from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
 from tigon.ops._loss_grad import apply_grad_output
-from tigon.ops.jsd import _jsd_terms, _rows_counted, beta_mode, check_beta, check_labels, jsd_reference
+from tigon.ops.jsd import check_beta, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel
 
@@ -107,7 +108,7 @@ def fused_linear_jsd_row_kernel(
         mask = cols < vocab
         s = _log_probs(student_row, cols, mask, inv_temperature, lse_s)
         t = _log_probs(teacher_row, cols, mask, inv_temperature, lse_t)
-        loss, grad, _p_s = _jsd_terms(s, t, beta, BETA_MODE)
+        loss, grad, _p_s = jsd_terms(s, t, beta, BETA_MODE)
         loss_acc += loss
         grad_acc += grad
     grad_sum = tl.sum(grad_acc, axis=0)
@@ -121,7 +122,7 @@ def fused_linear_jsd_row_kernel(
         mask = cols < vocab
         s = _log_probs(student_row, cols, mask, inv_temperature, lse_s)
         t = _log_probs(teacher_row, cols, mask, inv_temperature, lse_t)
-        _loss, grad, p_s = _jsd_terms(s, t, beta, BETA_MODE)
+        _loss, grad, p_s = jsd_terms(s, t, beta, BETA_MODE)
         dz = tl.where(valid, (grad - p_s * grad_sum) * coef, 0.0)
         tl.store(student_row + cols, dz.to(student_ptr.dtype.element_ty), mask=mask)
 
@@ -191,7 +192,7 @@ def _forward(student_input, student_weight, teacher_input, teacher_weight, label
     x_t = teacher_input.reshape(-1, teacher_input.shape[-1])     # (N, Ht)
     labels_1d = labels.reshape(-1) if labels is not None else None
     num_rows, vocab = x_s.shape[0], student_weight.shape[0]
-    scale = 1.0 / _rows_counted(labels_1d, num_rows, ignore_index, x_s.device)
+    scale = 1.0 / rows_counted(labels_1d, num_rows, ignore_index, x_s.device)
     grad_input = torch.empty_like(x_s) if input_grad else None
     grad_weight = None
     row_losses = []
