@@ -387,6 +387,25 @@ def _compute_dtype(input, linear_weight, linear_bias):
     return input.dtype
 
 
+def check_linear_head(input, linear_weight, linear_bias):
+    """``input [..., H]``, ``linear_weight (V, H)``, ``linear_bias (V,)`` or None on one device: V."""
+    check_tensor(input, "input")
+    if input.dim() == 0:
+        raise ValueError("input must have at least one dimension (the hidden dimension is the last)")
+    check_tensor(linear_weight, "linear_weight", device=input.device)
+    if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1] or linear_weight.shape[0] == 0:
+        raise ValueError(
+            f"linear_weight has shape {tuple(linear_weight.shape)}, "
+            f"expected (V, {input.shape[-1]}) with V > 0"
+        )
+    vocab = linear_weight.shape[0]
+    if linear_bias is not None:
+        check_tensor(linear_bias, "linear_bias", device=input.device)
+        if linear_bias.shape != (vocab,):
+            raise ValueError(f"linear_bias has shape {tuple(linear_bias.shape)}, expected ({vocab},)")
+    return vocab
+
+
 def fused_linear_cross_entropy(
     input,
     linear_weight,
@@ -409,20 +428,7 @@ def fused_linear_cross_entropy(
     Gradients flow to input, linear_weight and linear_bias. With ``reduction="sum"`` divided by the
     caller's ``num_items_in_batch`` it gives transformers' gradient-accumulation loss.
     """
-    check_tensor(input, "input")
-    if input.dim() == 0:
-        raise ValueError("input must have at least one dimension (the hidden dimension is the last)")
-    check_tensor(linear_weight, "linear_weight", device=input.device)
-    if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1] or linear_weight.shape[0] == 0:
-        raise ValueError(
-            f"linear_weight has shape {tuple(linear_weight.shape)}, "
-            f"expected (V, {input.shape[-1]}) with V > 0"
-        )
-    vocab = linear_weight.shape[0]
-    if linear_bias is not None:
-        check_tensor(linear_bias, "linear_bias", device=input.device)
-        if linear_bias.shape != (vocab,):
-            raise ValueError(f"linear_bias has shape {tuple(linear_bias.shape)}, expected ({vocab},)")
+    vocab = check_linear_head(input, linear_weight, linear_bias)
     compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
     check_loss_options(
         weight, vocab, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale

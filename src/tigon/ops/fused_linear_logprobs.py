@@ -73,7 +73,6 @@ from tigon.ops._common import (
     HAS_MM_OUT_DTYPE,
     TigonOp,
     as_fp32,
-    check_tensor,
     fast_exp,
     matmul_accumulate,
     persistent_programs,
@@ -82,7 +81,7 @@ from tigon.ops._common import (
 from tigon.ops._loss_grad import RangeCheck
 from tigon.ops._softmax_rows import REDUCTION_SCALES, local_column, scaled_logits, scaled_with_slope, store_zeros
 from tigon.ops.cross_entropy import check_loss_options, check_target
-from tigon.ops.fused_linear_cross_entropy import _compute_dtype, _compute_operands
+from tigon.ops.fused_linear_cross_entropy import _compute_dtype, _compute_operands, check_linear_head
 
 # ------------------------------------------------------------------------------------ launch config
 
@@ -592,19 +591,7 @@ def _check_number(name, value, *, positive=False):
 
 def _check_arguments(input, linear_weight, target, linear_bias, temperature, softcap, logit_scale,
                      ignore_index, entropy, extras):
-    check_tensor(input, "input")
-    if input.dim() == 0:
-        raise ValueError("input must have at least one dimension (the hidden dimension is the last)")
-    check_tensor(linear_weight, "linear_weight", device=input.device)
-    if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1] or linear_weight.shape[0] == 0:
-        raise ValueError(
-            f"linear_weight has shape {tuple(linear_weight.shape)}, expected (V, {input.shape[-1]}) with V > 0"
-        )
-    vocab = linear_weight.shape[0]
-    if linear_bias is not None:
-        check_tensor(linear_bias, "linear_bias", device=input.device)
-        if linear_bias.shape != (vocab,):
-            raise ValueError(f"linear_bias has shape {tuple(linear_bias.shape)}, expected ({vocab},)")
+    vocab = check_linear_head(input, linear_weight, linear_bias)
     _check_number("temperature", temperature, positive=True)
     if softcap is not None:
         _check_number("softcap", softcap, positive=True)
