@@ -1,4 +1,4 @@
-"""The sandwich-norm join (tigon.ops.rms_norm_add_rms_norm / rms_norm_add) on the GPU: the fused op at
+"""The sandwich-norm join (tigon.ops.sandwich_norm_join / post_norm_join) on the GPU: the fused op at
 several backward warp settings (BWD_ELEMENTS_PER_WARP), the same math as tigon's rms_norm + add +
 rms_norm, torch.compile of the eager reference and eager itself, at Gemma-2-2B's and -9B's hidden sizes
 with bf16 x, an fp32 residual stream and fp32 weights (autocast training).
@@ -6,8 +6,8 @@ with bf16 x, an fp32 residual stream and fp32 weights (autocast training).
     python3 dev/tune_join.py
 
 Times are medians of 50 forward+backward steps between CUDA events, host launch cost included (the
-harness, ``tigon bench rms_norm_add_rms_norm``, gives the GPU times). "post": the second join of a
-layer (rms_norm_add, no norm after it).
+harness, ``tigon bench sandwich_norm_join``, gives the GPU times). "post": the second join of a
+layer (post_norm_join, no norm after it).
 """
 
 import importlib
@@ -16,7 +16,7 @@ import torch
 
 from tigon.ops import rms_norm
 
-J = importlib.import_module("tigon.ops.rms_norm_add")  # the attribute is the function
+J = importlib.import_module("tigon.ops.post_norm_join")  # the attribute is the function
 
 
 def chain(x, r, w, w2):
@@ -25,15 +25,15 @@ def chain(x, r, w, w2):
 
 
 def fused(x, r, w, w2):
-    return J.rms_norm_add_rms_norm(x, r, w, w2, casting="gemma", offset=1.0, out_dtype=torch.bfloat16)
+    return J.sandwich_norm_join(x, r, w, w2, casting="gemma", offset=1.0, out_dtype=torch.bfloat16)
 
 
 def ref(x, r, w, w2):
-    return J.rms_norm_add_rms_norm_reference(x, r, w, w2, casting="gemma", offset=1.0, out_dtype=torch.bfloat16)
+    return J.sandwich_norm_join_reference(x, r, w, w2, casting="gemma", offset=1.0, out_dtype=torch.bfloat16)
 
 
 def post(x, r, w, w2):
-    return None, J.rms_norm_add(x, r, w, casting="gemma", offset=1.0)
+    return None, J.post_norm_join(x, r, w, casting="gemma", offset=1.0)
 
 
 def post_chain(x, r, w, w2):

@@ -6,6 +6,7 @@ before the first import, since Triton reads it when the kernels below are define
 
 import sys
 
+from tigon.ops._common import deprecated_function_alias as _deprecated_function_alias
 from tigon.ops._common import deprecated_module_alias as _deprecated_module_alias
 from tigon.ops.cross_entropy import cross_entropy
 from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -15,10 +16,14 @@ from tigon.ops.glu import geglu, swiglu
 from tigon.ops.jsd import jsd
 from tigon.ops.kl_div import kl_div
 from tigon.ops.layer_norm import layer_norm
-from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
+from tigon.ops.norm_joins import post_norm_join, sandwich_norm_join
 from tigon.ops.rmsnorm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 from tigon.ops.tvd import tvd
+
+# The post-norm joins' former names, which read like ``add_rms_norm`` with the words swapped.
+rms_norm_add = _deprecated_function_alias(post_norm_join, "rms_norm_add")
+rms_norm_add_rms_norm = _deprecated_function_alias(sandwich_norm_join, "rms_norm_add_rms_norm")
 
 # ``tigon.ops.rms_norm`` is the function (the module is ``tigon.ops.rmsnorm``). Code that still
 # imports from the module's former name, ``from tigon.ops.rms_norm import add_rms_norm``, gets the
@@ -29,6 +34,6 @@ sys.modules.setdefault(__name__ + ".rms_norm", _deprecated_module_alias(__name__
 __all__ = [
     "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd",
     "fused_linear_logprobs", "fused_linear_token_stats", "geglu", "jsd",
-    "kl_div", "layer_norm", "rms_norm", "rms_norm_add", "rms_norm_add_rms_norm", "rope", "swiglu",
+    "kl_div", "layer_norm", "post_norm_join", "rms_norm", "rope", "sandwich_norm_join", "swiglu",
     "tvd",
 ]

@@ -141,6 +141,21 @@ def copysign_nonnegative(magnitude, sign):
     return bits.to(tl.float32, bitcast=True)
 
 
+def deprecated_function_alias(function, old_name: str):
+    """``function`` under its former public name: the same call, with a DeprecationWarning."""
+    import functools
+    import warnings
+
+    @functools.wraps(function)
+    def alias(*args, **kwargs):
+        warnings.warn(f"tigon.ops.{old_name} is deprecated: call tigon.ops.{function.__name__}", DeprecationWarning,
+                      stacklevel=2)
+        return function(*args, **kwargs)
+
+    alias.__name__ = alias.__qualname__ = old_name
+    return alias
+
+
 def deprecated_module_alias(old_name: str, new_name: str):
     """A module object for ``sys.modules[old_name]`` that forwards every attribute to ``new_name``
     with a DeprecationWarning (for an op module renamed so that its old name is the function's)."""

@@ -1,4 +1,4 @@
-r"""The row machinery the three norms share (rms_norm, layer_norm, rms_norm_add).
+r"""The row machinery the three norms share (rms_norm, layer_norm, post_norm_join).
 
 - Tile loads and the backward's per-tile terms (x̂, g), the fp32 partial-row update of dw (and db)
   and the split of a band's columns between programs.

@@ -40,7 +40,7 @@ c needs the whole row before any of dx. Two ways, both in :func:`rms_norm_bwd_ke
   between the two reads: the rows of every band in flight and every band's partial row; the
   ``stream_*`` settings size the groups, the bands and the split of a band's columns between programs.
 
-The machinery shared with layer_norm and rms_norm_add (split-row exchange, partial rows, launch
+The machinery shared with layer_norm and post_norm_join (split-row exchange, partial rows, launch
 geometry) is in ``_norm_rows``; :class:`RMSNormConfig` holds the settings of both directions.
 
 Bytes (speed of light), M rows, element size b::
@@ -419,7 +419,7 @@ class RMSNormConfig:
     131072, else streamed in 8192-wide chunks (a 65536-wide row held whole spills registers).
     backward: rows up to 8192 in registers (the backward holds about twice the live values a
     forward does), split over 8192-wide programs up to 65536, else streamed. layer_norm and
-    rms_norm_add take their split and streamed geometry from here too: the regimes are the same.
+    post_norm_join take their split and streamed geometry from here too: the regimes are the same.
     """
 
     forward: NormTuning = field(default_factory=lambda: NormTuning(

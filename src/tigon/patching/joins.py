@@ -24,8 +24,8 @@ Three layer layouts do it, named in the family table (``joined_layer``):
       hidden_states = residual + hidden_states
 
   :func:`sandwich_layer_forward` runs the first join and its norm as
-  :func:`tigon.ops.rms_norm_add_rms_norm` and the second as :func:`tigon.ops.rms_norm_add`.
-- **post_norm** (OLMo-2, OLMo-3): post-norms only; both joins are :func:`tigon.ops.rms_norm_add`
+  :func:`tigon.ops.sandwich_norm_join` and the second as :func:`tigon.ops.post_norm_join`.
+- **post_norm** (OLMo-2, OLMo-3): post-norms only; both joins are :func:`tigon.ops.post_norm_join`
   (:func:`post_norm_layer_forward`).
 
 With the norms swapped for tigon's, each add stays a kernel of its own, as do, in the backward,
@@ -49,7 +49,7 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
-from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
+from tigon.ops.norm_joins import post_norm_join, sandwich_norm_join
 from tigon.ops.rmsnorm import add_rms_norm
 from tigon.patching import wrappers
 
@@ -176,14 +176,14 @@ def _add_and_norm(norm, hidden_states, residual):
 
 def _join(post, hidden_states, residual):
     """``residual + post(hidden_states)``, as the tigon RMSNorm module ``post`` and the add would."""
-    return rms_norm_add(
+    return post_norm_join(
         hidden_states, residual, post.weight, post.variance_epsilon, offset=post.offset, casting=post.casting
     )
 
 
 def _join_and_norm(post, pre, hidden_states, residual):
     """``s = residual + post(hidden_states)`` and ``pre(s)``, as the two tigon RMSNorm modules would."""
-    return rms_norm_add_rms_norm(
+    return sandwich_norm_join(
         hidden_states, residual, post.weight, pre.weight, post.variance_epsilon, next_eps=pre.variance_epsilon,
         offset=post.offset, casting=post.casting, out_dtype=pre.output_dtype(residual),
     )
@@ -270,10 +270,10 @@ LAYOUTS = {
     "sandwich": JoinedLayer(
         SANDWICH_FORWARD,
         ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
-        sandwich_layer_forward, "tigon.ops.rms_norm_add_rms_norm / rms_norm_add",
+        sandwich_layer_forward, "tigon.ops.sandwich_norm_join / post_norm_join",
     ),
     "post_norm": JoinedLayer(
         POST_NORM_FORWARD, ("post_attention_layernorm", "post_feedforward_layernorm"), post_norm_layer_forward,
-        "tigon.ops.rms_norm_add",
+        "tigon.ops.post_norm_join",
     ),
 }

@@ -1,6 +1,6 @@
 """RMSNorm and add_rms_norm: Llama-style casting at the table's hidden sizes and a sweep to 65536; the
 pre-norm join (add_rms_norm of a bf16 output into the fp32 stream) and the sandwich-norm join
-(rms_norm_add_rms_norm) as Llama and Gemma-2 run them under autocast."""
+(sandwich_norm_join) as Llama and Gemma-2 run them under autocast."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import torch
 
 from tigon.bench.models import MODELS, TOKENS
 from tigon.bench.spec import Case, Spec
-from tigon.ops.rms_norm_add import (
-    CONFIG as RMS_NORM_ADD_CONFIG,
+from tigon.ops.norm_joins import (
+    CONFIG as POST_NORM_JOIN_CONFIG,
 )
-from tigon.ops.rms_norm_add import (
-    rms_norm_add,
-    rms_norm_add_reference,
-    rms_norm_add_rms_norm,
-    rms_norm_add_rms_norm_reference,
+from tigon.ops.norm_joins import (
+    post_norm_join,
+    post_norm_join_reference,
+    sandwich_norm_join,
+    sandwich_norm_join_reference,
 )
 from tigon.ops.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
@@ -115,13 +115,13 @@ ADD_RMS_NORM = Spec(
 def _join_cases(with_next=True):
     """Gemma-2 under bf16 autocast: a bf16 sublayer output joins the fp32 residual stream (fp32 norm
     weights), and the next norm's output is the bf16 copy the projections read. The table's hidden
-    sizes, Gemma-2-2B's 2304 and the fused limit. Without the next norm (rms_norm_add), no y and no
+    sizes, Gemma-2-2B's 2304 and the fused limit. Without the next norm (post_norm_join), no y and no
     next_weight."""
     # forward: read x (2 B) and residual (4); write s (4), y (2). backward: read dy (2), ds (4),
     # s (4), x (2); write dx (2), dresidual (4). Without the next norm: forward 10; backward reads
     # ds and x and writes dx (8; residual's gradient is ds itself). Weights and rstd are noise.
     return _autocast_join_cases(
-        sorted({m.hidden for m in MODELS} | {2304, RMS_NORM_ADD_CONFIG.max_fused_hidden}),
+        sorted({m.hidden for m in MODELS} | {2304, POST_NORM_JOIN_CONFIG.max_fused_hidden}),
         (12, 18) if with_next else (10, 8),
         ("weight", "next_weight") if with_next else ("weight",), weight_offset=0.0,
     )
@@ -178,24 +178,24 @@ def _join_check_case(with_next=True):
     return Case("check B=3 T=5 N=200", {"M": 15, "N": 200}, make, {"fwd": 0, "bwd": 0, "full": 0})
 
 
-RMS_NORM_ADD_RMS_NORM = Spec(
-    name="rms_norm_add_rms_norm",
+SANDWICH_NORM_JOIN = Spec(
+    name="sandwich_norm_join",
     cases=_join_cases,
     providers={
         # transformers' lines: residual + post_norm(x), then pre_norm of the sum, cast for the MLP
-        "eager": _join(rms_norm_add_rms_norm_reference),
-        "tigon": _join(rms_norm_add_rms_norm),
+        "eager": _join(sandwich_norm_join_reference),
+        "tigon": _join(sandwich_norm_join),
     },
     check_case=_join_check_case,
 )
 
-RMS_NORM_ADD = Spec(
-    name="rms_norm_add",
+POST_NORM_JOIN = Spec(
+    name="post_norm_join",
     cases=lambda: _join_cases(with_next=False),
     providers={
         # transformers' line: residual + post_norm(x)
-        "eager": _post_join(rms_norm_add_reference),
-        "tigon": _post_join(rms_norm_add),
+        "eager": _post_join(post_norm_join_reference),
+        "tigon": _post_join(post_norm_join),
     },
     check_case=lambda: _join_check_case(with_next=False),
 )
@@ -238,4 +238,4 @@ def _cast_y(outputs, dtype):
     return y.to(dtype), s
 
 
-SPECS = (RMS_NORM, ADD_RMS_NORM, RMS_NORM_ADD_RMS_NORM, RMS_NORM_ADD, ADD_RMS_NORM_AUTOCAST)
+SPECS = (RMS_NORM, ADD_RMS_NORM, SANDWICH_NORM_JOIN, POST_NORM_JOIN, ADD_RMS_NORM_AUTOCAST)

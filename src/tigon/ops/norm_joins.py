@@ -3,9 +3,9 @@ r"""Post-norm residual joins: ``s = residual + rms_norm(x)``, and the next norm 
 Sandwich-norm decoder layers (Gemma-2, Gemma-3) normalise a sublayer's output before it joins the
 residual stream, and the stream is normalised again at once for the next sublayer::
 
-    s = residual + rms_norm(attention_out, w_post)        (rms_norm_add_rms_norm: one kernel)
+    s = residual + rms_norm(attention_out, w_post)        (sandwich_norm_join: one kernel)
     y = rms_norm(s, w_pre)                                 y feeds the MLP
-    s' = s + rms_norm(mlp_out, w_post')                    (rms_norm_add: one kernel)
+    s' = s + rms_norm(mlp_out, w_post')                    (post_norm_join: one kernel)
 
 Stock (and with separate norm kernels) that is three kernels per join and two more in the backward
 (the fp32 residual gradients summed by autograd, the cast of the norm's gradient), each a pass over
@@ -45,7 +45,7 @@ Bytes (speed of light), M rows of N, element sizes b_x, b_r, b_s, b_y (b_dy: y's
     backward  read dy, dS, s, x; write dx, dresidual; dw₁, dw₂ (fp32 partials, a few rows);
               without norm₂: read dS, x; write dx, dw₁
 
-OLMo-2/3 normalise after each sublayer only: both of their joins are ``rms_norm_add``.
+OLMo-2/3 normalise after each sublayer only: both of their joins are ``post_norm_join``.
 
 Against the three separate kernels (norm, add, norm; with bf16 x, fp32 residual and bf16 y: 20 bytes
 an element forward, 34 backward counting autograd's sum and cast), the join moves 12 and 18.
@@ -54,7 +54,7 @@ Rows are held in registers (one pass over each tensor); rows longer than
 ``CONFIG.max_fused_hidden`` (8192, RMSNorm's backward limit) are not fused: the functions run rms_norm, the add
 and rms_norm as three ops there (the same values and gradients).
 
-Reference: :func:`rms_norm_add_reference` / :func:`rms_norm_add_rms_norm_reference` (transformers'
+Reference: :func:`post_norm_join_reference` / :func:`sandwich_norm_join_reference` (transformers'
 ``Gemma2DecoderLayer`` lines ``hidden_states = residual + self.post_attention_layernorm(...)`` and
 the ``pre_feedforward_layernorm`` that follows).
 """
@@ -84,7 +84,7 @@ from tigon.ops.rmsnorm import (
 
 
 @dataclass(frozen=True)
-class RMSNormAddConfig:
+class NormJoinConfig:
     """Launch settings of the fused join; its tiles and grid are otherwise RMSNorm's (rmsnorm.CONFIG)."""
 
     # Rows up to this many elements are fused (held in registers forward and backward); longer rows
@@ -98,7 +98,7 @@ class RMSNormAddConfig:
     bwd_max_warps: int = 16
 
 
-CONFIG = RMSNormAddConfig()
+CONFIG = NormJoinConfig()
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -136,7 +136,7 @@ def _input_grad(g, v_hat, rstd, hidden, eps):
 
 
 @triton.jit
-def rms_norm_add_fwd_kernel(
+def norm_join_fwd_kernel(
     x_ptr, x_row_stride, x_col_stride,          # (M, N) the sublayer's output, normalised first
     res_ptr, res_row_stride, res_col_stride,    # (M, N) the residual stream it joins
     weight_ptr,                                 # (N,) norm₁'s scale; offset + w is used  [HAS_WEIGHT]
@@ -178,7 +178,7 @@ def rms_norm_add_fwd_kernel(
 
 
 @triton.jit
-def rms_norm_add_bwd_kernel(
+def norm_join_bwd_kernel(
     dy_ptr, dy_row_stride, dy_col_stride,       # (M, N) gradient of y, any strides (stride 0 too) [HAS_NEXT]
     ds_ptr, ds_row_stride, ds_col_stride,       # (M, N) gradient of the s output                  [HAS_DSUM]
     x_ptr, x_row_stride, x_col_stride,          # (M, N) x, saved
@@ -284,7 +284,7 @@ def _forward(x, residual, weight, next_weight, eps, next_eps, offset, casting, h
     if num_rows == 0 or hidden == 0:
         return y, s, rstd, next_rstd
     cfg = norm_launch(num_rows, hidden, backward=False)
-    wrap_triton(rms_norm_add_fwd_kernel)[(cdiv(num_rows, cfg.block_m),)](
+    wrap_triton(norm_join_fwd_kernel)[(cdiv(num_rows, cfg.block_m),)](
         x2, x2.stride(0), x2.stride(1),
         r2, r2.stride(0), r2.stride(1),
         weight if weight is not None else x2,
@@ -323,7 +323,7 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
     partials = torch.empty((2, cfg.bands, hidden), dtype=torch.float32, device=x.device)
     dy2 = as_rows(dy) if has_next else x2
     ds2 = as_rows(dsum) if dsum is not None else x2
-    wrap_triton(rms_norm_add_bwd_kernel)[(cfg.bands,)](
+    wrap_triton(norm_join_bwd_kernel)[(cfg.bands,)](
         dy2, dy2.stride(0), dy2.stride(1),
         ds2, ds2.stride(0), ds2.stride(1),
         x2, x2.stride(0), x2.stride(1),
@@ -354,21 +354,21 @@ def _backward(dy, dsum, x, s, weight, next_weight, rstd, next_rstd, eps, next_ep
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 
-def _rms_norm_add_impl(
+def _post_norm_join_impl(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _, s, rstd, _ = _forward(x, residual, weight, None, eps, eps, offset, casting, False, None)
     return s, rstd
 
 
-def _rms_norm_add_rms_norm_impl(
+def _sandwich_norm_join_impl(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, next_weight: torch.Tensor | None,
     eps: float, next_eps: float, offset: float, casting: str, out_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(x, residual, weight, next_weight, eps, next_eps, offset, casting, True, out_dtype)
 
 
-def _rms_norm_add_backward_impl(
+def _norm_join_backward_impl(
     dy: torch.Tensor | None, dsum: torch.Tensor | None, x: torch.Tensor, s: torch.Tensor | None,
     weight: torch.Tensor | None, next_weight: torch.Tensor | None, rstd: torch.Tensor, next_rstd: torch.Tensor | None,
     eps: float, next_eps: float, offset: float, casting: str, residual_dtype: torch.dtype,
@@ -377,7 +377,7 @@ def _rms_norm_add_backward_impl(
                      residual_dtype)
 
 
-RMS_NORM_ADD_BACKWARD = TigonOp("rms_norm_add_backward", _rms_norm_add_backward_impl)
+NORM_JOIN_BACKWARD = TigonOp("norm_join_backward", _norm_join_backward_impl)
 
 
 def _passed_on(dsum, x, residual_dtype):
@@ -388,7 +388,7 @@ def _passed_on(dsum, x, residual_dtype):
     return dsum.to(residual_dtype)
 
 
-def _setup_rms_norm_add(ctx, inputs, output):
+def _setup_post_norm_join(ctx, inputs, output):
     x, residual, weight, eps, offset, casting = inputs
     _s, rstd = output
     ctx.save_for_backward(x, weight, rstd)  # not s: norm₁'s backward needs only x
@@ -396,15 +396,15 @@ def _setup_rms_norm_add(ctx, inputs, output):
     ctx.mark_non_differentiable(rstd)
 
 
-def _rms_norm_add_grad(ctx, dsum, _drstd):
+def _post_norm_join_grad(ctx, dsum, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, _, dw, _ = RMS_NORM_ADD_BACKWARD(
+    dx, _, dw, _ = NORM_JOIN_BACKWARD(
         None, dsum, x, None, weight, None, rstd, None, ctx.eps, ctx.eps, ctx.offset, ctx.casting, ctx.residual_dtype
     )
     return dx, _passed_on(dsum, x, ctx.residual_dtype), (dw if weight is not None else None), None, None, None
 
 
-def _setup_rms_norm_add_rms_norm(ctx, inputs, output):
+def _setup_sandwich_norm_join(ctx, inputs, output):
     x, residual, weight, next_weight, eps, next_eps, offset, casting, _out_dtype = inputs
     _y, s, rstd, next_rstd = output
     ctx.save_for_backward(x, s, weight, next_weight, rstd, next_rstd)
@@ -412,9 +412,9 @@ def _setup_rms_norm_add_rms_norm(ctx, inputs, output):
     ctx.mark_non_differentiable(rstd, next_rstd)
 
 
-def _rms_norm_add_rms_norm_grad(ctx, dy, dsum, _drstd, _dnext_rstd):
+def _sandwich_norm_join_grad(ctx, dy, dsum, _drstd, _dnext_rstd):
     x, s, weight, next_weight, rstd, next_rstd = ctx.saved_tensors
-    dx, dres, dw, next_dw = RMS_NORM_ADD_BACKWARD(
+    dx, dres, dw, next_dw = NORM_JOIN_BACKWARD(
         dy, dsum, x, s, weight, next_weight, rstd, next_rstd, ctx.eps, ctx.next_eps, ctx.offset, ctx.casting,
         ctx.residual_dtype,
     )
@@ -426,12 +426,12 @@ def _rms_norm_add_rms_norm_grad(ctx, dy, dsum, _drstd, _dnext_rstd):
     )
 
 
-RMS_NORM_ADD = TigonOp(
-    "rms_norm_add", _rms_norm_add_impl, setup_context=_setup_rms_norm_add, backward=_rms_norm_add_grad
+POST_NORM_JOIN = TigonOp(
+    "post_norm_join", _post_norm_join_impl, setup_context=_setup_post_norm_join, backward=_post_norm_join_grad
 )
-RMS_NORM_ADD_RMS_NORM = TigonOp(
-    "rms_norm_add_rms_norm", _rms_norm_add_rms_norm_impl,
-    setup_context=_setup_rms_norm_add_rms_norm, backward=_rms_norm_add_rms_norm_grad,
+SANDWICH_NORM_JOIN = TigonOp(
+    "sandwich_norm_join", _sandwich_norm_join_impl,
+    setup_context=_setup_sandwich_norm_join, backward=_sandwich_norm_join_grad,
 )
 
 
@@ -453,7 +453,7 @@ def _fused(x) -> bool:
     return x.shape[-1] <= CONFIG.max_fused_hidden
 
 
-def rms_norm_add(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):
+def post_norm_join(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):
     """``residual + rms_norm(x, weight, eps, offset=offset, casting=casting)`` in one pass.
 
     The residual join of post-norm layers (Gemma-2/3's second join, OLMo-2/3's both). ``x`` and
@@ -464,11 +464,11 @@ def rms_norm_add(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"):
     _check_join(x, residual, weight, eps, casting)
     if not _fused(x):
         return residual + rms_norm(x, weight, eps, offset=offset, casting=casting)
-    s, _ = RMS_NORM_ADD(x, residual, weight, float(eps), float(offset), casting)
+    s, _ = POST_NORM_JOIN(x, residual, weight, float(eps), float(offset), casting)
     return s
 
 
-def rms_norm_add_rms_norm(
+def sandwich_norm_join(
     x, residual, weight, next_weight, eps=1e-6, *, next_eps=None, offset=0.0, casting="llama", out_dtype=None
 ):
     """``s = residual + rms_norm(x, weight, eps)`` and ``y = rms_norm(s, next_weight, next_eps)`` in one
@@ -485,7 +485,7 @@ def rms_norm_add_rms_norm(
     if not _fused(x):
         s = residual + rms_norm(x, weight, eps, offset=offset, casting=casting)
         return rms_norm(s, next_weight, next_eps, offset=offset, casting=casting, out_dtype=out_dtype), s
-    y, s, _, _ = RMS_NORM_ADD_RMS_NORM(
+    y, s, _, _ = SANDWICH_NORM_JOIN(
         x, residual, weight, next_weight, float(eps), float(next_eps), float(offset), casting, out_dtype
     )
     return y, s
@@ -499,7 +499,7 @@ def _rounded(t, dtype):
     return t.to(dtype).to(torch.float64) if t.dtype == torch.float64 else t.to(dtype)
 
 
-def rms_norm_add_reference(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama", dtypes=None):
+def post_norm_join_reference(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama", dtypes=None):
     """``residual + norm(x)`` as transformers computes it, in PyTorch.
 
     ``dtypes``: ``{"x": ..., "residual": ..., "weight": ...}``, the dtypes that fp64 tensors stand for
@@ -511,11 +511,11 @@ def rms_norm_add_reference(x, residual, weight, eps=1e-6, *, offset=0.0, casting
     return _rounded(residual + n, torch.promote_types(dtypes["residual"], n_dtype))
 
 
-def rms_norm_add_rms_norm_reference(
+def sandwich_norm_join_reference(
     x, residual, weight, next_weight, eps=1e-6, *, next_eps=None, offset=0.0, casting="llama", out_dtype=None,
     dtypes=None,
 ):
-    """:func:`rms_norm_add_reference`, then transformers' norm of the sum; returns ``(y, s)``.
+    """:func:`post_norm_join_reference`, then transformers' norm of the sum; returns ``(y, s)``.
 
     ``dtypes`` as there, with ``"next_weight"`` too.
     """
@@ -523,7 +523,7 @@ def rms_norm_add_rms_norm_reference(
         "x": x.dtype, "residual": residual.dtype, "weight": getattr(weight, "dtype", None),
         "next_weight": getattr(next_weight, "dtype", None),
     }
-    s = rms_norm_add_reference(x, residual, weight, eps, offset=offset, casting=casting, dtypes=dtypes)
+    s = post_norm_join_reference(x, residual, weight, eps, offset=offset, casting=casting, dtypes=dtypes)
     s_dtype = torch.promote_types(dtypes["residual"], _output_dtype(dtypes["x"], dtypes["weight"], casting))
     next_eps = eps if next_eps is None else next_eps
     y = rms_norm_reference(s, next_weight, next_eps, offset=offset, casting=casting, io_dtype=s_dtype)

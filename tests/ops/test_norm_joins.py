@@ -1,4 +1,4 @@
-"""tigon.ops.rms_norm_add / rms_norm_add_rms_norm against the fp64 transformers-equivalent reference.
+"""tigon.ops.post_norm_join / sandwich_norm_join against the fp64 transformers-equivalent reference.
 
 Sizes: hidden 1 (the exact dx form), 7 and 96 (several rows a tile), 1000 (non-power of two), 4096
 (one row a tile) and MAX_FUSED_HIDDEN + 1 (not fused: three ops). The dtypes that matter most are the
@@ -9,6 +9,7 @@ sum is fp32 and the first norm's gradient is rounded to bf16 on its way back.
 import pytest
 import torch
 
+import tigon.ops
 from tests.helpers import (
     DEVICE,
     DTYPES,
@@ -20,8 +21,8 @@ from tests.helpers import (
     repeatable_grads,
     stride0_like,
 )
-from tigon.ops import rms_norm_add, rms_norm_add_rms_norm
-from tigon.ops.rms_norm_add import CONFIG, rms_norm_add_reference, rms_norm_add_rms_norm_reference
+from tigon.ops import post_norm_join, sandwich_norm_join
+from tigon.ops.norm_joins import CONFIG, post_norm_join_reference, sandwich_norm_join_reference
 
 MAX_FUSED_HIDDEN = CONFIG.max_fused_hidden
 
@@ -46,7 +47,7 @@ def check_join(x, residual, weight, next_weight, *, with_next=True, grads=("y", 
     dtypes = _dtypes(x, residual, weight, next_weight)
     if with_next:
         tensors["next_weight"] = next_weight
-        y, s = rms_norm_add_rms_norm(
+        y, s = sandwich_norm_join(
             x, residual, weight, next_weight, eps, next_eps=next_eps, offset=offset, casting=casting,
             out_dtype=out_dtype,
         )
@@ -60,22 +61,22 @@ def check_join(x, residual, weight, next_weight, *, with_next=True, grads=("y", 
             outs.append(s)
             grad_outs.append(ds)
         (ref_y, ref_s), _ = fp64_reference(
-            rms_norm_add_rms_norm_reference, tensors, None, eps=eps, next_eps=next_eps, offset=offset,
+            sandwich_norm_join_reference, tensors, None, eps=eps, next_eps=next_eps, offset=offset,
             casting=casting, out_dtype=out_dtype, dtypes=dtypes,
         )
         _, ref_grads = fp64_reference(
-            rms_norm_add_rms_norm_reference, tensors,
+            sandwich_norm_join_reference, tensors,
             (dy if "y" in grads else torch.zeros_like(dy), ds if "s" in grads else torch.zeros_like(ds)),
             eps=eps, next_eps=next_eps, offset=offset, casting=casting, out_dtype=out_dtype, dtypes=dtypes,
         )
         assert y.dtype == (out_dtype or ref_y_dtype(s.dtype, next_weight, casting))
         assert_close(y, ref_y, dtype, "y")
     else:
-        s = rms_norm_add(x, residual, weight, eps, offset=offset, casting=casting)
+        s = post_norm_join(x, residual, weight, eps, offset=offset, casting=casting)
         ds = s_grad if s_grad is not None else randn(*s.shape, dtype=s.dtype)
         outs, grad_outs = [s], [ds]
         ref_s, ref_grads = fp64_reference(
-            rms_norm_add_reference, tensors, ds, eps=eps, offset=offset, casting=casting, dtypes=dtypes
+            post_norm_join_reference, tensors, ds, eps=eps, offset=offset, casting=casting, dtypes=dtypes
         )
     n_dtype = ref_y_dtype(x.dtype, weight, casting)
     assert s.dtype == torch.promote_types(residual.dtype, n_dtype)
@@ -173,14 +174,14 @@ def test_gradients_repeatable():
     w = randn(96, requires_grad=True)
     w2 = randn(96, requires_grad=True)
     dy, ds = randn(300, 96, dtype=torch.float32), randn(300, 96, dtype=torch.float32)
-    repeatable_grads(lambda: rms_norm_add_rms_norm(x, r, w, w2), (x, r, w, w2), (dy, ds))
+    repeatable_grads(lambda: sandwich_norm_join(x, r, w, w2), (x, r, w, w2), (dy, ds))
 
 
 def test_empty_rows():
     x = randn(0, 32, requires_grad=True)
     r = randn(0, 32, requires_grad=True)
     w, w2 = randn(32, requires_grad=True), randn(32, requires_grad=True)
-    y, s = rms_norm_add_rms_norm(x, r, w, w2)
+    y, s = sandwich_norm_join(x, r, w, w2)
     assert y.shape == s.shape == (0, 32)
     dx, dr, dw, dw2 = torch.autograd.grad((y.sum() + s.sum()), (x, r, w, w2))
     assert dx.shape == (0, 32) and torch.equal(dw, torch.zeros_like(w)) and torch.equal(dw2, torch.zeros_like(w2))
@@ -208,10 +209,10 @@ def test_bad_inputs(kwargs, error, match):
             args[name] = kwargs.pop(name)()
     before = {n: t.clone() for n, t in args.items()}
     with pytest.raises(error, match=match):
-        rms_norm_add_rms_norm(args["x"], args["residual"], args["weight"], args["next_weight"], **kwargs)
+        sandwich_norm_join(args["x"], args["residual"], args["weight"], args["next_weight"], **kwargs)
     if "next" not in match and "out_dtype" not in match:
         with pytest.raises(error, match=match):
-            rms_norm_add(args["x"], args["residual"], args["weight"], **{k: v for k, v in kwargs.items()})
+            post_norm_join(args["x"], args["residual"], args["weight"], **{k: v for k, v in kwargs.items()})
     for name, t in args.items():
         assert torch.equal(t, before[name]), name
 
@@ -220,13 +221,13 @@ def test_bad_inputs(kwargs, error, match):
 def test_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA tensors"):
-        rms_norm_add(randn(2, 8), randn(2, 8), randn(8))
+        post_norm_join(randn(2, 8), randn(2, 8), randn(8))
 
 
 @pytest.mark.gpu
 def test_residual_on_another_device():
     with pytest.raises(ValueError, match="residual is on"):
-        rms_norm_add(randn(2, 8), torch.randn(2, 8), randn(8))
+        post_norm_join(randn(2, 8), torch.randn(2, 8), randn(8))
 
 
 @pytest.mark.gpu
@@ -238,8 +239,8 @@ def test_torch_compile_fullgraph(hidden):
     w2 = randn(hidden, dtype=torch.float32, requires_grad=True)
 
     def f(x, r, w, w2):
-        y, s = rms_norm_add_rms_norm(x, r, w, w2, casting="gemma", offset=1.0, out_dtype=torch.bfloat16)
-        s2 = rms_norm_add(y, s, w, casting="gemma", offset=1.0)
+        y, s = sandwich_norm_join(x, r, w, w2, casting="gemma", offset=1.0, out_dtype=torch.bfloat16)
+        s2 = post_norm_join(y, s, w, casting="gemma", offset=1.0)
         return y.float().square().sum() + s2.sin().sum()
 
     compiled = torch.compile(f, fullgraph=True)
@@ -261,11 +262,11 @@ def test_int64_offsets():
     x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     r = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    s = rms_norm_add(x, r, w, casting="gemma", offset=1.0)
+    s = post_norm_join(x, r, w, casting="gemma", offset=1.0)
     tail = slice(rows - 128, rows)
     xt = x[tail].detach().double().requires_grad_()
     dtypes = {"x": torch.bfloat16, "residual": torch.bfloat16, "weight": torch.bfloat16}
-    ref = rms_norm_add_reference(xt, r[tail].detach().double(), w.detach().double(), casting="gemma", offset=1.0,
+    ref = post_norm_join_reference(xt, r[tail].detach().double(), w.detach().double(), casting="gemma", offset=1.0,
                                  dtypes=dtypes)
     assert_close(s[tail], ref, torch.bfloat16, "s tail")
     ds = torch.randn((), device=DEVICE, dtype=torch.bfloat16).expand_as(s)
@@ -273,3 +274,15 @@ def test_int64_offsets():
     (ref_dx,) = torch.autograd.grad(ref, (xt,), ds[tail].double())
     assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
     assert torch.equal(dr[tail], ds[tail])
+
+
+def test_former_names_warn_and_compute_the_same():
+    x, residual = torch.randn(3, 16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    weight, next_weight = torch.randn(16, device=DEVICE), torch.randn(16, device=DEVICE)
+    with pytest.warns(DeprecationWarning, match="post_norm_join"):
+        old = tigon.ops.rms_norm_add(x, residual, weight)
+    assert torch.equal(old, tigon.ops.post_norm_join(x, residual, weight))
+    with pytest.warns(DeprecationWarning, match="sandwich_norm_join"):
+        old_y, old_s = tigon.ops.rms_norm_add_rms_norm(x, residual, weight, next_weight)
+    y, s = tigon.ops.sandwich_norm_join(x, residual, weight, next_weight)
+    assert torch.equal(old_y, y) and torch.equal(old_s, s)
