@@ -1,6 +1,6 @@
-"""Distillation losses: KL divergence and JSD on [N, V] log-probabilities, and the fused linear JSD.
+"""Distillation losses: KL divergence, JSD and TVD on [N, V] log-probabilities, and the fused linear JSD.
 
-KL and JSD run at N = 8192 rows of the Llama-3 vocabulary (128256): memory-bound, so measured
+KL, JSD and TVD run at N = 8192 rows of the Llama-3 vocabulary (128256): memory-bound, so measured
 against the bytes they must move. The fused linear JSD runs a Llama-3-8B-sized head (H = 4096) for
 student and teacher at a few token counts; it is matmul-bound (8·N·V·H flops for the two logit
 matmuls and the student's two gradient matmuls), so its cases carry flops as well as bytes.
@@ -16,6 +16,7 @@ from tigon.bench.spec import Case, Spec
 from tigon.ops.fused_linear_jsd import fused_linear_jsd, fused_linear_jsd_reference
 from tigon.ops.jsd import jsd, jsd_reference
 from tigon.ops.kl_div import kl_div
+from tigon.ops.tvd import tvd, tvd_reference
 
 LLAMA = MODELS_BY_NAME["Llama-3-8B"]
 ROWS = 8192
@@ -141,6 +142,17 @@ JSD = Spec(
                             _elementwise_bytes(13, 300, 4, backward_reads=2)),
 )
 
+TVD = Spec(
+    name="tvd",
+    cases=_jsd_cases,
+    providers={
+        "eager": lambda student, teacher: tvd_reference(student, teacher),
+        "tigon": lambda student, teacher: tvd(student, teacher),
+    },
+    check_case=lambda: Case("check N=13 V=300", {"N": 13, "V": 300}, _jsd_inputs(13, 300),
+                            _elementwise_bytes(13, 300, 4, backward_reads=2)),
+)
+
 FUSED_LINEAR_JSD = Spec(
     name="fused_linear_jsd",
     cases=lambda: [_fljsd_case(tokens, LLAMA.hidden, LLAMA.vocab, 2) for tokens in FLJSD_TOKENS],
@@ -152,4 +164,4 @@ FUSED_LINEAR_JSD = Spec(
     check_case=lambda: _fljsd_case(9, 64, 500, 4),
 )
 
-SPECS = (KL_DIV, JSD, FUSED_LINEAR_JSD)
+SPECS = (KL_DIV, JSD, TVD, FUSED_LINEAR_JSD)
