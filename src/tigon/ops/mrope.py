@@ -47,6 +47,7 @@ outputs); dq, dk have q's and k's dtypes.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -427,7 +428,7 @@ def _check_args(q, k, cos, sin, mrope_section, unsqueeze_dim):
         isinstance(mrope_section, (str, bytes))
         or not isinstance(mrope_section, Sequence)
         or len(mrope_section) != NUM_STREAMS
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in mrope_section)
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0 for n in mrope_section)
         or sum(mrope_section) != rot_dim // 2
     ):
         raise ValueError(
