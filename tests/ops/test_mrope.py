@@ -95,7 +95,7 @@ def _streams(batch, seq_len, rot_dim, dtype=torch.float32):
 
 @pytest.mark.parametrize("interleaved", (False, True), ids=("sectioned", "interleaved"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hk{}-T{}-D{}-Dr{}-{}".format(*s[:6], "_".join(map(str, s[6]))))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hk{}-T{}-D{}-Dr{}-{}_{}_{}".format(*s[:6], *s[6]))
 def test_mrope_sizes(dtype, shape, interleaved, tiling):
     batch, hq, hk, seq_len, head_dim, rot_dim, section = shape
     q = randn(batch, hq, seq_len, head_dim, dtype=dtype, requires_grad=True)

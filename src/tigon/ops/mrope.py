@@ -481,10 +481,8 @@ def mrope_cos_sin(cos, sin, mrope_section, *, interleaved=False):
             parts = table.split(list(mrope_section) * 2, dim=-1)
             return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
         half = table.shape[-1] // 2
-        return torch.cat(
-            (_interleave_streams(table[..., :half], mrope_section), _interleave_streams(table[..., half:], mrope_section)),
-            dim=-1,
-        )
+        halves = (table[..., :half], table[..., half:])
+        return torch.cat([_interleave_streams(part, mrope_section) for part in halves], dim=-1)
 
     return combine(cos), combine(sin)
 
