@@ -9,7 +9,7 @@ rotary frequency j (0 <= j < half) takes its angle from one stream, ``stream(j)`
     interleaved (Qwen3-VL)              stream(j) = 1 if j % 3 == 1 and j < 3·n_h,
                                                     2 if j % 3 == 2 and j < 3·n_w, else 0
 
-(the second is transformers' ``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``: positions
+(the second is transformers' ``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``: frequencies
 1, 4, 7, ... below ``3·n_h`` come from the height stream, 2, 5, 8, ... below ``3·n_w`` from the width
 stream, everything else from the temporal one). Both halves of the rotary dims follow frequency j:
 dims j and j + half of the combined row come from stream(j), as transformers' 4.x
@@ -35,8 +35,8 @@ cos/sin tile loads and pass-through copy. Offsets are int64 per (head, position)
 column.
 
 Bytes (speed of light), element size b, N_q = B·Hq·T·D, N_k = B·Hk·T·D: forward and backward each
-read and write q and k once, ``2·(N_q + N_k)·b``, plus the cos/sin columns they select (``2·B·T·Dr``
-elements of the ``3·B·T·Dr`` in each pair of tables).
+read and write q and k once, ``2·(N_q + N_k)·b``, plus the cos/sin columns they select (``B·T·Dr``
+elements of each table's ``3·B·T·Dr``).
 
 Reference: :func:`mrope_reference` (transformers 4.x ``apply_multimodal_rotary_pos_emb`` for the
 sectioned layout, Qwen3-VL's interleaved recomposition for the other, then rope's reference with its
