@@ -56,19 +56,9 @@ import triton.language as tl
 
 from tigon.ops._common import check_tensor
 from tigon.ops._launch import TigonOp, cdiv, wrap_triton
+from tigon.ops._rotary import bhtd_strides, copy_tile, dim_order, empty_in_order, load_trig, q_or_k
 from tigon.ops.rope import CONFIG as ROPE_CONFIG
-from tigon.ops.rope import (
-    UNSQUEEZE_DIMS,
-    RopeConfig,
-    _bhtd_strides,
-    _copy_tile,
-    _empty_in_order,
-    _load_trig,
-    _q_or_k,
-    dim_order,
-    rope_launch,
-    rope_reference,
-)
+from tigon.ops.rope import UNSQUEEZE_DIMS, RopeConfig, rope_launch, rope_reference
 
 NUM_STREAMS = 3  # temporal, height, width
 
@@ -103,20 +93,20 @@ def _rotate_mrope_tile(
 ):
     """rope's ``_rotate_tile`` with each cos/sin column read from its stream's plane.
 
-    rope's ``_load_trig`` adds ``cols · stride_d`` to each row; given unit stride and the columns'
+    rope's ``load_trig`` adds ``cols · stride_d`` to each row; given unit stride and the columns'
     element offsets (stream plane included, :func:`_trig_columns`), it reads the combined rows.
     """
     cos_cols = _trig_columns(cols, cos_stride_s, cos_stride_d, section_t, section_h, section_w, INTERLEAVED)
     sin_cols = _trig_columns(cols, sin_stride_s, sin_stride_d, section_t, section_h, section_w, INTERLEAVED)
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
-    c1 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, 1, batch, positions, cos_cols, mask,
+    c1 = load_trig(cos_ptr, cos_stride_b, cos_stride_t, 1, batch, positions, cos_cols, mask,
                     BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    c2 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, 1, batch, positions, cos_cols + half_rot * cos_stride_d,
+    c2 = load_trig(cos_ptr, cos_stride_b, cos_stride_t, 1, batch, positions, cos_cols + half_rot * cos_stride_d,
                     mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    s1 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, 1, batch, positions, sin_cols, mask,
+    s1 = load_trig(sin_ptr, sin_stride_b, sin_stride_t, 1, batch, positions, sin_cols, mask,
                     BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    s2 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, 1, batch, positions, sin_cols + half_rot * sin_stride_d,
+    s2 = load_trig(sin_ptr, sin_stride_b, sin_stride_t, 1, batch, positions, sin_cols + half_rot * sin_stride_d,
                     mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     if BACKWARD:
         out1 = x1 * c1 + x2 * s2
@@ -165,7 +155,7 @@ def _mrope_heads(
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
-        _copy_tile(
+        copy_tile(
             x_rows[:, :, None] + (pass_cols * x_stride_d)[None, None, :],
             out_rows[:, :, None] + (pass_cols * out_stride_d)[None, None, :],
             row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
@@ -231,7 +221,7 @@ def mrope_token_kernel(
     """Token tiling (rope's ``rope_token_kernel``): every head of q AND k × BLOCK_T positions a program.
 
     Tile row h is q's head h for h < Hq and k's head h − Hq after (rows past Hq + Hk masked), each
-    row's pointers selected with rope's ``_q_or_k``; q and k (and their outputs) share a dtype.
+    row's pointers selected with rope's ``q_or_k``; q and k (and their outputs) share a dtype.
     """
     pid = tl.program_id(0)
     position_blocks = tl.cdiv(seq_len, BLOCK_T)
@@ -250,10 +240,10 @@ def mrope_token_kernel(
     cols = tl.arange(0, BLOCK_HALF)
     mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
     _rotate_mrope_tile(
-        _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols),
-        _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols + half_rot),
-        _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols),
-        _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols + half_rot),
+        q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols),
+        q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols + half_rot),
+        q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols),
+        q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols + half_rot),
         mask,
         cos_ptr, cos_stride_s, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_s, sin_stride_b, sin_stride_t, sin_stride_d,
@@ -262,9 +252,9 @@ def mrope_token_kernel(
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
-        _copy_tile(
-            _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, pass_cols),
-            _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, pass_cols),
+        copy_tile(
+            q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, pass_cols),
+            q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, pass_cols),
             row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
         )
 
@@ -306,10 +296,10 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, mrope_section, interleaved, unsque
     batch_position_blocks = batch * cdiv(seq_len, cfg.block_t)
     section_t, section_h, section_w = mrope_section
     tensors = (
-        x_q, *_bhtd_strides(x_q, unsqueeze_dim),
-        x_k, *_bhtd_strides(x_k, unsqueeze_dim),
-        out_q, *_bhtd_strides(out_q, unsqueeze_dim),
-        out_k, *_bhtd_strides(out_k, unsqueeze_dim),
+        x_q, *bhtd_strides(x_q, unsqueeze_dim),
+        x_k, *bhtd_strides(x_k, unsqueeze_dim),
+        out_q, *bhtd_strides(out_q, unsqueeze_dim),
+        out_k, *bhtd_strides(out_k, unsqueeze_dim),
         cos, *_stream_strides(cos),
         sin, *_stream_strides(sin),
         seq_len, num_q_heads, num_k_heads, rot_dim // 2, rot_dim, head_dim, section_t, section_h, section_w,
@@ -335,8 +325,8 @@ def _mrope_impl(
     interleaved: bool, unsqueeze_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     trig_dtype = torch.promote_types(cos.dtype, sin.dtype)
-    q_out = _empty_in_order(q.shape, dim_order(q), torch.promote_types(q.dtype, trig_dtype), q.device)
-    k_out = _empty_in_order(k.shape, dim_order(k), torch.promote_types(k.dtype, trig_dtype), k.device)
+    q_out = empty_in_order(q.shape, dim_order(q), torch.promote_types(q.dtype, trig_dtype), q.device)
+    k_out = empty_in_order(k.shape, dim_order(k), torch.promote_types(k.dtype, trig_dtype), k.device)
     _launch(q, k, q_out, k_out, cos, sin, mrope_section, interleaved, unsqueeze_dim, False)
     return q_out, k_out
 
@@ -355,8 +345,8 @@ def _mrope_backward_impl(
     k_order: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) in q's and k's dtypes and memory orders (``q_order``: :func:`dim_order` of q)."""
-    dq = _empty_in_order(dq_out.shape, q_order, q_dtype, dq_out.device)
-    dk = _empty_in_order(dk_out.shape, k_order, k_dtype, dk_out.device)
+    dq = empty_in_order(dq_out.shape, q_order, q_dtype, dq_out.device)
+    dk = empty_in_order(dk_out.shape, k_order, k_dtype, dk_out.device)
     _launch(dq_out, dk_out, dq, dk, cos, sin, mrope_section, interleaved, unsqueeze_dim, True)
     return dq, dk
 

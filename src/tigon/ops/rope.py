@@ -68,28 +68,12 @@ import triton.language as tl
 
 from tigon.ops._common import check_tensor
 from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
+from tigon.ops._rotary import bhtd_strides, copy_tile, dim_order, empty_in_order, load_trig, q_or_k
 
 UNSQUEEZE_DIMS = (1, 2)
 
 
 # --------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _load_trig(
-    ptr, stride_b, stride_t, stride_d, batch, positions, cols, mask,
-    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr,
-):
-    """One (BLOCK_H, BLOCK_T, BLOCK_HALF) fp32 tile of cos or sin, the same row for every head.
-
-    Loaded at the full tile shape (head stride 0) rather than as (BLOCK_T, BLOCK_HALF) and broadcast:
-    then it gets the layout of the q/k tile, and the broadcast costs no shared-memory layout
-    conversion; the repeated addresses are L1 hits.
-    """
-    rows = ptr + batch * stride_b + positions.to(tl.int64) * stride_t                 # (BLOCK_T,)
-    tile = rows[None, :, None] + (cols * stride_d)[None, None, :]
-    tile = tl.broadcast_to(tile, (BLOCK_H, BLOCK_T, BLOCK_HALF))
-    return tl.load(tile, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
 
 
 @triton.jit
@@ -108,13 +92,13 @@ def _rotate_tile(
     """
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
-    c1 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols, mask,
+    c1 = load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols, mask,
                     BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    c2 = _load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols + half_rot,
+    c2 = load_trig(cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d, batch, positions, cols + half_rot,
                     mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    s1 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols, mask,
+    s1 = load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols, mask,
                     BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    s2 = _load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols + half_rot,
+    s2 = load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols + half_rot,
                     mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     if BACKWARD:
         out1 = x1 * c1 + x2 * s2
@@ -125,13 +109,6 @@ def _rotate_tile(
     out_dtype = out1_ptrs.dtype.element_ty
     tl.store(out1_ptrs, out1.to(out_dtype), mask=mask)
     tl.store(out2_ptrs, out2.to(out_dtype), mask=mask)
-
-
-@triton.jit
-def _copy_tile(x_ptrs, out_ptrs, mask):
-    """The pass-through dims (Dr <= d < D): upcast after the load, round once at the store."""
-    x_pass = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, x_pass.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -171,7 +148,7 @@ def _rotate_heads(
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
-        _copy_tile(
+        copy_tile(
             x_rows[:, :, None] + (pass_cols * x_stride_d)[None, None, :],
             out_rows[:, :, None] + (pass_cols * out_stride_d)[None, None, :],
             row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
@@ -225,22 +202,6 @@ def rope_kernel(
 
 
 @triton.jit
-def _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols):
-    """(BLOCK_H, BLOCK_T, len(cols)) pointers to dims ``cols`` of each tile row: q's row where
-    ``is_q`` (BLOCK_H,) holds, k's row elsewhere.
-
-    Selecting whole pointers (not strides) keeps each side's contiguity along the dims: the
-    condition is constant along them, so Triton's alignment analysis still sees unit-stride runs
-    and vectorises the loads and stores as it does for one tensor.
-    """
-    return tl.where(
-        is_q[:, None, None],
-        q_rows[:, :, None] + (cols * q_stride_d)[None, None, :],
-        k_rows[:, :, None] + (cols * k_stride_d)[None, None, :],
-    )
-
-
-@triton.jit
 def rope_token_kernel(
     q_ptr, q_stride_b, q_stride_h, q_stride_t, q_stride_d,         # (B, Hq, T, D) q, or d(q_out) backward
     k_ptr, k_stride_b, k_stride_h, k_stride_t, k_stride_d,         # (B, Hk, T, D) k, or d(k_out)
@@ -258,7 +219,7 @@ def rope_token_kernel(
     h − Hq after that; rows past Hq + Hk are masked. Each row's pointers are chosen between q's and
     k's (and between q_out's and k_out's) with ``tl.where``, so q and k must share a dtype, as must
     the outputs (the launcher falls back to the head-block tiling otherwise). cos/sin are loaded at
-    the full tile shape by the same ``_load_trig`` as the head-block tiling: one compiled form, the
+    the full tile shape by the same ``load_trig`` as the head-block tiling: one compiled form, the
     tile's own layout, and the rows repeated over heads are L1 hits; each position's cos/sin row
     comes from memory once, for all heads. Offsets are int64 per (head, position) row, as in
     ``_rotate_heads``.
@@ -280,10 +241,10 @@ def rope_token_kernel(
     cols = tl.arange(0, BLOCK_HALF)
     mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
     _rotate_tile(
-        _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols),
-        _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols + half_rot),
-        _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols),
-        _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols + half_rot),
+        q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols),
+        q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols + half_rot),
+        q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols),
+        q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, cols + half_rot),
         mask,
         cos_ptr, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d,
@@ -292,9 +253,9 @@ def rope_token_kernel(
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
-        _copy_tile(
-            _q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, pass_cols),
-            _q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, pass_cols),
+        copy_tile(
+            q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, pass_cols),
+            q_or_k(is_q, qo_rows, qo_stride_d, ko_rows, ko_stride_d, pass_cols),
             row_mask[:, :, None] & (pass_cols < head_dim)[None, None, :],
         )
 
@@ -386,48 +347,11 @@ def _rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtyp
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def _bhtd_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int, int]:
-    """Strides of a q/k-shaped tensor in (batch, head, position, dim) order."""
-    sb, s1, s2, sd = t.stride()
-    return (sb, s1, s2, sd) if unsqueeze_dim == 1 else (sb, s2, s1, sd)
-
-
 def _cos_sin_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, position, dim) strides of cos/sin; batch stride 0 for [T, Dr] and [1, T, Dr]."""
     if t.dim() == 2:
         return 0, t.stride(0), t.stride(1)
     return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
-
-
-def dim_order(t: torch.Tensor) -> tuple[int, ...]:
-    """t's dims from outermost to innermost in memory (by stride; ties keep the logical order).
-
-    Outputs and gradients are allocated densely in this order, as eager elementwise ops allocate
-    theirs: the transpose of a [B, T, H, D] projection (even a strided slice of a fused qkv one)
-    gets [B, T, H, D]-ordered outputs, which flow back through the transpose without a copy.
-    Broadcast (stride 0) and size-1 dims say nothing about memory order and go outermost.
-    """
-    return _order_of(tuple(t.shape), t.stride())
-
-
-@cache_by_size
-def _order_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
-    """:func:`dim_order` from sizes and strides, cached: it runs four times per forward and backward
-    (the sort with a Python key cost ~14 µs a call on a CPU, more than a quarter of the op's host time)."""
-
-    def outer_first(d):
-        return -strides[d] if strides[d] != 0 and shape[d] != 1 else -math.inf
-
-    return tuple(sorted(range(len(shape)), key=outer_first))
-
-
-@cache_by_size
-def _inverse_of(order: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(order.index(d) for d in range(len(order)))
-
-
-def _empty_in_order(shape, order: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(_inverse_of(order))
 
 
 def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
@@ -442,10 +366,10 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
     cfg = rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtypes)
     batch_position_blocks = batch * cdiv(seq_len, cfg.block_t)
     tensors = (
-        x_q, *_bhtd_strides(x_q, unsqueeze_dim),
-        x_k, *_bhtd_strides(x_k, unsqueeze_dim),
-        out_q, *_bhtd_strides(out_q, unsqueeze_dim),
-        out_k, *_bhtd_strides(out_k, unsqueeze_dim),
+        x_q, *bhtd_strides(x_q, unsqueeze_dim),
+        x_k, *bhtd_strides(x_k, unsqueeze_dim),
+        out_q, *bhtd_strides(out_q, unsqueeze_dim),
+        out_k, *bhtd_strides(out_k, unsqueeze_dim),
         cos, *_cos_sin_strides(cos),
         sin, *_cos_sin_strides(sin),
         seq_len, num_q_heads, num_k_heads, rot_dim // 2, rot_dim, head_dim,
@@ -473,8 +397,8 @@ def _rope_impl(
     trig_dtype = torch.promote_types(cos.dtype, sin.dtype)
     q_dtype = q_out_dtype or torch.promote_types(q.dtype, trig_dtype)
     k_dtype = k_out_dtype or torch.promote_types(k.dtype, trig_dtype)
-    q_out = _empty_in_order(q.shape, dim_order(q), q_dtype, q.device)
-    k_out = _empty_in_order(k.shape, dim_order(k), k_dtype, k.device)
+    q_out = empty_in_order(q.shape, dim_order(q), q_dtype, q.device)
+    k_out = empty_in_order(k.shape, dim_order(k), k_dtype, k.device)
     _launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, False)
     return q_out, k_out
 
@@ -491,8 +415,8 @@ def _rope_backward_impl(
     k_order: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) in q's and k's dtypes and memory orders (``q_order``: :func:`dim_order` of q)."""
-    dq = _empty_in_order(dq_out.shape, q_order, q_dtype, dq_out.device)
-    dk = _empty_in_order(dk_out.shape, k_order, k_dtype, dk_out.device)
+    dq = empty_in_order(dq_out.shape, q_order, q_dtype, dq_out.device)
+    dk = empty_in_order(dk_out.shape, k_order, k_dtype, dk_out.device)
     _launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, True)
     return dq, dk
 
