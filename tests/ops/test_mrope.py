@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, ON_GPU, assert_close, fp64_reference, noncontiguous, randn, stride0_like
-from tigon.ops.mrope import mrope, mrope_cos_sin, mrope_reference
+from tigon.ops.mrope import _trig_vector, mrope, mrope_cos_sin, mrope_reference
 
 mrope_mod = importlib.import_module("tigon.ops.mrope")
 
@@ -395,3 +395,17 @@ def test_mrope_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA tensors"):
         mrope(randn(1, 2, 3, 8), randn(1, 2, 3, 8), *_streams(1, 3, 8), (2, 1, 1))
+
+
+def test_trig_vector_only_where_every_stream_run_is_aligned():
+    """The cos/sin loads are vectorised only where each run of one stream's columns starts on a
+    vector boundary (a wrong hint would load across a section's edge on the GPU)."""
+    cos = torch.randn(3, 2, 8, 128)
+    assert _trig_vector(cos, cos, [16, 24, 24], False) == 4
+    assert _trig_vector(cos.half(), cos.half(), [16, 24, 24], False) == 8
+    assert _trig_vector(cos, cos, [16, 24, 24], True) == 1          # interleaved: a new stream each column
+    assert _trig_vector(cos, cos, [18, 22, 24], False) == 2         # a boundary at 18
+    assert _trig_vector(cos, cos, [17, 23, 24], False) == 1
+    odd = torch.randn(3, 2, 8, 130)[..., :128]                      # rows 130 apart
+    assert _trig_vector(odd, odd, [16, 24, 24], False) == 2
+    assert _trig_vector(cos.transpose(-1, -2).contiguous().transpose(-1, -2), cos, [16, 24, 24], False) == 1

@@ -68,10 +68,15 @@ NUM_STREAMS = 3  # temporal, height, width
 
 @triton.jit
 def _trig_columns(
-    cols, stride_s, stride_d, section_t, section_h, section_w, INTERLEAVED: tl.constexpr,
+    cols, stride_s, stride_d, section_t, section_h, section_w, INTERLEAVED: tl.constexpr, TRIG_VEC: tl.constexpr,
 ):
     """(BLOCK_HALF,) int64 offsets of frequencies ``cols`` in a [3, B, T, Dr] table: the column in the
-    plane of its stream, ``stream(j)·stride_s + j·stride_d`` (the module docstring's stream(j))."""
+    plane of its stream, ``stream(j)·stride_s + j·stride_d`` (the module docstring's stream(j)).
+
+    ``TRIG_VEC`` > 1 (set by the launcher only where it holds, see :func:`_trig_vector`): the offsets
+    run in aligned groups of that many consecutive elements, which lets the compiler vectorise the
+    cos/sin loads as it does rope's (it cannot see through the stream's plane offset on its own).
+    """
     if INTERLEAVED:
         phase = cols % 3
         stream = tl.where(
@@ -79,7 +84,10 @@ def _trig_columns(
         )
     else:
         stream = (cols >= section_t).to(tl.int32) + (cols >= section_t + section_h).to(tl.int32)
-    return stream.to(tl.int64) * stride_s + cols.to(tl.int64) * stride_d
+    offsets = stream.to(tl.int64) * stride_s + cols.to(tl.int64) * stride_d
+    if TRIG_VEC > 1:
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, TRIG_VEC), TRIG_VEC)
+    return offsets
 
 
 @triton.jit
@@ -89,15 +97,16 @@ def _rotate_mrope_tile(
     sin_ptr, sin_stride_s, sin_stride_b, sin_stride_t, sin_stride_d,
     batch, positions, cols, half_rot, section_t, section_h, section_w,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
+    BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr, TRIG_VEC: tl.constexpr,
 ):
     """rope's ``_rotate_tile`` with each cos/sin column read from its stream's plane.
 
     rope's ``load_trig`` adds ``cols · stride_d`` to each row; given unit stride and the columns'
     element offsets (stream plane included, :func:`_trig_columns`), it reads the combined rows.
     """
-    cos_cols = _trig_columns(cols, cos_stride_s, cos_stride_d, section_t, section_h, section_w, INTERLEAVED)
-    sin_cols = _trig_columns(cols, sin_stride_s, sin_stride_d, section_t, section_h, section_w, INTERLEAVED)
+    sections = (section_t, section_h, section_w)
+    cos_cols = _trig_columns(cols, cos_stride_s, cos_stride_d, *sections, INTERLEAVED, TRIG_VEC)
+    sin_cols = _trig_columns(cols, sin_stride_s, sin_stride_d, *sections, INTERLEAVED, TRIG_VEC)
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
     c1 = load_trig(cos_ptr, cos_stride_b, cos_stride_t, 1, batch, positions, cos_cols, mask,
@@ -129,6 +138,7 @@ def _mrope_heads(
     section_t, section_h, section_w,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
+    TRIG_VEC: tl.constexpr,
 ):
     """One (BLOCK_H heads, BLOCK_T positions, D) tile of one tensor and one batch element (rope's
     ``_rotate_heads`` with stream-selected cos/sin)."""
@@ -151,7 +161,7 @@ def _mrope_heads(
         cos_ptr, cos_stride_s, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_s, sin_stride_b, sin_stride_t, sin_stride_d,
         batch, positions, cols, half_rot, section_t, section_h, section_w,
-        BLOCK_H, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, TRIG_EVICT,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, TRIG_EVICT, TRIG_VEC,
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
@@ -174,6 +184,7 @@ def mrope_kernel(
     q_head_blocks, head_blocks,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
+    TRIG_VEC: tl.constexpr,
 ):
     """Head-block tiling (rope's ``rope_kernel``): BLOCK_H heads of q (or of k) × BLOCK_T positions of
     one batch element a program, head blocks fastest so that programs sharing cos/sin rows run together."""
@@ -192,7 +203,7 @@ def mrope_kernel(
             sin_ptr, sin_stride_s, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, head_block * BLOCK_H, num_q_heads, positions, position_mask, half_rot, rot_dim, head_dim,
             section_t, section_h, section_w,
-            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, INTERLEAVED, BACKWARD, TRIG_EVICT,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, INTERLEAVED, BACKWARD, TRIG_EVICT, TRIG_VEC,
         )
     else:
         _mrope_heads(
@@ -202,7 +213,7 @@ def mrope_kernel(
             sin_ptr, sin_stride_s, sin_stride_b, sin_stride_t, sin_stride_d,
             batch, (head_block - q_head_blocks) * BLOCK_H, num_k_heads, positions, position_mask,
             half_rot, rot_dim, head_dim, section_t, section_h, section_w,
-            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, INTERLEAVED, BACKWARD, TRIG_EVICT,
+            BLOCK_H, BLOCK_T, BLOCK_HALF, BLOCK_PASS, HAS_PASS, INTERLEAVED, BACKWARD, TRIG_EVICT, TRIG_VEC,
         )
 
 
@@ -217,6 +228,7 @@ def mrope_token_kernel(
     seq_len, num_q_heads, num_k_heads, half_rot, rot_dim, head_dim, section_t, section_h, section_w,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TRIG_EVICT: tl.constexpr,
+    TRIG_VEC: tl.constexpr,
 ):
     """Token tiling (rope's ``rope_token_kernel``): every head of q AND k × BLOCK_T positions a program.
 
@@ -248,7 +260,7 @@ def mrope_token_kernel(
         cos_ptr, cos_stride_s, cos_stride_b, cos_stride_t, cos_stride_d,
         sin_ptr, sin_stride_s, sin_stride_b, sin_stride_t, sin_stride_d,
         batch, positions, cols, half_rot, section_t, section_h, section_w,
-        BLOCK_H, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, TRIG_EVICT,
+        BLOCK_H, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, TRIG_EVICT, TRIG_VEC,
     )
     if HAS_PASS:
         pass_cols = rot_dim + tl.arange(0, BLOCK_PASS)
@@ -283,6 +295,23 @@ def _stream_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
     return ss, (0 if t.shape[1] == 1 else sb), st, sd
 
 
+def _trig_vector(cos, sin, mrope_section, interleaved) -> int:
+    """How many consecutive cos/sin elements the kernels may load as one vector: the largest power of
+    two up to 16 bytes that divides every place where a run of one stream's columns starts (the
+    section boundaries, the second half, the stream planes, the rows, the batches), or 1. The
+    interleaved layout changes stream every column: 1."""
+    if interleaved or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        return 1
+    section_t, section_h, _ = mrope_section
+    starts = [section_t, section_t + section_h, cos.shape[-1] // 2]
+    for t in (cos, sin):
+        starts += [t.stride(0), t.stride(2)] + ([t.stride(1)] if t.shape[1] > 1 else [])
+    vec = 16 // max(cos.element_size(), sin.element_size())
+    while vec > 1 and any(n % vec for n in starts):
+        vec //= 2
+    return vec
+
+
 def _launch(x_q, x_k, out_q, out_k, cos, sin, mrope_section, interleaved, unsqueeze_dim, backward):
     """Rotate x_q → out_q and x_k → out_k (all four shaped like q / k) in one launch."""
     batch = x_q.shape[0]
@@ -307,7 +336,7 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, mrope_section, interleaved, unsque
     blocks = dict(
         BLOCK_H=cfg.block_h, BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, BLOCK_PASS=cfg.block_pass,
         HAS_PASS=cfg.has_pass, INTERLEAVED=interleaved, BACKWARD=backward, num_warps=cfg.num_warps,
-        TRIG_EVICT=CONFIG.rope.trig_eviction,
+        TRIG_EVICT=CONFIG.rope.trig_eviction, TRIG_VEC=_trig_vector(cos, sin, mrope_section, interleaved),
     )
     if cfg.token_tiling:
         wrap_triton(mrope_token_kernel)[(batch_position_blocks,)](*tensors, **blocks)
