@@ -345,7 +345,7 @@ def profile_steps(train_step, batches, *, cuda: bool, timed_step_s: float) -> di
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # TIGON_PROFILE_STACK=1 records Python calls as host events too (the profiler's Python tracer), so
     # a gap during which the host ran plain Python (no aten op, no CUDA call) says which function. The
-    # tracer slows the host a lot: on Gemma-2's compiled step (tenth session) it made its own gaps
+    # tracer slows the host a lot: on Gemma-2's compiled step (2026-11-23) it made its own gaps
     # (350 ms of idle a step) and hid the ones it was meant to explain; use it on short host gaps only.
     with profile(activities=activities, with_stack=os.environ.get("TIGON_PROFILE_STACK") == "1") as prof:
         start = time.perf_counter()
@@ -373,7 +373,7 @@ def idle_gaps(prof, *, steps: int) -> dict:
     IDLE_GAP_US) per step, and the longest gaps with the kernels on either side and the host events
     that ran through them (``host``: name and µs of the gap covered). The profiler slows the host, so
     the gaps are longer than in the timed steps; where they fall is what they show. Measured so on
-    Gemma-2 with tigon + compile (eighth session): the 3.6 ms gap at each step's start was 1.4 ms of
+    Gemma-2 with tigon + compile (2026-11-23): the 3.6 ms gap at each step's start was 1.4 ms of
     "TorchDynamo Cache Lookup" (the guards), against none worth listing for compile alone."""
     from torch.autograd import DeviceType
 
