@@ -15,6 +15,7 @@ from tigon.ops.glu import geglu, swiglu
 from tigon.ops.jsd import jsd
 from tigon.ops.kl_div import kl_div
 from tigon.ops.layer_norm import layer_norm
+from tigon.ops.moe_glu import moe_glu
 from tigon.ops.rms_norm_add import rms_norm_add, rms_norm_add_rms_norm
 from tigon.ops.rmsnorm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
@@ -29,6 +30,6 @@ sys.modules.setdefault(__name__ + ".rms_norm", _deprecated_module_alias(__name__
 __all__ = [
     "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd",
     "fused_linear_logprobs", "fused_linear_token_stats", "geglu", "jsd",
-    "kl_div", "layer_norm", "rms_norm", "rms_norm_add", "rms_norm_add_rms_norm", "rope", "swiglu",
+    "kl_div", "layer_norm", "moe_glu", "rms_norm", "rms_norm_add", "rms_norm_add_rms_norm", "rope", "swiglu",
     "tvd",
 ]
