@@ -22,7 +22,7 @@ import tigon
 import tigon.ops  # noqa: F401  (the op module, by its sys.modules name below)
 from tests.helpers import DEVICE
 from tests.patching.tiny import assert_same_grads, batch, rel, stock_and_patched, tiny_model
-from tigon.patching import engine, experts, wrappers
+from tigon.patching import engine, wrappers
 from tigon.patching.changes import _apply, _Plan
 from tigon.patching.families import Experts, Family
 

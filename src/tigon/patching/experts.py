@@ -209,7 +209,8 @@ def _probe_gate(module, spec, path, activation, alpha, limit):
     except Exception as err:  # noqa: BLE001 (any failure means "not what the row says")
         raise ValueError(f"{path}.{GATE_ATTR} cannot be checked on a probe ({err})") from err
     want = moe_glu_reference(probe, spec.layout, activation, alpha=alpha, limit=limit)
-    if not (isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-12)):
+    same = isinstance(got, torch.Tensor) and got.shape == want.shape
+    if not (same and torch.allclose(got, want, rtol=1e-9, atol=1e-12)):
         raise ValueError(
             f"{path}.{GATE_ATTR} does not compute {activation} on the {spec.layout} layout (custom gate); "
             "pass mlp=False to patch the rest"
