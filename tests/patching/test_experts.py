@@ -240,3 +240,48 @@ def test_layout_that_differs_is_refused():
     halves = Family(**{**GPT_OSS.__dict__, "experts": Experts("GptOssExperts", activation="clamped_swiglu")})
     with pytest.raises(ValueError, match="is_concatenated does not match the halves layout"):
         _plan_experts(nn.ModuleDict({"experts": module}), halves)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+GPU_MOE_SIZES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=8,
+                     num_key_value_heads=4, head_dim=32, vocab_size=4096, max_position_embeddings=256)
+
+
+def _gpu_batch(step, vocab, batch_size=4, seq=128):
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, vocab, (batch_size, seq), generator=gen).to(DEVICE)
+    return ids, ids.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_bf16_weights_moe_matches_stock_on_gpu(model_type, implementation, kernel_calls):
+    """bf16 weights (grouped_mm's own dtype on the GPU), several programs per launch: loss and gradients."""
+    overrides = {**GPU_MOE_SIZES, "experts_implementation": implementation}
+    if model_type == "mixtral":
+        overrides.pop("moe_intermediate_size")
+    stock, patched, _ = stock_and_patched(model_type, config_overrides=overrides)
+    stock.to(torch.bfloat16)
+    patched.to(torch.bfloat16)
+    ids, labels = _gpu_batch(0, GPU_MOE_SIZES["vocab_size"])
+    want = stock(input_ids=ids, labels=labels).loss
+    got = patched(input_ids=ids, labels=labels).loss
+    assert rel(got, want) <= 2e-2
+    want.backward()
+    got.backward()
+    assert_same_grads(patched, stock, tolerance=5e-2)
+    assert kernel_calls
+
+
+@pytest.mark.gpu
+def test_torch_compile_of_a_patched_moe_model_matches_eager():
+    """torch.compile over the patched experts (grouped_mm, bf16 weights): the registered moe_glu op is traced."""
+    _, patched, _ = stock_and_patched("qwen3_moe", config_overrides={**GPU_MOE_SIZES,
+                                                                     "experts_implementation": "grouped_mm"})
+    patched.to(torch.bfloat16)
+    ids, labels = _gpu_batch(1, GPU_MOE_SIZES["vocab_size"])
+    want = patched(input_ids=ids, labels=labels).loss
+    got = torch.compile(patched)(input_ids=ids, labels=labels).loss
+    assert rel(got, want) <= 2e-2
