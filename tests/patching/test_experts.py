@@ -22,7 +22,7 @@ import tigon
 import tigon.ops  # noqa: F401  (the op module, by its sys.modules name below)
 from tests.helpers import DEVICE
 from tests.patching.tiny import assert_same_grads, batch, rel, stock_and_patched, tiny_model
-from tigon.patching import engine, wrappers
+from tigon.patching import engine, experts, wrappers
 from tigon.patching.changes import _apply, _Plan
 from tigon.patching.families import Experts, Family
 
@@ -155,6 +155,27 @@ def test_an_unknown_eager_loop_stays_stock_with_a_warning(monkeypatch, kernel_ca
         patched.config._experts_implementation = "grouped_mm"
         patched(input_ids=ids)
         assert kernel_calls  # grouped_mm: fused
+
+
+# The experts classes of MoE families whose rows are added to the table separately: each passes the
+# class checks with one keyword, ``experts=Experts()`` (GPT-OSS: its layout and activation).
+OTHER_MOE_EXPERTS = {
+    "qwen2_moe": ("Qwen2MoeExperts", "inline"), "olmoe": ("OlmoeExperts", "inline"),
+    "granitemoe": ("GraniteMoeExperts", "inline"), "glm4_moe": ("Glm4MoeExperts", "inline"),
+    "deepseek_v3": ("DeepseekV3Experts", "inline"), "qwen3_next": ("Qwen3NextExperts", "inline"),
+    "gpt_oss": ("GptOssExperts", "gate"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(OTHER_MOE_EXPERTS))
+def test_experts_classes_of_other_moe_families_check_out(package):
+    module = pytest.importorskip(f"transformers.models.{package}.modeling_{package}")
+    cls_name, eager = OTHER_MOE_EXPERTS[package]
+    spec = (Experts(cls_name, layout="interleaved", activation="clamped_swiglu") if package == "gpt_oss"
+            else Experts(cls_name))
+    family = Family(model_type=package, package=package, causal_lm="", model="", norm=None, mlp=None,
+                    attention=None, experts=spec)
+    assert experts.check_class(family, getattr(module, cls_name)) == eager
 
 
 # ------------------------------------------------------------------------------------------ GPT-OSS
