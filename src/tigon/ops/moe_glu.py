@@ -27,7 +27,9 @@ the backward recomputes the activation from it.
 
 Tiles are (BLOCK_M rows) × (BLOCK_N columns of h); offsets are int64 throughout (rows × strides past
 2^31 elements, and transposed views whose column stride is the row count). x and dh are read through
-any strides (a stride-0 dh from ``.sum()`` too); h and dx are written contiguous.
+any strides (a stride-0 dh from ``.sum()`` too); h and dx are written contiguous. In the interleaved
+layout a tile's 2·BLOCK_N packed columns are one contiguous run per row, loaded (and, for dx, stored)
+whole and split (joined) in registers.
 
 Bytes (speed of light), T tokens, element size b::
 
@@ -60,20 +62,49 @@ GPT_OSS_LIMIT = 7.0
 
 
 @triton.jit
-def _tile(pid, num_rows, num_cols, col_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows ((BLOCK_M, 1)), columns of h ((1, BLOCK_N)), both int64, and the mask of this tile."""
+def _tile(pid, num_rows, col_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows ((BLOCK_M, 1), int64), their mask, and its first column of h (int64)."""
     rows = (pid // col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    cols = (pid % col_blocks).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    return rows, cols, (rows < num_rows) & (cols < num_cols)
+    col_start = (pid % col_blocks).to(tl.int64) * BLOCK_N
+    return rows, rows < num_rows, col_start
 
 
 @triton.jit
-def _gate_up_columns(cols, num_cols, INTERLEAVED: tl.constexpr):
-    """Columns of g and u in the packed x for columns ``cols`` of h."""
+def _load_gate_up(x_ptr, x_row_stride, x_col_stride, rows, row_mask, col_start, num_cols,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """g and u (fp32, (BLOCK_M, BLOCK_N)) for columns col_start + [0, BLOCK_N) of h.
+
+    Interleaved: the tile's 2·BLOCK_N packed columns are read as one contiguous run per row and split
+    in registers (two stride-2 loads would each fetch every sector of the run).
+    """
+    x_row = x_ptr + rows * x_row_stride
     if INTERLEAVED:
-        return 2 * cols, 2 * cols + 1
+        packed = 2 * col_start + tl.arange(0, 2 * BLOCK_N)[None, :]
+        x = tl.load(x_row + packed * x_col_stride, mask=row_mask & (packed < 2 * num_cols), other=0.0)
+        g, u = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_N, 2)))
     else:
-        return cols, num_cols + cols
+        cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+        mask = row_mask & (cols < num_cols)
+        g = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + (num_cols + cols) * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _store_gate_up(dx_ptr, dg, du, rows, row_mask, col_start, num_cols,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """dg and du at g's and u's places in the contiguous packed gradient dx ((M, 2N))."""
+    dx_row = dx_ptr + rows * (2 * num_cols)
+    dtype = dx_ptr.dtype.element_ty
+    if INTERLEAVED:
+        packed = 2 * col_start + tl.arange(0, 2 * BLOCK_N)[None, :]
+        dx = tl.reshape(tl.join(dg, du), (BLOCK_M, 2 * BLOCK_N))
+        tl.store(dx_row + packed, dx.to(dtype), mask=row_mask & (packed < 2 * num_cols))
+    else:
+        cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+        mask = row_mask & (cols < num_cols)
+        tl.store(dx_row + cols, dg.to(dtype), mask=mask)
+        tl.store(dx_row + num_cols + cols, du.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -118,13 +149,12 @@ def moe_glu_fwd_kernel(
     """h = gated(g, u) over one tile."""
     alpha, limit = as_fp32(alpha), as_fp32(limit)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    rows, cols, mask = _tile(tl.program_id(0), num_rows, num_cols, col_blocks, BLOCK_M, BLOCK_N)
-    gate_cols, up_cols = _gate_up_columns(cols, num_cols, INTERLEAVED)
-    x_row = x_ptr + rows * x_row_stride
-    g = tl.load(x_row + gate_cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_row + up_cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    rows, row_mask, col_start = _tile(tl.program_id(0), num_rows, col_blocks, BLOCK_M, BLOCK_N)
+    g, u = _load_gate_up(x_ptr, x_row_stride, x_col_stride, rows, row_mask, col_start, num_cols,
+                         BLOCK_M, BLOCK_N, INTERLEAVED)
     h, _, _ = _gated(g, u, alpha, limit, DTYPE, ACTIVATION)
-    tl.store(h_ptr + rows * num_cols + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+    cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(h_ptr + rows * num_cols + cols, h.to(h_ptr.dtype.element_ty), mask=row_mask & (cols < num_cols))
 
 
 @triton.jit
@@ -140,16 +170,15 @@ def moe_glu_bwd_kernel(
     """dg = dh·∂h/∂g and du = dh·∂h/∂u over one tile, stored at g's and u's places in dx."""
     alpha, limit = as_fp32(alpha), as_fp32(limit)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    rows, cols, mask = _tile(tl.program_id(0), num_rows, num_cols, col_blocks, BLOCK_M, BLOCK_N)
-    gate_cols, up_cols = _gate_up_columns(cols, num_cols, INTERLEAVED)
-    dh = tl.load(dh_ptr + rows * dh_row_stride + cols * dh_col_stride, mask=mask, other=0.0).to(tl.float32)
-    x_row = x_ptr + rows * x_row_stride
-    g = tl.load(x_row + gate_cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_row + up_cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    rows, row_mask, col_start = _tile(tl.program_id(0), num_rows, col_blocks, BLOCK_M, BLOCK_N)
+    cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+    dh = tl.load(dh_ptr + rows * dh_row_stride + cols * dh_col_stride, mask=row_mask & (cols < num_cols),
+                 other=0.0).to(tl.float32)
+    g, u = _load_gate_up(x_ptr, x_row_stride, x_col_stride, rows, row_mask, col_start, num_cols,
+                         BLOCK_M, BLOCK_N, INTERLEAVED)
     _, dh_dg, dh_du = _gated(g, u, alpha, limit, DTYPE, ACTIVATION)
-    dx_row = dx_ptr + rows * (2 * num_cols)
-    tl.store(dx_row + gate_cols, (dh * dh_dg).to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_row + up_cols, (dh * dh_du).to(dx_ptr.dtype.element_ty), mask=mask)
+    _store_gate_up(dx_ptr, dh * dh_dg, dh * dh_du, rows, row_mask, col_start, num_cols,
+                   BLOCK_M, BLOCK_N, INTERLEAVED)
 
 
 # -------------------------------------------------------------------------------------- launch config
