@@ -4,6 +4,7 @@
     python benchmarks/e2e.py --models llama --providers stock tigon --steps 10
     python benchmarks/e2e.py --longest-context             # batch 1, Llama-3.2-1B-shaped, stock vs tigon
     python benchmarks/e2e.py --models qwen2 --providers stock tigon --profile   # where the GPU time goes
+    python benchmarks/e2e.py --models qwen3_moe            # MoE: Qwen3-30B-A3B-shaped, 3 layers
     python benchmarks/e2e.py --device cpu --tiny --seq 16 --warmup 1 --steps 1   # pipeline smoke test
 
 What is measured. Models are built from config with random weights (``tigon.bench.models.model_config``,
@@ -36,6 +37,16 @@ by its name. Reported per provider: those sums, the GPU busy time (all kernels),
 wall time and busy / wall (well below 1: the host does not keep the GPU fed), and the top kernels.
 On the CPU (``--device cpu``) the profile sums each operator's self CPU time instead: the
 interpreter runs the Triton kernels on the host, so it only tests the pipeline.
+
+MoE (``--models qwen3_moe``): Qwen3-30B-A3B's shape (H=2048, 128 experts of width 768, top-8,
+32 query / 4 key-value heads of 128, V=151936, untied head) with 3 of its 48 layers (``MOE_SHAPES``):
+2.5B parameters, 40 GB of fp32 weights, gradients and AdamW moments, which leaves room on one 80 GB
+H100 for stock's 8192 x 151936 logits (~15 GB with their fp32 copies and gradient) and the experts'
+activations (8192 tokens x 8 routed copies). GPT-OSS-20B (21B parameters) cannot train with AdamW on
+one H100, and two of its layers, its 201088-token vocabulary and untied head would make as large a
+model; Qwen3-MoE also has a Liger patch and runs transformers' sdpa attention (GPT-OSS's attention
+sinks do not). The experts run transformers' default implementation (grouped_mm), the same for
+every provider; tigon fuses their gate (tigon.ops.moe_glu).
 
 Longest context (``--longest-context``): at batch 1, the largest sequence length, in steps of 2048,
 that trains without running out of memory: two full steps, since the first ``optimizer.step()``
@@ -164,8 +175,41 @@ def batch_for(model_type: str, batch: int | None) -> int:
     return batch if batch is not None else BATCH_OVERRIDES.get(model_type, BATCH)
 
 
+# MoE rows: a published MoE shape with fewer layers, so that it trains on one GPU (module docstring).
+MOE_SHAPES = {
+    "qwen3_moe": ("Qwen3-30B-A3B-shaped, 3 of 48 layers", dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=3,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=1, eos_token_id=2, pad_token_id=None,
+    )),
+}
+
+
 def model_spec(model_type: str, *, tiny: bool = False):
-    """The benchmark's model: the published shape ``tigon demo`` uses on a GPU."""
+    """The benchmark's model: the published shape ``tigon demo`` uses on a GPU (``MOE_SHAPES``' for a
+    MoE family)."""
+    if model_type in MOE_SHAPES and not tiny:
+        import copy
+
+        import transformers
+
+        from tigon.bench.models import ModelSpec
+
+        label, shape = MOE_SHAPES[model_type]
+        return ModelSpec(model_type, label, transformers.AutoConfig.for_model(model_type, **copy.deepcopy(shape)))
     return model_config(model_type, tiny=tiny)
 
 

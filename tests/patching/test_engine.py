@@ -105,7 +105,8 @@ def test_unknown_switch_and_bad_values():
         ("llama", "mlp", ["LlamaMLP -> tigon.nn.SwiGLUMLP()"]),
         ("gemma", "mlp", ["GemmaMLP -> tigon.nn.GEGLUMLP(approximate='tanh')"]),
         ("phi3", "mlp", ["Phi3MLP.forward -> tigon.ops.swiglu on gate_up_proj"]),
-        ("qwen3_moe", "mlp", ["Qwen3MoeMLP -> tigon.nn.SwiGLUMLP()"]),  # the dense layer only
+        ("qwen3_moe", "mlp", ["Qwen3MoeMLP -> tigon.nn.SwiGLUMLP()",  # the dense layer
+                              "Qwen3MoeExperts._apply_gate -> tigon.ops.moe_glu"]),  # and the experts
         ("llama", "rope", ["LlamaAttention: apply_rotary_pos_emb -> tigon.ops.rope"]),
         ("phi3", "rope", ["Phi3Attention: apply_rotary_pos_emb -> tigon.ops.rope"]),  # partial rotary
         ("llama", "cross_entropy", ["LlamaForCausalLM.loss_function -> tigon.ops.cross_entropy"]),
@@ -114,7 +115,7 @@ def test_unknown_switch_and_bad_values():
         ("glm4", "rope", []),  # interleaved rotary: not rotate-half, keeps its own
         ("stablelm", "layer_norm", ["LayerNorm -> tigon.nn.LayerNorm"]),  # incl. per-head qk norms
         ("llama", "layer_norm", []),  # Llama has no LayerNorm
-        ("mixtral", "mlp", []),  # experts only: no dense MLP module to swap
+        ("mixtral", "mlp", ["MixtralExperts._apply_gate -> tigon.ops.moe_glu"]),  # experts only
     ],
 )
 def test_each_switch_alone(model_type, switch, changed):

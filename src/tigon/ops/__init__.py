@@ -16,6 +16,7 @@ from tigon.ops.glu import geglu, swiglu
 from tigon.ops.jsd import jsd
 from tigon.ops.kl_div import kl_div
 from tigon.ops.layer_norm import layer_norm
+from tigon.ops.moe_glu import moe_glu
 from tigon.ops.mrope import mrope
 from tigon.ops.norm_joins import post_norm_join, sandwich_norm_join
 from tigon.ops.rmsnorm import add_rms_norm, rms_norm
@@ -35,6 +36,7 @@ sys.modules.setdefault(__name__ + ".rms_norm", _deprecated_module_alias(__name__
 __all__ = [
     "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd",
     "fused_linear_logprobs", "fused_linear_token_stats", "geglu", "jsd",
-    "kl_div", "layer_norm", "mrope", "post_norm_join", "rms_norm", "rope", "sandwich_norm_join", "swiglu",
+    "kl_div", "layer_norm", "moe_glu", "mrope", "post_norm_join", "rms_norm", "rope", "sandwich_norm_join",
+    "swiglu",
     "tvd",
 ]

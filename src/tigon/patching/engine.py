@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tigon.patching import causal_mask, graphs, joins, wrappers
+from tigon.patching import experts as moe_experts
 from tigon.patching import forwards as replacement_forwards
 from tigon.patching import loss as loss_path
 from tigon.patching.changes import Patch, _apply, _Plan, _SetAttr, _SwapModule
@@ -127,6 +128,7 @@ class _Classes:
     mlp: type | None
     attention: type | None
     decoder_layer: type | None
+    experts: type | None = None
 
 
 def _lookup(module, dotted: str, family: Family, part: str):
@@ -159,6 +161,7 @@ def _resolve(family: Family) -> _Classes:
         mlp=get(family.mlp, "mlp"),
         attention=get(family.attention, "rope"),
         decoder_layer=get(family.decoder_layer, "decoder layer"),
+        experts=get(family.experts, "mlp"),
     )
     if classes.attention is not None:
         # The forward's body, through any decorators (5.24 wraps it in @deprecate_kwarg): a wrapper
@@ -554,6 +557,20 @@ def _plan_mlps(plan, model, family, classes, switches):
         _plan_fused_mlps(plan, model, family, classes)
 
 
+def _plan_experts(plan, model, family, classes, switches):
+    """Part of the ``mlp`` switch: MoE experts get the fused gate (patching/experts.py)."""
+    moe_experts.plan(plan, _sites(model, classes.experts), family, classes.experts,
+                     glu_of=_glu_of, check_plain=_check_plain, is_tigon=_is_tigon)
+
+
+def _experts_lines(family, classes):
+    try:
+        kind = moe_experts.eager_kind(classes.experts)
+    except ValueError:
+        kind = None
+    return [moe_experts.line(family, classes.experts, kind)]
+
+
 def _plan_attention(plan, model, family, classes, switches):
     _plan_rope(plan, model, family, classes)
     _plan_shared_cast(plan, model, classes)
@@ -582,6 +599,7 @@ PARTS = (
           lambda plan, m, f, c, s: _plan_layer_norms(plan, m, f, c), lambda f, c, s: [_layer_norm_line(c)]),
     _Part("mlp", lambda f, c: c.mlp is not None, _plan_mlps,
           lambda f, c, s: [f"{c.mlp.__name__} -> tigon GLU (activation read from each module)"]),
+    _Part("mlp", lambda f, c: c.experts is not None, _plan_experts, lambda f, c, s: _experts_lines(f, c)),
     _Part("rope", lambda f, c: c.attention is not None, _plan_attention, lambda f, c, s: [_rope_line(c)]),
     _Part(None, lambda f, c: True, _plan_loss, lambda f, c, s: _loss_lines(c, s)),
     _Part("cuda_graphs", lambda f, c: c.decoder_layer is not None,

@@ -34,15 +34,20 @@ Adding a family is one ``Family(...)`` line here. Everything is checked against 
 when a patch is planned (class names exist, forwards reference what the row says), so a transformers
 version that moved things raises ValueError instead of patching half a model.
 
-Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status). MoE experts
-(Mixtral, Qwen3-MoE) hold their weights as 3-D tensors behind transformers' experts dispatch (eager
-loop / grouped_mm) and apply the activation inside it; there is no module boundary to swap there, so
-only Qwen3-MoE's dense ``Qwen3MoeMLP`` layers (``mlp_only_layers``) get the fused GLU.
+- ``experts``: the MoE experts class (weights as 3-D tensors behind transformers' experts dispatch,
+  ``@use_experts_implementation``: eager loop, ``grouped_mm``, ``batched_mm``), with the layout of its
+  packed gate/up projection ("halves": ``chunk(2)``; "interleaved": GPT-OSS's even/odd columns) and its
+  activation ("act_fn": read from the module's ``act_fn``, silu / gelu / gelu-tanh; "clamped_swiglu":
+  GPT-OSS's, with the module's ``alpha`` and ``limit``). Part of the ``mlp`` switch: every experts
+  implementation applies the gate through ``tigon.ops.moe_glu`` (patching/experts.py). ``Experts()``
+  names ``<prefix>Experts``.
+
+Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,18 @@ class Mlp:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """MoE experts behind transformers' experts dispatch: ``_apply_gate`` on the packed gate/up output.
+
+    ``cls=None`` in a ``_family`` row: ``<prefix>Experts``.
+    """
+
+    cls: str | None = None
+    layout: str = "halves"  # "halves": gate = first half (chunk(2)); "interleaved": gate = even columns
+    activation: str = "act_fn"  # "act_fn": the module's act_fn; "clamped_swiglu": GPT-OSS's (alpha, limit)
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     package: str  # transformers.models.<package>.modeling_<package>
@@ -79,6 +96,7 @@ class Family:
     decoder_layer: str | None = None
     projection_norms: tuple[str, ...] = ()
     joined_layer: str | None = None  # "sandwich" / "post_norm": a layout of patching/joins.py
+    experts: Experts | None = None  # MoE experts behind transformers' experts dispatch
 
     @property
     def module_name(self) -> str:
@@ -91,7 +109,7 @@ MOE_NORMS = ("input_layernorm",)
 
 
 def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="act_fn", rope=True,
-            model=None, projection_norms=PRE_NORMS, **quirks):
+            model=None, projection_norms=PRE_NORMS, experts=None, **quirks):
     """One row with transformers' usual class names (``<prefix>RMSNorm``, ``<prefix>MLP``, ...)."""
     return Family(
         model_type=model_type,
@@ -103,6 +121,7 @@ def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="ac
         attention=f"{prefix}Attention" if rope else None,
         decoder_layer=f"{prefix}DecoderLayer" if norm and (projection_norms or quirks.get("joined_layer")) else None,
         projection_norms=projection_norms if norm else (),
+        experts=replace(experts, cls=experts.cls or f"{prefix}Experts") if experts else None,
         **quirks,
     )
 
@@ -121,11 +140,11 @@ FAMILIES: dict[str, Family] = {
         _family("llama", "llama", "Llama", joined_layer="pre_norm"),
         _family("mistral", "mistral", "Mistral", joined_layer="pre_norm"),
         _family("mixtral", "mixtral", "Mixtral", mlp=None, router_aux_loss="load_balancing_loss_func",
-                projection_norms=MOE_NORMS),
+                projection_norms=MOE_NORMS, experts=Experts()),
         _family("qwen2", "qwen2", "Qwen2", joined_layer="pre_norm"),
         _family("qwen3", "qwen3", "Qwen3", joined_layer="pre_norm"),
         _family("qwen3_moe", "qwen3_moe", "Qwen3Moe", router_aux_loss="load_balancing_loss_func",
-                projection_norms=MOE_NORMS, joined_layer="pre_norm"),
+                projection_norms=MOE_NORMS, joined_layer="pre_norm", experts=Experts()),
         _family("gemma", "gemma", "Gemma", norm=_gemma_norm, joined_layer="pre_norm"),
         _family("gemma2", "gemma2", "Gemma2", norm=_gemma_norm, final_logit_softcapping=True,
                 projection_norms=SANDWICH_NORMS, joined_layer="sandwich"),

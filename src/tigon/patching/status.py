@@ -5,7 +5,8 @@ A row checks out when everything ``tigon.patch`` relies on is where the row says
 knows: the classes exist; the attention forward's body (through its decorators) calls the
 module-level rotate-half ``apply_rotary_pos_emb``; the forwards tigon rewraps show the body they run;
 the decoder layer of a joined family is, statement for statement, a forward tigon fuses (in one of
-the known releases' variants); the MoE router loss exists. These are the checks ``patch`` makes
+the known releases' variants); the MoE router loss exists; MoE experts sit behind transformers'
+experts dispatch with its default gate (or the row's own activation). These are the checks ``patch`` makes
 before it changes anything; here they run without a model.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from tigon.patching import engine, joins
+from tigon.patching import engine, experts, joins
 from tigon.patching.families import FAMILIES
 
 
@@ -43,6 +44,10 @@ def family_status(model_type: str) -> FamilyStatus:
             parts.append("layer_norm")
         if classes.mlp is not None:
             parts.append(f"mlp ({family.mlp.layout})")
+        if classes.experts is not None:
+            eager = {"gate": "its eager loop calls the gate", "inline": "eager loop replaced",
+                     None: "eager loop unknown: stays stock"}[experts.check_class(family, classes.experts)]
+            parts.append(f"experts ({family.experts.layout}, {eager})")
         if classes.attention is not None:
             parts.append("rope")
         if family.joined_layer:

@@ -7,7 +7,8 @@ import importlib
 # One module per op (an op's variants, such as add_rms_norm, share its module); each defines a tuple
 # SPECS. Listed here so that a missing module is an error, not a silence.
 SPEC_MODULES = (
-    "rms_norm", "layer_norm", "rope", "mrope", "glu", "mlp", "distill", "cross_entropy", "logprobs", "losses",
+    "rms_norm", "layer_norm", "rope", "mrope", "glu", "moe_glu", "mlp", "distill", "cross_entropy", "logprobs",
+    "losses",
 )
 
 

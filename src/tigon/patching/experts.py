@@ -1,0 +1,280 @@
+"""MoE experts: transformers' experts dispatch, with the gated activation fused (``tigon.ops.moe_glu``).
+
+transformers 5 holds a MoE layer's experts as 3-D weights (``gate_up_proj`` ``[E, 2I, H]``, or
+``[E, H, 2I]`` transposed as GPT-OSS's) in one module whose class is decorated with
+``@use_experts_implementation`` (``transformers/integrations/moe.py``, the same in 5.17 to 5.24). The
+decorator replaces the class's ``forward`` with a dispatch: ``config._experts_implementation`` picks
+``grouped_mm`` (the default), ``batched_mm``, or ``"eager"``, the class's own loop over experts. The
+matmul implementations hand the packed gate/up output ``[S, 2I]`` to ``self._apply_gate`` (the
+decorator's ``act_fn(gate) * up`` on ``chunk(2)``, unless the class has its own, as GPT-OSS's
+clamped, interleaved one). The class's eager loop either calls ``self._apply_gate`` too (GPT-OSS) or
+computes ``self.act_fn(gate) * up`` inline (Mixtral, Qwen3-MoE and the rows written as theirs).
+
+What tigon sets on each experts module (instance attributes, reverted by the patch handle):
+
+- ``_apply_gate``: ``tigon.ops.moe_glu`` with the row's layout and the module's activation. Every
+  implementation that calls ``self._apply_gate`` (grouped_mm, batched_mm, a loop that calls it) runs
+  the fused kernel; the matmuls, routing and sums around it stay transformers' own.
+- ``forward``, only where the eager loop computes the gate inline: the class's dispatch wrapper
+  (copied, wrappers.rewrapped) around :func:`eager_experts_forward`, the same loop statement for
+  statement but with the gate through ``self._apply_gate``. The dispatch itself is transformers':
+  whatever implementation the config names at call time is the one that runs.
+
+Checked at patch time, the model untouched on a mismatch (ValueError): the class's ``forward`` is
+``use_experts_implementation``'s dispatch; the module gates (``has_gate``), has no post-expert norm,
+and packs gate/up in the row's layout (``is_concatenated``); its ``_apply_gate`` is the decorator's
+default with a silu / gelu / gelu-tanh ``act_fn``, or (GPT-OSS's activation) computes what
+``moe_glu`` computes on a probe. An eager loop that neither calls ``_apply_gate`` nor is the known
+loop keeps running as it is, with a warning (the matmul implementations are still fused).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tigon.patching import wrappers
+from tigon.patching.changes import _SetAttr
+
+GATE_ATTR = "_apply_gate"
+ACT_FN = "act_fn"
+CLAMPED_SWIGLU = "clamped_swiglu"
+KERNEL_ACTIVATIONS = {("swiglu", None): "silu", ("geglu", "tanh"): "gelu_tanh", ("geglu", "none"): "gelu"}
+
+# The eager loop of Mixtral / Qwen3-MoE (and the rows written as theirs), as transformers 5.24 has it;
+# 5.17 to 5.2x one-hot encode with ``num_classes=self.num_experts`` (no expert-parallel sentinel class).
+INLINE_LOOP = '''
+def forward(self, hidden_states, top_k_index, top_k_weights):
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = hidden_states[token_idx]
+        gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        current_hidden_states = self.act_fn(gate) * up
+        current_hidden_states = nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+
+    return final_hidden_states
+'''
+INLINE_LOOP_VARIANTS = {
+    "5.24": INLINE_LOOP,
+    "5.17": INLINE_LOOP.replace("num_classes=self.num_experts + 1", "num_classes=self.num_experts"),
+}
+
+
+def eager_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """:data:`INLINE_LOOP` with the gate through ``self._apply_gate`` (tigon's fused one).
+
+    One-hot over ``num_experts + 1`` classes as 5.24 (an expert-parallel sentinel index lands in the
+    extra class and is skipped); for the indices 5.17 takes, the same experts in the same order.
+    """
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)  # (E + 1, top_k, tokens)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = hidden_states[token_idx]  # (S_e, H)
+        gate_up = F.linear(current_state, self.gate_up_proj[expert_idx])  # (S_e, 2I)
+        current_hidden_states = self._apply_gate(gate_up)  # (S_e, I)
+        current_hidden_states = F.linear(current_hidden_states, self.down_proj[expert_idx])  # (S_e, H)
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+
+    return final_hidden_states
+
+
+# ----------------------------------------------------------------------------------- class checks
+
+
+@functools.cache
+def _dispatch_code():
+    """The code object of ``use_experts_implementation``'s dispatching ``forward`` (every decorated
+    class's forward is a closure of it), or None where transformers has no experts dispatch."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    probe = type("_DispatchProbe", (nn.Module,), {"forward": lambda self: None})
+    return moe.use_experts_implementation(probe).forward.__code__
+
+
+def _default_gate():
+    from transformers.integrations import moe
+
+    return getattr(moe, "_default_apply_gate", None)
+
+
+def _shape(source_or_fn) -> str | None:
+    from tigon.patching.joins import _shape as statement_shape
+
+    try:
+        source = source_or_fn if isinstance(source_or_fn, str) else inspect.getsource(source_or_fn)
+        node = ast.parse(textwrap.dedent(source)).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    return statement_shape(node) if isinstance(node, ast.FunctionDef) else None
+
+
+@functools.cache
+def _known_loop_shapes():
+    return {_shape(source) for source in INLINE_LOOP_VARIANTS.values()}
+
+
+def eager_kind(cls) -> str | None:
+    """How the class's eager loop (the dispatch's body) gates: "gate" (it calls ``self._apply_gate``),
+    "inline" (the known loop: :data:`INLINE_LOOP`), or None (neither: tigon leaves it running)."""
+    loop = wrappers.body(cls.forward)
+    if GATE_ATTR in loop.__code__.co_names:
+        return "gate"
+    return "inline" if _shape(loop) in _known_loop_shapes() else None
+
+
+def check_class(family, cls) -> str | None:
+    """Class-level checks (raise ValueError); returns :func:`eager_kind`."""
+    spec = family.experts
+    where = f"{family.model_type}: experts: {cls.__name__}"
+    code = _dispatch_code()
+    if code is None or getattr(cls.forward, "__code__", None) is not code:
+        raise ValueError(
+            f"{where}.forward is not transformers' experts dispatch (use_experts_implementation): this "
+            "version does not match tigon's table; pass mlp=False to patch the rest"
+        )
+    try:
+        kind = eager_kind(cls)
+    except wrappers.WrapperMismatch as err:
+        raise ValueError(f"{where}.forward: {err}") from err
+    gate = getattr(cls, GATE_ATTR, None)
+    if spec.activation == ACT_FN and gate is not _default_gate():
+        raise ValueError(
+            f"{where}.{GATE_ATTR} is not transformers' default act_fn(gate) * up: this version does not "
+            "match tigon's table; pass mlp=False to patch the rest"
+        )
+    return kind
+
+
+# -------------------------------------------------------------------------------- instance plan
+
+
+def _activation(module, spec, path, glu_of):
+    """(kernel activation name, alpha, limit) of one experts module."""
+    if spec.activation == CLAMPED_SWIGLU:
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)):
+            raise ValueError(f"{path} has no numeric alpha / limit for GPT-OSS's clamped swiglu")
+        return CLAMPED_SWIGLU, float(alpha), float(limit)
+    act = getattr(module, ACT_FN, None)
+    glu = glu_of(act)
+    if glu is None:
+        raise ValueError(
+            f"{path}.{ACT_FN} is {type(act).__name__}: tigon fuses silu, gelu and gelu-tanh experts only "
+            "(custom activation); pass mlp=False to patch the rest"
+        )
+    kind, kwargs = glu
+    return KERNEL_ACTIVATIONS[(kind, kwargs.get("approximate"))], 0.0, 0.0
+
+
+def _probe_gate(module, spec, path, activation, alpha, limit):
+    """The class's ``_apply_gate`` must compute what moe_glu computes: fp64 values across the
+    activation's range (past ±limit for the clamps) on the CPU."""
+    from tigon.ops.moe_glu import moe_glu_reference
+
+    span = 1.5 * limit if activation == CLAMPED_SWIGLU else 8.0
+    probe = torch.linspace(-span, span, 2 * 8 * 3, dtype=torch.float64).reshape(8, 6)
+    probe = probe[torch.randperm(8, generator=torch.Generator().manual_seed(0))]
+    try:
+        got = type(module)._apply_gate(module, probe)
+    except Exception as err:  # noqa: BLE001 (any failure means "not what the row says")
+        raise ValueError(f"{path}.{GATE_ATTR} cannot be checked on a probe ({err})") from err
+    want = moe_glu_reference(probe, spec.layout, activation, alpha=alpha, limit=limit)
+    same = isinstance(got, torch.Tensor) and got.shape == want.shape
+    if not (same and torch.allclose(got, want, rtol=1e-9, atol=1e-12)):
+        raise ValueError(
+            f"{path}.{GATE_ATTR} does not compute {activation} on the {spec.layout} layout (custom gate); "
+            "pass mlp=False to patch the rest"
+        )
+
+
+def fused_gate(layout, activation, alpha=None, limit=None):
+    """The ``_apply_gate`` tigon sets: ``moe_glu`` on the packed projection. GPT-OSS's α and limit are
+    read from the module at each call (as its own gate reads them)."""
+    from tigon.ops.moe_glu import moe_glu
+
+    if activation == CLAMPED_SWIGLU:
+        def apply_gate(self, gate_up):
+            return moe_glu(gate_up, layout=layout, activation=activation, alpha=self.alpha, limit=self.limit)
+    else:
+        def apply_gate(self, gate_up):
+            return moe_glu(gate_up, layout=layout, activation=activation)
+
+    apply_gate._tigon = True
+    return apply_gate
+
+
+def line(family, cls, kind) -> str:
+    spec = family.experts
+    activation = ("activation read from each module's act_fn" if spec.activation == ACT_FN
+                  else f"{spec.activation} with each module's alpha and limit")
+    text = (f"{cls.__name__}.{GATE_ATTR} -> tigon.ops.moe_glu ({spec.layout} layout, {activation}) in every "
+            "experts implementation")
+    if kind == "inline":
+        text += "; eager loop -> the same loop through it"
+    elif kind is None:
+        text += "; the eager loop (not the one tigon knows) stays stock"
+    return text + " (instance attributes)"
+
+
+def plan(plan_, sites, family, cls, *, glu_of, check_plain, is_tigon):
+    """Plan the experts of one model: ``sites`` as engine._sites gives them for ``cls``."""
+    spec = family.experts
+    kind = check_class(family, cls)
+    if kind is None:
+        warnings.warn(
+            f"tigon: {cls.__name__}'s eager loop is not the one tigon knows: under the 'eager' experts "
+            "implementation its gate stays unfused; grouped_mm and batched_mm are fused",
+            stacklevel=5,
+        )
+    text = line(family, cls, kind)
+    gates, forward = {}, None
+    for module, _, path in sites:
+        if is_tigon(vars(module).get(GATE_ATTR)):
+            continue
+        check_plain(module, cls, path)
+        if GATE_ATTR in vars(module):
+            raise ValueError(f"{path} has its own {GATE_ATTR} set on the instance; tigon will not replace it")
+        if not getattr(module, "has_gate", False) or getattr(module, "has_post_expert_norm", False):
+            raise ValueError(f"{path} is not a gated experts module without post-expert norm")
+        if bool(getattr(module, "is_concatenated", True)) != (spec.layout == "halves"):
+            raise ValueError(f"{path}.is_concatenated does not match the {spec.layout} layout of tigon's table")
+        activation, alpha, limit = _activation(module, spec, path, glu_of)
+        _probe_gate(module, spec, path, activation, alpha, limit)
+        if activation not in gates:
+            gates[activation] = fused_gate(spec.layout, activation)
+        plan_.add(_SetAttr(module, GATE_ATTR, types.MethodType(gates[activation], module)), text)
+        if kind == "inline":
+            if forward is None:
+                forward = wrappers.rewrapped(cls.forward, eager_experts_forward)
+                forward._tigon = True
+            plan_.add(_SetAttr(module, "forward", types.MethodType(forward, module)))
