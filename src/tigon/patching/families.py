@@ -42,6 +42,7 @@ only Qwen3-MoE's dense ``Qwen3MoeMLP`` layers (``mlp_only_layers``) get the fuse
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -79,6 +80,13 @@ class Family:
     decoder_layer: str | None = None
     projection_norms: tuple[str, ...] = ()
     joined_layer: str | None = None  # "sandwich" / "post_norm": a layout of patching/joins.py
+    # The rotary's cos/sin hold one angle per rotated pair, not the rotate-half layout's two copies
+    # (GPT-OSS: ``emb = freqs``; its ``_apply_rotary_emb`` rotates the two halves): tigon's rope gets
+    # them duplicated, ``cat((cos, cos), -1)``, which is the same rotation.
+    rotary_half_angles: bool = False
+    # A config attribute that, when true, makes the attention rotate with another function than
+    # ``apply_rotary_pos_emb`` (DeepSeek-V3's ``rope_interleave``): the attention is then left stock.
+    rope_unless_config: str | None = None
 
     @property
     def module_name(self) -> str:
@@ -138,5 +146,24 @@ FAMILIES: dict[str, Family] = {
         _family("smollm3", "smollm3", "SmolLM3", joined_layer="pre_norm"),
         _family("glm4", "glm4", "Glm4", mlp="fused", act_attr="activation_fn", rope=False),
         _family("stablelm", "stablelm", "StableLm", norm=None, layer_norm=Norm("nn.LayerNorm")),
+        # MoE families (their routed experts' activation runs inside transformers' experts dispatch)
+        _family("qwen2_moe", "qwen2_moe", "Qwen2Moe", router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS, joined_layer="pre_norm"),
+        _family("olmoe", "olmoe", "Olmoe", mlp=None, router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS, joined_layer="pre_norm"),
+        _family("granitemoe", "granitemoe", "GraniteMoe", mlp=None, logits_scaling=True,
+                router_aux_loss="load_balancing_loss_func", projection_norms=MOE_NORMS),
+        _family("glm4_moe", "glm4_moe", "Glm4Moe", projection_norms=MOE_NORMS, joined_layer="pre_norm"),
+        _family("deepseek_v3", "deepseek_v3", "DeepseekV3", projection_norms=MOE_NORMS, joined_layer="pre_norm",
+                rope_unless_config="rope_interleave"),
+        _family("gpt_oss", "gpt_oss", "GptOss", norm=_olmo_norm, mlp=None, rotary_half_angles=True,
+                router_aux_loss="load_balancing_loss_func", projection_norms=MOE_NORMS),
+        _family("qwen3_next", "qwen3_next", "Qwen3Next", norm=_gemma_norm, router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS),
+        dataclasses.replace(
+            _family("llama4_text", "llama4", "Llama4Text", act_attr="activation_fn", rope=False,
+                    projection_norms=MOE_NORMS),
+            causal_lm="Llama4ForCausalLM",
+        ),
     )
 }
