@@ -8,6 +8,7 @@ kernel that got one of them wrong could still pass.
 from __future__ import annotations
 
 import copy
+import importlib
 
 import torch
 import transformers
@@ -33,6 +34,13 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+def _records_router_logits(package: str, prefix: str) -> bool:
+    """Whether the backbone records its routers' logits: transformers 5.17's GraniteMoE does not, and its stock
+    forward fails with ``output_router_logits=True`` (the router loss of no logits is the int 0)."""
+    module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    return "router_logits" in getattr(module, f"{prefix}PreTrainedModel")._can_record_outputs
+
 
 # model_type -> (config class, overrides of COMMON). Quirks are set so that they matter: a small
 # final-logit softcap, Granite's logits_scaling != 1, router losses on with a visible coefficient,
@@ -72,7 +80,8 @@ CONFIGS = {
     "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
                                         "logits_scaling": 4.0, "embedding_multiplier": 2.0,
                                         "residual_multiplier": 0.5, "attention_multiplier": 0.2,
-                                        "output_router_logits": True, "router_aux_loss_coef": 0.05}),
+                                        "output_router_logits": _records_router_logits("granitemoe", "GraniteMoe"),
+                                        "router_aux_loss_coef": 0.05}),
     "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
                                    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
                                    "topk_group": 1, "use_qk_norm": True, "routed_scaling_factor": 1.5,

@@ -12,7 +12,10 @@ A row names, in the family's transformers modeling module, what the engine may r
   read from the module itself (silu -> SwiGLU, gelu/gelu-tanh -> GEGLU) and checked at patch time.
 - ``attention``: the attention class whose forward calls the module-level rotate-half
   ``apply_rotary_pos_emb`` (None where the family's rotary is not rotate-half, e.g. GLM-4's
-  interleaved pairs: it keeps its own).
+  interleaved pairs, Llama-4's complex multiply: it keeps its own). ``rotary_half_angles``: the
+  family's cos/sin hold one angle per rotated pair (GPT-OSS), duplicated for tigon's rope.
+  ``rope_unless_config``: a config flag under which the attention calls another rotary function
+  (DeepSeek-V3's ``rope_interleave``): such a model's attention is left stock.
 - ``projection_norms``: the decoder layer's norms whose output goes only into linear projections
   (attention's q/k/v, the MLP's gate/up), named as attributes of ``<prefix>DecoderLayer``. Under
   autocast those projections cast it to bf16 anyway, so the patched norm writes that copy itself
@@ -37,7 +40,9 @@ version that moved things raises ValueError instead of patching half a model.
 Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status). MoE experts
 (Mixtral, Qwen3-MoE) hold their weights as 3-D tensors behind transformers' experts dispatch (eager
 loop / grouped_mm) and apply the activation inside it; there is no module boundary to swap there, so
-only Qwen3-MoE's dense ``Qwen3MoeMLP`` layers (``mlp_only_layers``) get the fused GLU.
+only Qwen3-MoE's dense ``Qwen3MoeMLP`` layers (``mlp_only_layers``) get the fused GLU, and in the other
+MoE rows the gated MLP class of their shared experts and dense layers (Qwen2-MoE, GLM-4-MoE,
+DeepSeek-V3, Qwen3-Next, Llama-4).
 """
 
 from __future__ import annotations
