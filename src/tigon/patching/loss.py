@@ -180,9 +180,12 @@ def causal_lm_forward(family, modeling_module, stock_forward):
         )
         loss = _per_item(loss, num_items_in_batch)
 
-        # An MoE backbone's output carries router_logits (MoeModelOutputWithPast), which the stock
-        # forward hands on in a MoeCausalLMOutputWithPast, with or without a router loss.
-        moe_output = load_balancing_loss is not None or hasattr(outputs, "router_logits")
+        # An MoE backbone's output class has a router_logits field (MoeModelOutputWithPast), which the
+        # stock forward hands on in a MoeCausalLMOutputWithPast, with or without a router loss. (Not the
+        # attribute: transformers 5.17's output recorder adds router_logits to a BaseModelOutputWithPast,
+        # and the stock forward returns a CausalLMOutputWithPast without them.)
+        fields = getattr(type(outputs), "__dataclass_fields__", {})
+        moe_output = load_balancing_loss is not None or "router_logits" in fields
         output_class = MoeCausalLMOutputWithPast if moe_output else CausalLMOutputWithPast
         common = {name: getattr(outputs, name, None) for name in passed_on[output_class]}
         if load_balancing_loss is None and not moe_output:
