@@ -169,7 +169,8 @@ def test_signatures_are_the_stock_ones(model_type):
     assert inspect.signature(patched.forward) == inspect.signature(stock.forward)
     for mine, theirs in zip(patched.model.layers, stock.model.layers, strict=True):
         assert inspect.signature(mine.forward) == inspect.signature(theirs.forward)
-        assert inspect.signature(mine.self_attn.forward) == inspect.signature(theirs.self_attn.forward)
+        if hasattr(theirs, "self_attn"):  # Qwen3-Next's linear-attention layers have none
+            assert inspect.signature(mine.self_attn.forward) == inspect.signature(theirs.self_attn.forward)
     handle.revert()
 
 

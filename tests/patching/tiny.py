@@ -8,6 +8,7 @@ kernel that got one of them wrong could still pass.
 from __future__ import annotations
 
 import copy
+import importlib
 
 import torch
 import transformers
@@ -33,6 +34,13 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+def _records_router_logits(package: str, prefix: str) -> bool:
+    """Whether the backbone records its routers' logits: transformers 5.17's GraniteMoE does not, and its stock
+    forward fails with ``output_router_logits=True`` (the router loss of no logits is the int 0)."""
+    module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    return "router_logits" in getattr(module, f"{prefix}PreTrainedModel")._can_record_outputs
+
 
 # model_type -> (config class, overrides of COMMON). Quirks are set so that they matter: a small
 # final-logit softcap, Granite's logits_scaling != 1, router losses on with a visible coefficient,
@@ -60,6 +68,46 @@ CONFIGS = {
     "smollm3": ("SmolLM3Config", {}),
     "glm4": ("Glm4Config", {}),
     "stablelm": ("StableLmConfig", {"qk_layernorm": True, "partial_rotary_factor": 0.5}),
+    # MoE families: 4 experts, top-2 (Llama-4 top-1, as it is built), a visible router-loss coefficient
+    # where the CausalLM adds one; a dense first layer where the family has dense MLP layers (the MLP
+    # tigon patches, besides the shared experts).
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                     "shared_expert_intermediate_size": 40, "mlp_only_layers": [0],
+                                     "norm_topk_prob": True, "output_router_logits": True,
+                                     "router_aux_loss_coef": 0.05}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+                              "clip_qkv": 1.0, "output_router_logits": True, "router_aux_loss_coef": 0.05}),
+    "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+                                        "logits_scaling": 4.0, "embedding_multiplier": 2.0,
+                                        "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+                                        "output_router_logits": _records_router_logits("granitemoe", "GraniteMoe"),
+                                        "router_aux_loss_coef": 0.05}),
+    "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                   "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                                   "topk_group": 1, "use_qk_norm": True, "routed_scaling_factor": 1.5,
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5}}),
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                                         "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                         "num_key_value_heads": 4, "rope_interleave": False,
+                                         "routed_scaling_factor": 1.5}),
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+                                 "sliding_window": 8, "output_router_logits": True, "router_aux_loss_coef": 0.05,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "qwen3_next": ("Qwen3NextConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                       "shared_expert_intermediate_size": 40, "mlp_only_layers": [0],
+                                       "layer_types": ["linear_attention", "full_attention"],
+                                       "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "output_router_logits": True, "router_aux_loss_coef": 0.05,
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}}),
+    "llama4_text": ("Llama4TextConfig", {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size": 24,
+                                         "intermediate_size_mlp": 48, "moe_layers": [1], "no_rope_layers": [1, 0],
+                                         "use_qk_norm": True, "attention_chunk_size": 8, "floor_scale": 4,
+                                         "attn_scale": 0.5}),
 }
 
 

@@ -336,10 +336,13 @@ def _layer_norm_line(classes):
     return f"{classes.layer_norm.__name__} -> tigon.nn.LayerNorm"
 
 
-def _rope_line(classes):
-    return (f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope; q_proj/k_proj/v_proj share one "
+def _rope_line(classes, family=None):
+    line = (f"{classes.attention.__name__}: {ROTARY_NAME} -> tigon.ops.rope; q_proj/k_proj/v_proj share one "
             "autocast copy of their input, and projections save no weight copies (instance forwards); under "
             "torch.compile sdpa runs causal where eager mode would, without a dense mask")
+    if family is not None and family.rope_unless_config:
+        line += f" (not in models whose config sets {family.rope_unless_config}: their rotary stays stock)"
+    return line
 
 
 def _loss_lines(classes, switches):
@@ -475,15 +478,14 @@ def _plan_fused_mlps(plan, root, family, classes):
 
 def _plan_rope(plan, root, family, classes):
     forward = None
-    line = _rope_line(classes)
+    line = _rope_line(classes, family)
     for old, _, path in _sites(root, classes.attention):
         if _is_tigon(_own_forward(old)):
             continue
         _check_plain(old, classes.attention, path)
         if forward is None:
-            forward = wrappers.with_globals(
-                classes.attention.forward, **{ROTARY_NAME: replacement_forwards.tigon_rotary()}
-            )
+            rotary = replacement_forwards.tigon_rotary(half_angles=family.rotary_half_angles)
+            forward = wrappers.with_globals(classes.attention.forward, **{ROTARY_NAME: rotary})
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
 
@@ -571,7 +573,15 @@ def _experts_lines(family, classes):
     return [moe_experts.line(family, classes.experts, kind)]
 
 
+def _rope_off_by_config(family, config) -> bool:
+    """The row's ``rope_unless_config`` is set on this model's config: its attention rotates with
+    another function than ``apply_rotary_pos_emb`` (DeepSeek-V3's interleaved pairs) and stays stock."""
+    return family.rope_unless_config is not None and bool(getattr(config, family.rope_unless_config, False))
+
+
 def _plan_attention(plan, model, family, classes, switches):
+    if _rope_off_by_config(family, model.config):
+        return
     _plan_rope(plan, model, family, classes)
     _plan_shared_cast(plan, model, classes)
     if not causal_mask.marked(model.config):
@@ -600,7 +610,7 @@ PARTS = (
     _Part("mlp", lambda f, c: c.mlp is not None, _plan_mlps,
           lambda f, c, s: [f"{c.mlp.__name__} -> tigon GLU (activation read from each module)"]),
     _Part("mlp", lambda f, c: c.experts is not None, _plan_experts, lambda f, c, s: _experts_lines(f, c)),
-    _Part("rope", lambda f, c: c.attention is not None, _plan_attention, lambda f, c, s: [_rope_line(c)]),
+    _Part("rope", lambda f, c: c.attention is not None, _plan_attention, lambda f, c, s: [_rope_line(c, f)]),
     _Part(None, lambda f, c: True, _plan_loss, lambda f, c, s: _loss_lines(c, s)),
     _Part("cuda_graphs", lambda f, c: c.decoder_layer is not None,
           lambda plan, m, f, c, s: _plan_graphs(plan, m, c), lambda f, c, s: [_graphs_line(c)]),

@@ -12,7 +12,10 @@ A row names, in the family's transformers modeling module, what the engine may r
   read from the module itself (silu -> SwiGLU, gelu/gelu-tanh -> GEGLU) and checked at patch time.
 - ``attention``: the attention class whose forward calls the module-level rotate-half
   ``apply_rotary_pos_emb`` (None where the family's rotary is not rotate-half, e.g. GLM-4's
-  interleaved pairs: it keeps its own).
+  interleaved pairs, Llama-4's complex multiply: it keeps its own). ``rotary_half_angles``: the
+  family's cos/sin hold one angle per rotated pair (GPT-OSS), duplicated for tigon's rope.
+  ``rope_unless_config``: a config flag under which the attention calls another rotary function
+  (DeepSeek-V3's ``rope_interleave``): such a model's attention is left stock.
 - ``projection_norms``: the decoder layer's norms whose output goes only into linear projections
   (attention's q/k/v, the MLP's gate/up), named as attributes of ``<prefix>DecoderLayer``. Under
   autocast those projections cast it to bf16 anyway, so the patched norm writes that copy itself
@@ -42,11 +45,14 @@ version that moved things raises ValueError instead of patching half a model.
   implementation applies the gate through ``tigon.ops.moe_glu`` (patching/experts.py). ``Experts()``
   names ``<prefix>Experts``.
 
-Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status).
+Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status). The MoE rows'
+shared experts and dense layers written as a gated MLP class (Qwen2-MoE, GLM-4-MoE, DeepSeek-V3,
+Qwen3-Next, Llama-4) get the fused GLU through ``mlp``, as dense models do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 
@@ -97,6 +103,13 @@ class Family:
     projection_norms: tuple[str, ...] = ()
     joined_layer: str | None = None  # "sandwich" / "post_norm": a layout of patching/joins.py
     experts: Experts | None = None  # MoE experts behind transformers' experts dispatch
+    # The rotary's cos/sin hold one angle per rotated pair, not the rotate-half layout's two copies
+    # (GPT-OSS: ``emb = freqs``; its ``_apply_rotary_emb`` rotates the two halves): tigon's rope gets
+    # them duplicated, ``cat((cos, cos), -1)``, which is the same rotation.
+    rotary_half_angles: bool = False
+    # A config attribute that, when true, makes the attention rotate with another function than
+    # ``apply_rotary_pos_emb`` (DeepSeek-V3's ``rope_interleave``): the attention is then left stock.
+    rope_unless_config: str | None = None
 
     @property
     def module_name(self) -> str:
@@ -157,5 +170,27 @@ FAMILIES: dict[str, Family] = {
         _family("smollm3", "smollm3", "SmolLM3", joined_layer="pre_norm"),
         _family("glm4", "glm4", "Glm4", mlp="fused", act_attr="activation_fn", rope=False),
         _family("stablelm", "stablelm", "StableLm", norm=None, layer_norm=Norm("nn.LayerNorm")),
+        # MoE families: routed experts through transformers' experts dispatch (``experts``), shared experts
+        # and dense layers as gated MLPs (``mlp``)
+        _family("qwen2_moe", "qwen2_moe", "Qwen2Moe", router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS, joined_layer="pre_norm", experts=Experts()),
+        _family("olmoe", "olmoe", "Olmoe", mlp=None, router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS, joined_layer="pre_norm", experts=Experts()),
+        _family("granitemoe", "granitemoe", "GraniteMoe", mlp=None, logits_scaling=True,
+                router_aux_loss="load_balancing_loss_func", projection_norms=MOE_NORMS, experts=Experts()),
+        _family("glm4_moe", "glm4_moe", "Glm4Moe", projection_norms=MOE_NORMS, joined_layer="pre_norm",
+                experts=Experts()),
+        _family("deepseek_v3", "deepseek_v3", "DeepseekV3", projection_norms=MOE_NORMS, joined_layer="pre_norm",
+                rope_unless_config="rope_interleave", experts=Experts()),
+        _family("gpt_oss", "gpt_oss", "GptOss", norm=_olmo_norm, mlp=None, rotary_half_angles=True,
+                router_aux_loss="load_balancing_loss_func", projection_norms=MOE_NORMS,
+                experts=Experts(layout="interleaved", activation="clamped_swiglu")),
+        _family("qwen3_next", "qwen3_next", "Qwen3Next", norm=_gemma_norm, router_aux_loss="load_balancing_loss_func",
+                projection_norms=MOE_NORMS, experts=Experts()),
+        dataclasses.replace(
+            _family("llama4_text", "llama4", "Llama4Text", act_attr="activation_fn", rope=False,
+                    projection_norms=MOE_NORMS),
+            causal_lm="Llama4ForCausalLM",
+        ),
     )
 }

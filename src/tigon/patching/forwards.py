@@ -65,7 +65,24 @@ def rope_output_dtype(q, k, unsqueeze_dim):
     return q_dtype, k_dtype
 
 
-def tigon_rotary():
-    return apply_rotary_pos_emb
+def apply_rotary_pos_emb_half_angles(q, k, cos, sin, unsqueeze_dim=1):
+    """A family's ``apply_rotary_pos_emb`` whose cos/sin hold one angle per rotated pair (GPT-OSS).
+
+    GPT-OSS's rotary embedding returns ``cos(freqs)``, ``sin(freqs)`` of width ``D/2`` and its
+    ``_apply_rotary_emb`` rotates the two halves of q and k::
+
+        first  = x1 * cos - x2 * sin
+        second = x2 * cos + x1 * sin
+
+    which is rotate-half, ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``, element for element.
+    So tigon's rope runs on the duplicated angles (``[B, T, D]``, a small copy beside q and k).
+    """
+    cos = torch.cat((cos, cos), dim=-1)  # (B, T, D)
+    sin = torch.cat((sin, sin), dim=-1)
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def tigon_rotary(*, half_angles: bool = False):
+    return apply_rotary_pos_emb_half_angles if half_angles else apply_rotary_pos_emb
 
 

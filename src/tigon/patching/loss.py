@@ -145,10 +145,10 @@ def causal_lm_forward(family, modeling_module, stock_forward):
     load_balancing_loss = getattr(modeling_module, family.router_aux_loss) if family.router_aux_loss else None
     stock_body = wrappers.body(stock_forward)
     positional, defaults = wrappers.named_parameters(stock_body, skip=1)  # after self
-    output_class = CausalLMOutputWithPast if load_balancing_loss is None else MoeCausalLMOutputWithPast
     # What the backbone's output hands on as is: the cache (under either name), hidden states, attentions.
-    passed_on = [f.name for f in dataclasses.fields(output_class)
-                 if f.name not in ("loss", "aux_loss", "logits", "router_logits")]
+    passed_on = {cls: [f.name for f in dataclasses.fields(cls)
+                       if f.name not in ("loss", "aux_loss", "logits", "router_logits")]
+                 for cls in (CausalLMOutputWithPast, MoeCausalLMOutputWithPast)}
 
     def forward(self, *args, **kwargs):
         arguments = wrappers.bind(positional, defaults, args, kwargs)
@@ -180,9 +180,18 @@ def causal_lm_forward(family, modeling_module, stock_forward):
         )
         loss = _per_item(loss, num_items_in_batch)
 
-        common = {name: getattr(outputs, name, None) for name in passed_on}
-        if load_balancing_loss is None:
+        # An MoE backbone's output class has a router_logits field (MoeModelOutputWithPast), which the
+        # stock forward hands on in a MoeCausalLMOutputWithPast, with or without a router loss. (Not the
+        # attribute: transformers 5.17's output recorder adds router_logits to a BaseModelOutputWithPast,
+        # and the stock forward returns a CausalLMOutputWithPast without them.)
+        fields = getattr(type(outputs), "__dataclass_fields__", {})
+        moe_output = load_balancing_loss is not None or "router_logits" in fields
+        output_class = MoeCausalLMOutputWithPast if moe_output else CausalLMOutputWithPast
+        common = {name: getattr(outputs, name, None) for name in passed_on[output_class]}
+        if load_balancing_loss is None and not moe_output:
             out = output_class(loss=loss, logits=None, **common)
+        elif load_balancing_loss is None:
+            out = output_class(loss=loss, logits=None, router_logits=outputs.router_logits, **common)
         else:
             aux_loss = None
             if output_router_logits:
