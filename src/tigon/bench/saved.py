@@ -1,0 +1,222 @@
+"""What autograd keeps from the forward for the backward: bytes by module and by node, per token.
+
+After a forward with gradients, every tensor the graph holds for its backward is reachable from the
+loss: C++ nodes expose them as ``_saved_<name>`` attributes, custom ``autograd.Function`` nodes as
+``saved_tensors``. :func:`saved_bytes` walks the graph once, counts each storage once (a tensor
+two nodes save, or a view of another saved tensor, is held once), leaves out the parameters (they are
+there anyway), and charges each storage to the node that saves it first and to the innermost module
+whose forward made that node (module forward hooks tag the nodes each module's forward created).
+
+A storage is charged whole: a saved view of a bigger buffer keeps the whole buffer alive.
+
+``python -m tigon.bench.saved`` prints the table for a tiny Llama shaped in proportion to
+Llama-3.2-1B (hidden 256, intermediate 1024, 4/1 heads of 64, 2 layers), stock and patched, bf16
+autocast, scaled to the 1B's hidden size (bytes per token per decoder layer scale with the widths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import collections.abc
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SavedBytes:
+    """Saved bytes, each storage counted once: ``total``, and ``by_module`` / ``by_node`` / ``by_key``
+    (``(module, node)``) dicts of bytes; ``tensors``: one ``(module, node, attribute, shape, dtype,
+    bytes)`` row per counted storage."""
+
+    total: int = 0
+    by_module: dict = field(default_factory=lambda: collections.defaultdict(int))
+    by_node: dict = field(default_factory=lambda: collections.defaultdict(int))
+    by_key: dict = field(default_factory=lambda: collections.defaultdict(int))
+    tensors: list = field(default_factory=list)
+
+
+def _saved_of(node):
+    """``(attribute, tensor)`` pairs a graph node holds for its backward."""
+    out = []
+    if hasattr(node, "saved_tensors") and not hasattr(node, "_saved_self"):
+        try:
+            out += [(f"saved_tensors[{i}]", t) for i, t in enumerate(node.saved_tensors)]
+        except RuntimeError:  # freed (after a backward) or not a custom Function
+            pass
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:
+            continue
+        if isinstance(value, torch.Tensor):
+            out.append((name, value))
+        elif isinstance(value, (tuple, list)):
+            out += [(f"{name}[{i}]", t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _nodes(roots):
+    seen, stack, order = set(), [r for r in roots if r is not None], []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        order.append(node)
+        stack += [n for n, _ in node.next_functions if n is not None]
+    return order
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number the next graph node made on this thread will have (at least)."""
+    with torch.enable_grad():
+        return (torch.empty(0, requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+
+
+def _made_since(roots, start: int):
+    """Nodes behind ``roots`` made at or after sequence number ``start`` (older ones end the walk: a
+    node's inputs are older than it)."""
+    seen, stack, order = set(), [r for r in roots if r is not None], []
+    while stack:
+        node = stack.pop()
+        if node in seen or node._sequence_nr() < start:
+            continue
+        seen.add(node)
+        order.append(node)
+        stack += [n for n, _ in node.next_functions if n is not None]
+    return order
+
+
+def _tensors_in(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, collections.abc.Mapping):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors_in(item)]
+    return []
+
+
+@contextlib.contextmanager
+def tag_nodes(model):
+    """While active, each graph node made in a module's forward gets ``node.metadata["tigon_module"]``:
+    the qualified name of the innermost module whose forward made it (found, when the forward
+    returns, among the nodes behind its outputs made since it began)."""
+    handles, starts = [], []
+
+    def before(_module, _args):
+        starts.append(_next_sequence_nr())
+
+    def after(name):
+        def tag(_module, _args, output):
+            start = starts.pop()
+            roots = [t.grad_fn for t in _tensors_in(output)]
+            for node in _made_since(roots, start):
+                node.metadata.setdefault("tigon_module", name)  # an inner module tagged it first
+        return tag
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after(name or "<model>")))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def saved_bytes(root: torch.Tensor, parameters=()) -> SavedBytes:
+    """What the graph behind ``root`` saves, each storage once, ``parameters`` left out."""
+    skip = {p.untyped_storage().data_ptr() for p in parameters}
+    seen = set()
+    result = SavedBytes()
+    for node in _nodes([root.grad_fn]):
+        module = node.metadata.get("tigon_module", "<outside>")
+        for attr, t in _saved_of(node):
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in skip or ptr in seen or storage.nbytes() == 0:
+                continue
+            seen.add(ptr)
+            nbytes = storage.nbytes()
+            result.total += nbytes
+            result.by_module[module] += nbytes
+            result.by_node[node.name()] += nbytes
+            result.by_key[(module, node.name())] += nbytes
+            result.tensors.append((module, node.name(), attr, tuple(t.shape), t.dtype, nbytes))
+    return result
+
+
+# ------------------------------------------------------------------------------------------ the table
+
+# Llama-3.2-1B divided by 8 in its widths (hidden, intermediate, heads); head_dim as the 1B's.
+PROPORTIONAL_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                          max_position_embeddings=4096, tie_word_embeddings=True)
+SCALE_TO_1B = 8  # widths of Llama-3.2-1B / PROPORTIONAL_LLAMA's
+
+
+def measure_model(model, *, batch: int, seq: int, dtype=torch.bfloat16) -> tuple[SavedBytes, torch.Tensor]:
+    """One training forward (loss inside the model) under autocast; the saved bytes and the loss."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (batch, seq), device=device, generator=gen)
+    with tag_nodes(model), torch.autocast(device.type, dtype=dtype):
+        loss = model(input_ids=ids, labels=ids).loss
+    return saved_bytes(loss, list(model.parameters())), loss
+
+
+def per_layer_table(result: SavedBytes, tokens: int, layer: str, *, scale: float = 1.0):
+    """``(module suffix, node, bytes per token)`` rows of one decoder layer, largest first."""
+    rows = collections.defaultdict(float)
+    for (module, node), nbytes in result.by_key.items():
+        if module == layer or module.startswith(layer + "."):
+            rows[(module[len(layer):].lstrip(".") or "(layer)", node)] += nbytes * scale / tokens
+    return sorted(((m, n, b) for (m, n), b in rows.items()), key=lambda r: -r[2])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="saved-for-backward bytes per token per decoder layer")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--switches", nargs="*", default=[], help="tigon.patch switches, name=true|false")
+    args = parser.parse_args(argv)
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import transformers
+
+    import tigon
+    from tigon._interpreter import apply_interpreter_fixes
+
+    apply_interpreter_fixes()
+    switches = {k: v.lower() == "true" for k, v in (s.split("=") for s in args.switches)}
+    config = transformers.LlamaConfig(**PROPORTIONAL_LLAMA)
+    layer = "model.layers.1"
+    totals = {}
+    for provider in ("stock", "tigon"):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).train()
+        model.config._attn_implementation = "sdpa"
+        if provider == "tigon":
+            tigon.patch(model, **switches)
+        result, _ = measure_model(model, batch=1, seq=args.seq)
+        rows = per_layer_table(result, args.seq, layer, scale=SCALE_TO_1B)
+        totals[provider] = sum(r[2] for r in rows)
+        print(f"\n{provider}: bytes per token per decoder layer at Llama-3.2-1B widths (x{SCALE_TO_1B})")
+        for module, node, b in rows:
+            print(f"  {module:<28} {node:<40} {b:>8.0f}")
+        print(f"  {'total':<69} {totals[provider]:>8.0f}")
+        outside = sum(b for m, b in result.by_module.items() if not m.startswith("model.layers."))
+        print(f"  outside the layers (per token, unscaled): {outside / args.seq:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
