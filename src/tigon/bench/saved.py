@@ -23,6 +23,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass
@@ -130,16 +131,48 @@ def tag_nodes(model):
             h.remove()
 
 
+class _Made(TorchDispatchMode):
+    """While active, records the storages of every tensor an op makes anew (views of its inputs are
+    not new), and the tensors such ops read: what unpacking a saved tensor made (a recompute) and what
+    it made it from (which the graph holds, through the recompute's recipe)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages, self.reads, self.keep = set(), [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        ptrs = {t.untyped_storage().data_ptr() for t in inputs}
+        made = [t for t in torch.utils._pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ptrs]
+        if made:
+            self.storages.update(t.untyped_storage().data_ptr() for t in made)
+            self.reads += inputs
+        self.keep += made  # alive until the walk ends: no address is reused meanwhile
+        return out
+
+
 def saved_bytes(root: torch.Tensor, parameters=()) -> SavedBytes:
-    """What the graph behind ``root`` saves, each storage once, ``parameters`` left out."""
+    """What the graph behind ``root`` saves, each storage once, ``parameters`` left out. A saved tensor
+    that unpacking makes anew (a saved_tensors_hooks recompute) is left out, and what its recompute
+    reads is counted instead (attribute ``recompute input``)."""
     skip = {p.untyped_storage().data_ptr() for p in parameters}
-    seen = set()
+    seen, keep, made_all = set(), [], set()
     result = SavedBytes()
+    walked = []
     for node in _nodes([root.grad_fn]):
+        with _Made() as made:
+            tensors = _saved_of(node)
+        made_all |= made.storages
+        keep.append(made)
+        walked.append((node, tensors + [("recompute input", t) for t in made.reads]))
+    for node, tensors in walked:
         module = node.metadata.get("tigon_module", "<outside>")
-        for attr, t in _saved_of(node):
-            if t is None:
+        for attr, t in tensors:
+            if t is None or t.untyped_storage().data_ptr() in made_all:
                 continue
+            keep.append(t)
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in skip or ptr in seen or storage.nbytes() == 0:
