@@ -176,11 +176,15 @@ class LayerRecompute:
         self.handles = []
 
     def _active(self):
-        return self.scopes[-1] if self.scopes and self.scopes[-1] is not None else None
+        if torch.compiler.is_compiling() or not self.scopes:
+            return None
+        return self.scopes[-1]
 
     def _enter(self, layer, args, kwargs):
+        if torch.compiler.is_compiling():
+            return  # traced as a no-op: nothing pushed, nothing for _exit to pop
         hidden = args[0] if args else kwargs.get("hidden_states")
-        on = (torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _hooks_active()
+        on = (torch.is_grad_enabled() and not _hooks_active()
               and not (layer.training and getattr(layer, "gradient_checkpointing", False))
               and isinstance(hidden, torch.Tensor) and hidden.requires_grad)
         scope = _LayerScope(hidden) if on else None
@@ -189,6 +193,8 @@ class LayerRecompute:
             scope.__enter__()
 
     def _exit(self, layer, args, output):
+        if torch.compiler.is_compiling():
+            return
         scope = self.scopes.pop() if self.scopes else None
         if scope is not None:
             scope.__exit__(None, None, None)
