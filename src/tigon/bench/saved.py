@@ -9,9 +9,10 @@ whose forward made that node (module forward hooks tag the nodes each module's f
 
 A storage is charged whole: a saved view of a bigger buffer keeps the whole buffer alive.
 
-``python -m tigon.bench.saved`` prints the table for a tiny Llama shaped in proportion to
-Llama-3.2-1B (hidden 256, intermediate 1024, 4/1 heads of 64, 2 layers), stock and patched, bf16
-autocast, scaled to the 1B's hidden size (bytes per token per decoder layer scale with the widths).
+``python -m tigon.bench.saved`` prints the table for a Llama shaped in proportion to Llama-3.2-1B
+(hidden 256, intermediate 1024, 4/1 heads of 64, 2 layers): stock, patched, patched with
+recompute_norms, bf16 autocast, per token of its second decoder layer (the difference between two
+lengths), times 8: bytes per token per layer scale with the widths, so these are the 1B's.
 """
 
 from __future__ import annotations
@@ -206,19 +207,27 @@ def measure_model(model, *, batch: int, seq: int, dtype=torch.bfloat16) -> tuple
     return saved_bytes(loss, list(model.parameters())), loss
 
 
-def per_layer_table(result: SavedBytes, tokens: int, layer: str, *, scale: float = 1.0):
-    """``(module suffix, node, bytes per token)`` rows of one decoder layer, largest first."""
-    rows = collections.defaultdict(float)
-    for (module, node), nbytes in result.by_key.items():
-        if module == layer or module.startswith(layer + "."):
-            rows[(module[len(layer):].lstrip(".") or "(layer)", node)] += nbytes * scale / tokens
-    return sorted(((m, n, b) for (m, n), b in rows.items()), key=lambda r: -r[2])
+PROVIDERS = {"stock": None, "tigon": {}, "tigon recompute_norms": {"recompute_norms": True}}
+
+
+def per_token_layer_rows(model, layer: str, seq: int, *, scale: float):
+    """``{(module, node): bytes}`` per token of decoder layer ``layer``, as the difference between
+    sequences of ``2·seq`` and ``seq`` tokens (what does not grow with the tokens, such as a bf16 weight
+    copy, cancels), times ``scale``."""
+    rows = {}
+    for sign, length in ((-1, seq), (1, 2 * seq)):
+        result, _ = measure_model(model, batch=1, seq=length)
+        for (module, node), nbytes in result.by_key.items():
+            if module == layer or module.startswith(layer + "."):
+                key = (module[len(layer):].lstrip(".") or "(layer)", node)
+                rows[key] = rows.get(key, 0.0) + sign * nbytes * scale / seq
+        model.zero_grad(set_to_none=True)
+    return {k: v for k, v in rows.items() if abs(v) >= 1}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="saved-for-backward bytes per token per decoder layer")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--switches", nargs="*", default=[], help="tigon.patch switches, name=true|false")
+    parser.add_argument("--seq", type=int, default=128, help="tokens (and twice as many) to measure at")
     args = parser.parse_args(argv)
     import os
 
@@ -229,25 +238,21 @@ def main(argv=None) -> int:
     from tigon._interpreter import apply_interpreter_fixes
 
     apply_interpreter_fixes()
-    switches = {k: v.lower() == "true" for k, v in (s.split("=") for s in args.switches)}
     config = transformers.LlamaConfig(**PROPORTIONAL_LLAMA)
-    layer = "model.layers.1"
-    totals = {}
-    for provider in ("stock", "tigon"):
+    print(f"Bytes saved for the backward per token per decoder layer, bf16 autocast, at Llama-3.2-1B's widths "
+          f"(a Llama of 1/{SCALE_TO_1B} its widths measured, times {SCALE_TO_1B}); (module, node) that holds "
+          "each storage first.")
+    for provider, switches in PROVIDERS.items():
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).train()
         model.config._attn_implementation = "sdpa"
-        if provider == "tigon":
+        if switches is not None:
             tigon.patch(model, **switches)
-        result, _ = measure_model(model, batch=1, seq=args.seq)
-        rows = per_layer_table(result, args.seq, layer, scale=SCALE_TO_1B)
-        totals[provider] = sum(r[2] for r in rows)
-        print(f"\n{provider}: bytes per token per decoder layer at Llama-3.2-1B widths (x{SCALE_TO_1B})")
-        for module, node, b in rows:
-            print(f"  {module:<28} {node:<40} {b:>8.0f}")
-        print(f"  {'total':<69} {totals[provider]:>8.0f}")
-        outside = sum(b for m, b in result.by_module.items() if not m.startswith("model.layers."))
-        print(f"  outside the layers (per token, unscaled): {outside / args.seq:.0f}")
+        rows = per_token_layer_rows(model, "model.layers.1", args.seq, scale=SCALE_TO_1B)
+        print(f"\n{provider}\n\n| module | node | bytes/token |\n| --- | --- | --- |")
+        for (module, node), b in sorted(rows.items(), key=lambda kv: -kv[1]):
+            print(f"| {module} | {node} | {b:.0f} |")
+        print(f"| **total** | | **{sum(rows.values()):.0f}** |")
     return 0
 
 
