@@ -47,19 +47,20 @@ allocates the AdamW moments that every later step's peak includes. Found by doub
 bisecting, one fresh process per probe.
 
 Memory buys speed (``--memory-buys-speed``): a Llama-3.2-3B-shaped model (3.2B parameters: 51 GB of
-fp32 weights, gradients and AdamW moments, so ~28 GB are left for activations on an 80 GB H100) at
-batch 1 x ``MEMORY_SPEED_SEQ`` (8192) tokens, where stock runs out of memory and fits only with
-gradient checkpointing: ``stock`` (the out-of-memory it is expected to hit is reported, verifying
-the premise), ``stock+ckpt``, ``tigon`` and ``tigon+recompute``, each without checkpointing, timed
-as the throughput mode times them; reported as tokens/s against stock + checkpointing. Why 8192:
-the longest power-of-two sequence at which tigon trains the 3B without checkpointing with a margin
-(saved bytes per token per layer, ``python -m tigon.bench.saved``, scaled to 3B's widths: ~84 KB
-with tigon, ~66 KB with recompute_norms, 28 layers: ~2.4 and ~1.9 MB a token against ~27 GiB
-free: about 12K and 15K tokens), while stock without checkpointing keeps ~9 MB a token (its
-layers' activations and the fp32 logits) and runs out of memory beyond ~3K. ``--seq`` and
+fp32 weights, gradients and AdamW moments; the 13 GB of gradients fill in during the backward as the
+activations go) at batch 1 x ``MEMORY_SPEED_SEQ`` (12288) tokens, where stock runs out of memory and
+fits only with gradient checkpointing: ``stock`` (the out-of-memory it is expected to hit is
+reported, verifying the premise), ``stock+ckpt``, ``tigon`` and ``tigon+recompute``, each of the
+last two without checkpointing, timed as the throughput mode times them; reported as tokens/s
+against stock + checkpointing. Why 12288: the longest multiple of 4096 at which, by the saved bytes
+per token (``python -m tigon.bench.saved`` scaled to 3B's widths, 28 layers; docs/memory.md), every
+provider but stock fits an 80 GB H100 with a margin: tigon ~2.4 MB a token (limit ~17K tokens),
+tigon with recompute_norms ~1.9 MB (~22K), stock + checkpointing ~1.9 MB, most of it the fp32 logits
+and their gradient at the loss (~22K), stock without checkpointing ~9 MB (~3K). ``--seq`` and
 ``--batch`` override it; ``--find-seq [PROVIDER]`` first finds the longest sequence (multiples of
 ``--context-step`` from ``--context-start``, as ``--longest-context`` does) at which that provider
-(default ``tigon``) trains two steps, and compares there.
+(default ``tigon``) trains two steps, and compares there: ``--find-seq tigon+recompute`` is the
+longest context at which tigon trains without checkpointing.
 
 Results go to ``benchmarks/results/e2e-<device>-<date>.{json,md,png}`` (``e2e-context-...`` for the
 longest-context mode); the markdown is printed last (without the top-kernel lists, which are in
@@ -128,7 +129,7 @@ LLAMA_3_2_3B = dict(
 )
 SHAPES = {"llama-3b": ("Llama-3.2-3B-shaped", LLAMA_3_2_3B)}
 MEMORY_SPEED_SHAPE = "llama-3b"
-MEMORY_SPEED_SEQ = 8192
+MEMORY_SPEED_SEQ = 12288  # see the module docs
 MEMORY_SPEED_PROVIDERS = ("stock", "stock+ckpt", "tigon", "tigon+recompute")
 MEMORY_SPEED_WARMUP = 2
 MEMORY_SPEED_STEPS = 3

@@ -32,11 +32,11 @@ def test_the_3b_shape_has_llama_3_2_3b_parameters():
 
 def test_report_speedups_and_premise():
     rows = [
-        {"model": "llama", "provider": "stock", "batch": 1, "seq": 8192, "error": "out of memory", "oom": True},
-        {"model": "llama", "provider": "stock+ckpt", "batch": 1, "seq": 8192, "tokens_per_s": 1000.0,
+        {"model": "llama", "provider": "stock", "batch": 1, "seq": 12288, "error": "out of memory", "oom": True},
+        {"model": "llama", "provider": "stock+ckpt", "batch": 1, "seq": 12288, "tokens_per_s": 1000.0,
          "median_step_s": 8.192, "peak_bytes": 60 * 2**30, "losses": [2.0, 1.0], "label": "Llama-3.2-3B-shaped",
          "vocab": 128256},
-        {"model": "llama", "provider": "tigon", "batch": 1, "seq": 8192, "tokens_per_s": 1700.0,
+        {"model": "llama", "provider": "tigon", "batch": 1, "seq": 12288, "tokens_per_s": 1700.0,
          "median_step_s": 4.8, "peak_bytes": 75 * 2**30, "losses": [2.0, 1.0001]},
     ]
     e2e.add_loss_agreement(rows, reference="stock+ckpt")

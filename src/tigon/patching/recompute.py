@@ -51,9 +51,10 @@ ADD_RMS_NORM_NODE = "add_rms_norm"  # the name of add_rms_norm's backward node s
 def _hooks_active() -> bool:
     """Whether a saved_tensors_hooks context is active on this thread (checkpointing, offloading)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # pragma: no cover - a torch without it: assume the worst, stay off
+    try:
+        return top(True) is not None  # True: report hooks even while dynamo traces
+    except TypeError:  # pragma: no cover - another signature, or none: assume the worst, stay off
         return True
-    return top(True) is not None
 
 
 class _Recipe:
