@@ -117,3 +117,13 @@ def test_torch_compile_falls_back_to_inductors_own_plan():
         loss = compiled(input_ids=ids, labels=labels).loss
     loss.backward()
     assert abs(loss.item() - eager_loss.item()) <= 2e-2 * abs(eager_loss.item())
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3"])
+def test_a_no_op_for_layers_that_are_not_pre_norm(model_type):
+    """Sandwich-norm layers (Gemma-2) and fused-MLP families without joins (Phi-3) keep what they save."""
+    torch.manual_seed(0)
+    model = tiny_model(model_type).to(DEVICE)
+    handle = tigon.patch(model, recompute_norms=True)
+    assert not any("recompute_norms" in line for line in handle.replaced)
+    _step(model, autocast=True)
