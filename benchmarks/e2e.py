@@ -3,6 +3,8 @@
     python benchmarks/e2e.py                               # 3 models x 5 providers (aimed at <= 8 min, H100)
     python benchmarks/e2e.py --models llama --providers stock tigon --steps 10
     python benchmarks/e2e.py --longest-context             # batch 1, Llama-3.2-1B-shaped, stock vs tigon
+    python benchmarks/e2e.py --longest-context --providers tigon tigon+recompute --context-start 57344 \
+        --context-max 73728                                # the same, from near tigon's limit
     python benchmarks/e2e.py --models qwen2 --providers stock tigon --profile   # where the GPU time goes
     python benchmarks/e2e.py --device cpu --tiny --seq 16 --warmup 1 --steps 1   # pipeline smoke test
     python benchmarks/e2e.py --memory-buys-speed           # Llama-3.2-3B-shaped: stock + checkpointing vs tigon

@@ -117,7 +117,9 @@ class _LayerScope(torch.autograd.graph.saved_tensors_hooks):
         self.recipes[t.untyped_storage().data_ptr()] = (weakref.ref(t), recipe, t._version, t.dtype)
 
     def _pack(self, t):
-        entry = self.recipes.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type == "meta":
+            return t  # parameters, tensor subclasses (DTensor), sparse: kept as they are
+        entry = self.recipes.get(t.untyped_storage().data_ptr())
         if entry is not None:
             ref, recipe, version, dtype = entry
             if ref() is not None and t._version == version and t.dtype == dtype:
