@@ -26,9 +26,11 @@ the first backward step is the whole run's peak, so the two (M, I) buffers not a
 2·2·I bytes a token off the peak (32 KB at Llama-3.2-1B). The version counters of gate and up are
 bumped, so that a second backward through the same graph (``retain_graph=True``) raises autograd's
 in-place error instead of reading the overwritten values. Under torch.compile (Inductor plans the
-buffers) the three are separate, as they are for non-contiguous gate, up. The price of recomputing is one extra write of h, inside the backward's
-pass over gate and up (M·I·b bytes, against nine GEMMs of 2·M·H·I flops); recomputing h in a launch
-of its own would read gate and up a second time as well (3·M·I·b).
+buffers) the three are separate, as they are for non-contiguous gate, up.
+
+The price of recomputing is one extra write of h, inside the backward's pass over gate and up
+(M·I·b bytes, against nine GEMMs of 2·M·H·I flops); recomputing h in a launch of its own would read
+gate and up a second time as well (3·M·I·b).
 
 Autocast: as ``nn.Linear`` under ``torch.autocast``, x and the biases are cast to the autocast dtype
 before the node (the casts stay in the graph), and inside it autocast finds every operand in its

@@ -700,8 +700,9 @@ def patch(target, **switches) -> Patch:
     fused_linear_cross_entropy=True, cuda_graphs=False, recompute_norms=False``. A switch is a no-op where
     the family has no such part. ``recompute_norms`` remakes each pre-norm decoder layer's norm outputs
     and residual sum in the backward instead of saving them (patching/recompute.py): 12 KB a token a
-    layer less at Llama-3.2-1B, bitwise the same gradients. ``cuda_graphs`` replays each decoder layer's training forward and backward as CUDA graphs
-    (patching/graphs.py): for models small enough that the host's launches, not the GPU, bound the step.
+    layer less at Llama-3.2-1B, bitwise the same gradients. ``cuda_graphs`` replays each decoder layer's
+    training forward and backward as CUDA graphs (patching/graphs.py): for models small enough that the
+    host's launches, not the GPU, bound the step.
     """
     chosen = _check_switches(switches)
     if isinstance(target, str):
