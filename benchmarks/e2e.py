@@ -3,9 +3,12 @@
     python benchmarks/e2e.py                               # 3 models x 5 providers (aimed at <= 8 min, H100)
     python benchmarks/e2e.py --models llama --providers stock tigon --steps 10
     python benchmarks/e2e.py --longest-context             # batch 1, Llama-3.2-1B-shaped, stock vs tigon
+    python benchmarks/e2e.py --longest-context --providers tigon tigon+recompute --context-start 57344 \
+        --context-max 73728                                # the same, from near tigon's limit
     python benchmarks/e2e.py --models qwen2 --providers stock tigon --profile   # where the GPU time goes
     python benchmarks/e2e.py --models qwen3_moe            # MoE: Qwen3-30B-A3B-shaped, 3 layers
     python benchmarks/e2e.py --device cpu --tiny --seq 16 --warmup 1 --steps 1   # pipeline smoke test
+    python benchmarks/e2e.py --memory-buys-speed           # Llama-3.2-3B-shaped: stock + checkpointing vs tigon
 
 What is measured. Models are built from config with random weights (``tigon.bench.models.model_config``,
 the same configs ``tigon demo`` trains): Llama-3.2-1B-shaped (V=128256), Qwen2.5-0.5B-shaped
@@ -24,7 +27,10 @@ Providers: ``stock`` (transformers as shipped), ``tigon`` (``tigon.patch(model)`
 (``torch.compile(model)``), ``tigon+compile`` (patch, then compile), ``liger`` (Liger-Kernel's
 ``apply_liger_kernel_to_<model_type>()`` before the model is built, when ``liger_kernel`` imports),
 and on request ``tigon+graphs`` (``tigon.patch(model, cuda_graphs=True)``: each decoder layer's
-training forward and backward replayed as CUDA graphs) and ``liger+compile``. Each (model, provider)
+training forward and backward replayed as CUDA graphs), ``tigon+recompute`` (``tigon.patch(model,
+recompute_norms=True)``: norm outputs and the joins' sums remade in the backward, not saved),
+``liger+compile``, and ``+ckpt`` after any of them (``stock+ckpt``, ``tigon+ckpt``): transformers'
+gradient checkpointing (``gradient_checkpointing_enable``, non-reentrant) on every decoder layer. Each (model, provider)
 runs in a fresh Python process, so no allocator cache, compiled graph or monkey patch leaks into the
 next measurement; the next process is started while the current one runs and waits, imports done,
 for its job (hiding start-up time).
@@ -53,6 +59,22 @@ that trains without running out of memory: two full steps, since the first ``opt
 allocates the AdamW moments that every later step's peak includes. Found by doubling from 8192 then
 bisecting, one fresh process per probe.
 
+Memory buys speed (``--memory-buys-speed``): a Llama-3.2-3B-shaped model (3.2B parameters: 51 GB of
+fp32 weights, gradients and AdamW moments; the 13 GB of gradients fill in during the backward as the
+activations go) at batch 1 x ``MEMORY_SPEED_SEQ`` (12288) tokens, where stock runs out of memory and
+fits only with gradient checkpointing: ``stock`` (the out-of-memory it is expected to hit is
+reported, verifying the premise), ``stock+ckpt``, ``tigon`` and ``tigon+recompute``, each of the
+last two without checkpointing, timed as the throughput mode times them; reported as tokens/s
+against stock + checkpointing. Why 12288: the longest multiple of 4096 at which, by the saved bytes
+per token (``python -m tigon.bench.saved`` scaled to 3B's widths, 28 layers; docs/memory.md), every
+provider but stock fits an 80 GB H100 with a margin: tigon ~2.4 MB a token (limit ~17K tokens),
+tigon with recompute_norms ~1.9 MB (~22K), stock + checkpointing ~1.9 MB, most of it the fp32 logits
+and their gradient at the loss (~22K), stock without checkpointing ~9 MB (~3K). ``--seq`` and
+``--batch`` override it; ``--find-seq [PROVIDER]`` first finds the longest sequence (multiples of
+``--context-step`` from ``--context-start``, as ``--longest-context`` does) at which that provider
+(default ``tigon``) trains two steps, and compares there: ``--find-seq tigon+recompute`` is the
+longest context at which tigon trains without checkpointing.
+
 Results go to ``benchmarks/results/e2e-<device>-<date>.{json,md,png}`` (``e2e-context-...`` for the
 longest-context mode); the markdown is printed last (without the top-kernel lists, which are in
 the files).
@@ -78,7 +100,8 @@ from tigon.bench.models import GPU_BATCH_OVERRIDES, model_config
 
 MODELS = ("llama", "qwen2", "gemma2")
 PROVIDERS = ("stock", "tigon", "compile", "tigon+compile", "liger")
-OPTIONAL_PROVIDERS = ("tigon+graphs", "liger+compile")
+OPTIONAL_PROVIDERS = ("tigon+graphs", "tigon+recompute", "liger+compile", "stock+ckpt", "tigon+ckpt",
+                      "tigon+recompute+ckpt")
 PROVIDER_TITLES = {
     "stock": "stock",
     "tigon": "tigon",
@@ -87,6 +110,10 @@ PROVIDER_TITLES = {
     "tigon+graphs": "tigon (cuda_graphs)",
     "liger": "Liger-Kernel",
     "liger+compile": "Liger + compile",
+    "tigon+recompute": "tigon (recompute_norms)",
+    "stock+ckpt": "stock + checkpointing",
+    "tigon+ckpt": "tigon + checkpointing",
+    "tigon+recompute+ckpt": "tigon (recompute_norms) + checkpointing",
 }
 BATCH = 4
 BATCH_OVERRIDES = GPU_BATCH_OVERRIDES  # Gemma-2-2B-shaped: batch 2
@@ -107,6 +134,19 @@ PROFILE_STEPS = 2  # profiled steps after the timed ones (a two-step trace is sm
 TOP_KERNELS = 15
 KERNEL_NAME_CHARS = 160  # kernel names are cut here in the report (C++ template names run to thousands)
 OUT = Path(__file__).resolve().parent / "results"
+# --memory-buys-speed: Llama-3.2-3B as published (rope scaling aside), batch 1 x MEMORY_SPEED_SEQ
+LLAMA_3_2_3B = dict(
+    vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
+SHAPES = {"llama-3b": ("Llama-3.2-3B-shaped", LLAMA_3_2_3B)}
+MEMORY_SPEED_SHAPE = "llama-3b"
+MEMORY_SPEED_SEQ = 12288  # see the module docs
+MEMORY_SPEED_PROVIDERS = ("stock", "stock+ckpt", "tigon", "tigon+recompute")
+MEMORY_SPEED_WARMUP = 2
+MEMORY_SPEED_STEPS = 3
+MEMORY_SPEED_REFERENCE = "stock+ckpt"  # what the speed-ups are against
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -121,13 +161,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: all of stock tigon compile tigon+compile, and liger when it imports; "
                         "with --longest-context: stock tigon")
     parser.add_argument("--batch", type=int, help=f"sequences per step (default {BATCH}; Gemma-2 2)")
-    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
-    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps (compilation, autotuning)")
-    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps")
+    parser.add_argument("--seq", type=int, help=f"tokens per sequence (default {SEQ}; --memory-buys-speed "
+                        f"{MEMORY_SPEED_SEQ})")
+    parser.add_argument("--warmup", type=int, help=f"untimed steps (compilation, autotuning; default {WARMUP}, "
+                        f"--memory-buys-speed {MEMORY_SPEED_WARMUP})")
+    parser.add_argument("--steps", type=int, help=f"timed steps (default {STEPS}, --memory-buys-speed "
+                        f"{MEMORY_SPEED_STEPS})")
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON, markdown and plot")
     parser.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per (model, provider)")
     parser.add_argument("--longest-context", action="store_true",
                         help="find the longest trainable sequence at batch 1 instead")
+    parser.add_argument("--memory-buys-speed", action="store_true",
+                        help="Llama-3.2-3B-shaped at a length where stock needs checkpointing: stock + "
+                        "checkpointing against tigon without")
+    parser.add_argument("--find-seq", nargs="?", const="tigon", default=None, metavar="PROVIDER",
+                        help="with --memory-buys-speed: first find the longest sequence PROVIDER (default "
+                        "tigon) trains without running out of memory, and compare there")
     parser.add_argument("--context-start", type=int, default=CONTEXT_START, help="first length probed")
     parser.add_argument("--context-max", type=int, default=CONTEXT_MAX, help="longest length probed")
     parser.add_argument("--context-step", type=int, default=CONTEXT_STEP, help="lengths are multiples of it")
@@ -144,14 +193,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     from tigon.patching import supported_models
 
-    default_models = ("llama",) if args.longest_context else MODELS
+    if args.longest_context and args.memory_buys_speed:
+        parser.error("--longest-context and --memory-buys-speed are two modes: pick one")
+    if args.find_seq is not None and not args.memory_buys_speed:
+        parser.error("--find-seq belongs to --memory-buys-speed")
+    speed = args.memory_buys_speed
+    args.seq = args.seq if args.seq is not None else (MEMORY_SPEED_SEQ if speed else SEQ)
+    args.warmup = args.warmup if args.warmup is not None else (MEMORY_SPEED_WARMUP if speed else WARMUP)
+    args.steps = args.steps if args.steps is not None else (MEMORY_SPEED_STEPS if speed else STEPS)
+    if speed and args.batch is None:
+        args.batch = 1
+    default_models = ("llama",) if args.longest_context or speed else MODELS
     args.models = list(args.models or default_models)
     unknown = sorted(set(args.models) - set(supported_models()))
     if unknown:
         parser.error(f"unknown model_type(s) {unknown}; supported: {supported_models()}")
     args.skipped = {}
     if args.providers is None:
-        args.providers = ["stock", "tigon"] if args.longest_context else list(PROVIDERS)
+        args.providers = (["stock", "tigon"] if args.longest_context else list(MEMORY_SPEED_PROVIDERS) if speed
+                          else list(PROVIDERS))
     if any("liger" in p for p in args.providers) and not liger_available():
         args.skipped.update({p: "liger_kernel is not installed" for p in args.providers if "liger" in p})
         args.providers = [p for p in args.providers if "liger" not in p]
@@ -164,6 +224,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--warmup must be at least 0")
     if args.profile and args.longest_context:
         parser.error("--profile profiles the throughput jobs, not --longest-context")
+    if args.find_seq is not None and args.find_seq not in PROVIDERS + OPTIONAL_PROVIDERS:
+        parser.error(f"--find-seq: unknown provider {args.find_seq!r}")
     return args
 
 
@@ -198,9 +260,9 @@ MOE_SHAPES = {
 }
 
 
-def model_spec(model_type: str, *, tiny: bool = False):
+def model_spec(model_type: str, *, tiny: bool = False, shape: str | None = None):
     """The benchmark's model: the published shape ``tigon demo`` uses on a GPU (``MOE_SHAPES``' for a
-    MoE family)."""
+    MoE family), or one of ``SHAPES`` (``shape``; its family's tiny config with ``tiny``)."""
     if model_type in MOE_SHAPES and not tiny:
         import copy
 
@@ -208,16 +270,26 @@ def model_spec(model_type: str, *, tiny: bool = False):
 
         from tigon.bench.models import ModelSpec
 
-        label, shape = MOE_SHAPES[model_type]
-        return ModelSpec(model_type, label, transformers.AutoConfig.for_model(model_type, **copy.deepcopy(shape)))
-    return model_config(model_type, tiny=tiny)
+        label, moe_shape = MOE_SHAPES[model_type]
+        return ModelSpec(model_type, label, transformers.AutoConfig.for_model(model_type, **copy.deepcopy(moe_shape)))
+    spec = model_config(model_type, tiny=tiny)
+    if shape is None or tiny:
+        return spec
+    label, keywords = SHAPES[shape]
+    import copy
+
+    config = copy.deepcopy(spec.config)
+    for name, value in copy.deepcopy(keywords).items():
+        setattr(config, name, value)
+    return type(spec)(spec.model_type, label, config)
 
 
 def jobs_for(args) -> list[dict]:
+    shape = MEMORY_SPEED_SHAPE if getattr(args, "memory_buys_speed", False) else None
     return [
         {"model": m, "provider": p, "batch": batch_for(m, args.batch), "seq": args.seq,
          "warmup": args.warmup, "steps": args.steps, "device": args.device, "tiny": args.tiny,
-         "profile_steps": PROFILE_STEPS if args.profile else 0}
+         "profile_steps": PROFILE_STEPS if args.profile else 0, "shape": shape}
         for m in args.models
         for p in args.providers
     ]
@@ -329,7 +401,7 @@ def run_job(job: dict) -> dict:
     parts = set(job["provider"].split("+"))
     device = torch.device(job.get("device", "cuda"))
     cuda = device.type == "cuda"
-    spec = model_spec(job["model"], tiny=job.get("tiny", False))
+    spec = model_spec(job["model"], tiny=job.get("tiny", False), shape=job.get("shape"))
     out = {**job, "label": spec.label, "vocab": spec.config.vocab_size,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     if "liger" in parts:
@@ -338,7 +410,10 @@ def run_job(job: dict) -> dict:
     model = build_model(spec.config, device=device)
     out["params"] = parameter_count(model)
     if "tigon" in parts:
-        tigon.patch(model, cuda_graphs="graphs" in parts)
+        tigon.patch(model, cuda_graphs="graphs" in parts, recompute_norms="recompute" in parts)
+    if "ckpt" in parts:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     step_model = torch.compile(model) if "compile" in parts else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=cuda)
     batch, seq, warmup, steps = job["batch"], job["seq"], job["warmup"], job["steps"]
@@ -593,15 +668,50 @@ def throughput(args, log=print) -> dict:
     return {"kind": "throughput", "rows": rows}
 
 
-def add_loss_agreement(rows: list[dict]) -> None:
-    """Per-step relative loss difference against stock's run of the same model (same data)."""
-    stock = {r["model"]: r for r in rows if r["provider"] == "stock" and "losses" in r}
+def add_loss_agreement(rows: list[dict], reference: str = "stock") -> None:
+    """Per-step relative loss difference against the ``reference`` provider's run of the same model
+    (same data)."""
+    stock = {r["model"]: r for r in rows if r["provider"] == reference and "losses" in r}
     for row in rows:
         ref = stock.get(row["model"])
-        if ref is None or "losses" not in row or row["provider"] == "stock":
+        if ref is None or "losses" not in row or row["provider"] == reference:
             continue
         row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], ref["losses"],
                                                                             strict=True))
+
+
+def memory_buys_speed(args, log=print) -> dict:
+    """``--memory-buys-speed``: the throughput jobs of the 3B shape at ``args.seq`` (after finding it
+    with ``--find-seq``), losses compared with stock + checkpointing's (stock runs out of memory)."""
+    search = None
+    if args.find_seq is not None:
+        pool = WorkerPool(args.timeout)
+        probes = []
+
+        def probe(seq):
+            job = {"model": args.models[0], "provider": args.find_seq, "batch": args.batch, "seq": seq,
+                   "warmup": 0, "steps": CONTEXT_STEPS, "device": args.device, "tiny": args.tiny,
+                   "shape": MEMORY_SPEED_SHAPE}
+            result = pool.run(job)
+            probes.append({k: result.get(k) for k in ("seq", "error", "oom", "peak_bytes", "wall_s")})
+            log(row_line(result))
+            return "error" not in result
+
+        try:
+            longest, first_fail = search_longest(probe, step=args.context_step, start=args.context_start,
+                                                 maximum=args.context_max)
+        finally:
+            pool.close()
+        search = {"provider": args.find_seq, "longest_seq": longest, "first_failure": first_fail,
+                  "probes": probes}
+        if not longest:
+            return {"kind": "memory_speed", "rows": [], "search": search, "reference": MEMORY_SPEED_REFERENCE}
+        args.seq = longest
+    result = throughput(args, log)
+    for row in result["rows"]:
+        row.pop("max_loss_rel_diff", None)  # throughput's, against stock
+    add_loss_agreement(result["rows"], reference=MEMORY_SPEED_REFERENCE)
+    return {**result, "kind": "memory_speed", "search": search, "reference": MEMORY_SPEED_REFERENCE}
 
 
 def search_longest(probe, *, step: int, start: int, maximum: int):
@@ -745,10 +855,49 @@ def profile_markdown(rows: list[dict], *, top_kernels: bool = True) -> list[str]
     return lines
 
 
+def memory_speed_markdown(result: dict) -> list[str]:
+    """The --memory-buys-speed table: each provider's tokens/s against stock + checkpointing's."""
+    rows, reference = result["rows"], result["reference"]
+    search = result.get("search")
+    lines = []
+    if search is not None:
+        lines.append(f"Longest sequence {PROVIDER_TITLES[search['provider']]} trains (two steps, batch "
+                     f"{result['settings']['batch']}): {search['longest_seq'] or 'none'} (first failure: "
+                     f"{search['first_failure'] or '—'}).")
+    if not rows:
+        return lines
+    first = rows[0]
+    ref = next((r for r in rows if r["provider"] == reference and "tokens_per_s" in r), None)
+    lines += [f"{first.get('label', first['model'])} (V={first.get('vocab', '?')}), batch {first['batch']} x "
+              f"{first['seq']}, bf16 autocast, sdpa, fused AdamW, fp32 weights; median of "
+              f"{result['settings']['steps']} steps after {result['settings']['warmup']} warm-up steps, each "
+              f"provider in a fresh process.", "",
+              f"| provider | tokens/s | x {PROVIDER_TITLES[reference]} | step ms | peak GiB | max loss rel. diff "
+              f"vs {reference} |", "| --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        title = PROVIDER_TITLES[row["provider"]]
+        if "error" in row:
+            lines.append(f"| {title} | {'out of memory' if row.get('oom') else row['error']} | — | — | — | — |")
+            continue
+        speed = f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "—"
+        diff = f"{row['max_loss_rel_diff']:.1e}" if "max_loss_rel_diff" in row else "—"
+        lines.append(f"| {title} | {row['tokens_per_s']:.0f} | {speed} | {row['median_step_s'] * 1e3:.1f} | "
+                     f"{_gib(row.get('peak_bytes'))} | {diff} |")
+    stock = next((r for r in rows if r["provider"] == "stock"), None)
+    if stock is not None:
+        lines += ["", "Premise (stock needs checkpointing here): " + (
+            "holds, stock without checkpointing runs out of memory." if stock.get("oom") else
+            "does not hold, stock trains without checkpointing at this length: pick a longer --seq."
+            if "error" not in stock else f"stock failed otherwise ({stock['error']}).")]
+    return lines
+
+
 def markdown(result: dict, *, top_kernels: bool = True) -> str:
     settings = result["settings"]
     lines = [f"# tigon end-to-end training — {result['device']} — {result['date']}", "",
              f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}."]
+    if result["kind"] == "memory_speed":
+        return "\n".join(lines + memory_speed_markdown(result)) + "\n"
     if result["kind"] == "longest_context":
         lines += [
             f"Longest sequence that trains two AdamW steps at batch 1 (bf16 autocast, sdpa, fused AdamW), "
@@ -849,12 +998,14 @@ def plot(result: dict, path: Path) -> None:
 
 def _colour(provider: str) -> str:
     return {"stock": "tab:gray", "tigon": "tab:orange", "compile": "tab:blue", "tigon+compile": "tab:red",
-            "liger": "tab:green", "liger+compile": "tab:olive", "tigon+graphs": "tab:purple"}[provider]
+            "liger": "tab:green", "liger+compile": "tab:olive", "tigon+graphs": "tab:purple",
+            "tigon+recompute": "tab:brown", "stock+ckpt": "tab:cyan", "tigon+ckpt": "tab:pink",
+            "tigon+recompute+ckpt": "tab:pink"}[provider]
 
 
 def save(result: dict, out_dir: Path, log=print) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind = "e2e-context" if result["kind"] == "longest_context" else "e2e"
+    kind = {"longest_context": "e2e-context", "memory_speed": "e2e-memory-speed"}.get(result["kind"], "e2e")
     stem = f"{kind}-{result['device'].replace(' ', '-')}-{result['date']}"
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=1))
@@ -882,7 +1033,10 @@ def main(argv=None) -> int:
     from tigon.bench.harness import versions
 
     started = time.perf_counter()
-    result = longest_context(args) if args.longest_context else throughput(args)
+    if args.longest_context:
+        result = longest_context(args)
+    else:
+        result = memory_buys_speed(args) if args.memory_buys_speed else throughput(args)
     devices = [r.get("device") for r in result["rows"]] + [p.get("device") for r in result["rows"]
                                                              for p in r.get("probes", [])]
     result.update(

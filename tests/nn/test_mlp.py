@@ -290,3 +290,34 @@ def test_mlp_saved_activation_memory_below_llama_mlp():
         mlp.requires_grad_(False)
     (_, stock_peak), (_, tigon_peak) = held(stock), held(module)
     assert tigon_peak < stock_peak, f"backward activation peak: tigon {tigon_peak} bytes, LlamaMLP {stock_peak}"
+
+
+def test_mlp_backward_overwrites_gate_and_up_once():
+    """The backward writes dup over up and h over gate: the gradients stay exact (the reference tests
+    above), and a second backward through the same graph raises autograd's in-place error instead of
+    reading the overwritten values."""
+    module = make_mlp(SwiGLUMLP, {}, 16, 40)
+    x = randn(3, 16, requires_grad=True)
+    y = module(x)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.gpu
+def test_mlp_backward_peak_is_one_intermediate_buffer():
+    """Beyond what the forward kept (x, gate, up) and the gradients it returns, the backward's peak holds
+    one (M, I) buffer (dh, then dgate) and (M, H)-sized products: no separate dup or h."""
+    hidden, intermediate, tokens = 1024, 8192, 4096
+    module = SwiGLUMLP(hidden, intermediate, device=DEVICE, dtype=torch.bfloat16)
+    x = randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    y = module(x)
+    dy = torch.ones_like(y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    weight_grads = 3 * hidden * intermediate * 2
+    assert extra <= weight_grads + 1.25 * tokens * intermediate * 2 + 4 * tokens * hidden * 2

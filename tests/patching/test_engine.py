@@ -60,7 +60,8 @@ def test_supported_models_lists_the_table():
 def test_switch_defaults_are_the_contract():
     # API.md's switches with their defaults, and tigon's own addition, off by default.
     assert SWITCHES == {"rope": True, "rms_norm": True, "layer_norm": True, "mlp": True,
-                        "cross_entropy": False, "fused_linear_cross_entropy": True, "cuda_graphs": False}
+                        "cross_entropy": False, "fused_linear_cross_entropy": True, "cuda_graphs": False,
+                        "recompute_norms": False}
 
 
 def test_unknown_model_type_lists_supported():

@@ -18,11 +18,19 @@ Backward, from dy::
 
 Saved per token: x (H) and gate, up (2·I). The stock ``LlamaMLP`` keeps x plus four intermediate-sized
 tensors (gate for the activation, act(gate) and up for the product, h for down_proj); a fused
-activation alone drops one of them. The backward allocates three intermediate-sized tensors (dh,
-dup, h), so its peak is gate, up + 3·(M, I), as LlamaMLP with a fused activation (3 saved + dh +
-the product's gradient). The price of recomputing is one extra write of h, inside the backward's
-pass over gate and up (M·I·b bytes, against nine GEMMs of 2·M·H·I flops); recomputing h in a launch
-of its own would read gate and up a second time as well (3·M·I·b).
+activation alone drops one of them. The backward allocates one intermediate-sized tensor, dh: the
+GLU pass writes dgate over dh, dup over up and h over gate (each element is read by the thread that
+then writes it, and neither gate nor up is needed after the pass), so its peak is gate, up + 1·(M, I)
+(LlamaMLP with a fused activation: 3 saved + dh + the product's gradient). At the longest contexts
+the first backward step is the whole run's peak, so the two (M, I) buffers not allocated there are
+2·2·I bytes a token off the peak (32 KB at Llama-3.2-1B). The version counters of gate and up are
+bumped, so that a second backward through the same graph (``retain_graph=True``) raises autograd's
+in-place error instead of reading the overwritten values. Under torch.compile (Inductor plans the
+buffers) the three are separate, as they are for non-contiguous gate, up.
+
+The price of recomputing is one extra write of h, inside the backward's pass over gate and up
+(M·I·b bytes, against nine GEMMs of 2·M·H·I flops); recomputing h in a launch of its own would read
+gate and up a second time as well (3·M·I·b).
 
 Autocast: as ``nn.Linear`` under ``torch.autocast``, x and the biases are cast to the autocast dtype
 before the node (the casts stay in the graph), and inside it autocast finds every operand in its
@@ -94,9 +102,15 @@ class _GatedMLPFunction(torch.autograd.Function):
             # gradient needs it, the recomputed h: no separate forward launch reading them again.
             dgate = dy2 @ down_w                                    # (M, I): dh, then dgate over it
             down_w = None
-            dup = torch.empty_like(up2)
-            if need_down_w:
-                h = torch.empty(gate2.shape, dtype=torch.promote_types(gate2.dtype, up2.dtype), device=gate2.device)
+            if _reuse_saved(gate2, up2):
+                # dup over up and h over gate: each element is read before it is written (module docs)
+                dup, h = up2, (gate2 if need_down_w else None)
+                torch.autograd.graph.increment_version((gate, up))  # a second backward raises, not misreads
+            else:
+                dup = torch.empty_like(up2)
+                if need_down_w:
+                    h = torch.empty(gate2.shape, dtype=torch.promote_types(gate2.dtype, up2.dtype),
+                                    device=gate2.device)
             glu_backward_into(dgate, gate2, up2, dup, ctx.activation, h=h)
         if need_down_w:
             if h is None:
@@ -119,6 +133,14 @@ class _GatedMLPFunction(torch.autograd.Function):
         if need_up_b:
             d_up_b = dup.sum(0)
         return dx, d_gate_w, d_gate_b, d_up_w, d_up_b, d_down_w, d_down_b, None, None
+
+
+def _reuse_saved(gate, up) -> bool:
+    """Whether the backward may write dup over up and h over gate: eager mode (under torch.compile
+    Inductor plans the buffers), contiguous and of one dtype (h takes gate's place, in their promoted
+    dtype)."""
+    return (not torch.compiler.is_compiling() and gate.is_contiguous() and up.is_contiguous()
+            and gate.dtype == up.dtype)
 
 
 def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
