@@ -312,7 +312,7 @@ KERNEL_CATEGORIES = (
                r"|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
     ("loss", r"cross_?entropy|nll_loss|log_?softmax|logsumexp|(?<![a-z])lse(?![a-z])|fused_linear"
              r"|element_mul_kernel|kl_?div|jsd|tvd|divergence|logprobs|^reduction_scales_kernel$|^scale_rows_kernel$"),
-    ("norm", r"rms_?norm|layer_?norm|group_?norm|GammaBeta|^partial_rows_sum_kernel$"),
+    ("norm", r"rms_?norm|layer_?norm|group_?norm|norm_join|GammaBeta|^partial_rows_sum_kernel$"),
     ("rope", r"(?<![a-z])m?rope(?![a-z])|rotary"),
     ("activation/glu", r"glu|gelu|silu|swish|relu"),
     ("optimizer", r"multi_tensor_apply|adam|_foreach_"),
