@@ -426,10 +426,45 @@ def _mlp_activation(module, spec, path):
     return glu
 
 
+def _mlp_number(module, attr, path):
+    value = getattr(module, attr, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{path}.{attr} is {type(value).__name__}, not the number the family's row expects")
+
+
+def _plan_split_mlps_with_extras(plan, root, family, classes):
+    """Split MLPs whose forward reads multipliers / a dropout (families.Mlp): an instance forward."""
+    from tigon.ops.glu import gelu_activation_name
+
+    spec = family.mlp
+    extras = {"gate_multiplier": spec.gate_multiplier, "down_multiplier": spec.down_multiplier,
+              "dropout": spec.dropout}
+    named = ", ".join(f"{attr}" for attr in extras.values() if attr is not None)
+    forwards = {}
+    for old, _, path in _sites(root, classes.mlp):
+        if _is_tigon(_own_forward(old)):
+            continue
+        _check_plain(old, classes.mlp, path)
+        kind, kwargs = _mlp_activation(old, spec, path)
+        if any(old._modules.get(name) is None for name in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{path} ({type(old).__name__}) lacks gate_proj / up_proj / down_proj")
+        for attr in extras.values():
+            if attr is not None:
+                _mlp_number(old, attr, path)
+        activation = "silu" if kind == "swiglu" else gelu_activation_name(kwargs["approximate"])
+        if activation not in forwards:
+            forwards[activation] = replacement_forwards.split_glu_forward(activation, **extras)
+        line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} with stock {named} (instance forward)"
+        plan.add(_SetAttr(old, "forward", types.MethodType(forwards[activation], old)), line)
+
+
 def _plan_split_mlps(plan, root, family, classes):
     from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP
 
     spec = family.mlp
+    if spec.extras:
+        _plan_split_mlps_with_extras(plan, root, family, classes)
+        return
     for old, sites, path in _sites(root, classes.mlp):
         _check_plain(old, classes.mlp, path)
         kind, kwargs = _mlp_activation(old, spec, path)
@@ -479,7 +514,8 @@ def _plan_rope(plan, root, family, classes):
         _check_plain(old, classes.attention, path)
         if forward is None:
             forward = wrappers.with_globals(
-                classes.attention.forward, **{ROTARY_NAME: replacement_forwards.tigon_rotary()}
+                classes.attention.forward,
+                **{ROTARY_NAME: replacement_forwards.tigon_rotary(family.rope_autocast_output)},
             )
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
@@ -520,6 +556,13 @@ def _plan_loss(plan, model, family, classes, switches):
             )
         if not isinstance(getattr(model, "model", None), classes.model):
             raise ValueError(f"the model's .model is not a {classes.model.__name__}")
+        if family.logit_multiplier is not None:
+            multiplier = loss_path.logit_multiplier(model, family.logit_multiplier)
+            if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)):
+                raise ValueError(
+                    f"{family.model_type}: loss: the model's {family.logit_multiplier} is "
+                    f"{type(multiplier).__name__}, not the number the family's row expects"
+                )
         forward = loss_path.causal_lm_forward(family, classes.module, classes.causal_lm.forward)
         plan.add(_SetAttr(model, "forward", types.MethodType(forward, model)), lines[0])
         head_forward = types.MethodType(loss_path.linear_or_fused_loss, lm_head)
