@@ -27,8 +27,9 @@ A row names, in the family's transformers modeling module, what the engine may r
   (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops (joins.py checks
   the class's forward first, and leaves another one as it is).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
-  final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
-  MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
+  final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``; Cohere-2
+  and Falcon-H1 multiply by a number of the model's, ``logit_multiplier``) and the MoE router
+  load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
 
 Adding a family is one ``Family(...)`` line here. Everything is checked against the imported classes
 when a patch is planned (class names exist, forwards reference what the row says), so a transformers
