@@ -17,7 +17,9 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
   graphs.py, which replays the layer's training forward and backward as captured CUDA graphs.
 - split MLPs: swapped for ``tigon.nn.SwiGLUMLP`` / ``GEGLUMLP`` that adopt the same
   ``gate_proj``/``up_proj``/``down_proj`` child modules (so LoRA-wrapped projections keep working);
-  fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance.
+  fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance,
+  as do split MLPs whose row names multipliers or an output dropout (Falcon-H1, Seed-OSS: the forward
+  runs them as stock does around tigon's GLU, forwards.split_glu_forward).
 - rope: each attention module gets, on the instance, a copy of its class's forward whose globals map
   ``apply_rotary_pos_emb`` to tigon's rope (``types.FunctionType`` with a new globals dict); the
   transformers module's globals are never assigned.
@@ -439,7 +441,7 @@ def _plan_split_mlps_with_extras(plan, root, family, classes):
     spec = family.mlp
     extras = {"gate_multiplier": spec.gate_multiplier, "down_multiplier": spec.down_multiplier,
               "dropout": spec.dropout}
-    named = ", ".join(f"{attr}" for attr in extras.values() if attr is not None)
+    named = ", ".join(attr for attr in extras.values() if attr is not None)
     forwards = {}
     for old, _, path in _sites(root, classes.mlp):
         if _is_tigon(_own_forward(old)):
