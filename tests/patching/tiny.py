@@ -108,6 +108,24 @@ CONFIGS = {
                                          "intermediate_size_mlp": 48, "moe_layers": [1], "no_rope_layers": [1, 0],
                                          "use_qk_norm": True, "attention_chunk_size": 8, "floor_scale": 4,
                                          "attn_scale": 0.5}),
+    # dense families added 2026-11-26. Sliding and full layers both present where the family has both
+    # (Cohere-2 rotates on its sliding layers only, EXAONE-4 is NoPE on its full ones); biases on where a
+    # family has them; logit multipliers != 1; Falcon-H1 with every muP multiplier != 1 and a tiny
+    # Mamba-2 mixer; Seed-OSS's dropouts off here (test_dense_families.py trains with them on).
+    "ministral": ("MinistralConfig", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": 8, "use_bias": True}),
+    "cohere2": ("Cohere2Config", {"logit_scale": 0.5, "sliding_window": 8,
+                                  "layer_types": ["sliding_attention", "full_attention"]}),
+    "exaone4": ("Exaone4Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {}),
+    "ernie4_5": ("Ernie4_5Config", {"use_bias": True}),
+    "seed_oss": ("SeedOssConfig", {"attention_bias": True, "attention_dropout": 0.0, "residual_dropout": 0.0}),
+    "falcon_h1": ("FalconH1Config", {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
+                                     "mamba_chunk_size": 4, "mamba_expand": 1, "mlp_multipliers": [0.5, 2.0],
+                                     "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0, "key_multiplier": 0.7,
+                                     "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.5,
+                                     "ssm_in_multiplier": 0.9, "ssm_out_multiplier": 1.2,
+                                     "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.3]}),
 }
 
 

@@ -88,6 +88,16 @@ class LayerNorm(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @property
+    def variance_epsilon(self) -> float:
+        """The epsilon, under the name Cohere's layer norms give it (torch's: ``eps``); reading and
+        writing either name is the same."""
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
+
     def forward(self, hidden_states):
         return layer_norm(hidden_states, self.weight, self.bias, self.eps)
 

@@ -17,7 +17,9 @@ model untouched. Then apply, and undo what was applied if anything fails midway.
   graphs.py, which replays the layer's training forward and backward as captured CUDA graphs.
 - split MLPs: swapped for ``tigon.nn.SwiGLUMLP`` / ``GEGLUMLP`` that adopt the same
   ``gate_proj``/``up_proj``/``down_proj`` child modules (so LoRA-wrapped projections keep working);
-  fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance.
+  fused ``gate_up_proj`` MLPs (Phi-3, GLM-4) keep their module and get a GLU forward on the instance,
+  as do split MLPs whose row names multipliers or an output dropout (Falcon-H1, Seed-OSS: the forward
+  runs them as stock does around tigon's GLU, forwards.split_glu_forward).
 - rope: each attention module gets, on the instance, a copy of its class's forward whose globals map
   ``apply_rotary_pos_emb`` to tigon's rope (``types.FunctionType`` with a new globals dict); the
   transformers module's globals are never assigned.
@@ -459,10 +461,45 @@ def _mlp_activation(module, spec, path):
     return glu
 
 
+def _mlp_number(module, attr, path):
+    value = getattr(module, attr, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{path}.{attr} is {type(value).__name__}, not the number the family's row expects")
+
+
+def _plan_split_mlps_with_extras(plan, root, family, classes):
+    """Split MLPs whose forward reads multipliers / a dropout (families.Mlp): an instance forward."""
+    from tigon.ops.glu import gelu_activation_name
+
+    spec = family.mlp
+    extras = {"gate_multiplier": spec.gate_multiplier, "down_multiplier": spec.down_multiplier,
+              "dropout": spec.dropout}
+    named = ", ".join(attr for attr in extras.values() if attr is not None)
+    forwards = {}
+    for old, _, path in _sites(root, classes.mlp):
+        if _is_tigon(_own_forward(old)):
+            continue
+        _check_plain(old, classes.mlp, path)
+        kind, kwargs = _mlp_activation(old, spec, path)
+        if any(old._modules.get(name) is None for name in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{path} ({type(old).__name__}) lacks gate_proj / up_proj / down_proj")
+        for attr in extras.values():
+            if attr is not None:
+                _mlp_number(old, attr, path)
+        activation = "silu" if kind == "swiglu" else gelu_activation_name(kwargs["approximate"])
+        if activation not in forwards:
+            forwards[activation] = replacement_forwards.split_glu_forward(activation, **extras)
+        line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} with stock {named} (instance forward)"
+        plan.add(_SetAttr(old, "forward", types.MethodType(forwards[activation], old)), line)
+
+
 def _plan_split_mlps(plan, root, family, classes):
     from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP
 
     spec = family.mlp
+    if spec.extras:
+        _plan_split_mlps_with_extras(plan, root, family, classes)
+        return
     for old, sites, path in _sites(root, classes.mlp):
         _check_plain(old, classes.mlp, path)
         kind, kwargs = _mlp_activation(old, spec, path)
@@ -511,7 +548,9 @@ def _plan_rope(plan, root, family, classes):
             continue
         _check_plain(old, classes.attention, path)
         if forward is None:
-            rotary = replacement_forwards.tigon_rotary(half_angles=family.rotary_half_angles)
+            rotary = replacement_forwards.tigon_rotary(
+                half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
+            )
             forward = wrappers.with_globals(classes.attention.forward, **{ROTARY_NAME: rotary})
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
@@ -552,6 +591,13 @@ def _plan_loss(plan, model, family, classes, switches):
             )
         if not isinstance(getattr(model, "model", None), classes.model):
             raise ValueError(f"the model's .model is not a {classes.model.__name__}")
+        if family.logit_multiplier is not None:
+            multiplier = loss_path.logit_multiplier(model, family.logit_multiplier)
+            if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)):
+                raise ValueError(
+                    f"{family.model_type}: loss: the model's {family.logit_multiplier} is "
+                    f"{type(multiplier).__name__}, not the number the family's row expects"
+                )
         forward = loss_path.causal_lm_forward(family, classes.module, classes.causal_lm.forward)
         plan.add(_SetAttr(model, "forward", types.MethodType(forward, model)), lines[0])
         head_forward = types.MethodType(loss_path.linear_or_fused_loss, lm_head)

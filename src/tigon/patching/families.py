@@ -30,8 +30,9 @@ A row names, in the family's transformers modeling module, what the engine may r
   (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops (joins.py checks
   the class's forward first, and leaves another one as it is).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
-  final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``) and the
-  MoE router load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
+  final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``; Cohere-2
+  and Falcon-H1 multiply by a number of the model's, ``logit_multiplier``) and the MoE router
+  load-balancing loss (Mixtral, Qwen3-MoE: the function's name in the modeling module).
 
 Adding a family is one ``Family(...)`` line here. Everything is checked against the imported classes
 when a patch is planned (class names exist, forwards reference what the row says), so a transformers
@@ -72,6 +73,18 @@ class Mlp:
     cls: str
     layout: str = "split"  # "split": gate_proj/up_proj/down_proj; "fused": gate_up_proj/down_proj
     act_attr: str = "act_fn"
+    # Split layout only: attributes of the MLP module that its forward reads besides the projections.
+    # ``down(act(gate(x) * g) * up(x)) * d`` with g, d the named multipliers (Falcon-H1's muP
+    # ``gate_multiplier`` / ``down_multiplier``), then ``dropout(p=<dropout>)`` in training (Seed-OSS's
+    # ``residual_dropout``). Such an MLP keeps its module and gets an instance forward that runs the
+    # same multiplies and dropout around tigon's GLU.
+    gate_multiplier: str | None = None
+    down_multiplier: str | None = None
+    dropout: str | None = None
+
+    @property
+    def extras(self) -> bool:
+        return any(a is not None for a in (self.gate_multiplier, self.down_multiplier, self.dropout))
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,12 @@ class Family:
     # A config attribute that, when true, makes the attention rotate with another function than
     # ``apply_rotary_pos_emb`` (DeepSeek-V3's ``rope_interleave``): the attention is then left stock.
     rope_unless_config: str | None = None
+    # The CausalLM multiplies its logits by this attribute of the model instance (a dotted path):
+    # Cohere-2's ``logit_scale``, Falcon-H1's ``model.lm_head_multiplier``.
+    logit_multiplier: str | None = None
+    # False where the attention feeds rope's q/k to something other than attention (HunYuan's query/key
+    # norms after the rotation): rope then gives transformers' dtypes under autocast (forwards.py).
+    rope_autocast_output: bool = True
 
     @property
     def module_name(self) -> str:
@@ -130,7 +149,7 @@ def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="ac
         causal_lm=f"{prefix}ForCausalLM",
         model=model or f"{prefix}Model",
         norm=norm(f"{prefix}RMSNorm") if norm else None,
-        mlp=Mlp(f"{prefix}MLP", mlp, act_attr) if mlp else None,
+        mlp=mlp if isinstance(mlp, Mlp) else Mlp(f"{prefix}MLP", mlp, act_attr) if mlp else None,
         attention=f"{prefix}Attention" if rope else None,
         decoder_layer=f"{prefix}DecoderLayer" if norm and (projection_norms or quirks.get("joined_layer")) else None,
         projection_norms=projection_norms if norm else (),
@@ -192,5 +211,19 @@ FAMILIES: dict[str, Family] = {
                     projection_norms=MOE_NORMS),
             causal_lm="Llama4ForCausalLM",
         ),
+        # dense families added 2026-11-26
+        _family("ministral", "ministral", "Ministral", joined_layer="pre_norm"),
+        _family("starcoder2", "starcoder2", "Starcoder2", norm=None, layer_norm=Norm("nn.LayerNorm"), mlp=None),
+        _family("cohere2", "cohere2", "Cohere2", norm=None, layer_norm=Norm("Cohere2LayerNorm"), rope=False,
+                logit_multiplier="logit_scale"),
+        _family("exaone4", "exaone4", "Exaone4", projection_norms=(), joined_layer="post_norm"),
+        _family("hunyuan_v1_dense", "hunyuan_v1_dense", "HunYuanDenseV1", joined_layer="pre_norm",
+                rope_autocast_output=False),
+        _family("ernie4_5", "ernie4_5", "Ernie4_5", rope=False, joined_layer="pre_norm"),
+        _family("seed_oss", "seed_oss", "SeedOss", mlp=Mlp("SeedOssMLP", dropout="residual_dropout"),
+                joined_layer="pre_norm"),
+        _family("falcon_h1", "falcon_h1", "FalconH1",
+                mlp=Mlp("FalconH1MLP", gate_multiplier="gate_multiplier", down_multiplier="down_multiplier"),
+                projection_norms=("pre_ff_layernorm",), logit_multiplier="model.lm_head_multiplier"),
     )
 }

@@ -5,6 +5,10 @@
   whose globals name this one, wrappers.with_globals).
 - :func:`fused_gate_up_forward`: the forward of a ``gate_up_proj`` MLP (Phi-3, GLM-4), set on the
   instance with the family's GLU.
+- :func:`split_glu_forward`: the forward of a split MLP whose module reads more than its projections
+  (Falcon-H1's muP multipliers, Seed-OSS's output dropout), set on the instance.
+- :func:`apply_rotary_pos_emb_stock_dtypes`: the rope of an attention whose rotated q/k feed something
+  other than attention (HunYuan's query/key norms).
 
 The decoder layers' fused-join forwards are in joins.py, the CausalLM forward in loss.py.
 """
@@ -20,6 +24,43 @@ def fused_gate_up_forward(glu):
     def forward(self, hidden_states):
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (..., I) each
         return self.down_proj(glu(gate, up))
+
+    forward._tigon = True
+    return forward
+
+
+def split_glu_forward(activation, *, gate_multiplier=None, down_multiplier=None, dropout=None):
+    """Forward for a split MLP with extras (families.Mlp): transformers' ::
+
+        y = down_proj(act(gate_proj(x) * g) * up_proj(x)) * d;  y = dropout(y, p, training)
+
+    with ``act(·) * up`` as tigon's GLU (``activation``: "silu", "gelu_tanh", "gelu"). g, d and p are
+    read from the module at each call (the attribute names given here; None: no such step). The
+    multiplies and the dropout are the same torch ops as stock's, in the same order, so they round and
+    draw random numbers as stock does. Without a gate multiplier and with plain ``nn.Linear``
+    projections, the MLP runs as tigon's recomputing node (``tigon.nn.mlp.gated_mlp``).
+    """
+    import torch.nn.functional as F
+    from torch import nn
+
+    from tigon.nn.mlp import gated_mlp
+    from tigon.ops.glu import glu
+
+    def forward(self, x):
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
+        if gate_multiplier is None and all(type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
+            y = gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias,
+                          down_proj.bias, activation=activation)  # (..., H)
+        else:
+            gate = gate_proj(x)  # (..., I)
+            if gate_multiplier is not None:
+                gate = gate * getattr(self, gate_multiplier)
+            y = down_proj(glu(gate, up_proj(x), activation))  # (..., H)
+        if down_multiplier is not None:
+            y = y * getattr(self, down_multiplier)
+        if dropout is not None:
+            y = F.dropout(y, p=getattr(self, dropout), training=self.training)
+        return y
 
     forward._tigon = True
     return forward
@@ -82,7 +123,26 @@ def apply_rotary_pos_emb_half_angles(q, k, cos, sin, unsqueeze_dim=1):
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
-def tigon_rotary(*, half_angles: bool = False):
-    return apply_rotary_pos_emb_half_angles if half_angles else apply_rotary_pos_emb
+def apply_rotary_pos_emb_stock_dtypes(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' ``apply_rotary_pos_emb`` over ``tigon.ops.rope``, results in transformers' dtypes.
+
+    For an attention whose rotated q and k go into something other than attention first: HunYuan
+    normalises them (``query_layernorm`` / ``key_layernorm``) after the rotation. Under autocast
+    transformers' rotation gives fp32 there (fp32 cos/sin), and the norm reads that fp32 value; a bf16
+    copy (:func:`apply_rotary_pos_emb`'s autocast output) would round it before the norm.
+    """
+    from tigon.ops.rope import rope
+
+    return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def tigon_rotary(*, half_angles: bool = False, autocast_output: bool = True):
+    """The rotary function a patched attention calls (families.Family.rotary_half_angles and
+    rope_autocast_output)."""
+    if half_angles:
+        if not autocast_output:
+            raise ValueError("a family row with rotary_half_angles must keep rope_autocast_output")
+        return apply_rotary_pos_emb_half_angles
+    return apply_rotary_pos_emb if autocast_output else apply_rotary_pos_emb_stock_dtypes
 
 

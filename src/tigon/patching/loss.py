@@ -16,7 +16,9 @@ backward exactly as they would for the logits projection. In eval mode or
 without labels the model's stock forward runs unchanged (stock logits and stock loss).
 
 The family's quirks come from its table row: Gemma-2/3's ``final_logit_softcapping`` (``softcap``),
-Granite's ``logits / logits_scaling`` (``logit_scale = 1 / logits_scaling``), and the MoE router
+Granite's ``logits / logits_scaling`` (``logit_scale = 1 / logits_scaling``), a logit multiplier
+read from the model (Cohere-2's ``logit_scale``, Falcon-H1's ``model.lm_head_multiplier``: the
+``logit_scale`` option; the fp32 product, where stock multiplies the logits in their dtype), and the MoE router
 load-balancing loss (``loss += router_aux_loss_coef · aux`` when ``output_router_logits``), as the
 stock forwards do. Labels are shifted as transformers' ``ForCausalLMLoss`` does (or taken as given in
 ``shift_labels``), and ``ignore_index`` / ``num_items_in_batch`` (gradient accumulation: a sum divided
@@ -131,6 +133,15 @@ def _takes_target(lm_head) -> bool:
     return False
 
 
+def logit_multiplier(model, path: str):
+    """The attribute at dotted ``path`` of the CausalLM ``model`` by which its stock forward multiplies
+    the logits (families.Family.logit_multiplier)."""
+    value = model
+    for name in path.split("."):
+        value = getattr(value, name, None)
+    return value
+
+
 def causal_lm_forward(family, modeling_module, stock_forward):
     """The generic CausalLM forward for one family row (see the module docstring).
 
@@ -170,6 +181,8 @@ def causal_lm_forward(family, modeling_module, stock_forward):
         target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
         softcap = self.config.final_logit_softcapping if family.final_logit_softcapping else None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
+        if family.logit_multiplier is not None:
+            logit_scale = logit_scale * logit_multiplier(self, family.logit_multiplier)
         loss = self.lm_head(
             hidden_states,
             target=target.to(hidden_states.device),

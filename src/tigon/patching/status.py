@@ -71,4 +71,4 @@ def all_family_statuses() -> list[FamilyStatus]:
 
 def format_status(status: FamilyStatus) -> str:
     mark = {True: "ok  ", False: "FAIL", None: "--  "}[status.ok]
-    return f"{mark} {status.model_type:<12} {status.detail}"
+    return f"{mark} {status.model_type:<16} {status.detail}"
