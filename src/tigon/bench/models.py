@@ -113,6 +113,38 @@ FAMILY_EXTRAS = {
                               intermediate_size=s["intermediate_size"] // 4),
     "qwen3_moe": lambda s: dict(num_experts=_experts(s), num_experts_per_tok=2,
                                 moe_intermediate_size=s["intermediate_size"] // 4),
+    "qwen2_moe": lambda s: dict(num_experts=_experts(s), num_experts_per_tok=2,
+                                moe_intermediate_size=s["intermediate_size"] // 4,
+                                shared_expert_intermediate_size=s["intermediate_size"] // 2),
+    "olmoe": lambda s: dict(num_experts=_experts(s), num_experts_per_tok=2,
+                            intermediate_size=s["intermediate_size"] // 4),
+    "granitemoe": lambda s: dict(num_local_experts=_experts(s), num_experts_per_tok=2,
+                                 intermediate_size=s["intermediate_size"] // 4),
+    "gpt_oss": lambda s: dict(num_local_experts=_experts(s), num_experts_per_tok=2,
+                              intermediate_size=s["intermediate_size"] // 4),
+    "glm4_moe": lambda s: dict(n_routed_experts=_experts(s), num_experts_per_tok=2, n_shared_experts=1,
+                               moe_intermediate_size=s["intermediate_size"] // 4, first_k_dense_replace=1,
+                               n_group=1, topk_group=1),
+    # DeepSeek-V3's multi-head latent attention at a quarter (low-rank q) and an eighth (kv) of the width
+    "deepseek_v3": lambda s: dict(n_routed_experts=_experts(s), num_experts_per_tok=2, n_shared_experts=1,
+                                  moe_intermediate_size=s["intermediate_size"] // 4, first_k_dense_replace=1,
+                                  n_group=1, topk_group=1, q_lora_rank=s["hidden_size"] // 4,
+                                  kv_lora_rank=s["hidden_size"] // 8, qk_rope_head_dim=s["head_dim"] // 2,
+                                  qk_nope_head_dim=s["head_dim"], v_head_dim=s["head_dim"]),
+    # Qwen3-Next's gated delta-net layers with the attention's head size
+    "qwen3_next": lambda s: dict(num_experts=_experts(s), num_experts_per_tok=2,
+                                 moe_intermediate_size=s["intermediate_size"] // 4,
+                                 shared_expert_intermediate_size=s["intermediate_size"] // 2,
+                                 linear_key_head_dim=s["head_dim"], linear_value_head_dim=s["head_dim"],
+                                 linear_num_key_heads=s["num_key_value_heads"],
+                                 linear_num_value_heads=s["num_attention_heads"]),
+    "llama4_text": lambda s: dict(num_local_experts=_experts(s), num_experts_per_tok=1,
+                                  intermediate_size=s["intermediate_size"] // 4,
+                                  intermediate_size_mlp=s["intermediate_size"]),
+    # Falcon-H1's Mamba-2 mixer with the attention's heads and head size, state 16
+    "falcon_h1": lambda s: dict(mamba_d_ssm=s["hidden_size"], mamba_n_heads=s["num_attention_heads"],
+                                mamba_d_head=s["hidden_size"] // s["num_attention_heads"], mamba_d_state=16,
+                                mamba_expand=1),
 }
 
 
