@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import tigon
+from tests.helpers import DEVICE
 from tests.patching.tiny import assert_same_grads, batch, rel, stock_and_patched, tiny_model
 from tigon.patching.engine import SWITCHES
 
@@ -69,6 +70,7 @@ def test_split_mlp_with_a_wrapped_projection_keeps_its_forward():
         layer.mlp.up_proj.load_state_dict(old.state_dict())
     import copy
 
+    stock.to(DEVICE)
     patched = copy.deepcopy(stock)
     tigon.patch(patched)
     Wrapped.calls = 0
@@ -131,7 +133,7 @@ def test_hunyuan_rope_gives_stock_dtypes_under_autocast(monkeypatch):
         ("starcoder2", "layer_norm", ["LayerNorm -> tigon.nn.LayerNorm"]),
         ("ernie4_5", "rope", []),  # interleaved rotary: kept
         ("exaone4", "rms_norm", ["Exaone4RMSNorm -> tigon.nn.RMSNorm(casting='llama', offset=0.0)",
-                                 "Exaone4DecoderLayer.forward -> residual joins as tigon.ops.rms_norm_add"]),
+                                 "Exaone4DecoderLayer.forward -> residual joins as tigon.ops.post_norm_join"]),
     ],
 )
 def test_each_switch_alone(model_type, switch, changed):

@@ -21,7 +21,7 @@ from torch import nn
 import tigon
 import tigon.ops  # noqa: F401  (the op module, by its sys.modules name below)
 from tests.helpers import DEVICE
-from tests.patching.tiny import assert_same_grads, batch, rel, stock_and_patched, tiny_model
+from tests.patching.tiny import assert_same_grads, batch, grads, rel, stock_and_patched, tiny_model
 from tigon.patching import engine, experts, wrappers
 from tigon.patching.changes import _apply, _Plan
 from tigon.patching.families import Experts, Family
@@ -143,7 +143,7 @@ def test_an_unknown_eager_loop_stays_stock_with_a_warning(monkeypatch, kernel_ca
 
     monkeypatch.setattr(cls, "forward", wrappers.rewrapped(cls.forward, other_loop))
     torch.manual_seed(0)
-    stock = tiny_model("mixtral", experts_implementation="eager")
+    stock = tiny_model("mixtral", experts_implementation="eager").to(DEVICE)
     patched = copy.deepcopy(stock)
     with pytest.warns(UserWarning, match="eager loop is not the one tigon knows"):
         handle = tigon.patch(patched)
@@ -279,21 +279,34 @@ def _gpu_batch(step, vocab, batch_size=4, seq=128):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("model_type", MOE_FAMILIES)
 def test_bf16_weights_moe_matches_stock_on_gpu(model_type, implementation, kernel_calls):
-    """bf16 weights (grouped_mm's own dtype on the GPU), several programs per launch: loss and gradients."""
+    """bf16 weights (grouped_mm's own dtype on the GPU), several programs per launch.
+
+    In bf16 the router's top-k flips for tokens whose expert scores are within a rounding of each
+    other, and a flipped token sends its gradient through other experts: stock in bf16 and the
+    patched model in bf16 can each be far from the fp32 model there (the embedding rows of such
+    tokens), in different places. So both are measured against the fp32 model with the same
+    (bf16-rounded) weights, and the patched model must be as close to it as stock is.
+    """
     overrides = {**GPU_MOE_SIZES, "experts_implementation": implementation}
     if model_type == "mixtral":
         overrides.pop("moe_intermediate_size")
     stock, patched, _ = stock_and_patched(model_type, config_overrides=overrides)
     stock.to(torch.bfloat16)
     patched.to(torch.bfloat16)
+    reference = copy.deepcopy(stock).float()
     ids, labels = _gpu_batch(0, GPU_MOE_SIZES["vocab_size"])
-    want = stock(input_ids=ids, labels=labels).loss
-    got = patched(input_ids=ids, labels=labels).loss
-    assert rel(got, want) <= 2e-2
-    want.backward()
-    got.backward()
-    assert_same_grads(patched, stock, tolerance=5e-2)
+    losses = {}
+    for name, model in (("reference", reference), ("stock", stock), ("patched", patched)):
+        losses[name] = model(input_ids=ids, labels=labels).loss
+        losses[name].backward()
     assert kernel_calls
+    loss_error = {name: rel(losses[name], losses["reference"]) for name in ("stock", "patched")}
+    assert loss_error["patched"] <= max(1.5 * loss_error["stock"], 1e-2), loss_error
+    want, stock_grads = grads(reference), grads(stock)
+    for name, g in grads(patched).items():
+        patched_error = rel(g, want[name])
+        stock_error = rel(stock_grads[name], want[name])
+        assert patched_error <= max(1.5 * stock_error, 3e-2), (name, patched_error, stock_error)
 
 
 @pytest.mark.gpu

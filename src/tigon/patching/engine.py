@@ -555,8 +555,11 @@ def _plan_rope(plan, root, family, classes):
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
 
-def _plan_shared_cast(plan, root, classes):
+def _plan_shared_cast(plan, root, family, classes):
     """Part of the attention patch (the ``rope`` switch), reported under the rope line."""
+    # An attention that modifies q, k or v in place (OLMoE's clip_qkv clamps them) cannot take them
+    # as one node's views: each projection is then its own node, still sharing the input's cast.
+    in_place = family.qkv_clamp is not None and getattr(root.config, family.qkv_clamp, None) is not None
     for attention, _, _ in _sites(root, classes.attention):
         projections = [attention._modules.get(name) for name in QKV_PROJECTIONS]
         # A fused qkv projection has one cast already; a wrapped one (LoRA) keeps its own forward;
@@ -566,7 +569,7 @@ def _plan_shared_cast(plan, root, classes):
         output = attention._modules.get(OUTPUT_PROJECTION)
         if type(output) is nn.Linear and _own_forward(output) is None:
             projections.append(output)  # its input is in the autocast dtype already: no cast to share
-        cache = CastCache(group=tuple(projections[: len(QKV_PROJECTIONS)]))
+        cache = CastCache(group=None if in_place else tuple(projections[: len(QKV_PROJECTIONS)]))
         for projection in projections:
             plan.add(_SetAttr(projection, CACHE_ATTR, cache))
             plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))
@@ -656,7 +659,7 @@ def _plan_attention(plan, model, family, classes, switches):
     if _rope_off_by_config(family, model.config):
         return
     _plan_rope(plan, model, family, classes)
-    _plan_shared_cast(plan, model, classes)
+    _plan_shared_cast(plan, model, family, classes)
     if not causal_mask.marked(model.config):
         plan.add(causal_mask.MarkConfig(model.config))
 

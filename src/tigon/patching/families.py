@@ -123,6 +123,9 @@ class Family:
     # A config attribute that, when true, makes the attention rotate with another function than
     # ``apply_rotary_pos_emb`` (DeepSeek-V3's ``rope_interleave``): the attention is then left stock.
     rope_unless_config: str | None = None
+    # A config attribute that, when not None, makes the attention clamp its q/k/v projections' outputs
+    # in place (OLMoE's ``clip_qkv``): under autocast they are then three nodes, not one node's views.
+    qkv_clamp: str | None = None
     # The CausalLM multiplies its logits by this attribute of the model instance (a dotted path):
     # Cohere-2's ``logit_scale``, Falcon-H1's ``model.lm_head_multiplier``.
     logit_multiplier: str | None = None
@@ -194,7 +197,7 @@ FAMILIES: dict[str, Family] = {
         _family("qwen2_moe", "qwen2_moe", "Qwen2Moe", router_aux_loss="load_balancing_loss_func",
                 projection_norms=MOE_NORMS, joined_layer="pre_norm", experts=Experts()),
         _family("olmoe", "olmoe", "Olmoe", mlp=None, router_aux_loss="load_balancing_loss_func",
-                projection_norms=MOE_NORMS, joined_layer="pre_norm", experts=Experts()),
+                projection_norms=MOE_NORMS, joined_layer="pre_norm", experts=Experts(), qkv_clamp="clip_qkv"),
         _family("granitemoe", "granitemoe", "GraniteMoe", mlp=None, logits_scaling=True,
                 router_aux_loss="load_balancing_loss_func", projection_norms=MOE_NORMS, experts=Experts()),
         _family("glm4_moe", "glm4_moe", "Glm4Moe", projection_norms=MOE_NORMS, joined_layer="pre_norm",
