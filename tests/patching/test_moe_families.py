@@ -159,12 +159,13 @@ def test_bf16_autocast_training_matches_stock(model_type):
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
 def test_torch_compile_of_a_patched_moe_model(model_type):
     """Compiled (not fullgraph: transformers' eager experts loop breaks the graph on its own), the
-    patched model computes the stock loss and gradients in fp32."""
+    patched model computes the compiled stock model's loss and gradients in fp32. (Against eager stock,
+    Qwen3-Next's gated delta-net layers alone differ by ~1e-4 once Inductor reorders their fp32 sums.)"""
     stock, patched, _ = stock_and_patched(model_type, config_overrides=_gpu_sizes(model_type))
     torch._dynamo.reset()
     compiled = torch.compile(patched)
     ids, labels = _gpu_batch(0)
-    want = stock(input_ids=ids, labels=labels).loss
+    want = torch.compile(stock)(input_ids=ids, labels=labels).loss
     got = compiled(input_ids=ids, labels=labels).loss
     assert rel(got, want) <= LOSS_TOLERANCE
     want.backward()
