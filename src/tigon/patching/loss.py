@@ -131,7 +131,7 @@ def _takes_target(lm_head) -> bool:
     return False
 
 
-def causal_lm_forward(family, modeling_module, stock_forward):
+def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None):
     """The generic CausalLM forward for one family row (see the module docstring).
 
     It takes its arguments as the stock forward's body names them (``cache`` from transformers 5.24,
@@ -146,6 +146,19 @@ def causal_lm_forward(family, modeling_module, stock_forward):
     stock_body = wrappers.body(stock_forward)
     positional, defaults = wrappers.named_parameters(stock_body, skip=1)  # after self
     output_class = CausalLMOutputWithPast if load_balancing_loss is None else MoeCausalLMOutputWithPast
+    model_takes_labels = False
+    if family.is_vision_language:
+        # The output class the stock forward builds (it varies by family and release), and labels for
+        # the base model where it takes them (Gemma-3's masks image tokens bidirectionally in training).
+        from tigon.patching.vision_language import returned_class
+
+        output_class = returned_class(stock_forward)
+        if output_class is None:
+            raise ValueError(
+                f"{family.model_type}: loss: {stock_body.__qualname__} does not return one output class; "
+                "this transformers version does not match tigon's table"
+            )
+        model_takes_labels = "labels" in inspect.signature(wrappers.body(model_forward)).parameters
     # What the backbone's output hands on as is: the cache (under either name), hidden states, attentions.
     passed_on = [f.name for f in dataclasses.fields(output_class)
                  if f.name not in ("loss", "aux_loss", "logits", "router_logits")]
@@ -162,13 +175,16 @@ def causal_lm_forward(family, modeling_module, stock_forward):
             if output_router_logits is None:
                 output_router_logits = self.config.output_router_logits
             arguments["output_router_logits"] = output_router_logits
+        if model_takes_labels:
+            arguments["labels"] = labels
         outputs = self.model(**arguments)
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)  # (B, T', H)
 
         ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
         num_items_in_batch = arguments.get("num_items_in_batch")
         target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
-        softcap = self.config.final_logit_softcapping if family.final_logit_softcapping else None
+        softcap = (getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+                   if family.final_logit_softcapping else None)
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         loss = self.lm_head(
             hidden_states,
