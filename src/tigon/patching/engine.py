@@ -683,7 +683,7 @@ def _vision_rope_line(classes):
 def _plan_vision_language(plan, model, family, classes, switches):
     """A VLM instance (its ForConditionalGeneration or its base model): the language model as its text
     row says, the vision side as the row's Vision says, the ForConditionalGeneration's loss."""
-    base, decoder = vision_language.language_model(model, classes.model)
+    base, decoder = vision_language.language_model(model, family, classes.model)
     text_family, text_classes = _text_side(family, decoder)
     text_classes = text_classes or classes
     for part in PARTS:

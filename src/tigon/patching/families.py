@@ -94,6 +94,7 @@ class Family:
     # ``.model``; the text parts above are those of ``.model.language_model`` (see vision_language.py).
     vision: Vision | None = None
     text_from_config: bool = False  # the language model is the text family of config.text_config.model_type
+    language_model: str = "language_model"  # its attribute on the VLM's base model (SmolVLM: text_model)
     rotary: str = "apply_rotary_pos_emb"  # the module-level function the attention forward calls
 
     @property
@@ -198,7 +199,7 @@ FAMILIES: dict[str, Family] = {
         _vision_language("llava", "Llava", vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
         _vision_language("paligemma", "PaliGemma", final_logit_softcapping=True,
                          vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
-        _vision_language("smolvlm", "SmolVLM", vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
+        _vision_language("smolvlm", "SmolVLM", language_model="text_model", vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
         _vision_language("internvl", "InternVL",
                          vision=Vision(norm=Norm("InternVLVisionRMSNorm"), layer_norm=Norm("nn.LayerNorm"))),
     )

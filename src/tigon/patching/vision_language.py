@@ -1,7 +1,7 @@
 """Vision-language models (``...ForConditionalGeneration``): where a row's parts sit, and what the engine
 checks before it patches them.
 
-Such a model is ``<vlm>.model.language_model`` (the decoder), the vision side (every other child of
+Such a model is ``<vlm>.model.language_model`` (the decoder; SmolVLM's ``text_model``), the vision side (every other child of
 ``<vlm>.model``: the vision tower and the projector) and ``<vlm>.lm_head``. The engine patches
 
 - the language model as the text family's row says: the row's own text parts (Qwen-VL, Gemma-3, Mllama
@@ -34,7 +34,6 @@ from torch import nn
 from tigon.patching import wrappers
 from tigon.patching.families import Family
 
-LANGUAGE_MODEL = "language_model"
 VISION_ROTARY = "apply_rotary_pos_emb_vision"
 
 
@@ -87,12 +86,16 @@ def returned_class(forward):
     return cls if isinstance(cls, type) and dataclasses.is_dataclass(cls) else None
 
 
-def language_model(model, base_cls) -> nn.Module:
-    """``<vlm>.model.language_model`` (or ``.language_model`` of the base model itself)."""
+def language_model(model, family: Family, base_cls):
+    """``(base, decoder)``: the VLM's base model (``<vlm>.model``, or the model itself) and its language
+    model (the row's ``language_model`` attribute of it)."""
     base = model if isinstance(model, base_cls) else getattr(model, "model", None)
-    decoder = getattr(base, LANGUAGE_MODEL, None)
-    if not isinstance(decoder, nn.Module):
-        raise ValueError(f"{type(model).__name__} has no .model.{LANGUAGE_MODEL} module: not the layout tigon knows")
+    decoder = getattr(base, family.language_model, None)
+    if not isinstance(base, base_cls) or not isinstance(decoder, nn.Module):
+        raise ValueError(
+            f"{family.model_type}: {type(model).__name__} has no .model.{family.language_model} module under a "
+            f"{base_cls.__name__}: not the layout tigon knows"
+        )
     return base, decoder
 
 
