@@ -81,7 +81,30 @@ def _config(model_type):
         return transformers.InternVLConfig(text_config={**TEXT, "model_type": "qwen2"}, vision_config=vision,
                                            image_token_id=IMAGE, downsample_ratio=0.5, vision_feature_layer=-1,
                                            image_seq_length=4, **INIT)
+    if model_type == "mllama":
+        text = {k: v for k, v in TEXT.items() if k != "head_dim"}
+        text.update(cross_attention_layers=[1], pad_token_id=0)
+        vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_global_layers=1,
+                      attention_heads=4, image_size=16, patch_size=4, max_num_tiles=1, intermediate_layers_indices=[0],
+                      vision_output_dim=64, supported_aspect_ratios=[[1, 1]], **INIT)
+        return transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=MLLAMA_IMAGE)
     raise KeyError(model_type)
+
+
+# Mllama's image token is the first id past the text vocabulary (its embedding has 8 rows more).
+MLLAMA_IMAGE = VOCAB
+
+
+def _mllama_images(config, batch_size, gen):
+    # one image of one tile per sequence, cross-attended by every text token after the image token
+    pixel_values = torch.randn(batch_size, 1, 1, 3, 16, 16, generator=gen)
+    extra = {
+        "pixel_values": pixel_values,
+        "aspect_ratio_ids": torch.ones(batch_size, 1, dtype=torch.long),
+        "aspect_ratio_mask": torch.ones(batch_size, 1, 1, dtype=torch.long),
+        "cross_attention_mask": lambda ids: torch.ones(ids.shape[0], ids.shape[1], 1, 1, dtype=torch.long),
+    }
+    return extra, [MLLAMA_IMAGE]
 
 
 # A SigLIP/CLIP-style tower: a 16 x 16 image in 4 x 4 patches (16 patches).
@@ -126,6 +149,7 @@ IMAGES = {
     "paligemma": _square_images(16, token_types="suffix"),
     "smolvlm": _square_images(4, images_dim=True),
     "internvl": _square_images(4),
+    "mllama": _mllama_images,
 }
 CONFIGS = dict.fromkeys(IMAGES)
 
