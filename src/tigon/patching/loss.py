@@ -131,6 +131,12 @@ def _takes_target(lm_head) -> bool:
     return False
 
 
+def _mentions(fn, name: str) -> bool:
+    """Whether ``fn``'s code reads ``name`` (an attribute, or a ``getattr`` string)."""
+    code = fn.__code__
+    return name in code.co_names or name in code.co_consts
+
+
 def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None):
     """The generic CausalLM forward for one family row (see the module docstring).
 
@@ -159,6 +165,11 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
                 "this transformers version does not match tigon's table"
             )
         model_takes_labels = "labels" in inspect.signature(wrappers.body(model_forward)).parameters
+    # Whether the stock forward softcaps its logits: a VLM row's flag says the family may (PaliGemma-2's
+    # Gemma-2 text config); the installed forward says whether it does (PaliGemma's does from 5.2x, not 5.17).
+    softcaps = family.final_logit_softcapping and (
+        not family.is_vision_language or _mentions(stock_body, "final_logit_softcapping")
+    )
     # What the backbone's output hands on as is: the cache (under either name), hidden states, attentions.
     passed_on = [f.name for f in dataclasses.fields(output_class)
                  if f.name not in ("loss", "aux_loss", "logits", "router_logits")]
@@ -183,8 +194,7 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
         ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
         num_items_in_batch = arguments.get("num_items_in_batch")
         target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
-        softcap = (getattr(self.config.get_text_config(), "final_logit_softcapping", None)
-                   if family.final_logit_softcapping else None)
+        softcap = getattr(self.config.get_text_config(), "final_logit_softcapping", None) if softcaps else None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         loss = self.lm_head(
             hidden_states,
