@@ -174,12 +174,6 @@ def _resolve(family: Family) -> _Classes:
                 f"{family.model_type}: rope: {classes.attention.__name__}.forward does not call the module-level "
                 f"{family.rotary} in transformers {_transformers_version()}: this version does not match tigon's table"
             )
-        source = replacement_forwards.ROTARY_SOURCES.get(family.rotary)
-        if source is not None and not vision_language.matches_source(getattr(module, family.rotary), source):
-            raise ValueError(
-                f"{family.model_type}: rope: {module.__name__}.{family.rotary} is not the fp32 rotate-half "
-                f"function tigon.ops.rope reproduces in transformers {_transformers_version()}"
-            )
     if family.is_vision_language:
         classes = dataclasses.replace(classes, vision=_resolve(vision_language.vision_family(family)))
     # The forwards tigon copies or rewraps must show the body they run, through every decorator.
@@ -480,7 +474,18 @@ def _plan_fused_mlps(plan, root, family, classes):
         plan.add(_SetAttr(old, "forward", types.MethodType(forwards[key], old)), line)
 
 
+def _check_rotary(family, classes):
+    """A rotary function whose transformers source tigon pins (the vision one) must be that source."""
+    source = replacement_forwards.ROTARY_SOURCES.get(family.rotary)
+    if source is not None and not vision_language.matches_source(getattr(classes.module, family.rotary), source):
+        raise ValueError(
+            f"{family.model_type}: rope: {classes.module.__name__}.{family.rotary} is not the fp32 rotate-half "
+            f"function tigon.ops.rope reproduces in transformers {_transformers_version()}; pass rope=False"
+        )
+
+
 def _plan_rope(plan, root, family, classes, line=None):
+    _check_rotary(family, classes)
     forward = None
     line = line or _rope_line(classes)
     for old, _, path in _sites(root, classes.attention):
