@@ -22,6 +22,11 @@ stock forwards do. Labels are shifted as transformers' ``ForCausalLMLoss`` does 
 ``shift_labels``), and ``ignore_index`` / ``num_items_in_batch`` (gradient accumulation: a sum divided
 by the items of the whole accumulated batch) are honoured.
 
+Vision-language rows (``...ForConditionalGeneration``, vision_language.py) run the same forward: their
+stock forwards hand ``self.model`` the same arguments, so the generic one does too (plus ``labels`` where the
+base model's forward takes them, as Gemma-3's does), and build the output class the stock forward returns;
+PaliGemma's softcapping reads the text config, where the installed forward applies it.
+
 ``causal_lm_cross_entropy`` is the ``cross_entropy=True`` path: it replaces only the model's
 ``loss_function`` (an instance attribute transformers provides for this), so the stock forward builds
 the logits (with its own softcapping and scaling) and tigon's cross-entropy reduces them.
