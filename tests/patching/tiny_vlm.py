@@ -135,8 +135,8 @@ def _square_images(tokens, *, boi=False, token_types=False, images_dim=False):
         prefix = [BOI] + [IMAGE] * tokens + [EOI] if boi else [IMAGE] * tokens
         extra = {"pixel_values": pixel_values}
         if token_types:  # Gemma-3: 1 on image tokens; PaliGemma: 0 on the prefix (image), 1 on the suffix
-            marker = (lambda ids: (ids == IMAGE).long()) if token_types == "image" else (lambda ids: (ids != IMAGE).long())
-            extra["token_type_ids"] = marker
+            image = token_types == "image"
+            extra["token_type_ids"] = lambda ids: (ids == IMAGE).long() if image else (ids != IMAGE).long()
         return extra, prefix
 
     return images

@@ -682,7 +682,8 @@ def _plan_vision_side(plan, root, family, classes, switches):
 
 
 def _vision_rope_line(classes):
-    return f"{classes.attention.__name__}: {vision_language.VISION_ROTARY} -> tigon.ops.rope (fp32 math, q's and k's dtypes)"
+    rotary = vision_language.VISION_ROTARY
+    return f"{classes.attention.__name__}: {rotary} -> tigon.ops.rope (fp32 math, q's and k's dtypes)"
 
 
 def _plan_vision_language(plan, model, family, classes, switches):

@@ -199,7 +199,8 @@ FAMILIES: dict[str, Family] = {
         _vision_language("llava", "Llava", vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
         _vision_language("paligemma", "PaliGemma", final_logit_softcapping=True,
                          vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
-        _vision_language("smolvlm", "SmolVLM", language_model="text_model", vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
+        _vision_language("smolvlm", "SmolVLM", language_model="text_model",
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
         _vision_language("internvl", "InternVL",
                          vision=Vision(norm=Norm("InternVLVisionRMSNorm"), layer_norm=Norm("nn.LayerNorm"))),
     )

@@ -1,8 +1,8 @@
 """Vision-language models (``...ForConditionalGeneration``): where a row's parts sit, and what the engine
 checks before it patches them.
 
-Such a model is ``<vlm>.model.language_model`` (the decoder; SmolVLM's ``text_model``), the vision side (every other child of
-``<vlm>.model``: the vision tower and the projector) and ``<vlm>.lm_head``. The engine patches
+Such a model is ``<vlm>.model.language_model`` (the decoder; SmolVLM's ``text_model``), the vision side
+(every other child of ``<vlm>.model``: the vision tower and the projector) and ``<vlm>.lm_head``. The engine patches
 
 - the language model as the text family's row says: the row's own text parts (Qwen-VL, Gemma-3, Mllama
   name theirs in the VLM's modeling module), or, for a row with ``text_from_config`` (LLaVA, PaliGemma,
