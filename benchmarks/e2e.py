@@ -9,6 +9,7 @@
     python benchmarks/e2e.py --models qwen3_moe            # MoE: Qwen3-30B-A3B-shaped, 3 layers
     python benchmarks/e2e.py --device cpu --tiny --seq 16 --warmup 1 --steps 1   # pipeline smoke test
     python benchmarks/e2e.py --memory-buys-speed           # Llama-3.2-3B-shaped: stock + checkpointing vs tigon
+    python benchmarks/e2e.py --models qwen2_5_vl --providers stock tigon liger   # a VLM (benchmarks/e2e_vlm.py)
 
 What is measured. Models are built from config with random weights (``tigon.bench.models.model_config``,
 the same configs ``tigon demo`` trains): Llama-3.2-1B-shaped (V=128256), Qwen2.5-0.5B-shaped
@@ -233,8 +234,18 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def _vlm_module():
+    """benchmarks/e2e_vlm.py, imported as this file is (a package module, or beside the script)."""
+    try:
+        from benchmarks import e2e_vlm
+    except ImportError:
+        import e2e_vlm
+    return e2e_vlm
+
+
 def batch_for(model_type: str, batch: int | None) -> int:
-    return batch if batch is not None else BATCH_OVERRIDES.get(model_type, BATCH)
+    e2e_vlm = _vlm_module()
+    return batch if batch is not None else {**BATCH_OVERRIDES, **e2e_vlm.BATCH}.get(model_type, BATCH)
 
 
 # MoE rows: a published MoE shape with fewer layers, so that it trains on one GPU (module docstring).
@@ -398,16 +409,23 @@ def run_job(job: dict) -> dict:
     import tigon
     from tigon.bench.models import build_model, parameter_count
 
+    e2e_vlm = _vlm_module()
     parts = set(job["provider"].split("+"))
     device = torch.device(job.get("device", "cuda"))
     cuda = device.type == "cuda"
-    spec = model_spec(job["model"], tiny=job.get("tiny", False), shape=job.get("shape"))
-    out = {**job, "label": spec.label, "vocab": spec.config.vocab_size,
+    vision_language = job["model"] in e2e_vlm.SPECS  # a VLM row: e2e_vlm builds the model and its batches
+    if vision_language:
+        spec = e2e_vlm.model_spec(job["model"], tiny=job.get("tiny", False))
+        vocab = spec.vocab_size
+    else:
+        spec = model_spec(job["model"], tiny=job.get("tiny", False), shape=job.get("shape"))
+        vocab = spec.config.vocab_size
+    out = {**job, "label": spec.label, "vocab": vocab,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     if "liger" in parts:
         apply_liger(job["model"])
     torch.manual_seed(SEED)
-    model = build_model(spec.config, device=device)
+    model = (e2e_vlm.build_model if vision_language else build_model)(spec.config, device=device)
     out["params"] = parameter_count(model)
     if "tigon" in parts:
         tigon.patch(model, cuda_graphs="graphs" in parts, recompute_norms="recompute" in parts)
@@ -418,11 +436,16 @@ def run_job(job: dict) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=cuda)
     batch, seq, warmup, steps = job["batch"], job["seq"], job["warmup"], job["steps"]
     gen = torch.Generator(device=device).manual_seed(SEED)
-    data = torch.randint(spec.config.vocab_size, (warmup + steps, batch, seq), device=device, generator=gen)
+    if vision_language:
+        data = e2e_vlm.batches(spec, warmup + steps, batch, seq, device=device, generator=gen,
+                               tiny=job.get("tiny", False))
+    else:
+        data = torch.randint(vocab, (warmup + steps, batch, seq), device=device, generator=gen)
 
     def train_step(ids) -> float:
+        inputs = ids if vision_language else {"input_ids": ids, "labels": ids}
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = step_model(input_ids=ids, labels=ids).loss
+            loss = step_model(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

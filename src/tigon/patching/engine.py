@@ -46,6 +46,7 @@ Patching what is already patched is a no-op.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -57,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import causal_mask, graphs, joins, recompute, wrappers
+from tigon.patching import causal_mask, graphs, joins, recompute, vision_language, wrappers
 from tigon.patching import experts as moe_experts
 from tigon.patching import forwards as replacement_forwards
 from tigon.patching import loss as loss_path
@@ -137,6 +138,7 @@ class _Classes:
     attention: type | None
     decoder_layer: type | None
     experts: type | None = None
+    vision: _Classes | None = None  # a vision-language row's vision side (vision_language.vision_family)
 
 
 def _lookup(module, dotted: str, family: Family, part: str):
@@ -175,14 +177,16 @@ def _resolve(family: Family) -> _Classes:
         # The forward's body, through any decorators (5.24 wraps it in @deprecate_kwarg): a wrapper
         # that does not call what it names raises here too.
         try:
-            rotary = wrappers.calls_global(classes.attention.forward, ROTARY_NAME)
+            rotary = wrappers.calls_global(classes.attention.forward, family.rotary)
         except wrappers.WrapperMismatch as err:
             raise ValueError(f"{family.model_type}: rope: {classes.attention.__name__}.forward: {err}") from err
         if not rotary:
             raise ValueError(
                 f"{family.model_type}: rope: {classes.attention.__name__}.forward does not call the module-level "
-                f"{ROTARY_NAME} in transformers {_transformers_version()}: this version does not match tigon's table"
+                f"{family.rotary} in transformers {_transformers_version()}: this version does not match tigon's table"
             )
+    if family.is_vision_language:
+        classes = dataclasses.replace(classes, vision=_resolve(vision_language.vision_family(family)))
     # The forwards tigon copies or rewraps must show the body they run, through every decorator.
     for part, cls in (("loss", classes.causal_lm), ("decoder layer", classes.decoder_layer)):
         if cls is not None:
@@ -540,18 +544,32 @@ def _plan_fused_mlps(plan, root, family, classes):
         plan.add(_SetAttr(old, "forward", types.MethodType(forwards[key], old)), line)
 
 
-def _plan_rope(plan, root, family, classes):
+def _check_rotary(family, classes):
+    """A rotary function whose transformers source tigon pins (the vision one) must be that source."""
+    source = replacement_forwards.ROTARY_SOURCES.get(family.rotary)
+    if source is not None and not vision_language.matches_source(getattr(classes.module, family.rotary), source):
+        raise ValueError(
+            f"{family.model_type}: rope: {classes.module.__name__}.{family.rotary} is not the fp32 rotate-half "
+            f"function tigon.ops.rope reproduces in transformers {_transformers_version()}; pass rope=False"
+        )
+
+
+def _plan_rope(plan, root, family, classes, line=None):
+    _check_rotary(family, classes)
     forward = None
-    line = _rope_line(classes, family)
+    line = line or _rope_line(classes, family)
     for old, _, path in _sites(root, classes.attention):
         if _is_tigon(_own_forward(old)):
             continue
         _check_plain(old, classes.attention, path)
         if forward is None:
-            rotary = replacement_forwards.tigon_rotary(
-                half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
-            )
-            forward = wrappers.with_globals(classes.attention.forward, **{ROTARY_NAME: rotary})
+            if family.rotary == ROTARY_NAME:
+                rotary = replacement_forwards.tigon_rotary(
+                    half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
+                )
+            else:  # a vision tower's rotary (apply_rotary_pos_emb_vision)
+                rotary = replacement_forwards.ROTARIES[family.rotary]
+            forward = wrappers.with_globals(classes.attention.forward, **{family.rotary: rotary})
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
 
@@ -601,7 +619,9 @@ def _plan_loss(plan, model, family, classes, switches):
                     f"{family.model_type}: loss: the model's {family.logit_multiplier} is "
                     f"{type(multiplier).__name__}, not the number the family's row expects"
                 )
-        forward = loss_path.causal_lm_forward(family, classes.module, classes.causal_lm.forward)
+        forward = loss_path.causal_lm_forward(
+            family, classes.module, classes.causal_lm.forward, classes.model.forward
+        )
         plan.add(_SetAttr(model, "forward", types.MethodType(forward, model)), lines[0])
         head_forward = types.MethodType(loss_path.linear_or_fused_loss, lm_head)
         plan.add(_SetAttr(lm_head, "forward", head_forward), lines[1])
@@ -719,13 +739,96 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
             f"implementation ({family.module_name}): remote code is not patched"
         )
     plan = _Plan()
-    for part in PARTS:
-        if part.on(family, classes, switches) and (part.switch is not None or isinstance(model, classes.causal_lm)):
-            part.plan(plan, model, family, classes, switches)
+    if family.is_vision_language:
+        _plan_vision_language(plan, model, family, classes, switches)
+    else:
+        for part in PARTS:
+            if part.on(family, classes, switches) and (part.switch is not None or isinstance(model, classes.causal_lm)):
+                part.plan(plan, model, family, classes, switches)
     target = f"{type(model).__name__} instance"
     if not plan.changes:
         logger.log(log_level, "tigon: %s: nothing to replace (already patched?)", target)
     return _apply(plan, target, log_level)
+
+
+# ------------------------------------------------------------------------------ vision-language plan
+
+# The switches of the parts a decoder has (the loss is the ForConditionalGeneration's; CUDA graphs are
+# for decoder-only models whose host launches bound the step, not planned for a VLM).
+DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope")
+VISION_PREFIX = "vision: "
+
+
+def _text_side(family, decoder):
+    """The row and classes of a VLM's language model: the row's own, or the text family's."""
+    if not family.text_from_config:
+        return family, None
+    text_type = getattr(getattr(decoder, "config", None), "model_type", None)
+    text_family = _family_for(text_type)
+    if text_family.is_vision_language:
+        raise ValueError(f"{family.model_type}: the language model's model_type {text_type!r} is not a text family")
+    text_classes = _resolve(text_family)
+    if not isinstance(decoder, text_classes.model):
+        raise ValueError(
+            f"{family.model_type}: the language model is a {type(decoder).__name__}, not {text_family.model_type}'s "
+            f"{text_classes.model.__name__}"
+        )
+    return text_family, text_classes
+
+
+def _plan_vision_side(plan, root, family, classes, switches):
+    """The vision tower's and projector's parts (vision_language.vision_family), reported as such."""
+    vision = vision_language.vision_family(family)
+    sub = _Plan()
+    if switches["rms_norm"] and classes.norm is not None:
+        _plan_rms_norms(sub, root, vision, classes)
+    if switches["layer_norm"] and classes.layer_norm is not None:
+        _plan_layer_norms(sub, root, vision, classes)
+    if switches["mlp"] and classes.mlp is not None:
+        _plan_mlps(sub, root, vision, classes, switches)
+    if switches["rope"] and classes.attention is not None:
+        _plan_rope(sub, root, vision, classes, line=_vision_rope_line(classes))
+    plan.changes.extend(sub.changes)
+    for line, count in sub.counts.items():
+        plan.counts[VISION_PREFIX + line] += count
+
+
+def _vision_rope_line(classes):
+    rotary = vision_language.VISION_ROTARY
+    return f"{classes.attention.__name__}: {rotary} -> tigon.ops.rope (fp32 math, q's and k's dtypes)"
+
+
+def _plan_vision_language(plan, model, family, classes, switches):
+    """A VLM instance (its ForConditionalGeneration or its base model): the language model as its text
+    row says, the vision side as the row's Vision says, the ForConditionalGeneration's loss."""
+    base, decoder = vision_language.language_model(model, family, classes.model)
+    text_family, text_classes = _text_side(family, decoder)
+    text_classes = text_classes or classes
+    for part in PARTS:
+        if part.switch in DECODER_SWITCHES and part.on(text_family, text_classes, switches):
+            part.plan(plan, decoder, text_family, text_classes, switches)
+    _plan_vision_side(plan, vision_language.Subtrees(base, decoder), family, classes.vision, switches)
+    if isinstance(model, classes.causal_lm):
+        _plan_loss(plan, model, family, classes, switches)
+
+
+def _vision_language_lines(family, classes, switches):
+    """What the hooks of a VLM class patch will replace, for ``Patch.replaced``."""
+    if family.text_from_config:
+        lines = ["language model: the parts of the row of its config.text_config.model_type"]
+    else:
+        lines = [line for part in PARTS if part.switch in DECODER_SWITCHES and part.on(family, classes, switches)
+                 for line in part.lines(family, classes, switches)]
+    vision, v = vision_language.vision_family(family), classes.vision
+    if switches["rms_norm"] and v.norm is not None:
+        lines.append(VISION_PREFIX + _rms_norm_line(vision, v))
+    if switches["layer_norm"] and v.layer_norm is not None:
+        lines.append(VISION_PREFIX + _layer_norm_line(v))
+    if switches["mlp"] and v.mlp is not None:
+        lines.append(VISION_PREFIX + f"{v.mlp.__name__} -> tigon GLU (activation read from each module)")
+    if switches["rope"] and v.attention is not None:
+        lines.append(VISION_PREFIX + _vision_rope_line(v))
+    return lines + _loss_lines(classes, switches)
 
 
 # ---------------------------------------------------------------------------------------- class plan
@@ -763,6 +866,8 @@ def _patching_post_init(original, switches):
 
 def _class_parts(family, classes, switches):
     """What the hooks will replace in each model, for ``Patch.replaced`` of a class patch."""
+    if family.is_vision_language:
+        return _vision_language_lines(family, classes, switches)
     on = [part for part in PARTS if part.on(family, classes, switches)]
     return [line for part in on for line in part.lines(family, classes, switches)]
 

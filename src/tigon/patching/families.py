@@ -100,6 +100,17 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Vision:
+    """A vision-language model's vision side (everything of ``<vlm>.model`` but ``language_model``: the
+    vision tower and the projector), named in the VLM's modeling module: what tigon replaces there."""
+
+    norm: Norm | None = None
+    layer_norm: Norm | None = None
+    mlp: Mlp | None = None  # a gated MLP (Qwen2.5-VL's blocks); plain fc1/act/fc2 MLPs have no fused op
+    attention: str | None = None  # its forward calls the module-level apply_rotary_pos_emb_vision
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     package: str  # transformers.models.<package>.modeling_<package>
@@ -132,6 +143,16 @@ class Family:
     # False where the attention feeds rope's q/k to something other than attention (HunYuan's query/key
     # norms after the rotation): rope then gives transformers' dtypes under autocast (forwards.py).
     rope_autocast_output: bool = True
+    # Vision-language rows: ``causal_lm`` is the ``...ForConditionalGeneration`` class and ``model`` its
+    # ``.model``; the text parts above are those of ``.model.language_model`` (see vision_language.py).
+    vision: Vision | None = None
+    text_from_config: bool = False  # the language model is the text family of config.text_config.model_type
+    language_model: str = "language_model"  # its attribute on the VLM's base model (SmolVLM: text_model)
+    rotary: str = "apply_rotary_pos_emb"  # the module-level function the attention forward calls
+
+    @property
+    def is_vision_language(self) -> bool:
+        return self.vision is not None
 
     @property
     def module_name(self) -> str:
@@ -158,6 +179,24 @@ def _family(model_type, package, prefix, *, norm=Norm, mlp="split", act_attr="ac
         projection_norms=projection_norms if norm else (),
         experts=replace(experts, cls=experts.cls or f"{prefix}Experts") if experts else None,
         **quirks,
+    )
+
+
+def _vision_language(model_type, prefix, *, norm=None, projection_norms=PRE_NORMS, **parts):
+    """A vision-language row: ``<prefix>ForConditionalGeneration`` over ``<prefix>Model``. Without a
+    ``norm``, the language model is built from ``config.text_config`` (``AutoModel``) and its parts are
+    those of that text family's row."""
+    return Family(
+        model_type=model_type,
+        package=model_type,
+        causal_lm=f"{prefix}ForConditionalGeneration",
+        model=f"{prefix}Model",
+        norm=norm,
+        mlp=parts.pop("mlp", None),
+        attention=parts.pop("attention", None),
+        projection_norms=projection_norms if norm else (),
+        text_from_config=norm is None,
+        **parts,
     )
 
 
@@ -228,5 +267,31 @@ FAMILIES: dict[str, Family] = {
         _family("falcon_h1", "falcon_h1", "FalconH1",
                 mlp=Mlp("FalconH1MLP", gate_multiplier="gate_multiplier", down_multiplier="down_multiplier"),
                 projection_norms=("pre_ff_layernorm",), logit_multiplier="model.lm_head_multiplier"),
+        # vision-language families (ForConditionalGeneration models; patching/vision_language.py)
+        _vision_language("qwen2_vl", "Qwen2VL", norm=Norm("Qwen2VLRMSNorm"), mlp=Mlp("Qwen2MLP"),
+                         attention="Qwen2VLAttention", decoder_layer="Qwen2VLDecoderLayer", joined_layer="pre_norm",
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="VisionAttention")),
+        _vision_language("qwen2_5_vl", "Qwen2_5_VL", norm=Norm("Qwen2_5_VLRMSNorm"), mlp=Mlp("Qwen2MLP"),
+                         attention="Qwen2_5_VLAttention", decoder_layer="Qwen2_5_VLDecoderLayer",
+                         joined_layer="pre_norm",
+                         vision=Vision(norm=Norm("Qwen2_5_VLRMSNorm"), mlp=Mlp("Qwen2_5_VLMLP"),
+                                       attention="Qwen2_5_VLVisionAttention")),
+        _vision_language("qwen3_vl", "Qwen3VL", norm=Norm("Qwen3VLTextRMSNorm"), mlp=Mlp("Qwen3VLTextMLP"),
+                         attention="Qwen3VLTextAttention", decoder_layer="Qwen3VLTextDecoderLayer",
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="Qwen3VLVisionAttention")),
+        _vision_language("gemma3", "Gemma3", norm=_gemma_norm("Gemma3RMSNorm"), mlp=Mlp("Gemma3MLP"),
+                         attention="Gemma3Attention", decoder_layer="Gemma3DecoderLayer", joined_layer="sandwich",
+                         projection_norms=SANDWICH_NORMS,
+                         vision=Vision(norm=_gemma_norm("Gemma3RMSNorm"), layer_norm=Norm("nn.LayerNorm"))),
+        _vision_language("mllama", "Mllama", norm=Norm("MllamaTextRMSNorm"), mlp=Mlp("MllamaTextMLP"),
+                         attention="MllamaTextSelfAttention", decoder_layer="MllamaSelfAttentionDecoderLayer",
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
+        _vision_language("llava", "Llava", vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
+        _vision_language("paligemma", "PaliGemma", final_logit_softcapping=True,
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
+        _vision_language("smolvlm", "SmolVLM", language_model="text_model",
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"))),
+        _vision_language("internvl", "InternVL",
+                         vision=Vision(norm=Norm("InternVLVisionRMSNorm"), layer_norm=Norm("nn.LayerNorm"))),
     )
 }

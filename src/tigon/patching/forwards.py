@@ -146,3 +146,39 @@ def tigon_rotary(*, half_angles: bool = False, autocast_output: bool = True):
     return apply_rotary_pos_emb if autocast_output else apply_rotary_pos_emb_stock_dtypes
 
 
+
+
+# transformers' ``apply_rotary_pos_emb_vision`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL vision towers), 5.17 to 5.24:
+# q, k ``[S, H, D]`` and cos, sin ``[S, D]`` upcast to fp32, rotated (rotate_half), each rounded once to
+# q's / k's dtype. The engine patches a vision attention only where its module's function is this one.
+VISION_ROTARY_SOURCE = '''
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    orig_q_dtype = q.dtype
+    orig_k_dtype = k.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    q_embed = q_embed.to(orig_q_dtype)
+    k_embed = k_embed.to(orig_k_dtype)
+    return q_embed, k_embed
+'''
+
+
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb_vision`` (:data:`VISION_ROTARY_SOURCE`) over ``tigon.ops.rope``.
+
+    The packed patches of a vision tower are one sequence of ``S`` positions: ``[1, S, H, D]`` with
+    ``unsqueeze_dim=2``. rope computes in fp32 and rounds once to the output dtype, which is asked to be
+    q's and k's, as the transformers function's upcast and cast back do.
+    """
+    from tigon.ops.rope import rope
+
+    q_out, k_out = rope(q[None], k[None], cos, sin, unsqueeze_dim=2, output_dtype=(q.dtype, k.dtype))
+    return q_out[0], k_out[0]
+
+
+# The module-level rotary functions an attention forward may call, and tigon's stand-in for each.
+ROTARIES = {"apply_rotary_pos_emb": apply_rotary_pos_emb, "apply_rotary_pos_emb_vision": apply_rotary_pos_emb_vision}
+# Those whose transformers source the engine checks first (the text one is transformers' canonical rotate-half).
+ROTARY_SOURCES = {"apply_rotary_pos_emb_vision": VISION_ROTARY_SOURCE}

@@ -36,10 +36,10 @@ a layer). Fused, the norm's backward adds the stream's own gradient in the kerne
 The engine installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
 class's forward, seen through its decorators, is statement for statement transformers' own in one of
 the known releases (:func:`matched_variant`, on the AST, so comments and annotations do not matter;
-the releases differ in the name of the cache argument, :data:`CACHE_NAMES`). The decorators of the
-class forward stay around tigon's (the engine rewraps it), so 5.24's ``@deprecate_kwarg`` still takes
-the old name. A transformers version that changed the layer keeps its own forward, joins unfused, and
-``patch`` warns: it never runs another version's layer.
+the releases differ in the name of the cache argument, :data:`CACHE_NAMES`; a docstring does not
+count). The decorators of the class forward stay around tigon's (the engine rewraps it), so 5.24's
+``@deprecate_kwarg`` still takes the old name. A transformers version that changed the layer keeps its
+own forward, joins unfused, and ``patch`` warns: it never runs another version's layer.
 """
 
 from __future__ import annotations
@@ -143,7 +143,10 @@ def _shape(fn_node: ast.FunctionDef) -> str:
     args = fn_node.args
     names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
     rest = (args.vararg.arg if args.vararg else None, args.kwarg.arg if args.kwarg else None)
-    return repr((names, rest)) + "".join(ast.dump(statement) for statement in fn_node.body)
+    statements = fn_node.body
+    if statements and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.Constant):
+        statements = statements[1:]  # a docstring (the Qwen-VL layers document their arguments)
+    return repr((names, rest)) + "".join(ast.dump(statement) for statement in statements)
 
 
 def matched_variant(forward, source: str) -> str | None:

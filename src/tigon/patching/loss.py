@@ -24,6 +24,11 @@ stock forwards do. Labels are shifted as transformers' ``ForCausalLMLoss`` does 
 ``shift_labels``), and ``ignore_index`` / ``num_items_in_batch`` (gradient accumulation: a sum divided
 by the items of the whole accumulated batch) are honoured.
 
+Vision-language rows (``...ForConditionalGeneration``, vision_language.py) run the same forward: their
+stock forwards hand ``self.model`` the same arguments, so the generic one does too (plus ``labels`` where the
+base model's forward takes them, as Gemma-3's does), and build the output class the stock forward returns;
+PaliGemma's softcapping reads the text config, where the installed forward applies it.
+
 ``causal_lm_cross_entropy`` is the ``cross_entropy=True`` path: it replaces only the model's
 ``loss_function`` (an instance attribute transformers provides for this), so the stock forward builds
 the logits (with its own softcapping and scaling) and tigon's cross-entropy reduces them.
@@ -142,7 +147,13 @@ def logit_multiplier(model, path: str):
     return value
 
 
-def causal_lm_forward(family, modeling_module, stock_forward):
+def _mentions(fn, name: str) -> bool:
+    """Whether ``fn``'s code reads ``name`` (an attribute, or a ``getattr`` string)."""
+    code = fn.__code__
+    return name in code.co_names or name in code.co_consts
+
+
+def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None):
     """The generic CausalLM forward for one family row (see the module docstring).
 
     It takes its arguments as the stock forward's body names them (``cache`` from transformers 5.24,
@@ -156,10 +167,29 @@ def causal_lm_forward(family, modeling_module, stock_forward):
     load_balancing_loss = getattr(modeling_module, family.router_aux_loss) if family.router_aux_loss else None
     stock_body = wrappers.body(stock_forward)
     positional, defaults = wrappers.named_parameters(stock_body, skip=1)  # after self
+    vision_output_class = None  # a VLM row: the class its stock forward returns
+    model_takes_labels = False
+    if family.is_vision_language:
+        # The output class the stock forward builds (it varies by family and release), and labels for
+        # the base model where it takes them (Gemma-3's masks image tokens bidirectionally in training).
+        from tigon.patching.vision_language import returned_class
+
+        vision_output_class = returned_class(stock_forward)
+        if vision_output_class is None:
+            raise ValueError(
+                f"{family.model_type}: loss: {stock_body.__qualname__} does not return one output class; "
+                "this transformers version does not match tigon's table"
+            )
+        model_takes_labels = "labels" in inspect.signature(wrappers.body(model_forward)).parameters
+    # Whether the stock forward softcaps its logits: a VLM row's flag says the family may (PaliGemma-2's
+    # Gemma-2 text config); the installed forward says whether it does (PaliGemma's does from 5.2x, not 5.17).
+    softcaps = family.final_logit_softcapping and (
+        not family.is_vision_language or _mentions(stock_body, "final_logit_softcapping")
+    )
     # What the backbone's output hands on as is: the cache (under either name), hidden states, attentions.
     passed_on = {cls: [f.name for f in dataclasses.fields(cls)
                        if f.name not in ("loss", "aux_loss", "logits", "router_logits")]
-                 for cls in (CausalLMOutputWithPast, MoeCausalLMOutputWithPast)}
+                 for cls in (CausalLMOutputWithPast, MoeCausalLMOutputWithPast, vision_output_class) if cls}
 
     def forward(self, *args, **kwargs):
         arguments = wrappers.bind(positional, defaults, args, kwargs)
@@ -173,13 +203,15 @@ def causal_lm_forward(family, modeling_module, stock_forward):
             if output_router_logits is None:
                 output_router_logits = self.config.output_router_logits
             arguments["output_router_logits"] = output_router_logits
+        if model_takes_labels:
+            arguments["labels"] = labels
         outputs = self.model(**arguments)
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)  # (B, T', H)
 
         ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
         num_items_in_batch = arguments.get("num_items_in_batch")
         target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
-        softcap = self.config.final_logit_softcapping if family.final_logit_softcapping else None
+        softcap = getattr(self.config.get_text_config(), "final_logit_softcapping", None) if softcaps else None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         if family.logit_multiplier is not None:
             logit_scale = logit_scale * logit_multiplier(self, family.logit_multiplier)
@@ -197,9 +229,13 @@ def causal_lm_forward(family, modeling_module, stock_forward):
         # stock forward hands on in a MoeCausalLMOutputWithPast, with or without a router loss. (Not the
         # attribute: transformers 5.17's output recorder adds router_logits to a BaseModelOutputWithPast,
         # and the stock forward returns a CausalLMOutputWithPast without them.)
-        fields = getattr(type(outputs), "__dataclass_fields__", {})
-        moe_output = load_balancing_loss is not None or "router_logits" in fields
-        output_class = MoeCausalLMOutputWithPast if moe_output else CausalLMOutputWithPast
+        if vision_output_class is not None:
+            output_class = vision_output_class
+            moe_output = load_balancing_loss is not None
+        else:
+            fields = getattr(type(outputs), "__dataclass_fields__", {})
+            moe_output = load_balancing_loss is not None or "router_logits" in fields
+            output_class = MoeCausalLMOutputWithPast if moe_output else CausalLMOutputWithPast
         common = {name: getattr(outputs, name, None) for name in passed_on[output_class]}
         if load_balancing_loss is None and not moe_output:
             out = output_class(loss=loss, logits=None, **common)

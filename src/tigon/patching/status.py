@@ -59,10 +59,26 @@ def family_status(model_type: str) -> FamilyStatus:
                     "forward tigon knows (patch would leave its joins unfused)",
                 )
             parts.append(f"joins ({family.joined_layer}, cache argument {variant!r})")
+        if family.is_vision_language:
+            parts.append(_vision_status(family, classes))
         parts.append("fused linear cross-entropy")
     except ValueError as err:
         return FamilyStatus(model_type, False, str(err))
     return FamilyStatus(model_type, True, ", ".join(parts))
+
+
+def _vision_status(family, classes) -> str:
+    """A VLM row's vision parts (the vision rotary checked as patch checks it) and its loss forward."""
+    from tigon.patching import vision_language
+
+    if vision_language.returned_class(classes.causal_lm.forward) is None:
+        raise ValueError(f"{family.model_type}: loss: {classes.causal_lm.__name__}.forward returns no one output class")
+    vision = classes.vision
+    if vision.attention is not None:
+        engine._check_rotary(vision_language.vision_family(family), vision)
+    names = [c.__name__ for c in (vision.norm, vision.layer_norm, vision.mlp, vision.attention) if c is not None]
+    text = "language model from config.text_config, " if family.text_from_config else ""
+    return f"{text}vision ({', '.join(names)})"
 
 
 def all_family_statuses() -> list[FamilyStatus]:

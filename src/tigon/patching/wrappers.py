@@ -145,6 +145,11 @@ def with_globals(fn, **names):
     source = sys.modules[inner.__globals__["__name__"]]
     key = "tigon._patched." + source.__name__
     namespace = sys.modules.get(key)
+    held = {} if namespace is None else namespace.__dict__
+    if namespace is not None and all(held.get(n) in (v, inner.__globals__.get(n)) for n, v in names.items()):
+        # One namespace per module, every copy's replacements in it (the text and the vision attention
+        # of a Qwen-VL module replace different functions): the names a copy does not call are unused there.
+        namespace.__dict__.update(names)
     if namespace is None or any(namespace.__dict__.get(n) is not v for n, v in names.items()):
         namespace = types.ModuleType(key)
         namespace.__dict__.update(inner.__globals__)
