@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import ON_GPU
+from tests.helpers import DEVICE, ON_GPU
 from tests.patching.tiny import grads, rel
 from tests.patching.tiny_vlm import (
     CONFIGS,
@@ -114,11 +114,11 @@ def test_class_patch_patches_models_built_afterwards():
     try:
         assert any(line.startswith("vision: ") for line in handle.replaced)
         torch.manual_seed(0)
-        patched = tiny_vlm(model_type)
+        patched = tiny_vlm(model_type).to(DEVICE)
     finally:
         handle.revert()
     torch.manual_seed(0)
-    stock = tiny_vlm(model_type)
+    stock = tiny_vlm(model_type).to(DEVICE)
     assert "forward" in vars(patched) and "forward" not in vars(stock)
     assert not any(type(m).__name__ == "Qwen2_5_VLRMSNorm" for m in patched.modules())
     inputs = vlm_batch(model_type, stock.config)
@@ -146,16 +146,16 @@ def test_vision_rotary_matches_transformers_in_fp32_and_bf16():
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        q = torch.randn(20, 4, 8, generator=gen).to(dtype).requires_grad_()
-        k = torch.randn(20, 4, 8, generator=gen).to(dtype).requires_grad_()
-        angles = torch.randn(20, 4, generator=gen)
+        q = torch.randn(20, 4, 8, generator=gen).to(DEVICE, dtype).requires_grad_()
+        k = torch.randn(20, 4, 8, generator=gen).to(DEVICE, dtype).requires_grad_()
+        angles = torch.randn(20, 4, generator=gen).to(DEVICE)
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
         want = qwen.apply_rotary_pos_emb_vision(q, k, cos, sin)
         got = forwards.apply_rotary_pos_emb_vision(q, k, cos, sin)
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype == dtype and g.shape == w.shape
             assert rel(g, w) <= (1e-6 if dtype == torch.float32 else 8e-3)
-        grad = [torch.randn(20, 4, 8, generator=gen).to(dtype) for _ in range(2)]
+        grad = [torch.randn(20, 4, 8, generator=gen).to(DEVICE, dtype) for _ in range(2)]
         want_g = torch.autograd.grad(want, (q, k), grad)
         got_g = torch.autograd.grad(got, (q, k), grad)
         for g, w in zip(got_g, want_g, strict=True):
