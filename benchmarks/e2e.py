@@ -1062,8 +1062,11 @@ def main(argv=None) -> int:
         result = memory_buys_speed(args) if args.memory_buys_speed else throughput(args)
     devices = [r.get("device") for r in result["rows"]] + [p.get("device") for r in result["rows"]
                                                              for p in r.get("probes", [])]
+    # A job that failed before its model was built reports the bare --device ("cuda"): the name of the
+    # card comes from a job that ran (the parent never touches the GPU, whose memory the probes measure).
+    named = [d for d in devices if d and d not in ("cuda", "cpu")]
     result.update(
-        device=next((d for d in devices if d), "unknown-GPU"),
+        device=next(iter(named), next((d for d in devices if d), "unknown-GPU")),
         date=_dt.date.today().isoformat(),
         versions=versions(),
         settings={"models": args.models, "providers": args.providers, "skipped": args.skipped,
