@@ -889,7 +889,7 @@ def memory_speed_markdown(result: dict) -> list[str]:
                      f"{search['first_failure'] or '—'}).")
     if not rows:
         return lines
-    first = rows[0]
+    first = next((r for r in rows if r.get("label")), rows[0])  # a row that built its model names it
     ref = next((r for r in rows if r["provider"] == reference and "tokens_per_s" in r), None)
     lines += [f"{first.get('label', first['model'])} (V={first.get('vocab', '?')}), batch {first['batch']} x "
               f"{first['seq']}, bf16 autocast, sdpa, fused AdamW, fp32 weights; median of "
