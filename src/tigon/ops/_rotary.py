@@ -56,6 +56,52 @@ def q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols):
 
 
 
+
+@triton.jit
+def head_block_rows(
+    x_ptr, x_stride_b, x_stride_h, x_stride_t, out_ptr, out_stride_b, out_stride_h, out_stride_t,
+    batch, head_start, num_heads, positions, position_mask, BLOCK_H: tl.constexpr,
+):
+    """(x rows, out rows, row mask), each (BLOCK_H, BLOCK_T): the head-block tiling's BLOCK_H heads from
+    ``head_start`` of one tensor at ``positions`` of one batch element. Offsets are int64 per (head,
+    position) row, so tensors past 2**31 elements address correctly."""
+    heads = head_start + tl.arange(0, BLOCK_H)
+    row_mask = (heads < num_heads)[:, None] & position_mask[None, :]
+    x_rows = x_ptr + batch * x_stride_b + (
+        heads[:, None].to(tl.int64) * x_stride_h + positions[None, :].to(tl.int64) * x_stride_t
+    )
+    out_rows = out_ptr + batch * out_stride_b + (
+        heads[:, None].to(tl.int64) * out_stride_h + positions[None, :].to(tl.int64) * out_stride_t
+    )
+    return x_rows, out_rows, row_mask
+
+
+@triton.jit
+def token_tile_rows(
+    pid, seq_len, num_q_heads, num_k_heads,
+    q_ptr, q_stride_b, q_stride_h, q_stride_t, k_ptr, k_stride_b, k_stride_h, k_stride_t,
+    q_out_ptr, qo_stride_b, qo_stride_h, qo_stride_t, k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The token tiling's program ``pid``: (batch, positions, is_q, row mask, q, k, q_out and k_out rows).
+
+    Tile row h is q's head h for h < Hq and k's head h − Hq after (rows past Hq + Hk masked); the row
+    pointers of both tensors are returned, and :func:`q_or_k` picks between them per row."""
+    position_blocks = tl.cdiv(seq_len, BLOCK_T)
+    batch = (pid // position_blocks).to(tl.int64)
+    positions = (pid % position_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    heads = tl.arange(0, BLOCK_H)
+    is_q = heads < num_q_heads
+    row_mask = (heads < num_q_heads + num_k_heads)[:, None] & (positions < seq_len)[None, :]
+    q_heads = heads[:, None].to(tl.int64)                                                    # (BLOCK_H, 1)
+    k_heads = q_heads - num_q_heads          # negative on q's rows: selected away, never dereferenced
+    t = positions[None, :].to(tl.int64)                                                      # (1, BLOCK_T)
+    q_rows = q_ptr + batch * q_stride_b + (q_heads * q_stride_h + t * q_stride_t)    # (BLOCK_H, BLOCK_T)
+    k_rows = k_ptr + batch * k_stride_b + (k_heads * k_stride_h + t * k_stride_t)
+    qo_rows = q_out_ptr + batch * qo_stride_b + (q_heads * qo_stride_h + t * qo_stride_t)
+    ko_rows = k_out_ptr + batch * ko_stride_b + (k_heads * ko_stride_h + t * ko_stride_t)
+    return batch, positions, is_q, row_mask, q_rows, k_rows, qo_rows, ko_rows
+
 # ------------------------------------------------------------------------------------------- layouts
 
 

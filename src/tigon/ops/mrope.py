@@ -56,7 +56,16 @@ import triton.language as tl
 
 from tigon.ops._common import check_tensor
 from tigon.ops._launch import TigonOp, cdiv, wrap_triton
-from tigon.ops._rotary import bhtd_strides, copy_tile, dim_order, empty_in_order, load_trig, q_or_k
+from tigon.ops._rotary import (
+    bhtd_strides,
+    copy_tile,
+    dim_order,
+    empty_in_order,
+    head_block_rows,
+    load_trig,
+    q_or_k,
+    token_tile_rows,
+)
 from tigon.ops.rope import CONFIG as ROPE_CONFIG
 from tigon.ops.rope import UNSQUEEZE_DIMS, RopeConfig, rope_launch, rope_reference
 
@@ -142,13 +151,9 @@ def _mrope_heads(
 ):
     """One (BLOCK_H heads, BLOCK_T positions, D) tile of one tensor and one batch element (rope's
     ``_rotate_heads`` with stream-selected cos/sin)."""
-    heads = head_start + tl.arange(0, BLOCK_H)
-    row_mask = (heads < num_heads)[:, None] & position_mask[None, :]                 # (BLOCK_H, BLOCK_T)
-    x_rows = x_ptr + batch * x_stride_b + (
-        heads[:, None].to(tl.int64) * x_stride_h + positions[None, :].to(tl.int64) * x_stride_t
-    )
-    out_rows = out_ptr + batch * out_stride_b + (
-        heads[:, None].to(tl.int64) * out_stride_h + positions[None, :].to(tl.int64) * out_stride_t
+    x_rows, out_rows, row_mask = head_block_rows(                                    # (BLOCK_H, BLOCK_T)
+        x_ptr, x_stride_b, x_stride_h, x_stride_t, out_ptr, out_stride_b, out_stride_h, out_stride_t,
+        batch, head_start, num_heads, positions, position_mask, BLOCK_H,
     )
     cols = tl.arange(0, BLOCK_HALF)
     mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
@@ -235,20 +240,12 @@ def mrope_token_kernel(
     Tile row h is q's head h for h < Hq and k's head h − Hq after (rows past Hq + Hk masked), each
     row's pointers selected with rope's ``q_or_k``; q and k (and their outputs) share a dtype.
     """
-    pid = tl.program_id(0)
-    position_blocks = tl.cdiv(seq_len, BLOCK_T)
-    batch = (pid // position_blocks).to(tl.int64)
-    positions = (pid % position_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-    heads = tl.arange(0, BLOCK_H)
-    is_q = heads < num_q_heads
-    row_mask = (heads < num_q_heads + num_k_heads)[:, None] & (positions < seq_len)[None, :]
-    q_heads = heads[:, None].to(tl.int64)                                                    # (BLOCK_H, 1)
-    k_heads = q_heads - num_q_heads          # negative on q's rows: selected away, never dereferenced
-    t = positions[None, :].to(tl.int64)                                                      # (1, BLOCK_T)
-    q_rows = q_ptr + batch * q_stride_b + (q_heads * q_stride_h + t * q_stride_t)    # (BLOCK_H, BLOCK_T)
-    k_rows = k_ptr + batch * k_stride_b + (k_heads * k_stride_h + t * k_stride_t)
-    qo_rows = q_out_ptr + batch * qo_stride_b + (q_heads * qo_stride_h + t * qo_stride_t)
-    ko_rows = k_out_ptr + batch * ko_stride_b + (k_heads * ko_stride_h + t * ko_stride_t)
+    batch, positions, is_q, row_mask, q_rows, k_rows, qo_rows, ko_rows = token_tile_rows(
+        tl.program_id(0), seq_len, num_q_heads, num_k_heads,
+        q_ptr, q_stride_b, q_stride_h, q_stride_t, k_ptr, k_stride_b, k_stride_h, k_stride_t,
+        q_out_ptr, qo_stride_b, qo_stride_h, qo_stride_t, k_out_ptr, ko_stride_b, ko_stride_h, ko_stride_t,
+        BLOCK_H, BLOCK_T,
+    )
     cols = tl.arange(0, BLOCK_HALF)
     mask = row_mask[:, :, None] & (cols < half_rot)[None, None, :]        # (BLOCK_H, BLOCK_T, BLOCK_HALF)
     _rotate_mrope_tile(
