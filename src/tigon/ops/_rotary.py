@@ -10,7 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tigon.ops._common import check_tensor
 from tigon.ops._launch import cache_by_size
+
+UNSQUEEZE_DIMS = (1, 2)  # q, k as [B, H, T, D] (1) or [B, T, H, D] (2)
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -140,3 +143,43 @@ def _inverse_of(order: tuple[int, ...]) -> tuple[int, ...]:
 
 def empty_in_order(shape, order: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(_inverse_of(order))
+
+
+# -------------------------------------------------------------------------------------------- checks
+
+
+def check_qk(q, k, cos, sin, unsqueeze_dim):
+    """q and k 4-D in the layout ``unsqueeze_dim`` names, of one batch, length and head dim, and
+    cos/sin tensors on their device: (layout name, batch, sequence length, head dim)."""
+    check_tensor(q, "q")
+    check_tensor(k, "k", device=q.device)
+    check_tensor(cos, "cos", device=q.device)
+    check_tensor(sin, "sin", device=q.device)
+    if unsqueeze_dim not in UNSQUEEZE_DIMS:
+        raise ValueError(
+            f"unsqueeze_dim must be 1 (q, k as [B, H, T, D]) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}"
+        )
+    layout = "[B, H, T, D]" if unsqueeze_dim == 1 else "[B, T, H, D]"
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}, got shape {tuple(t.shape)}"
+            )
+    t_dim = 3 - unsqueeze_dim
+    batch, seq_len, head_dim = q.shape[0], q.shape[t_dim], q.shape[3]
+    if (k.shape[0], k.shape[t_dim], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(
+            f"k has shape {tuple(k.shape)}: batch, sequence length and head dim must match q's "
+            f"{tuple(q.shape)} ({layout})"
+        )
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin has shape {tuple(sin.shape)}, expected cos's {tuple(cos.shape)}")
+    return layout, batch, seq_len, head_dim
+
+
+def check_rot_dim(rot_dim, head_dim):
+    """The rotated dims: even, at least 2, at most the head dim."""
+    if rot_dim % 2 != 0 or not 0 < rot_dim <= head_dim:
+        raise ValueError(
+            f"the rotary dim (cos.shape[-1] = {rot_dim}) must be even and in [2, head_dim = {head_dim}]"
+        )

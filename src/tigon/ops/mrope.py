@@ -54,10 +54,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_tensor
 from tigon.ops._launch import TigonOp, cdiv, wrap_triton
 from tigon.ops._rotary import (
     bhtd_strides,
+    check_qk,
+    check_rot_dim,
     copy_tile,
     dim_order,
     empty_in_order,
@@ -67,7 +68,7 @@ from tigon.ops._rotary import (
     token_tile_rows,
 )
 from tigon.ops.rope import CONFIG as ROPE_CONFIG
-from tigon.ops.rope import UNSQUEEZE_DIMS, RopeConfig, rope_launch, rope_reference
+from tigon.ops.rope import RopeConfig, rope_launch, rope_reference
 
 NUM_STREAMS = 3  # temporal, height, width
 
@@ -407,39 +408,14 @@ MROPE = TigonOp("mrope", _mrope_impl, setup_context=_setup_mrope, backward=_mrop
 
 
 def _check_args(q, k, cos, sin, mrope_section, unsqueeze_dim):
-    check_tensor(q, "q")
-    check_tensor(k, "k", device=q.device)
-    check_tensor(cos, "cos", device=q.device)
-    check_tensor(sin, "sin", device=q.device)
-    if unsqueeze_dim not in UNSQUEEZE_DIMS:
-        raise ValueError(
-            f"unsqueeze_dim must be 1 (q, k as [B, H, T, D]) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}"
-        )
-    layout = "[B, H, T, D]" if unsqueeze_dim == 1 else "[B, T, H, D]"
-    for name, t in (("q", q), ("k", k)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}, got shape {tuple(t.shape)}"
-            )
-    t_dim = 3 - unsqueeze_dim
-    batch, seq_len, head_dim = q.shape[0], q.shape[t_dim], q.shape[3]
-    if (k.shape[0], k.shape[t_dim], k.shape[3]) != (batch, seq_len, head_dim):
-        raise ValueError(
-            f"k has shape {tuple(k.shape)}: batch, sequence length and head dim must match q's "
-            f"{tuple(q.shape)} ({layout})"
-        )
+    layout, batch, seq_len, head_dim = check_qk(q, k, cos, sin, unsqueeze_dim)
     if cos.dim() != 4 or cos.shape[0] != NUM_STREAMS or cos.shape[2] != seq_len or cos.shape[1] not in (1, batch):
         raise ValueError(
             f"cos has shape {tuple(cos.shape)}, expected [3, {batch}, {seq_len}, Dr] or [3, 1, {seq_len}, Dr] "
             f"(temporal, height and width streams) for q of shape {tuple(q.shape)} ({layout})"
         )
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin has shape {tuple(sin.shape)}, expected cos's {tuple(cos.shape)}")
     rot_dim = cos.shape[-1]
-    if rot_dim % 2 != 0 or not 0 < rot_dim <= head_dim:
-        raise ValueError(
-            f"the rotary dim (cos.shape[-1] = {rot_dim}) must be even and in [2, head_dim = {head_dim}]"
-        )
+    check_rot_dim(rot_dim, head_dim)
     if (
         isinstance(mrope_section, (str, bytes))
         or not isinstance(mrope_section, Sequence)

@@ -66,10 +66,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_tensor
 from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 from tigon.ops._rotary import (
     bhtd_strides,
+    check_qk,
+    check_rot_dim,
     copy_tile,
     dim_order,
     empty_in_order,
@@ -78,9 +79,6 @@ from tigon.ops._rotary import (
     q_or_k,
     token_tile_rows,
 )
-
-UNSQUEEZE_DIMS = (1, 2)
-
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -450,29 +448,7 @@ ROPE = TigonOp("rope", _rope_impl, setup_context=_setup_rope, backward=_rope_gra
 
 
 def _check_args(q, k, cos, sin, unsqueeze_dim):
-    check_tensor(q, "q")
-    check_tensor(k, "k", device=q.device)
-    check_tensor(cos, "cos", device=q.device)
-    check_tensor(sin, "sin", device=q.device)
-    if unsqueeze_dim not in UNSQUEEZE_DIMS:
-        raise ValueError(
-            f"unsqueeze_dim must be 1 (q, k as [B, H, T, D]) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}"
-        )
-    layout = "[B, H, T, D]" if unsqueeze_dim == 1 else "[B, T, H, D]"
-    for name, t in (("q", q), ("k", k)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}, got shape {tuple(t.shape)}"
-            )
-    t_dim = 3 - unsqueeze_dim
-    batch, seq_len, head_dim = q.shape[0], q.shape[t_dim], q.shape[3]
-    if (k.shape[0], k.shape[t_dim], k.shape[3]) != (batch, seq_len, head_dim):
-        raise ValueError(
-            f"k has shape {tuple(k.shape)}: batch, sequence length and head dim must match q's "
-            f"{tuple(q.shape)} ({layout})"
-        )
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin has shape {tuple(sin.shape)}, expected cos's {tuple(cos.shape)}")
+    layout, batch, seq_len, head_dim = check_qk(q, k, cos, sin, unsqueeze_dim)
     if cos.dim() not in (2, 3):
         raise ValueError(f"cos must be [B, T, Dr] or [T, Dr], got shape {tuple(cos.shape)}")
     cos_batch = cos.shape[0] if cos.dim() == 3 else 1
@@ -481,11 +457,7 @@ def _check_args(q, k, cos, sin, unsqueeze_dim):
             f"cos has shape {tuple(cos.shape)}, expected [{batch}, {seq_len}, Dr], [1, {seq_len}, Dr] or "
             f"[{seq_len}, Dr] for q of shape {tuple(q.shape)} ({layout})"
         )
-    rot_dim = cos.shape[-1]
-    if rot_dim % 2 != 0 or not 0 < rot_dim <= head_dim:
-        raise ValueError(
-            f"the rotary dim (cos.shape[-1] = {rot_dim}) must be even and in [2, head_dim = {head_dim}]"
-        )
+    check_rot_dim(cos.shape[-1], head_dim)
 
 
 def rope(q, k, cos, sin, *, unsqueeze_dim=1, output_dtype=None):
