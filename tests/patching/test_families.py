@@ -9,7 +9,7 @@ earlier 3 cost the file about 4 minutes of CPU time, 1.6 s a step for the stock 
 together (measured with 24 families, ``-n 2`` on 2 cores: 8.5 instead of 4.3 CPU minutes for the file);
 the GPU suite runs the same code, and test_gpu.py runs 20 bf16-autocast steps for four families.
 CI's second pass, on the oldest transformers it supports, checks the same rows with
-``TIGON_FAMILY_STEPS=3`` (the first pass has run the ten steps on the newest release).
+``TIGON_FAMILY_STEPS=2`` (the first pass has run the ten steps on the newest release).
 """
 
 from __future__ import annotations
