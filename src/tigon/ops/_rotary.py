@@ -61,6 +61,21 @@ def q_or_k(is_q, q_rows, q_stride_d, k_rows, k_stride_d, cols):
 
 
 @triton.jit
+def store_rotation(x1, x2, c1, c2, s1, s2, out1_ptrs, out2_ptrs, mask, BACKWARD: tl.constexpr):
+    """out1 = x1·c1 − x2·s1, out2 = x2·c2 + x1·s2 (forward), or the transpose, out1 = x1·c1 + x2·s2,
+    out2 = x2·c2 − x1·s1 (backward), rounded once to the outputs' dtype at the store."""
+    if BACKWARD:
+        out1 = x1 * c1 + x2 * s2
+        out2 = x2 * c2 - x1 * s1
+    else:
+        out1 = x1 * c1 - x2 * s1
+        out2 = x2 * c2 + x1 * s2
+    out_dtype = out1_ptrs.dtype.element_ty
+    tl.store(out1_ptrs, out1.to(out_dtype), mask=mask)
+    tl.store(out2_ptrs, out2.to(out_dtype), mask=mask)
+
+
+@triton.jit
 def head_block_rows(
     x_ptr, x_stride_b, x_stride_h, x_stride_t, out_ptr, out_stride_b, out_stride_h, out_stride_t,
     batch, head_start, num_heads, positions, position_mask, BLOCK_H: tl.constexpr,

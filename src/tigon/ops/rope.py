@@ -77,6 +77,7 @@ from tigon.ops._rotary import (
     head_block_rows,
     load_trig,
     q_or_k,
+    store_rotation,
     token_tile_rows,
 )
 
@@ -107,15 +108,7 @@ def _rotate_tile(
                     BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
     s2 = load_trig(sin_ptr, sin_stride_b, sin_stride_t, sin_stride_d, batch, positions, cols + half_rot,
                     mask, BLOCK_H, BLOCK_T, BLOCK_HALF, TRIG_EVICT)
-    if BACKWARD:
-        out1 = x1 * c1 + x2 * s2
-        out2 = x2 * c2 - x1 * s1
-    else:
-        out1 = x1 * c1 - x2 * s1
-        out2 = x2 * c2 + x1 * s2
-    out_dtype = out1_ptrs.dtype.element_ty
-    tl.store(out1_ptrs, out1.to(out_dtype), mask=mask)
-    tl.store(out2_ptrs, out2.to(out_dtype), mask=mask)
+    store_rotation(x1, x2, c1, c2, s1, s2, out1_ptrs, out2_ptrs, mask, BACKWARD)
 
 
 @triton.jit
