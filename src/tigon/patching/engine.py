@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import causal_mask, graphs, joins, recompute, vision_language, wrappers
+from tigon.patching import causal_mask, graphs, joins, recompute, sliding_window, vision_language, wrappers
 from tigon.patching import experts as moe_experts
 from tigon.patching import forwards as replacement_forwards
 from tigon.patching import loss as loss_path
@@ -78,6 +78,7 @@ SWITCHES = {
     "fused_linear_cross_entropy": True,
     "cuda_graphs": False,
     "recompute_norms": False,
+    "sliding_window": True,
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -684,6 +685,12 @@ def _plan_attention(plan, model, family, classes, switches):
         plan.add(causal_mask.MarkConfig(model.config))
 
 
+def _plan_sliding_window(plan, model):
+    if sliding_window.has_sliding_layers(model.config) and not sliding_window.marked(model.config):
+        plan.add(sliding_window.MarkConfig(model.config),
+                 "sdpa attention of sliding-window layers -> row blocks of the band (sliding_window.py)")
+
+
 @dataclass(frozen=True)
 class _Part:
     """One part of a family that a switch turns on: where the family has it, how to plan it on a model
@@ -710,6 +717,10 @@ PARTS = (
     _Part(None, lambda f, c: True, _plan_loss, lambda f, c, s: _loss_lines(c, s)),
     _Part("cuda_graphs", lambda f, c: c.decoder_layer is not None,
           lambda plan, m, f, c, s: _plan_graphs(plan, m, c), lambda f, c, s: [_graphs_line(c)]),
+    # a class patch cannot tell whether its models' configs have sliding layers: each model's own
+    # patch (at post_init) reports it
+    _Part("sliding_window", lambda f, c: c.attention is not None,
+          lambda plan, m, f, c, s: _plan_sliding_window(plan, m), lambda f, c, s: []),
     # after rms_norm's: the hooks go on the tigon norms that part swaps in
     _Part("recompute_norms", lambda f, c: f.joined_layer == "pre_norm" and c.decoder_layer is not None,
           lambda plan, m, f, c, s: _plan_recompute(plan, m, c), lambda f, c, s: [_recompute_line(c)]),
@@ -755,7 +766,7 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
 
 # The switches of the parts a decoder has (the loss is the ForConditionalGeneration's; CUDA graphs are
 # for decoder-only models whose host launches bound the step, not planned for a VLM).
-DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope")
+DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window")
 VISION_PREFIX = "vision: "
 
 

@@ -1,0 +1,193 @@
+"""Sliding-window attention over its band: sdpa on row blocks of the mask, not on the whole ``[L, L]`` square.
+
+Why. A sliding-window layer (Gemma-2/3, Mistral, Qwen2's, Cohere-2, GPT-OSS ...) lets query i see the
+keys i - W < j <= i. Under sdpa, transformers builds the layer's mask as a dense ``[B, 1, L, L]`` bool
+tensor, and sdpa runs its masked kernel over the whole square: the kernel turns the bool mask into an
+additive bias of the query's dtype (2 bytes an element, made anew by every layer, and kept by each
+layer's node for the backward), and computes all L² scores, of which L·W are used. At L = 77,824
+tokens and a DPO pair (B = 2), that is 12 GB of bool mask plus 24 GB of bias a layer, and 150× more
+attention arithmetic than the band needs: long-context training of these models runs out of memory
+on the mask, not on the model.
+
+What. The rows of the mask split into blocks of ``c`` queries ([s, e), e = s + c). A query in the block
+sees no key before ``s - W + 1`` and none at or after ``e``, so the block's attention is sdpa on the
+block's queries, the keys and values of [s - W + 1, e), and the mask's ``[s:e, s - W + 1:e]``
+rectangle: every score that can be unmasked is in the rectangle, every one outside is masked, so each
+row's softmax has exactly the terms the full call gives it; only the order in which the kernel sums
+them (its key tiles start elsewhere) differs, as between two sdpa kernels. The blocks' outputs are
+concatenated. Work: L·(c + W) scores instead of L²; memory: the bias of one rectangle at a time.
+The mask itself is the one transformers made (padding, packing, every custom pattern included): the
+rows are sliced from it, nothing is rebuilt.
+
+When. The wrapper stands in for transformers' ``"sdpa"`` attention function while a patched model is
+marked (``patch(..., sliding_window=True)``, the default), and takes the band path only for a marked
+model's attention that passes ``sliding_window`` (transformers' sliding layers do), with a dense bool
+mask ``[B or 1, 1, L, L]`` (queries and keys of one length: training and prefill, not decoding), no
+position bias, no dropout, at least ``min_blocks`` blocks, eagerly (not while torch.compile traces
+or a CUDA graph is captured), and only once the mask has been checked to hold no True outside the
+rectangles (a pattern that reaches further, such as a bidirectional image block longer than the
+window, keeps the dense call). The check reads the mask once (a reduction per block and side, one
+host sync) and is remembered for that mask tensor while its version is unchanged: the layers of one
+forward share one mask, so one check a forward. Everything else goes to transformers' function as
+before.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BandConfig:
+    """``block_rows``: queries per sdpa call (c). Larger blocks waste c·(c - 1)/2 masked scores a block
+    and launch less; ``min_blocks``: the fewest blocks a sequence must make for the band path (below
+    that the square is not much bigger than the rectangles)."""
+
+    block_rows: int = 4096
+    min_blocks: int = 2
+
+
+CONFIG = BandConfig()
+_MARKED: dict[int, weakref.ref] = {}
+_ORIGINAL_KEY = "_tigon_original_sdpa_attention"
+
+
+def marked(config) -> bool:
+    ref = _MARKED.get(id(config))
+    return ref is not None and ref() is config
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether ``config`` gives some layers a sliding window (its ``layer_types``, else
+    ``use_sliding_window`` where the config has that flag)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return "sliding_attention" in types
+    return bool(getattr(config, "use_sliding_window", True))
+
+
+def _blocks(length: int, window: int, rows: int):
+    """(s, e, first key) of each row block."""
+    return [(s, min(s + rows, length), max(0, s - window + 1)) for s in range(0, length, rows)]
+
+
+class _BandChecks:
+    """Whether a mask holds no True outside its blocks' rectangles, remembered per mask tensor (by
+    identity and version, dropped with the tensor)."""
+
+    def __init__(self):
+        self.results: dict[int, tuple] = {}
+
+    def banded(self, attention_mask: torch.Tensor, length: int, window: int, rows: int) -> bool:
+        """For the mask's first ``length`` keys (the layers of a forward pass the same mask object)."""
+        key = id(attention_mask)
+        entry = self.results.get(key)
+        signature = (attention_mask._version, length, window, rows, attention_mask.shape)
+        if entry is not None and entry[0]() is attention_mask and entry[1] == signature:
+            return entry[2]
+        mask = attention_mask[..., :length]
+        outside = []
+        for s, e, first in _blocks(length, window, rows):
+            if first > 0:
+                outside.append(mask[..., s:e, :first].any())
+            if e < length:
+                outside.append(mask[..., s:e, e:].any())
+        result = not bool(torch.stack(outside).any()) if outside else True
+        ref = weakref.ref(attention_mask, lambda _, key=key: self.results.pop(key, None))
+        self.results[key] = (ref, signature, result)
+        return result
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _wrap(original):
+    checks = _BandChecks()
+
+    def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+        config = CONFIG  # read at each call: a tuning run or a test swaps the frozen config
+        window = kwargs.get("sliding_window")
+        length = query.shape[2]
+        if (
+            args == ()
+            and isinstance(window, int) and not isinstance(window, bool) and window > 0
+            and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+            and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and attention_mask.shape[0] in (1, query.shape[0])
+            and attention_mask.shape[2] == length == key.shape[2] and attention_mask.shape[3] >= length
+            and kwargs.get("position_bias") is None and not kwargs.get("dropout")
+            and not kwargs.get("output_attentions", False)
+            and length >= config.min_blocks * config.block_rows
+            and marked(getattr(module, "config", None))
+            and not torch.compiler.is_compiling() and not _capturing()
+        ):
+            if checks.banded(attention_mask, length, window, config.block_rows):
+                mask = attention_mask[..., :length]  # the keys this call has (transformers slices alike)
+                outputs = [
+                    original(module, query[:, :, s:e], key[:, :, first:e], value[:, :, first:e],
+                             mask[:, :, s:e, first:e], **kwargs)[0]       # (B, e - s, H, D)
+                    for s, e, first in _blocks(length, window, config.block_rows)
+                ]
+                return torch.cat(outputs, dim=1), None
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    sdpa_attention_forward._tigon = True
+    setattr(sdpa_attention_forward, _ORIGINAL_KEY, original)
+    return sdpa_attention_forward
+
+
+def _install() -> bool:
+    """Put the band wrapper in front of transformers' sdpa attention function (once); False where
+    transformers has no attention interface."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    except ImportError:
+        return False
+    current = ALL_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
+    if current is None:
+        return False
+    if not getattr(current, "_tigon", False):
+        AttentionInterface.register("sdpa", _wrap(current))
+    return True
+
+
+def _uninstall() -> None:
+    """transformers' own sdpa attention function back once no patched model is marked (if ours is still
+    the registered one). No import: this also runs from a weakref callback at interpreter shutdown."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return
+    current = modeling.ALL_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
+    if getattr(current, "_tigon", False):
+        modeling.AttentionInterface.register("sdpa", getattr(current, _ORIGINAL_KEY))
+
+
+def _forget(key: int) -> None:
+    if _MARKED.pop(key, None) is not None and not _MARKED:
+        _uninstall()
+
+
+class MarkConfig:
+    """A patch change (``apply``/``undo``): the attention of ``config``'s model takes the band path."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def apply(self):
+        if _install():
+            key = id(self.config)
+            _MARKED[key] = weakref.ref(self.config, lambda _, key=key: _forget(key))
+
+    def undo(self):
+        if marked(self.config):
+            del _MARKED[id(self.config)]
+            if not _MARKED:
+                _uninstall()
