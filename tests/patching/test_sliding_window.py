@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import transformers
-from transformers.masking_utils import and_masks, or_masks, sdpa_mask, sliding_window_causal_mask_function
+from transformers.masking_utils import or_masks, sdpa_mask, sliding_window_causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import tigon
