@@ -23,7 +23,7 @@ import sys
 PROVIDERS = ("stock", "tigon", "tigon+recompute")
 
 
-def measure(provider: str, seq: int, layers: int, device_name: str, tiny: bool) -> dict:
+def measure(provider: str, seq: int, layers: int, device_name: str, tiny: bool, with_optimizer: bool) -> dict:
     import os
 
     if device_name == "cpu":
@@ -69,27 +69,35 @@ def measure(provider: str, seq: int, layers: int, device_name: str, tiny: bool) 
     def allocated():
         return torch.cuda.memory_allocated() if cuda else 0
 
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda) if with_optimizer else None
+
+    def peak():
+        if not cuda:
+            return 0
+        torch.cuda.synchronize()
+        value = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return value
+
     out = {"provider": provider, "seq": seq, "layers": layers}
     for step in range(2):
         for k in counts:
             counts[k] = 0
         model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        peak()
         before = allocated()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids[step], labels=ids[step]).loss
-        if cuda:
-            torch.cuda.synchronize()
-            forward_peak = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        after = allocated()
+        forward_peak, after = peak(), allocated()
         loss.backward()
+        backward_peak = peak()
+        if optimizer is not None:
+            optimizer.step()
+        optimizer_peak = peak()
         if cuda:
-            torch.cuda.synchronize()
-            out.update(saved_gib=(after - before) / 2**30, forward_peak_over_gib=(forward_peak - before) / 2**30,
-                       backward_peak_over_gib=(torch.cuda.max_memory_allocated() - before) / 2**30)
+            out.update(before_gib=before / 2**30, saved_gib=(after - before) / 2**30,
+                       forward_peak_gib=forward_peak / 2**30, backward_peak_gib=backward_peak / 2**30,
+                       optimizer_peak_gib=optimizer_peak / 2**30)
         out.update(loss=loss.item(), **counts)
     return out
 
@@ -101,13 +109,17 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--provider", choices=PROVIDERS, help="run this one provider in this process")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--optimizer", action="store_true", help="a fused AdamW step after each backward "
+                        "(step 2's peaks then hold its moments, as a training step's do)")
     args = parser.parse_args(argv)
     if args.provider:
-        print(json.dumps(measure(args.provider, args.seq, args.layers, args.device, args.tiny)))
+        print(json.dumps(measure(args.provider, args.seq, args.layers, args.device, args.tiny, args.optimizer)))
         return 0
-    for provider in PROVIDERS:
+    for provider in args.providers:
         command = [sys.executable, __file__, "--provider", provider, "--seq", str(args.seq),
-                   "--layers", str(args.layers), "--device", args.device] + (["--tiny"] if args.tiny else [])
+                   "--layers", str(args.layers), "--device", args.device] + (["--tiny"] if args.tiny else []) \
+            + (["--optimizer"] if args.optimizer else [])
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = result.stdout.strip().splitlines()
         print(lines[-1] if result.returncode == 0 and lines else f"{provider}: failed\n{result.stderr[-2000:]}")

@@ -210,3 +210,34 @@ def test_switch_off_and_models_without_sliding_layers_are_not_marked():
     assert not sliding_window.marked(llama.config)
     assert not any("band" in line for line in handle.replaced)
     handle.revert()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("length, window", [(37, 5), (16, 3)])
+def test_mask_by_rows_is_transformers_mask(small_blocks, padded, length, window):
+    """The row-block mask of a marked config: the same values (and the same batch-shared layout
+    without padding) as transformers' sdpa_mask; an unmarked config gets transformers' call."""
+    from tigon.patching import causal_mask
+
+    config = _Config()
+    padding = None
+    if padded:
+        padding = torch.ones(3, length, dtype=torch.bool, device=DEVICE)
+        padding[1, :4] = False
+    kwargs = dict(batch_size=3, q_length=length, kv_length=length, q_offset=0, kv_offset=0,
+                  mask_function=sliding_window_causal_mask_function(window), attention_mask=padding,
+                  allow_is_causal_skip=True, local_size=window, config=config, device=DEVICE)
+    want = sdpa_mask(**kwargs)
+    calls = []
+    counting = lambda **kw: calls.append(kw["q_length"]) or sdpa_mask(**kw)  # noqa: E731
+    assert torch.equal(causal_mask._wrap(counting)(**kwargs), want) and calls == [length]
+    change = causal_mask.by_rows_mark(config)
+    change.apply()
+    try:
+        calls.clear()
+        got = causal_mask._wrap(counting)(**kwargs)
+    finally:
+        change.undo()
+    assert calls == [min(BLOCK, length - s) for s in range(0, length, BLOCK)]
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert (got.stride(0) == 0) == (want.stride(0) == 0)

@@ -20,6 +20,15 @@ calls transformers' own function, so the compiled model attends exactly as the e
 * no sliding window that the keys reach (``local_size`` None or longer than the keys);
 * ``q_length == 1`` or ``q_length == kv_length`` or an empty cache (``q_offset == 0`` as a number).
 
+The same wrapper builds a sliding-window model's dense mask by row blocks, in eager mode (for the
+models the ``sliding_window`` switch marks, :func:`mask_by_rows`): transformers evaluates the mask
+function on the whole ``[L, L]`` grid at once, each overlay (causal, window, padding) an ``[L, L]``
+bool tensor of its own and each ``&`` another, about five times the mask's own size at once; at a
+100K-token DPO pair that transient, not the model, is the step's peak. Row blocks of
+``sliding_window.CONFIG.block_rows`` queries are made by transformers' own function (``q_offset``
+moved to the block) and copied into one ``[B or 1, 1, L, L]`` mask: the same values, with only a
+block's overlays alive at a time.
+
 It is registered in place of transformers' ``"sdpa"`` mask function while a patched model is marked,
 and changes nothing for a model that was not patched: patches mark their model's config (by
 identity, so nothing is written into the config or its saved JSON); ``Patch.revert`` removes the
@@ -34,12 +43,44 @@ import weakref
 import torch
 
 _MARKED: dict[int, weakref.ref] = {}
+_BY_ROWS: dict[int, weakref.ref] = {}  # configs whose sliding-window masks are built by row blocks
 _ORIGINAL_KEY = "_tigon_original_sdpa_mask"
 
 
-def marked(config) -> bool:
-    ref = _MARKED.get(id(config))
+def marked(config, marks=_MARKED) -> bool:
+    ref = marks.get(id(config))
     return ref is not None and ref() is config
+
+
+def _by_rows_allowed(kwargs, rows: int) -> bool:
+    """An eager sliding-window mask (its window shorter than the keys, so never skipped) of a marked
+    model, built by broadcasting (not vmap), at least two row blocks long."""
+    local_size, q_offset = kwargs.get("local_size"), kwargs.get("q_offset", 0)
+    return (marked(kwargs.get("config"), _BY_ROWS) and not torch.compiler.is_compiling()
+            and local_size is not None and kwargs["kv_length"] >= local_size
+            and not kwargs.get("use_vmap", False) and not kwargs.get("allow_is_bidirectional_skip", False)
+            and isinstance(q_offset, int) and kwargs["q_length"] >= 2 * rows)
+
+
+def mask_by_rows(original, kwargs, rows: int):
+    """transformers' mask, made ``rows`` queries at a time by ``original`` and copied into one tensor.
+
+    A block's mask is ``original`` with ``q_length`` the block's and ``q_offset`` moved to its first
+    query: each element is the mask function at the same (batch, query, key) indices. Where the mask
+    does not depend on the batch (no padding mask), transformers returns one ``[1, 1, L, L]`` mask
+    expanded over the batch, and so does this."""
+    length, offset = kwargs["q_length"], kwargs.get("q_offset", 0)
+    out = shared = None
+    for s in range(0, length, rows):
+        block = original(**{**kwargs, "q_length": min(rows, length - s), "q_offset": offset + s,
+                            "allow_is_causal_skip": False})
+        if out is None:
+            shared = block.shape[0] > 1 and block.stride(0) == 0
+            out = torch.empty((1 if shared else block.shape[0], 1, length, block.shape[-1]), dtype=block.dtype,
+                              device=block.device)
+        out[:, :, s:s + block.shape[2]] = block[:1] if shared else block
+        del block
+    return out.expand(kwargs["batch_size"], -1, -1, -1) if shared else out
 
 
 def _skip_allowed(q_length, kv_length, q_offset, local_size) -> bool:
@@ -51,6 +92,10 @@ def _skip_allowed(q_length, kv_length, q_offset, local_size) -> bool:
 
 def _wrap(original):
     def sdpa_mask(*args, **kwargs):
+        from tigon.patching.sliding_window import CONFIG
+
+        if args == () and _by_rows_allowed(kwargs, CONFIG.block_rows):
+            return mask_by_rows(original, kwargs, CONFIG.block_rows)
         if (
             args == ()
             and kwargs.get("attention_mask") is None
@@ -95,25 +140,31 @@ def _uninstall() -> None:
         masking.AttentionMaskInterface.register("sdpa", getattr(current, _ORIGINAL_KEY))
 
 
-def _forget(key: int) -> None:
+def _forget(key: int, marks) -> None:
     """A marked config was garbage-collected (its model with it): drop the mark."""
-    if _MARKED.pop(key, None) is not None and not _MARKED:
+    if marks.pop(key, None) is not None and not _MARKED and not _BY_ROWS:
         _uninstall()
 
 
 class MarkConfig:
-    """A patch change (``apply``/``undo``) that lets ``config``'s model skip the compiled dense mask."""
+    """A patch change (``apply``/``undo``) that lets ``config``'s model skip the compiled dense mask
+    (or, with ``marks=_BY_ROWS``, build its sliding-window masks by row blocks)."""
 
-    def __init__(self, config):
-        self.config = config
+    def __init__(self, config, marks=_MARKED):
+        self.config, self.marks = config, marks
 
     def apply(self):
         if _install():
-            key = id(self.config)
-            _MARKED[key] = weakref.ref(self.config, lambda _, key=key: _forget(key))
+            key, marks = id(self.config), self.marks
+            marks[key] = weakref.ref(self.config, lambda _, key=key: _forget(key, marks))
 
     def undo(self):
-        if marked(self.config):
-            del _MARKED[id(self.config)]
-            if not _MARKED:
+        if marked(self.config, self.marks):
+            del self.marks[id(self.config)]
+            if not _MARKED and not _BY_ROWS:
                 _uninstall()
+
+
+def by_rows_mark(config) -> MarkConfig:
+    """The change that has ``config``'s sliding-window masks built by row blocks."""
+    return MarkConfig(config, _BY_ROWS)

@@ -30,6 +30,10 @@ window, keeps the dense call). The check reads the mask once (a reduction per bl
 host sync) and is remembered for that mask tensor while its version is unchanged: the layers of one
 forward share one mask, so one check a forward. Everything else goes to transformers' function as
 before.
+
+The mask those layers receive is still transformers' dense one, but built by row blocks
+(:func:`tigon.patching.causal_mask.mask_by_rows`, planned by the same switch), so that making it
+never holds more than the mask itself and one block's overlays.
 """
 
 from __future__ import annotations
