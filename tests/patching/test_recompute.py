@@ -127,3 +127,35 @@ def test_a_no_op_for_layers_that_are_not_pre_norm(model_type):
     handle = tigon.patch(model, recompute_norms=True)
     assert not any("recompute_norms" in line for line in handle.replaced)
     _step(model, autocast=True)
+
+
+def test_nothing_outlives_the_step_without_the_garbage_collector(monkeypatch):
+    """Once the backward ran and the loss is gone, no layer scope (and so no layer input or attention
+    output of that step) is alive, even with the collector off: the memory the switch saves is not
+    held over into the next step's forward instead."""
+    import gc
+    import weakref
+
+    from tigon.patching import recompute
+
+    scopes = []
+    init = recompute._LayerScope.__init__
+
+    def tracking(self, layer_input):
+        init(self, layer_input)
+        scopes.append(weakref.ref(self))
+
+    monkeypatch.setattr(recompute._LayerScope, "__init__", tracking)
+    _, patched, _ = stock_and_patched("llama", recompute_norms=True)
+    ids, labels = batch()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            loss = patched(input_ids=ids, labels=labels).loss
+        loss.backward()
+        del loss
+        assert len(scopes) == patched.config.num_hidden_layers
+        assert all(ref() is None for ref in scopes)
+    finally:
+        gc.enable()
