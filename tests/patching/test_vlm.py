@@ -219,3 +219,22 @@ def test_bf16_autocast_training_matches_stock(model_type):
 
     for step, (g, w) in enumerate(zip(run(patched), run(copy.deepcopy(stock)), strict=True)):
         assert abs(g - w) / abs(w) <= BF16_TOLERANCE, f"step {step}: {g} vs stock {w}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
+def test_compiled_patched_model_matches_eager(model_type):
+    """``torch.compile`` of a patched VLM (Inductor; graph breaks allowed where stock transformers has
+    them, around the image tokens' placement): one fp32 training step's loss and every gradient as the
+    eager patched model's."""
+    _, patched, _ = stock_and_patched_vlm(model_type)
+    compiled_copy = copy.deepcopy(patched)
+    inputs = vlm_batch(model_type, patched.config, seed=0)
+    loss = patched(**inputs).loss
+    loss.backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_copy)
+    got = compiled(**inputs).loss
+    got.backward()
+    assert rel(got, loss) <= LOSS_TOLERANCE
+    assert_vlm_grads_close(grads(compiled_copy), grads(patched), LOSS_TOLERANCE)
