@@ -50,9 +50,11 @@ def wrap_triton(kernel):
         return kernel if interpreter_active() else _torch_wrap_triton(kernel)
     if is_wrap_triton_enabled() and tracing_active():
         return _torch_wrap_triton(kernel)
-    launcher = _FAST_LAUNCHERS.get(kernel)
+    # Keyed by id: a JITFunction hashes through its ``cache_key`` property (Python, on every launch).
+    # The launcher holds its kernel, so the id is never reused while the entry exists.
+    launcher = _FAST_LAUNCHERS.get(id(kernel))
     if launcher is None:
-        launcher = _FAST_LAUNCHERS[kernel] = FastLaunch(kernel)
+        launcher = _FAST_LAUNCHERS[id(kernel)] = FastLaunch(kernel)
     return launcher
 
 
@@ -86,7 +88,9 @@ class FastLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.cache = {}  # key -> (launcher, function, packed metadata, (name, default) of trailing params)
+        # key -> (launcher, function, packed metadata, values of the trailing params or None, their
+        # (name, default))
+        self.cache = {}
         # A constexpr passed by position is keyed by its value, as keywords are.
         self.constexpr_positions = tuple(kernel.constexprs)
 
@@ -106,24 +110,36 @@ class FastLaunch:
             if compiled is not None and hasattr(compiled, "packed_metadata"):
                 self.cache[key] = self._entry(compiled, len(args), kwargs)
             return compiled
-        run, function, metadata, tail = entry
-        size = len(grid)
-        device = key[0]
-        run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
-            *args, *[kwargs[name] if name in kwargs else default for name, default in tail])
+        run, function, metadata, values, tail = entry
+        if values is None:
+            values = [kwargs[name] if name in kwargs else default for name, default in tail]
+        run(*grid, *_GRID_PADDING[len(grid)], torch._C._cuda_getCurrentRawStream(key[0]), function, metadata,
+            None, None, None, *args, *values)
         return None
 
     def _entry(self, compiled, num_positional, kwargs):
         """What a cached launch needs: the launcher, and the parameters after the positional
         arguments in signature order, each taken from the keywords or its default (Triton's
-        launcher takes every parameter, constexprs included, in signature order)."""
+        launcher takes every parameter, constexprs included, in signature order).
+
+        When every one of those is a constexpr, their values are taken once, here: the key holds
+        each keyword's name and value, so a launch that finds this entry passes the same ones (and
+        a compiled kernel has its constexprs built in: the launcher skips them)."""
+        names = list(self.kernel.signature.parameters)
         params = list(self.kernel.signature.parameters.values())[num_positional:]
         tail = tuple((p.name, p.default) for p in params)
         for name, default in tail:
             if name not in kwargs and default is inspect.Parameter.empty:
                 raise TypeError(f"{self.kernel.fn.__name__}: argument {name!r} missing")
-        return compiled.run, compiled.function, compiled.packed_metadata, tail
+        constexprs = {names[i] for i in self.constexpr_positions}
+        values = None
+        if all(name in constexprs for name, _ in tail):
+            values = tuple(kwargs[name] if name in kwargs else default for name, default in tail)
+        return compiled.run, compiled.function, compiled.packed_metadata, values, tail
+
+
+# A grid of 1, 2 or 3 dimensions, padded to the launcher's three.
+_GRID_PADDING = ((1, 1, 1), (1, 1), (1,), ())
 
 
 def _launch_hooks_idle() -> bool:
@@ -260,18 +276,42 @@ class TigonOp:
             raise ValueError(f"tigon::{name} mutates {mutates_args}: it cannot take a backward")
         self.impl = impl
         self.op = triton_op(f"tigon::{name}", impl, mutates_args=set(mutates_args))
-        self.function = None
+        self.function = self.apply = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
             self.function = _eager_function(name, impl, setup_context, backward)
+            self.apply = _FUNCTION_APPLY.__get__(None, self.function)
 
     def __call__(self, *args):
-        if _tracing(args):
+        # _tracing(args), function.apply(*args) and impl(*args), written out: this runs on every op
+        # call, and each Python layer costs (module docs)
+        if tracing_active():
             return self.op(*args)
-        if self.function is not None and torch.is_grad_enabled():
-            return self.function.apply(*args)
-        return self.impl(*args)
+        function = self.function
+        if function is None or not torch.is_grad_enabled() or _functorch_transforms_active():
+            for a in args:
+                if type(a) not in _PLAIN_TENSORS and isinstance(a, torch.Tensor):
+                    return self.op(*args)
+            return self.impl(*args) if function is None or not torch.is_grad_enabled() else function.apply(*args)
+        # What autograd.Function.apply does outside functorch transforms, for a Function without
+        # setup_context (no argument binding): unwrap tensors that a finished transform left wrapped,
+        # then the C++ apply.
+        eager = []
+        for a in args:
+            t = type(a)
+            if t is _TENSOR or t is _PARAMETER:
+                a = _unwrap_if_dead(a)
+            elif isinstance(a, torch.Tensor):
+                return self.op(*args)
+            eager.append(a)
+        return self.apply(*eager)
 
+
+# autograd.Function.apply's C++ part (torch._C._FunctionBase.apply), and the two functorch calls its
+# Python part makes before it.
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _tracing(args) -> bool:
