@@ -124,26 +124,29 @@ def make_step(model, optimizer, ids):
 
 
 def timed(provider, layers, steps, ids):
+    """(forward+backward, forward, optimizer) host ms of one step: this thread's CPU time (the autograd
+    engine runs a CPU backward on the calling thread; torch runs one thread here), so that time the
+    scheduler gives other processes on a shared machine is not counted; each the median over blocks of
+    5 steps of the block's minimum."""
     model, optimizer = build(provider, layers)
     forward_backward, optimize = make_step(model, optimizer, ids)
     for _ in range(3):
         forward_backward()
         optimize()
     gc.collect()
-    fb, fwd, opt = [], [], []
+    rows = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         optimize()
-        t3 = time.perf_counter()
-        fb.append(t2 - t0)
-        fwd.append(t1 - t0)
-        opt.append(t3 - t2)
-    return statistics.median(fb) * 1e3, statistics.median(fwd) * 1e3, statistics.median(opt) * 1e3
+        t3 = time.thread_time()
+        rows.append((t2 - t0, t1 - t0, t3 - t2))
+    blocks = [rows[i:i + 5] for i in range(0, len(rows) - 4, 5)]
+    return tuple(statistics.median(min(r[j] for r in block) for block in blocks) * 1e3 for j in range(3))
 
 
 def count(provider, layers, ids):
@@ -252,7 +255,7 @@ def main() -> None:
         results[provider] = fb
         per_layer = (fb - fb1) / (args.layers - 1) * 1e3
         per_layer_fwd = (fwd - fwd1) / (args.layers - 1) * 1e3
-        print(f"{provider:>6}: forward+backward {fb:7.2f} ms/step (median of {args.steps}; forward {fwd:6.2f}), "
+        print(f"{provider:>6}: forward+backward {fb:7.2f} ms/step ({args.steps} steps; forward {fwd:6.2f}), "
               f"optimizer {opt:5.2f} ms; per decoder layer {per_layer:6.1f} us (forward {per_layer_fwd:6.1f}); "
               f"outside the layers {fb1 - per_layer / 1e3:5.2f} ms")
     if "stock" in results and "tigon" in results:
