@@ -17,7 +17,7 @@ import torch
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.library import triton_op
 from torch.library import wrap_triton as _torch_wrap_triton
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _len_torch_dispatch_stack
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -91,8 +91,9 @@ class FastLaunch:
         # key -> (launcher, function, packed metadata, values of the trailing params or None, their
         # (name, default))
         self.cache = {}
-        # A constexpr passed by position is keyed by its value, as keywords are.
-        self.constexpr_positions = tuple(kernel.constexprs)
+        # A constexpr passed by position is keyed by its value, as keywords are (ascending: the key
+        # stops at the first one past the positional arguments).
+        self.constexpr_positions = tuple(sorted(kernel.constexprs))
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -176,9 +177,11 @@ def _specialization_key(args, kwargs, constexpr_positions=()):
     """
     key = [_current_device()]
     append = key.append
-    for i in constexpr_positions:
-        if i < len(args):
-            append(("constexpr", i, args[i]))
+    num_args = len(args)
+    for i in constexpr_positions:  # ascending; usually the first is past the positional arguments
+        if i >= num_args:
+            break
+        append(("constexpr", i, args[i]))
     int_keys = _INT_KEYS
     for a in args:
         t = type(a)
@@ -283,16 +286,19 @@ class TigonOp:
             self.apply = _FUNCTION_APPLY.__get__(None, self.function)
 
     def __call__(self, *args):
-        # _tracing(args), function.apply(*args) and impl(*args), written out: this runs on every op
-        # call, and each Python layer costs (module docs)
+        # The registered op where the call is traced rather than run: Dynamo (torch.compile's front
+        # end), or AOTAutograd / make_fx tracing a backward, which is not Dynamo but runs under a
+        # dispatch mode with fake or functional tensors (a tensor that is not a plain Tensor or
+        # Parameter). Real tensors take the direct path. Written out, without helper calls: this runs
+        # on every op call, and each Python layer costs (class docs).
         if tracing_active():
             return self.op(*args)
-        function = self.function
-        if function is None or not torch.is_grad_enabled() or _functorch_transforms_active():
+        differentiable = self.function is not None and torch.is_grad_enabled()
+        if not differentiable or _functorch_transforms_active():
             for a in args:
                 if type(a) not in _PLAIN_TENSORS and isinstance(a, torch.Tensor):
                     return self.op(*args)
-            return self.impl(*args) if function is None or not torch.is_grad_enabled() else function.apply(*args)
+            return self.function.apply(*args) if differentiable else self.impl(*args)
         # What autograd.Function.apply does outside functorch transforms, for a Function without
         # setup_context (no argument binding): unwrap tensors that a finished transform left wrapped,
         # then the C++ apply.
@@ -336,25 +342,14 @@ def function_apply(function):
     return apply
 
 
-def _tracing(args) -> bool:
-    """True when the call is being traced rather than run: Dynamo (torch.compile's front end), or
-    AOTAutograd / make_fx tracing a backward, which is not Dynamo but runs under a dispatch mode
-    with fake or functional tensors. Those need the registered op; real tensors take the direct path.
-    """
-    if tracing_active():
-        return True
-    for a in args:  # a loop, not any(<generator>): this runs on every op call
-        if type(a) not in _PLAIN_TENSORS and isinstance(a, torch.Tensor):
-            return True
-    return False
-
-
 def tracing_active() -> bool:
     """Dynamo is tracing, or a dispatch mode (fake tensors, make_fx, functionalization) is on.
 
     Launchers that cache a tensor check it: a tensor made while tracing is a fake one, and must never
     be cached for real calls."""
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    # the dispatch-mode stack's length, not _get_current_dispatch_mode(): the same answer (the stack
+    # holds modes, never None) without a Python call (this runs a few times per op call)
+    return torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0
 
 
 def _direct_launch():

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_tensor
-from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 from tigon.ops._norm_rows import (
     NormBackwardLaunch,
     NormLaunch,
@@ -454,7 +454,12 @@ def forward_launch(num_rows: int, hidden: int) -> tuple[NormLaunch, int]:
 
 def norm_backward_launch(num_rows: int, hidden: int, device: torch.device) -> NormBackwardLaunch:
     """The backward's launch for (num_rows, hidden) rows on ``device``."""
-    return backward_launch(num_rows, hidden, device, CONFIG.backward)
+    return _norm_backward_launch(num_rows, hidden, device, CONFIG.backward)
+
+
+# Cached as the forward's geometry is (a few µs of Python on every backward); keyed by the tuning, so
+# that a swapped CONFIG is read, and by the device, whose multiprocessors set the programs.
+_norm_backward_launch = cache_by_size(backward_launch)
 
 
 # ------------------------------------------------------------------------------------------ launchers

@@ -105,7 +105,8 @@ class _AutocastQKV(torch.autograd.Function):
         weights, biases = (q_weight, k_weight, v_weight), (q_bias, k_bias, v_bias)
         ctx.save_for_backward(cast, *weights)
         ctx.x_dtype, ctx.dtype = x.dtype, dtype
-        ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in biases)
+        ctx.bias_dtypes = (q_bias.dtype if q_bias is not None else None, k_bias.dtype if k_bias is not None else None,
+                           v_bias.dtype if v_bias is not None else None)
         ctx.stacked = _stackable(cast, weights, biases)
         if ctx.stacked:
             weight, bias = _stacked_casts(weights, biases, dtype)                # one launch
