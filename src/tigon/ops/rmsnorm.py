@@ -610,7 +610,9 @@ def _add_rms_norm_grad(ctx, dy, dsum, _drstd):
     narrow = ctx.x_dtype if ctx.x_dtype != s.dtype else None
     ds, dw, dx = RMS_NORM_BACKWARD(dy, s, weight, rstd, dsum, ctx.eps, ctx.offset, ctx.casting, narrow)
     dx = dx if narrow is not None else ds
-    return dx, ds.to(ctx.residual_dtype), (dw if weight is not None else None), None, None, None, None
+    # (no .to call where ds is in the residual's dtype already: the same tensor, without the dispatch)
+    d_residual = ds if ds.dtype == ctx.residual_dtype else ds.to(ctx.residual_dtype)
+    return dx, d_residual, (dw if weight is not None else None), None, None, None, None
 
 
 RMS_NORM = TigonOp("rms_norm", _rms_norm_impl, setup_context=_setup_rms_norm, backward=_rms_norm_grad)
