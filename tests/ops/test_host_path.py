@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tigon.ops._launch import FastLaunch, TigonOp, function_apply
 from tests.ops.test_fast_launch import FakeKernel, fake_cuda  # noqa: F401  (fixture)
+from tigon.ops._launch import FastLaunch, TigonOp, function_apply
 
 
 class _Scale(torch.autograd.Function):

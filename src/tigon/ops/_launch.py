@@ -14,10 +14,10 @@ import inspect
 from functools import cache, wraps
 
 import torch
+from torch._C import _len_torch_dispatch_stack
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.library import triton_op
 from torch.library import wrap_triton as _torch_wrap_triton
-from torch._C import _len_torch_dispatch_stack
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
