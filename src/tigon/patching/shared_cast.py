@@ -269,11 +269,13 @@ def shared_cast_linear(self, input):
     ):
         return F.linear(input, self.weight, self.bias)
     dtype = torch.get_autocast_dtype(device_type)
-    # what autocast casts to dtype (or leaves as it is); each parameter is read once (a module
-    # attribute lookup goes through nn.Module.__getattr__)
+    # Eligible: input, weight and bias each in fp32 or dtype (what autocast casts to dtype, or leaves
+    # as it is). Each parameter is read once (a module attribute goes through nn.Module.__getattr__).
     weight, bias = self.weight, self.bias
-    if (dtype == torch.float32 or not _autocast_input(input.dtype, dtype) or not _autocast_input(weight.dtype, dtype)
-            or (bias is not None and not _autocast_input(bias.dtype, dtype))):
+    eligible = (torch.float32, dtype)
+    input_dtype = input.dtype
+    if (dtype == torch.float32 or input_dtype not in eligible or weight.dtype not in eligible
+            or (bias is not None and bias.dtype not in eligible)):
         return F.linear(input, weight, bias)
     cache = getattr(self, CACHE_ATTR)
     group = cache.group
@@ -284,12 +286,12 @@ def shared_cast_linear(self, input):
         output = cache.take(self, input)
         if output is not None:
             return output
-    cast = input if input.dtype == dtype else cache.cast(input, dtype)
+    cast = input if input_dtype == dtype else cache.cast(input, dtype)
     # Autocast stays on: the nodes hand F.linear operands already in its dtype, so it casts nothing
     # (switching it off cost a context manager, ~10 µs of the host's time a call).
     if in_group:
         parameters = [t for p in group for t in ((weight, bias) if p is self else (p.weight, p.bias))]
-        if all(t is None or _autocast_input(t.dtype, dtype) for t in parameters):
+        if all(t is None or t.dtype in eligible for t in parameters):
             outputs = _QKV_APPLY(input, cast, dtype, *parameters)
             cache.put(input, {p: out for p, out in zip(group, outputs, strict=True) if p is not self})
             return outputs[group.index(self)]
@@ -299,11 +301,6 @@ def shared_cast_linear(self, input):
 # The nodes' apply, with less Python per call (the forward above runs four times a decoder layer).
 _QKV_APPLY = function_apply(_AutocastQKV)
 _LINEAR_APPLY = function_apply(_AutocastLinear)
-
-
-def _autocast_input(tensor_dtype, dtype) -> bool:
-    """Whether autocast casts a tensor of this dtype to ``dtype`` (or leaves it as it is)."""
-    return tensor_dtype == torch.float32 or tensor_dtype == dtype
 
 
 shared_cast_linear._tigon = True
