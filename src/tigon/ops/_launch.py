@@ -48,7 +48,7 @@ def wrap_triton(kernel):
     """
     if not _is_jit_kernel(kernel):
         return kernel if interpreter_active() else _torch_wrap_triton(kernel)
-    if is_wrap_triton_enabled() and tracing_active():
+    if tracing_active() and is_wrap_triton_enabled():  # (tracing first: in eager mode it decides)
         return _torch_wrap_triton(kernel)
     # Keyed by id: a JITFunction hashes through its ``cache_key`` property (Python, on every launch).
     # The launcher holds its kernel, so the id is never reused while the entry exists.
@@ -185,12 +185,12 @@ def _specialization_key(args, kwargs, constexpr_positions=()):
     int_keys = _INT_KEYS
     for a in args:
         t = type(a)
-        if t is _TENSOR or t is _PARAMETER:
+        if t is int:  # first: most arguments are sizes and strides
+            append(int_keys.get(a) or _int_key(a))
+        elif t is _TENSOR or t is _PARAMETER:
             # flat, not a pair: two entries cost less than a tuple; a dtype object only comes from here
             append(a.dtype)
             append(a.data_ptr() & 15)
-        elif t is int:
-            append(int_keys.get(a) or _int_key(a))
         elif t is float:
             append(float)
         elif t is bool or a is None:
