@@ -122,3 +122,18 @@ def test_keyword_parameter_that_is_not_constexpr_is_read_each_launch(fake_cuda):
     launch[(2,)](x, x, 112, 0.25, flag=True, BLOCK=64)
     (call,) = kernel.fast_calls
     assert call[9:] == (x, x, 112, 0.25, True, 64, "a")
+
+
+def test_shortcuts_trace_under_torch_compile():
+    """Dynamo traces Function.apply and the registered op, not the shortcuts' C++ calls: no graph break."""
+    apply = function_apply(_Scale)
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+
+    def f(x, w):
+        return apply(x, w, 2.0)[0].sum() + _DOUBLE(x, 3.0).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    got, want = compiled(x, w), f(x, w)
+    assert torch.equal(got, want)
+    for g, r in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(want, (x, w)), strict=True):
+        assert torch.equal(g, r)

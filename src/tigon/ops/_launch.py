@@ -328,14 +328,16 @@ def function_apply(function):
     tensors that a finished transform left wrapped and calls the C++ apply, after building a closure,
     comparing ``setup_context`` and making a ``super()`` object (~1 µs a call on a CPU; a decoder
     layer makes a handful of nodes). This does the unwrapping and the C++ call; under a functorch
-    transform it is ``function.apply`` itself.
+    transform, and under torch.compile (Dynamo traces ``Function.apply``, not the C++ one), it is
+    ``function.apply`` itself.
     """
     if function.setup_context is not torch.autograd.Function.setup_context:
         raise TypeError(f"{function.__name__} defines setup_context: use its own apply")
     c_apply = _FUNCTION_APPLY.__get__(None, function)
 
     def apply(*args):
-        if _functorch_transforms_active():
+        # Dynamo traces Function.apply itself (as it does the registered ops): compiling first
+        if torch.compiler.is_compiling() or _functorch_transforms_active():
             return function.apply(*args)
         return c_apply(*[_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
 
