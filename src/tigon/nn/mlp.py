@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tigon.ops._common import FLOAT_DTYPES, check_tensor
+from tigon.ops._launch import function_apply
 from tigon.ops._matmul import cast_all, matmul_to
 from tigon.ops.glu import ACTIVATIONS, GLU, activation_reference, gelu_activation_name, glu, glu_backward_into
 
@@ -135,6 +136,9 @@ class _GatedMLPFunction(torch.autograd.Function):
         return dx, d_gate_w, d_gate_b, d_up_w, d_up_b, d_down_w, d_down_b, None, None
 
 
+_GATED_MLP_APPLY = function_apply(_GatedMLPFunction)
+
+
 def _reuse_saved(gate, up) -> bool:
     """Whether the backward may write dup over up and h over gate: eager mode (under torch.compile
     Inductor plans the buffers), contiguous and of one dtype (h takes gate's place, in their promoted
@@ -150,21 +154,23 @@ def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
     hidden = x.shape[-1]
-    check_tensor(gate_weight, "gate_proj.weight", device=x.device)
+    device = x.device
+    check_tensor(gate_weight, "gate_proj.weight", device=device)
     intermediate = gate_weight.shape[0]
-    expected = {
-        "gate_proj.weight": (gate_weight, (intermediate, hidden)),
-        "up_proj.weight": (up_weight, (intermediate, hidden)),
-        "down_proj.weight": (down_weight, (hidden, intermediate)),
-        "gate_proj.bias": (gate_bias, (intermediate,)),
-        "up_proj.bias": (up_bias, (intermediate,)),
-        "down_proj.bias": (down_bias, (hidden,)),
-    }
-    for name, (t, shape) in expected.items():
+    # (a loop over a tuple, not a dict of names: this runs on every MLP call)
+    for t, name, shape in (
+        (gate_weight, "gate_proj.weight", (intermediate, hidden)),
+        (up_weight, "up_proj.weight", (intermediate, hidden)),
+        (down_weight, "down_proj.weight", (hidden, intermediate)),
+        (gate_bias, "gate_proj.bias", (intermediate,)),
+        (up_bias, "up_proj.bias", (intermediate,)),
+        (down_bias, "down_proj.bias", (hidden,)),
+    ):
         if t is None:
             continue
-        check_tensor(t, name, device=x.device)
-        if tuple(t.shape) != shape:
+        if t is not gate_weight:
+            check_tensor(t, name, device=device)
+        if t.shape != shape:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}, expected {shape} for x of shape {tuple(x.shape)}"
             )
@@ -189,18 +195,18 @@ def gated_mlp(
     as ``F.linear`` does; outside autocast every tensor must share x's dtype.
     """
     _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
-    tensors = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     device_type = x.device.type
     # cuda, or cpu under the interpreter: the devices tigon runs on (meta tensors have no autocast)
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         # x and the biases are cast here; the weights inside the node (module docs)
-        x_, gate_weight_, gate_bias_, up_weight_, up_bias_, down_weight_, down_bias_ = tensors
-        tensors = (_to_autocast(x_, dtype), _weight(gate_weight_, dtype), _to_autocast(gate_bias_, dtype),
-                   _weight(up_weight_, dtype), _to_autocast(up_bias_, dtype), _weight(down_weight_, dtype),
-                   _to_autocast(down_bias_, dtype))
         # autocast stays on: the node's F.linear operands are all in its dtype, so it casts nothing
-        return _GatedMLPFunction.apply(*tensors, activation, dtype)
+        return _GATED_MLP_APPLY(
+            _to_autocast(x, dtype), _weight(gate_weight, dtype), _to_autocast(gate_bias, dtype),
+            _weight(up_weight, dtype), _to_autocast(up_bias, dtype), _weight(down_weight, dtype),
+            _to_autocast(down_bias, dtype), activation, dtype,
+        )
+    tensors = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     names = ("x", "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight",
              "down_proj.bias")
     for name, t in zip(names, tensors, strict=True):
@@ -209,7 +215,7 @@ def gated_mlp(
                 f"{name} has dtype {t.dtype}, expected x's {x.dtype} (mixed dtypes need torch.autocast, "
                 "as for nn.Linear)"
             )
-    return _GatedMLPFunction.apply(*tensors, activation, x.dtype)
+    return _GATED_MLP_APPLY(*tensors, activation, x.dtype)
 
 
 class _GatedMLP(nn.Module):
@@ -225,15 +231,15 @@ class _GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x):
-        projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if all(type(p) is nn.Linear for p in projections):
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
+        if type(gate_proj) is nn.Linear and type(up_proj) is nn.Linear and type(down_proj) is nn.Linear:
             return gated_mlp(
-                x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias, activation=self.activation,
+                x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias, down_proj.bias,
+                activation=self.activation,
             )
         # A projection was wrapped (a LoRA adapter, a quantised linear): its own forward must run, so
         # only the activation is fused here.
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.activation))
+        return down_proj(glu(gate_proj(x), up_proj(x), self.activation))
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.intermediate_size}, activation={self.activation!r}"

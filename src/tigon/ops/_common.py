@@ -47,16 +47,18 @@ def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | No
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} has dtype {t.dtype}; supported: {allowed}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs on one device)")
-    if t.device.type == "cuda":
+    t_device = t.device  # read once: each read makes a torch.device (this runs on every op call)
+    if device is not None and t_device != device:
+        raise ValueError(f"{name} is on {t_device}, expected {device} (all inputs on one device)")
+    device_type = t_device.type
+    if device_type == "cuda":
         return
-    if t.device.type == "cpu" and interpreter_active():
+    if device_type == "cpu" and interpreter_active():
         return
-    if t.device.type == "meta":  # shape propagation (torch.compile, fake tensors)
+    if device_type == "meta":  # shape propagation (torch.compile, fake tensors)
         return
     raise ValueError(
-        f"{name} is on {t.device}: tigon kernels need CUDA tensors "
+        f"{name} is on {t_device}: tigon kernels need CUDA tensors "
         "(CPU tensors only under the Triton interpreter, TRITON_INTERPRET=1)"
     )
 

@@ -14,10 +14,10 @@ import inspect
 from functools import cache, wraps
 
 import torch
+from torch._C import _len_torch_dispatch_stack
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.library import triton_op
 from torch.library import wrap_triton as _torch_wrap_triton
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -48,11 +48,13 @@ def wrap_triton(kernel):
     """
     if not _is_jit_kernel(kernel):
         return kernel if interpreter_active() else _torch_wrap_triton(kernel)
-    if is_wrap_triton_enabled() and tracing_active():
+    if tracing_active() and is_wrap_triton_enabled():  # (tracing first: in eager mode it decides)
         return _torch_wrap_triton(kernel)
-    launcher = _FAST_LAUNCHERS.get(kernel)
+    # Keyed by id: a JITFunction hashes through its ``cache_key`` property (Python, on every launch).
+    # The launcher holds its kernel, so the id is never reused while the entry exists.
+    launcher = _FAST_LAUNCHERS.get(id(kernel))
     if launcher is None:
-        launcher = _FAST_LAUNCHERS[kernel] = FastLaunch(kernel)
+        launcher = _FAST_LAUNCHERS[id(kernel)] = FastLaunch(kernel)
     return launcher
 
 
@@ -86,9 +88,12 @@ class FastLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.cache = {}  # key -> (launcher, function, packed metadata, (name, default) of trailing params)
-        # A constexpr passed by position is keyed by its value, as keywords are.
-        self.constexpr_positions = tuple(kernel.constexprs)
+        # key -> (launcher, function, packed metadata, values of the trailing params or None, their
+        # (name, default))
+        self.cache = {}
+        # A constexpr passed by position is keyed by its value, as keywords are (ascending: the key
+        # stops at the first one past the positional arguments).
+        self.constexpr_positions = tuple(sorted(kernel.constexprs))
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -106,24 +111,36 @@ class FastLaunch:
             if compiled is not None and hasattr(compiled, "packed_metadata"):
                 self.cache[key] = self._entry(compiled, len(args), kwargs)
             return compiled
-        run, function, metadata, tail = entry
-        size = len(grid)
-        device = key[0]
-        run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
-            *args, *[kwargs[name] if name in kwargs else default for name, default in tail])
+        run, function, metadata, values, tail = entry
+        if values is None:
+            values = [kwargs[name] if name in kwargs else default for name, default in tail]
+        run(*grid, *_GRID_PADDING[len(grid)], torch._C._cuda_getCurrentRawStream(key[0]), function, metadata,
+            None, None, None, *args, *values)
         return None
 
     def _entry(self, compiled, num_positional, kwargs):
         """What a cached launch needs: the launcher, and the parameters after the positional
         arguments in signature order, each taken from the keywords or its default (Triton's
-        launcher takes every parameter, constexprs included, in signature order)."""
+        launcher takes every parameter, constexprs included, in signature order).
+
+        When every one of those is a constexpr, their values are taken once, here: the key holds
+        each keyword's name and value, so a launch that finds this entry passes the same ones (and
+        a compiled kernel has its constexprs built in: the launcher skips them)."""
+        names = list(self.kernel.signature.parameters)
         params = list(self.kernel.signature.parameters.values())[num_positional:]
         tail = tuple((p.name, p.default) for p in params)
         for name, default in tail:
             if name not in kwargs and default is inspect.Parameter.empty:
                 raise TypeError(f"{self.kernel.fn.__name__}: argument {name!r} missing")
-        return compiled.run, compiled.function, compiled.packed_metadata, tail
+        constexprs = {names[i] for i in self.constexpr_positions}
+        values = None
+        if all(name in constexprs for name, _ in tail):
+            values = tuple(kwargs[name] if name in kwargs else default for name, default in tail)
+        return compiled.run, compiled.function, compiled.packed_metadata, values, tail
+
+
+# A grid of 1, 2 or 3 dimensions, padded to the launcher's three.
+_GRID_PADDING = ((1, 1, 1), (1, 1), (1,), ())
 
 
 def _launch_hooks_idle() -> bool:
@@ -160,18 +177,20 @@ def _specialization_key(args, kwargs, constexpr_positions=()):
     """
     key = [_current_device()]
     append = key.append
-    for i in constexpr_positions:
-        if i < len(args):
-            append(("constexpr", i, args[i]))
+    num_args = len(args)
+    for i in constexpr_positions:  # ascending; usually the first is past the positional arguments
+        if i >= num_args:
+            break
+        append(("constexpr", i, args[i]))
     int_keys = _INT_KEYS
     for a in args:
         t = type(a)
-        if t is _TENSOR or t is _PARAMETER:
+        if t is int:  # first: most arguments are sizes and strides
+            append(int_keys.get(a) or _int_key(a))
+        elif t is _TENSOR or t is _PARAMETER:
             # flat, not a pair: two entries cost less than a tuple; a dtype object only comes from here
             append(a.dtype)
             append(a.data_ptr() & 15)
-        elif t is int:
-            append(int_keys.get(a) or _int_key(a))
         elif t is float:
             append(float)
         elif t is bool or a is None:
@@ -260,31 +279,69 @@ class TigonOp:
             raise ValueError(f"tigon::{name} mutates {mutates_args}: it cannot take a backward")
         self.impl = impl
         self.op = triton_op(f"tigon::{name}", impl, mutates_args=set(mutates_args))
-        self.function = None
+        self.function = self.apply = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
             self.function = _eager_function(name, impl, setup_context, backward)
+            self.apply = _FUNCTION_APPLY.__get__(None, self.function)
 
     def __call__(self, *args):
-        if _tracing(args):
+        # The registered op where the call is traced rather than run: Dynamo (torch.compile's front
+        # end), or AOTAutograd / make_fx tracing a backward, which is not Dynamo but runs under a
+        # dispatch mode with fake or functional tensors (a tensor that is not a plain Tensor or
+        # Parameter). Real tensors take the direct path. Written out, without helper calls: this runs
+        # on every op call, and each Python layer costs (class docs).
+        if tracing_active():
             return self.op(*args)
-        if self.function is not None and torch.is_grad_enabled():
-            return self.function.apply(*args)
-        return self.impl(*args)
+        differentiable = self.function is not None and torch.is_grad_enabled()
+        if not differentiable or _functorch_transforms_active():
+            for a in args:
+                if type(a) not in _PLAIN_TENSORS and isinstance(a, torch.Tensor):
+                    return self.op(*args)
+            return self.function.apply(*args) if differentiable else self.impl(*args)
+        # What autograd.Function.apply does outside functorch transforms, for a Function without
+        # setup_context (no argument binding): unwrap tensors that a finished transform left wrapped,
+        # then the C++ apply.
+        eager = []
+        for a in args:
+            t = type(a)
+            if t is _TENSOR or t is _PARAMETER:
+                a = _unwrap_if_dead(a)
+            elif isinstance(a, torch.Tensor):
+                return self.op(*args)
+            eager.append(a)
+        return self.apply(*eager)
 
 
+# autograd.Function.apply's C++ part (torch._C._FunctionBase.apply), and the two functorch calls its
+# Python part makes before it.
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
-def _tracing(args) -> bool:
-    """True when the call is being traced rather than run: Dynamo (torch.compile's front end), or
-    AOTAutograd / make_fx tracing a backward, which is not Dynamo but runs under a dispatch mode
-    with fake or functional tensors. Those need the registered op; real tensors take the direct path.
+
+def function_apply(function):
+    """``function.apply`` for an ``autograd.Function`` without ``setup_context`` (forward(ctx, ...)),
+    with less Python per call.
+
+    Outside functorch transforms, ``Function.apply`` binds nothing for such a Function: it unwraps
+    tensors that a finished transform left wrapped and calls the C++ apply, after building a closure,
+    comparing ``setup_context`` and making a ``super()`` object (~1 µs a call on a CPU; a decoder
+    layer makes a handful of nodes). This does the unwrapping and the C++ call; under a functorch
+    transform, and under torch.compile (Dynamo traces ``Function.apply``, not the C++ one), it is
+    ``function.apply`` itself.
     """
-    if tracing_active():
-        return True
-    for a in args:  # a loop, not any(<generator>): this runs on every op call
-        if type(a) not in _PLAIN_TENSORS and isinstance(a, torch.Tensor):
-            return True
-    return False
+    if function.setup_context is not torch.autograd.Function.setup_context:
+        raise TypeError(f"{function.__name__} defines setup_context: use its own apply")
+    c_apply = _FUNCTION_APPLY.__get__(None, function)
+
+    def apply(*args):
+        # Dynamo traces Function.apply itself (as it does the registered ops): compiling first
+        if torch.compiler.is_compiling() or _functorch_transforms_active():
+            return function.apply(*args)
+        return c_apply(*[_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+    return apply
 
 
 def tracing_active() -> bool:
@@ -292,7 +349,9 @@ def tracing_active() -> bool:
 
     Launchers that cache a tensor check it: a tensor made while tracing is a fake one, and must never
     be cached for real calls."""
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    # the dispatch-mode stack's length, not _get_current_dispatch_mode(): the same answer (the stack
+    # holds modes, never None) without a Python call (this runs a few times per op call)
+    return torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0
 
 
 def _direct_launch():

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_tensor
-from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
+from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 from tigon.ops._norm_rows import (
     NormBackwardLaunch,
     NormLaunch,
@@ -454,7 +454,12 @@ def forward_launch(num_rows: int, hidden: int) -> tuple[NormLaunch, int]:
 
 def norm_backward_launch(num_rows: int, hidden: int, device: torch.device) -> NormBackwardLaunch:
     """The backward's launch for (num_rows, hidden) rows on ``device``."""
-    return backward_launch(num_rows, hidden, device, CONFIG.backward)
+    return _norm_backward_launch(num_rows, hidden, device, CONFIG.backward)
+
+
+# Cached as the forward's geometry is (a few µs of Python on every backward); keyed by the tuning, so
+# that a swapped CONFIG is read, and by the device, whose multiprocessors set the programs.
+_norm_backward_launch = cache_by_size(backward_launch)
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -605,7 +610,9 @@ def _add_rms_norm_grad(ctx, dy, dsum, _drstd):
     narrow = ctx.x_dtype if ctx.x_dtype != s.dtype else None
     ds, dw, dx = RMS_NORM_BACKWARD(dy, s, weight, rstd, dsum, ctx.eps, ctx.offset, ctx.casting, narrow)
     dx = dx if narrow is not None else ds
-    return dx, ds.to(ctx.residual_dtype), (dw if weight is not None else None), None, None, None, None
+    # (no .to call where ds is in the residual's dtype already: the same tensor, without the dispatch)
+    d_residual = ds if ds.dtype == ctx.residual_dtype else ds.to(ctx.residual_dtype)
+    return dx, d_residual, (dw if weight is not None else None), None, None, None, None
 
 
 RMS_NORM = TigonOp("rms_norm", _rms_norm_impl, setup_context=_setup_rms_norm, backward=_rms_norm_grad)

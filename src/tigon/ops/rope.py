@@ -471,11 +471,13 @@ def rope(q, k, cos, sin, *, unsqueeze_dim=1, output_dtype=None):
     """
     _check_args(q, k, cos, sin, unsqueeze_dim)
     pair = output_dtype if isinstance(output_dtype, tuple) else (output_dtype, output_dtype)
-    if len(pair) != 2 or any(
-        dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) for dtype in pair
-    ):
+    if len(pair) != 2 or not (_output_dtype_ok(pair[0]) and _output_dtype_ok(pair[1])):
         raise TypeError(f"output_dtype must be None, a floating torch.dtype or a pair of them, got {output_dtype!r}")
     return ROPE(q, k, cos, sin, int(unsqueeze_dim), *pair)
+
+
+def _output_dtype_ok(dtype) -> bool:
+    return dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
 
 
 # ------------------------------------------------------------------------------------------ reference
