@@ -278,7 +278,7 @@ FAMILIES: dict[str, Family] = {
                                        attention="Qwen2_5_VLVisionAttention")),
         _vision_language("qwen3_vl", "Qwen3VL", norm=Norm("Qwen3VLTextRMSNorm"), mlp=Mlp("Qwen3VLTextMLP"),
                          attention="Qwen3VLTextAttention", decoder_layer="Qwen3VLTextDecoderLayer",
-                         vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="Qwen3VLVisionAttention")),
+                         joined_layer="pre_norm", vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="Qwen3VLVisionAttention")),
         _vision_language("gemma3", "Gemma3", norm=_gemma_norm("Gemma3RMSNorm"), mlp=Mlp("Gemma3MLP"),
                          attention="Gemma3Attention", decoder_layer="Gemma3DecoderLayer", joined_layer="sandwich",
                          projection_norms=SANDWICH_NORMS,

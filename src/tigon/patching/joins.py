@@ -80,6 +80,15 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, CACHE=N
     return hidden_states
 '''
 
+# Qwen3-VL's text decoder layer (Qwen3VLTextDecoderLayer, 5.17 to 5.24): the same statements, with the
+# rotary embeddings as the second parameter.
+PRE_NORM_ROPE_SECOND_FORWARD = PRE_NORM_FORWARD.replace(
+    "def forward(self, hidden_states, attention_mask=None, position_ids=None, CACHE=None, use_cache=False,\n"
+    "            position_embeddings=None, **kwargs):",
+    "def forward(self, hidden_states, position_embeddings, attention_mask=None, position_ids=None, CACHE=None,\n"
+    "            use_cache=False, **kwargs):",
+)
+
 # The body of transformers' Gemma2DecoderLayer.forward / Gemma3DecoderLayer.forward (5.17 to 5.24).
 SANDWICH_FORWARD = '''
 def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
@@ -149,9 +158,10 @@ def _shape(fn_node: ast.FunctionDef) -> str:
     return repr((names, rest)) + "".join(ast.dump(statement) for statement in statements)
 
 
-def matched_variant(forward, source: str) -> str | None:
+def matched_variant(forward, source) -> str | None:
     """The cache argument name under which ``forward`` (a decoder layer class's, seen through its
-    decorators) is the forward written in ``source``; None when it is none of the known variants.
+    decorators) is the forward written in ``source`` (or in one of the sources of a tuple); None when
+    it is none of the known variants.
 
     A decorator whose wrapper does not call the function it names raises (wrappers.WrapperMismatch).
     """
@@ -163,9 +173,10 @@ def matched_variant(forward, source: str) -> str | None:
     if not isinstance(node, ast.FunctionDef):
         return None
     shape = _shape(node)
-    for name in CACHE_NAMES:
-        if shape == _shape(ast.parse(source.replace("CACHE", name)).body[0]):
-            return name
+    for text in (source,) if isinstance(source, str) else source:
+        for name in CACHE_NAMES:
+            if shape == _shape(ast.parse(text.replace("CACHE", name)).body[0]):
+                return name
     return None
 
 
@@ -250,10 +261,11 @@ def post_norm_layer_forward(arguments: AttentionArguments):
 
 @dataclass(frozen=True)
 class JoinedLayer:
-    """A layer layout: transformers' forward (source, with CACHE for the cache argument's name), the
-    norms it calls, the maker of tigon's forward for a class forward, and what the patch report says."""
+    """A layer layout: transformers' forward (source, with CACHE for the cache argument's name; a tuple
+    where the families of one layout write their forwards' parameters in different orders), the norms
+    it calls, the maker of tigon's forward for a class forward, and what the patch report says."""
 
-    source: str
+    source: str | tuple
     norms: tuple[str, ...]
     make_forward: object
     ops: str
@@ -267,7 +279,8 @@ class JoinedLayer:
 
 LAYOUTS = {
     "pre_norm": JoinedLayer(
-        PRE_NORM_FORWARD, ("input_layernorm", "post_attention_layernorm"), pre_norm_layer_forward,
+        (PRE_NORM_FORWARD, PRE_NORM_ROPE_SECOND_FORWARD), ("input_layernorm", "post_attention_layernorm"),
+        pre_norm_layer_forward,
         "tigon.ops.add_rms_norm",
     ),
     "sandwich": JoinedLayer(
