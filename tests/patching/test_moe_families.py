@@ -19,6 +19,7 @@ import tigon
 from tests.helpers import DEVICE
 from tests.patching.tiny import assert_same_grads, batch, rel, stock_and_patched
 from tigon.patching import forwards
+from tigon.patching.engine import SWITCHES
 
 LOSS_TOLERANCE = 1e-4
 
@@ -99,8 +100,7 @@ def test_router_logits_are_handed_on(model_type):
     ],
 )
 def test_each_switch_alone(model_type, switch, changed):
-    off = {name: False for name in ("rope", "rms_norm", "layer_norm", "mlp", "cross_entropy",
-                                    "fused_linear_cross_entropy", "cuda_graphs")}
+    off = {name: False for name in SWITCHES}
     stock, patched, handle = stock_and_patched(model_type, **{**off, switch: True})
     assert len(handle.replaced) == len(changed), handle.replaced
     for line, expected in zip(handle.replaced, changed, strict=True):

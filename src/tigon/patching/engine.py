@@ -688,9 +688,9 @@ def _plan_attention(plan, model, family, classes, switches):
 def _plan_sliding_window(plan, model):
     if sliding_window.has_sliding_layers(model.config) and not sliding_window.marked(model.config):
         plan.add(sliding_window.MarkConfig(model.config),
-                 "sdpa attention of sliding-window layers -> row blocks of the band (sliding_window.py)")
-        plan.add(causal_mask.by_rows_mark(model.config),
-                 "sliding-window sdpa masks -> built by row blocks (causal_mask.py)")
+                 "sdpa attention of sliding-window layers -> row blocks of the band, their masks built by row "
+                 "blocks (sliding_window.py)")
+        plan.add(causal_mask.by_rows_mark(model.config))
 
 
 @dataclass(frozen=True)
