@@ -85,6 +85,14 @@ class FusedLinearCrossEntropyConfig:
     # on that read and write: with an fp32 dW, token chunks get at least this many tokens (when
     # there are as many) even past the workspace budget, C·V·2 bytes of logits (1 GB at V = 256000).
     fp32_token_chunk: int = 2048
+    # A 16-bit dW may instead be summed in an fp32 accumulator by tokens (chunk_plan): that plan's
+    # peak beyond the inputs (gradients, accumulator, one chunk of logits) may reach this fraction of
+    # the bytes of the whole logits in the compute dtype, N·V·2 in bf16, which eager and
+    # torch.compile hold (with their gradient besides).
+    logits_fraction: float = 0.35
+    # ... with token chunks of at least this many tokens: each chunk's dW matmul reads and writes the
+    # fp32 accumulator (8·V·H bytes) for 2·C·V·H flops, C/4 flops per byte (256 at C = 1024).
+    fp32_dw_min_token_chunk: int = 1024
     # Chunk sizes are multiples of these: whole 256-row and 512-column blocks divide evenly into
     # cuBLAS's tiles (and the chunk kernels' column blocks).
     token_align: int = 256
@@ -92,16 +100,22 @@ class FusedLinearCrossEntropyConfig:
 
 
 CONFIG = FusedLinearCrossEntropyConfig()
-# By classes: bytes per token·hidden of the fp32 dX accumulator.
+# By classes: bytes per token·hidden of the fp32 dX accumulator; by tokens with fp32_dw, bytes per
+# class·hidden of the fp32 dW accumulator.
 DX_ACCUMULATOR_BYTES = 4
+DW_ACCUMULATOR_BYTES = 4
+# fp32 loss rows: one chunk's, then all of them concatenated.
+LOSS_ROW_BYTES = 8
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """How the logits are cut: ``size`` tokens per chunk (by_tokens) or ``size`` classes per chunk."""
+    """How the logits are cut: ``size`` tokens per chunk (by_tokens) or ``size`` classes per chunk;
+    ``fp32_dw``: by tokens, dW is summed over the chunks in fp32 and rounded to its dtype once."""
 
     by_tokens: bool
     size: int
+    fp32_dw: bool = False
 
 
 def chunk_plan(
@@ -115,7 +129,9 @@ def chunk_plan(
     precision) is summed over token chunks in fp32, so the max_token_chunks accuracy limit does not
     apply to it; its chunks get fp32_token_chunk tokens at least, past the workspace budget if need
     be, so that the dW matmul (K = the chunk's tokens) is bound by its flops rather than by the read
-    and write of the fp32 dW.
+    and write of the fp32 dW. A 16-bit weight gradient that would take more than one token chunk
+    is summed in an fp32 accumulator when that fits the logits_fraction budget
+    (:func:`fp32_dw_plan`), else by tokens in its dtype (at most max_token_chunks) or by classes.
     """
     config = config or CONFIG
     dx_size = elem_size if dx_size is None else dx_size
@@ -127,17 +143,63 @@ def chunk_plan(
         tokens_fit = max(tokens_fit, config.fp32_token_chunk)
     if tokens_fit >= num_tokens:
         return ChunkPlan(True, max(num_tokens, 1))
+    if dw_size < DW_ACCUMULATOR_BYTES:
+        plan = fp32_dw_plan(num_tokens, vocab, hidden, elem_size, dx_size=dx_size, dw_size=dw_size, config=config)
+        if plan is not None:
+            return plan
     tokens_fit = tokens_fit // config.token_align * config.token_align
     chunks = -(-num_tokens // tokens_fit) if tokens_fit > 0 else None
     fp32_sum = dw_size >= 4 and tokens_fit >= config.min_fp32_token_chunk
     if chunks is not None and (fp32_sum or chunks <= config.max_token_chunks):
-        size = -(-num_tokens // chunks)
-        return ChunkPlan(True, min(tokens_fit, -(-size // config.token_align) * config.token_align))
+        return ChunkPlan(True, _balanced(num_tokens, tokens_fit, config.token_align))
     # By classes, dX in its own dtype is made from the fp32 accumulator only after the last chunk
     # (the chunk buffer is freed first), so while chunks are made the accumulator stands in for it.
     accumulator = num_tokens * hidden * (DX_ACCUMULATOR_BYTES - dx_size)
     classes_fit = int((workspace - accumulator) // (num_tokens * elem_size))
     return ChunkPlan(False, min(vocab, max(config.class_align, classes_fit // config.class_align * config.class_align)))
+
+
+def _balanced(num_tokens, tokens_fit, align):
+    """The fewest chunks of at most ``tokens_fit`` tokens, made as even as ``align`` allows."""
+    chunks = -(-num_tokens // tokens_fit)
+    size = -(-num_tokens // chunks)
+    return min(tokens_fit, -(-size // align) * align)
+
+
+def fp32_dw_peak_bytes(
+    num_tokens: int, vocab: int, hidden: int, elem_size: int, chunk: int, *, dx_size: int, dw_size: int
+) -> int:
+    """Peak bytes beyond the inputs, by tokens with an fp32 dW accumulator and ``chunk`` tokens of
+    logits: while the chunks are made, dX + the accumulator + one chunk + the loss rows; after the
+    chunk buffer is freed, dX + the accumulator + dW rounded to its dtype. A bias adds its fp32 sum
+    and its gradient, (4 + its size)·V bytes (under 0.1% at the benchmark heads)."""
+    dx = num_tokens * hidden * dx_size
+    accumulator = vocab * hidden * DW_ACCUMULATOR_BYTES
+    making = dx + accumulator + chunk * vocab * elem_size + num_tokens * LOSS_ROW_BYTES
+    rounding = dx + accumulator + vocab * hidden * dw_size
+    return max(making, rounding)
+
+
+def fp32_dw_plan(
+    num_tokens: int, vocab: int, hidden: int, elem_size: int, *, dx_size: int, dw_size: int,
+    config: FusedLinearCrossEntropyConfig | None = None,
+) -> ChunkPlan | None:
+    """By tokens with an fp32 dW accumulator, in chunks as large as logits_fraction of the whole
+    logits' bytes allows once dX and the accumulator are counted (fp32_dw_peak_bytes); None when
+    chunks of fp32_dw_min_token_chunk tokens do not fit. One chunk of all the tokens needs no
+    accumulator: dW is then one matmul, rounded once in its own dtype."""
+    config = config or CONFIG
+    budget = config.logits_fraction * num_tokens * vocab * elem_size
+    held = num_tokens * hidden * dx_size + vocab * hidden * DW_ACCUMULATOR_BYTES   # dX + accumulator
+    if held + vocab * hidden * dw_size > budget:                                   # the final rounding
+        return None
+    room = budget - held - num_tokens * LOSS_ROW_BYTES                              # for one chunk
+    tokens_fit = int(room // (vocab * elem_size)) // config.token_align * config.token_align
+    if tokens_fit < max(config.fp32_dw_min_token_chunk, config.token_align):
+        return None
+    if tokens_fit >= num_tokens:
+        return ChunkPlan(True, num_tokens)
+    return ChunkPlan(True, _balanced(num_tokens, tokens_fit, config.token_align), fp32_dw=True)
 
 
 # ------------------------------------------------------------------------------------ chunked passes
@@ -183,17 +245,24 @@ def _view(buffer, rows, cols):
     return None if buffer is None else buffer[: rows * cols].view(rows, cols)
 
 
-def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, chunk, grad_dtypes):
-    """Loss rows and (dx, dw, db) with the logits made C = ``chunk`` tokens at a time."""
+def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, plan, grad_dtypes):
+    """Loss rows and (dx, dw, db) with the logits made C = ``plan.size`` tokens at a time.
+
+    dW is summed over the chunks in its own dtype, or with ``plan.fp32_dw`` in an fp32 accumulator
+    (by the matmul itself on the GPU), rounded to its dtype once the chunk buffer is freed.
+    """
+    chunk = plan.size
     need_dx, need_dw, need_db = need
     num_tokens, vocab = x.shape[0], w.shape[0]
     any_grad = need_dx or need_dw or need_db
     dx_dtype, dw_dtype, db_dtype = grad_dtypes
+    dw_sum_dtype = torch.float32 if plan.fp32_dw else dw_dtype
     dx = torch.empty(x.shape, dtype=dx_dtype, device=x.device) if need_dx else None
-    dw = torch.empty(w.shape, dtype=dw_dtype, device=x.device) if need_dw else None
+    dw = torch.empty(w.shape, dtype=dw_sum_dtype, device=x.device) if need_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
     buffer = _chunk_buffer(min(chunk, num_tokens) * vocab, x.dtype, x.device)
     losses = []
+    logits = dlogits = None
     for c0 in range(0, num_tokens, chunk):
         c1 = min(num_tokens, c0 + chunk)
         x_c = x[c0:c1]
@@ -213,6 +282,9 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, chu
             matmul_accumulate(dw, dlogits.t(), x_c, first=c0 == 0)         # (V, H)
         if need_db:
             db += dlogits.sum(0, dtype=torch.float32)
+    logits = dlogits = buffer = None  # freed before the accumulator is rounded (fp32_dw_peak_bytes)
+    if need_dw and dw.dtype != dw_dtype:
+        dw = dw.to(dw_dtype)
     loss_rows = torch.cat(losses) if len(losses) > 1 else losses[0]
     return loss_rows, dx, dw, (db.to(db_dtype) if need_db else None)
 
@@ -323,9 +395,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grads_now = any(need) and reduction != "none"
         now = need if grads_now else (False, False, False)
         if plan.by_tokens:
-            loss_rows, dx, dw, db = _by_tokens(
-                x, w, b, t, weight, scales, None, now, opts, plan.size, grad_dtypes
-            )
+            loss_rows, dx, dw, db = _by_tokens(x, w, b, t, weight, scales, None, now, opts, plan, grad_dtypes)
             lse = None
         else:
             loss_rows, lse, dx, dw, db = _by_classes(
@@ -363,7 +433,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         row_scale = grad_loss.reshape(-1)
         if ctx.plan.by_tokens:
             _, dx, dw, db = _by_tokens(
-                x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts, ctx.plan.size, ctx.grad_dtypes
+                x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts, ctx.plan, ctx.grad_dtypes
             )
         else:
             _, _, dx, dw, db = _by_classes(x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts,
