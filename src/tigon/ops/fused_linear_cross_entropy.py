@@ -13,7 +13,7 @@ computed in the forward; the backward only applies ``grad_output`` (a row-scalin
 skips factors of 1, see cross_entropy.py), except for ``reduction="none"``, whose per-token
 grad_output must weigh each token's dL before it is summed into dW: that backward recomputes.
 
-Two chunkings, chosen by :func:`chunk_plan` from the sizes alone:
+Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
 
 * by tokens (C rows of L at a time): 3 matmuls in all (6·N·H·V flops), but W is read twice and
   dW read and written once per chunk, and dW is summed over N/C chunks in the weight's dtype.
@@ -21,25 +21,48 @@ Two chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   1.7e-3 for k = 1, 3.5e-3 for k = 8, 4.7e-3 for k = 16, 6.5e-3 for k = 32 (the final rounding
   alone gives 1.7e-3). So by-tokens is used only when the chunk allowed by the memory budget gives
   k ≤ max_token_chunks (12, ≈ 4.2e-3 < the 5e-3 target).
+* by tokens with an fp32 dW accumulator (``ChunkPlan.fp32_dw``, a bf16/fp16 weight): the same 3
+  matmuls, the dW matmul adding its fp32 product into the accumulator itself (``out_dtype``), and
+  dW rounded to its dtype once at the end: exact to one rounding, as an unfused loss's dW. The price
+  is memory, 4·V·H bytes of accumulator, and per chunk a read and a write of it (8·V·H bytes for
+  2·C·V·H flops), so the chunks are as large as the budget allows and never under
+  fp32_dw_min_token_chunk (1024) tokens. Its budget is not the gradients' (1.35× of 0.29 GB at the
+  small head below leaves room for no accumulator at all) but ``logits_fraction`` (0.35) of the
+  bytes of the whole logits N·V·2, which eager and torch.compile hold. Used whenever by tokens in
+  the weight's dtype would take more than one chunk and accumulator + chunk fit that budget. In
+  bf16, 4·V·H + 2·C·V ≤ 0.35·2·N·V (dX aside) is H ≤ (0.7·N − 2·C)/4, V cancelling: at N = 8192
+  and C = 1024, H ≤ 921, so only the small heads get it. Off the GPU, and under torch.compile,
+  the matmul cannot add into fp32 itself: each chunk's product is rounded to bf16 first, then
+  summed in fp32 (the running sum is no longer rounded to bf16).
 * by classes (all N tokens × Vc classes at a time): pass 1 makes every chunk once for the row
   statistics (lse), pass 2 makes each again (the last one is still there) and writes dL, then
   dW[chunk] = dLᵀ·X in one matmul over all tokens (one rounding) and dX += dL·W[chunk] in fp32.
   4 matmuls (8·N·H·V flops) but exact to one rounding and with large matmuls (K = N for dW, M = N
-  for the others) even when H is small. Used when by-tokens would need too many chunks: small H
-  makes the gradients small, hence the memory budget and C small (H = 896, V = 151936: C ≈ 280).
+  for the others) even when H is small. Used when neither by-tokens plan fits: small H makes the
+  gradients small, hence the memory budget and C small (H = 2048, V = 128256: 16 chunks of 512),
+  while the accumulator still passes the logits budget (1.05 GB against 0.74 GB).
 
 Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized to
 ``workspace_fraction`` of the gradient bytes (at least ``min_workspace_bytes``; both in
 :class:`FusedLinearCrossEntropyConfig`), plus fp32 per-token state and, by classes, an fp32 dX
-accumulator (dX in its own dtype is made from it after the
-chunk buffer is freed, so the accumulator takes its place in the budget). At N = 8192 in bf16:
-H = 4096, V = 128256 → 7 token chunks of 1280, peak ≈ 1.12 GB of gradients + 0.33 GB; H = 2304,
-V = 256000 → 11 token chunks of 768, peak ≈ 1.32× the 1.22 GB of gradients; H = 896, V = 151936 →
-class chunks of 4608, peak ≈ 1.31× the 0.29 GB of gradients.
+accumulator (dX in its own dtype is made from it after the chunk buffer is freed, so the
+accumulator takes its place in the budget). With the fp32 dW accumulator (:func:`fp32_dw_peak_bytes`):
+dX + accumulator + one chunk + the loss rows while chunks are made; dX + accumulator + dW once the
+chunk buffer is freed and dW is rounded. At N = 8192 in bf16:
+
+* H = 4096, V = 128256 → 7 token chunks of 1280 in bf16, peak ≈ 1.12 GB of gradients + 0.33 GB.
+  The accumulator alone (2.10 GB) passes 0.35 of the 2.10 GB of logits (0.74 GB).
+* H = 2304, V = 256000 → 11 token chunks of 768 in bf16, peak ≈ 1.32× the 1.22 GB of gradients.
+  The accumulator (2.36 GB) passes 0.35 of the 4.19 GB of logits (1.47 GB).
+* H = 896, V = 151936 → 8 token chunks of 1024 with the fp32 accumulator: 15 MB of dX + 545 MB of
+  accumulator + 311 MB of chunk = 870 MB while chunks are made (0.35 of the 2.49 GB of logits:
+  871 MB), 831 MB while dW is rounded. By classes it took 0.38 GB but made the logits twice: 4
+  matmuls against 3, and 33 class-chunk passes against 8 full-row ones.
 
 Under ``torch.autocast`` input, weight and bias are cast to the autocast dtype, as F.linear does;
 the loss math is fp32 regardless. Gradients come back in each argument's own dtype (an fp32 master
-weight gets an fp32 dW; by tokens it is accumulated from per-chunk partials in fp32).
+weight gets an fp32 dW; by tokens it is accumulated from per-chunk partials in fp32, as the
+fp32_dw plan accumulates a 16-bit one).
 
 Reference: :func:`fused_linear_cross_entropy_reference` (F.linear, then cross_entropy_reference).
 """
