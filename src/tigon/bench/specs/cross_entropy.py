@@ -7,6 +7,8 @@ forward alone: one read). eager is transformers' way: an fp32 upcast, then F.cro
 Fused linear cross-entropy: the heads of Llama-3-8B (H = 4096, V = 128256), Qwen2.5-0.5B (H = 896,
 V = 151936) and Gemma-2 (H = 2304, V = 256000, softcap 30). Compute bound: ``flops`` holds the
 three matmuls (2·N·H·V each), no speed-of-light bytes. eager: the matmul, then the fp32 loss.
+Peers where installed: Liger-Kernel (``liger``) and Apple's Cut Cross-Entropy (``cce``, its default
+gradient filtering; ``cce_exact``, none).
 """
 
 from __future__ import annotations
@@ -148,6 +150,28 @@ def _liger_flce():
     )
 
 
+def _cce_providers():
+    """Apple's Cut Cross-Entropy where ``cut_cross_entropy`` imports (it runs on CUDA only): ``cce``
+    in its default mode (filter_eps="high": gradient blocks whose softmax is below bf16's
+    resolution are skipped), ``cce_exact`` with no filtering. The harness's targets are already
+    aligned with the tokens (no shift); its ignore_index is -100, its reduction the mean."""
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError:
+        return {}
+
+    def provider(filter_eps):
+        def cce(input, linear_weight, target, softcap):
+            return linear_cross_entropy(
+                input, linear_weight, target, ignore_index=-100, softcap=softcap, reduction="mean",
+                shift=False, filter_eps=filter_eps, impl="cce",
+            )
+
+        return cce
+
+    return {"cce": provider("high"), "cce_exact": provider(None)}
+
+
 def _flce_eager(input, linear_weight, target, softcap):
     return fused_linear_cross_entropy_reference(input, linear_weight, target, softcap=softcap)
 
@@ -159,7 +183,7 @@ def _flce_tigon(input, linear_weight, target, softcap):
 FUSED_LINEAR_CROSS_ENTROPY = Spec(
     name="fused_linear_cross_entropy",
     cases=_flce_cases,
-    providers={"eager": _flce_eager, "tigon": _flce_tigon},
+    providers={"eager": _flce_eager, "tigon": _flce_tigon, **_cce_providers()},
     liger=_liger_flce,
     check_case=_flce_check_case,
 )
