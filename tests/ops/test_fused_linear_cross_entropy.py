@@ -2,8 +2,9 @@
 
 Chunkings (chunk_plan in fused_linear_cross_entropy.py): one token chunk (small problems), several
 token chunks (dW summed over chunks in its dtype or in an fp32 accumulator, the last chunk
-shorter), several class chunks (two passes, dX summed in fp32, the last chunk narrower). Tests force each plan at small sizes by replacing
-chunk_plan, and check the plan chosen at the benchmark shapes. The cross-entropy options are those
+shorter), several class chunks (two passes, dX summed in fp32, the last chunk narrower). Tests
+force each plan at small sizes by replacing chunk_plan, and check the plan chosen at the benchmark
+shapes. The cross-entropy options are those
 of tigon.ops.cross_entropy (whose tests sweep them all); here each reaches the loss through every
 chunking, with and without a bias.
 """
@@ -458,6 +459,31 @@ def test_flce_torch_compile_fullgraph(reduction):
     assert_close(loss, ref, torch.float32, "loss")
     for name, g, rg in zip(("dx", "dw", "db"), grads, ref_grads, strict=True):
         assert_close(g, rg, torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+def test_flce_fp32_dw_torch_compile_fullgraph(reduction, monkeypatch):
+    """The fp32 dW accumulator traced by torch.compile (no chunk buffer, plain matmuls) and run eagerly
+    (the matmul adding into fp32 itself): 4 chunks of 256 tokens, against the fp64 reference."""
+    monkeypatch.setattr(flce_module, "chunk_plan", lambda *a, **k: ChunkPlan(True, 256, fp32_dw=True))
+    x, w, b = make_inputs((4, 256), 512, 32000, torch.bfloat16, bias=True)
+    target = make_target((4, 256), 32000, ignored=9)
+
+    def f(x, w, b, t):
+        loss = fused_linear_cross_entropy(x * 1.0, w, t, linear_bias=b, reduction=reduction, softcap=30.0)
+        return loss.sum() if reduction == "none" else loss
+
+    _, ref_grads = fp64_reference(
+        lambda **kw: fused_linear_cross_entropy_reference(**kw).sum(),
+        {"input": x, "linear_weight": w, "linear_bias": b}, None, target=target, io_dtype=torch.bfloat16,
+        reduction=reduction, softcap=30.0,
+    )
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        grads = torch.autograd.grad(fn(x, w, b, target), (x, w, b))
+        assert grads[1].dtype == torch.bfloat16
+        for name, g in zip(("input", "linear_weight", "linear_bias"), grads, strict=True):
+            assert_close(g, ref_grads[name], torch.bfloat16, f"d{name}")
 
 
 @pytest.mark.gpu
