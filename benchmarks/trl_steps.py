@@ -185,6 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     steps.add_argument("--completion", type=int, help=f"completion tokens a row (default {COMPLETION})")
     steps.add_argument("--warmup", type=int, help=f"untimed steps (default {WARMUP})")
     steps.add_argument("--steps", type=int, help=f"timed steps (default {STEPS})")
+    steps.add_argument("--profile", type=Path, help="folder for a torch.profiler table of each job's last step")
 
     longest = sub.add_parser("longest-dpo", parents=[common], help="longest DPO pair at batch 1, Gemma-3-1B")
     longest.add_argument("--start", nargs="+", default=[], metavar="[PROVIDER=]LENGTH",
@@ -308,6 +309,30 @@ def _grpo(job, model, out_dir, gen):
     return trainer, batch
 
 
+def _write_profile(profiler, job: dict) -> None:
+    """The last timed step's operators by host time and by device time (``--profile``; the profiler's
+    own cost makes that step slower than the others)."""
+    name = f"{job['model']}-{job['trainer']}-{job['provider']}"
+    averages = profiler.key_averages()
+    with open(Path(job["profile"]) / f"trl-step-profile-{name}.txt", "w") as f:
+        for key in ("cpu_time_total", "self_cpu_time_total", "device_time_total"):
+            f.write(f"== {name}, sorted by {key}\n")
+            f.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=90) + "\n")
+
+
+def _allocator_counts(cuda: bool) -> dict:
+    """The caching allocator's cumulative counts: device allocations and frees (cudaMalloc/cudaFree,
+    which synchronise the device when a request finds no cached block) and retries (a failed
+    request that freed the cache and tried again). Per-step differences are recorded: a step time
+    that grows from step to step while these grow points at the allocator, not the kernels."""
+    import torch
+
+    if not cuda:
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 def run_job(job: dict) -> dict:
     """Build model(s), patch (tigon), build the trainer and its batch, train ``warmup + steps`` steps."""
     import torch
@@ -382,7 +407,7 @@ def _train(job, out, model, ref_model, device):
         optimizer.zero_grad(set_to_none=True)
         return loss.item(), grad_norm.item()
 
-    losses, grad_norms, entropies, seconds = [], [], [], []
+    losses, grad_norms, entropies, seconds, allocator = [], [], [], [], []
     warmup, steps = job["warmup"], job["steps"]
     for step in range(warmup + steps):
         if step == warmup:
@@ -390,9 +415,19 @@ def _train(job, out, model, ref_model, device):
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+        before = _allocator_counts(cuda)
+        profiling = job.get("profile") and step == warmup + steps - 1
+        if profiling:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            profiler.__enter__()
         start = time.perf_counter()
         loss, grad_norm = train_step()
         seconds.append(time.perf_counter() - start)
+        if profiling:
+            profiler.__exit__(None, None, None)
+            _write_profile(profiler, job)
+        allocator.append({k: v - before[k] for k, v in _allocator_counts(cuda).items()})
         losses.append(loss)
         grad_norms.append(grad_norm)
         logged = trainer._metrics["train"].get("entropy")
@@ -400,7 +435,7 @@ def _train(job, out, model, ref_model, device):
             entropies.append(logged[-1])
     median = statistics.median(seconds[warmup:])
     out.update(losses=losses, grad_norms=grad_norms, step_seconds=seconds, median_step_s=median,
-               tokens_per_s=out["tokens_per_step"] / median)
+               tokens_per_s=out["tokens_per_step"] / median, allocator_per_step=allocator)
     if entropies:
         out["entropies"] = entropies
     if cuda:
@@ -488,7 +523,8 @@ def steps_mode(args, log=print) -> dict:
             for trainer in args.trainers:
                 for provider in args.providers:
                     job = _job(args, model, trainer, provider, rows=args.rows, prompt=args.prompt,
-                               completion=args.completion, warmup=args.warmup, steps=args.steps)
+                               completion=args.completion, warmup=args.warmup, steps=args.steps,
+                               profile=str(args.profile) if args.profile else None)
                     row = pool.run(job)
                     rows.append(row)
                     log(row_line(row))

@@ -27,11 +27,19 @@ Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   is memory, 4·V·H bytes of accumulator, and per chunk a read and a write of it (8·V·H bytes for
   2·C·V·H flops), so the chunks are as large as the budget allows and never under
   fp32_dw_min_token_chunk (1024) tokens. Its budget is not the gradients' (1.35× of 0.29 GB at the
-  small head below leaves room for no accumulator at all) but ``logits_fraction`` (0.35) of the
-  bytes of the whole logits N·V·2, which eager and torch.compile hold. Used whenever by tokens in
-  the weight's dtype would take more than one chunk and accumulator + chunk fit that budget. In
-  bf16, 4·V·H + 2·C·V ≤ 0.35·2·N·V (dX aside) is H ≤ (0.7·N − 2·C)/4, V cancelling: at N = 8192
-  and C = 1024, H ≤ 921, so only the small heads get it. Off the GPU, and under torch.compile,
+  small head below leaves room for no accumulator at all) but ``logits_fraction`` (0.6) of the
+  bytes of the whole logits N·V·2, which eager and torch.compile hold (compile's peak at the
+  small head is 1.9× those bytes), and never more than ``fp32_dw_max_bytes`` (1.5 GiB): a long
+  sequence, whose logits grow with N, keeps the small plans of the memory it trains in. Used
+  whenever by tokens in the weight's dtype would take more than one chunk and accumulator + chunk
+  fit that budget. In bf16, 4·V·H + 2·C·V ≤ 0.6·2·N·V (dX aside) is H ≤ (1.2·N − 2·C)/4, V
+  cancelling: at N = 8192 and C = 1024, H ≤ 1945, so only the small heads get it; the 1.5 GiB cap
+  then asks 4·V·H + 2·V·H (the rounded dW) ≤ 1.61 GB, V·H ≤ 268M (Qwen2.5's 151936 × 896 = 136M;
+  Llama-3.2-1B's 128256 × 2048 = 263M passes the logits budget at N = 8192 first). Each chunk's dW
+  matmul reads and writes the accumulator, so chunks are as large as the budget allows: that
+  traffic (8·V·H bytes a chunk) is what the plan pays over an unfused loss's single dW matmul
+  (measured on the H100 at the small head: 0.70 ms a chunk of 1024 tokens against 0.45 ms for
+  the same matmul into bf16 without accumulating). Off the GPU, and under torch.compile,
   the matmul cannot add into fp32 itself: each chunk's product is rounded to bf16 first, then
   summed in fp32 (the running sum is no longer rounded to bf16).
 * by classes (all N tokens × Vc classes at a time): pass 1 makes every chunk once for the row
@@ -40,7 +48,7 @@ Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   4 matmuls (8·N·H·V flops) but exact to one rounding and with large matmuls (K = N for dW, M = N
   for the others) even when H is small. Used when neither by-tokens plan fits: small H makes the
   gradients small, hence the memory budget and C small (H = 2048, V = 128256: 16 chunks of 512),
-  while the accumulator still passes the logits budget (1.05 GB against 0.74 GB).
+  while the accumulator and the rounded dW pass the logits budget (1.58 GB against 1.26 GB).
 
 Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized to
 ``workspace_fraction`` of the gradient bytes (at least ``min_workspace_bytes``; both in
@@ -51,13 +59,14 @@ dX + accumulator + one chunk + the loss rows while chunks are made; dX + accumul
 chunk buffer is freed and dW is rounded. At N = 8192 in bf16:
 
 * H = 4096, V = 128256 → 7 token chunks of 1280 in bf16, peak ≈ 1.12 GB of gradients + 0.33 GB.
-  The accumulator alone (2.10 GB) passes 0.35 of the 2.10 GB of logits (0.74 GB).
+  The accumulator alone (2.10 GB) passes 0.6 of the 2.10 GB of logits (1.26 GB).
 * H = 2304, V = 256000 → 11 token chunks of 768 in bf16, peak ≈ 1.32× the 1.22 GB of gradients.
-  The accumulator (2.36 GB) passes 0.35 of the 4.19 GB of logits (1.47 GB).
-* H = 896, V = 151936 → 8 token chunks of 1024 with the fp32 accumulator: 15 MB of dX + 545 MB of
-  accumulator + 311 MB of chunk = 870 MB while chunks are made (0.35 of the 2.49 GB of logits:
-  871 MB), 831 MB while dW is rounded. By classes it took 0.38 GB but made the logits twice: 4
-  matmuls against 3, and 33 class-chunk passes against 8 full-row ones.
+  The accumulator (2.36 GB) passes the 1.5 GiB cap (1.61 GB).
+* H = 896, V = 151936 → 3 token chunks of 2816 with the fp32 accumulator: 15 MB of dX + 545 MB of
+  accumulator + 856 MB of chunk = 1.42 GB while chunks are made (0.6 of the 2.49 GB of logits:
+  1.49 GB), 831 MB while dW is rounded; torch.compile's peak is 4.98 GB. By classes it took
+  0.38 GB but made the logits twice: 4 matmuls against 3, and 33 class-chunk passes against 3
+  full-row ones.
 
 Under ``torch.autocast`` input, weight and bias are cast to the autocast dtype, as F.linear does;
 the loss math is fp32 regardless. Gradients come back in each argument's own dtype (an fp32 master
@@ -111,8 +120,10 @@ class FusedLinearCrossEntropyConfig:
     # A 16-bit dW may instead be summed in an fp32 accumulator by tokens (chunk_plan): that plan's
     # peak beyond the inputs (gradients, accumulator, one chunk of logits) may reach this fraction of
     # the bytes of the whole logits in the compute dtype, N·V·2 in bf16, which eager and
-    # torch.compile hold (with their gradient besides).
-    logits_fraction: float = 0.35
+    # torch.compile hold (with their gradient besides) ...
+    logits_fraction: float = 0.6
+    # ... and never more than this many bytes (long sequences keep the plans that save memory).
+    fp32_dw_max_bytes: int = 3 << 29
     # ... with token chunks of at least this many tokens: each chunk's dW matmul reads and writes the
     # fp32 accumulator (8·V·H bytes) for 2·C·V·H flops, C/4 flops per byte (256 at C = 1024).
     fp32_dw_min_token_chunk: int = 1024
@@ -208,11 +219,11 @@ def fp32_dw_plan(
     config: FusedLinearCrossEntropyConfig | None = None,
 ) -> ChunkPlan | None:
     """By tokens with an fp32 dW accumulator, in chunks as large as logits_fraction of the whole
-    logits' bytes allows once dX and the accumulator are counted (fp32_dw_peak_bytes); None when
+    logits' bytes (at most fp32_dw_max_bytes) allows once dX and the accumulator are counted (fp32_dw_peak_bytes); None when
     chunks of fp32_dw_min_token_chunk tokens do not fit. One chunk of all the tokens needs no
     accumulator: dW is then one matmul, rounded once in its own dtype."""
     config = config or CONFIG
-    budget = config.logits_fraction * num_tokens * vocab * elem_size
+    budget = min(config.logits_fraction * num_tokens * vocab * elem_size, config.fp32_dw_max_bytes)
     held = num_tokens * hidden * dx_size + vocab * hidden * DW_ACCUMULATOR_BYTES   # dX + accumulator
     if held + vocab * hidden * dw_size > budget:                                   # the final rounding
         return None
