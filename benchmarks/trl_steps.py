@@ -94,6 +94,9 @@ from benchmarks import e2e  # noqa: E402  (worker pool, OOM detection, formattin
 MODELS = ("qwen2", "llama")
 TRAINERS = ("dpo", "grpo")
 PROVIDERS = ("trl", "tigon")
+# Also selectable (--providers): the policy's decoder layers replayed as CUDA graphs
+# (tigon.patch(policy, cuda_graphs=True)), for the steps a small model spends bound by its host.
+EXTRA_PROVIDERS = ("tigon+graphs",)
 ROWS = 8
 PROMPT = 256
 COMPLETION = 768
@@ -165,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    common.add_argument("--providers", nargs="+", choices=PROVIDERS + EXTRA_PROVIDERS, default=list(PROVIDERS))
     common.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke test of the pipeline under Triton's interpreter (no real numbers)")
     common.add_argument("--tiny", action="store_true", help="tiny configs and a few tokens (with --device cpu)")
@@ -351,8 +354,8 @@ def run_job(job: dict) -> dict:
     out["params"] = sum(p.numel() for p in model.parameters())
     ref_model = copy.deepcopy(model).eval() if job["trainer"] == "dpo" else None
     trl_patch = None
-    if job["provider"] == "tigon":
-        tigon.patch(model)
+    if job["provider"].startswith("tigon"):
+        tigon.patch(model, cuda_graphs=job["provider"] == "tigon+graphs")
         if ref_model is not None and job.get("patch_ref", True):
             tigon.patch(ref_model)
         trl_patch = tigon.patch_trl()
@@ -668,7 +671,8 @@ def markdown(result: dict) -> str:
              f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}.",
              f"Weights {s['weights']}, bf16=True, {s['attention']} attention; tigon = tigon.patch(policy"
              f"{' and DPO reference' if s['patch_ref'] else ''}) + tigon.patch_trl(); trl = TRL's own fused "
-             "LM head. Each run in a fresh process (benchmarks/trl_steps.py documents what is timed)."]
+             "LM head; tigon+graphs = the same with the policy's decoder layers replayed as CUDA graphs "
+             "(cuda_graphs=True). Each run in a fresh process (benchmarks/trl_steps.py documents what is timed)."]
     rows = result["rows"]
     if result["kind"] == "longest_dpo":
         starts = ", ".join(f"{v} ({k})" for k, v in s["starts"].items() if k in s["providers"])
