@@ -219,8 +219,8 @@ def fp32_dw_plan(
     config: FusedLinearCrossEntropyConfig | None = None,
 ) -> ChunkPlan | None:
     """By tokens with an fp32 dW accumulator, in chunks as large as logits_fraction of the whole
-    logits' bytes (at most fp32_dw_max_bytes) allows once dX and the accumulator are counted (fp32_dw_peak_bytes); None when
-    chunks of fp32_dw_min_token_chunk tokens do not fit. One chunk of all the tokens needs no
+    logits' bytes (at most fp32_dw_max_bytes) allows once dX and the accumulator are counted
+    (fp32_dw_peak_bytes); None when chunks of fp32_dw_min_token_chunk tokens do not fit. One chunk of all the tokens needs no
     accumulator: dW is then one matmul, rounded once in its own dtype."""
     config = config or CONFIG
     budget = min(config.logits_fraction * num_tokens * vocab * elem_size, config.fp32_dw_max_bytes)

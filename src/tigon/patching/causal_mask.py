@@ -37,26 +37,24 @@ mark, and with the last mark transformers' own function is registered again.
 
 from __future__ import annotations
 
-import sys
-import weakref
-
 import torch
 
-_MARKED: dict[int, weakref.ref] = {}
-_BY_ROWS: dict[int, weakref.ref] = {}  # configs whose sliding-window masks are built by row blocks
+from tigon.patching.interface_marks import InterfaceWrapper
+
 _ORIGINAL_KEY = "_tigon_original_sdpa_mask"
+# Marks: "compiled" (the compiled dense mask skipped), "by_rows" (sliding-window masks by row blocks).
+COMPILED, BY_ROWS = "compiled", "by_rows"
 
 
-def marked(config, marks=_MARKED) -> bool:
-    ref = marks.get(id(config))
-    return ref is not None and ref() is config
+def marked(config, group: str = COMPILED) -> bool:
+    return _WRAPPER.marked(config, group)
 
 
 def _by_rows_allowed(kwargs, rows: int) -> bool:
     """An eager sliding-window mask (its window shorter than the keys, so never skipped) of a marked
     model, built by broadcasting (not vmap), at least two row blocks long."""
     local_size, q_offset = kwargs.get("local_size"), kwargs.get("q_offset", 0)
-    return (marked(kwargs.get("config"), _BY_ROWS) and not torch.compiler.is_compiling()
+    return (marked(kwargs.get("config"), BY_ROWS) and not torch.compiler.is_compiling()
             and local_size is not None and kwargs["kv_length"] >= local_size
             and not kwargs.get("use_vmap", False) and not kwargs.get("allow_is_bidirectional_skip", False)
             and isinstance(q_offset, int) and kwargs["q_length"] >= 2 * rows)
@@ -108,63 +106,25 @@ def _wrap(original):
             return None
         return original(*args, **kwargs)
 
-    sdpa_mask._tigon = True
-    setattr(sdpa_mask, _ORIGINAL_KEY, original)
     return sdpa_mask
+
+
+_WRAPPER = InterfaceWrapper("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface",
+                            "sdpa", _wrap, _ORIGINAL_KEY, groups=(COMPILED, BY_ROWS))
+_MARKED = _WRAPPER.groups[COMPILED]
 
 
 def _install() -> bool:
     """Put :func:`sdpa_mask` in front of transformers' sdpa mask function (once); False if the
     installed transformers has no mask interface (nothing to do then)."""
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    except ImportError:
-        return False
-    current = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
-    if current is None:
-        return False
-    if not getattr(current, "_tigon", False):
-        AttentionMaskInterface.register("sdpa", _wrap(current))
-    return True
+    return _WRAPPER.install()
 
 
-def _uninstall() -> None:
-    """Put transformers' own sdpa mask function back once no patched model is marked (if ours is
-    still the registered one: a function registered after ours stays). No import: this also runs
-    from a weakref callback, possibly while the interpreter shuts down."""
-    masking = sys.modules.get("transformers.masking_utils")
-    if masking is None:
-        return
-    current = masking.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
-    if getattr(current, "_tigon", False):
-        masking.AttentionMaskInterface.register("sdpa", getattr(current, _ORIGINAL_KEY))
+def MarkConfig(config):  # noqa: N802  (a patch change, built like a class)
+    """The patch change (``apply``/``undo``) that lets ``config``'s model skip the compiled dense mask."""
+    return _WRAPPER.mark(config, COMPILED)
 
 
-def _forget(key: int, marks) -> None:
-    """A marked config was garbage-collected (its model with it): drop the mark."""
-    if marks.pop(key, None) is not None and not _MARKED and not _BY_ROWS:
-        _uninstall()
-
-
-class MarkConfig:
-    """A patch change (``apply``/``undo``) that lets ``config``'s model skip the compiled dense mask
-    (or, with ``marks=_BY_ROWS``, build its sliding-window masks by row blocks)."""
-
-    def __init__(self, config, marks=_MARKED):
-        self.config, self.marks = config, marks
-
-    def apply(self):
-        if _install():
-            key, marks = id(self.config), self.marks
-            marks[key] = weakref.ref(self.config, lambda _, key=key: _forget(key, marks))
-
-    def undo(self):
-        if marked(self.config, self.marks):
-            del self.marks[id(self.config)]
-            if not _MARKED and not _BY_ROWS:
-                _uninstall()
-
-
-def by_rows_mark(config) -> MarkConfig:
+def by_rows_mark(config):
     """The change that has ``config``'s sliding-window masks built by row blocks."""
-    return MarkConfig(config, _BY_ROWS)
+    return _WRAPPER.mark(config, BY_ROWS)

@@ -38,11 +38,12 @@ never holds more than the mask itself and one block's overlays.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+from tigon.patching.interface_marks import InterfaceWrapper
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,11 @@ class BandConfig:
 
 
 CONFIG = BandConfig()
-_MARKED: dict[int, weakref.ref] = {}
 _ORIGINAL_KEY = "_tigon_original_sdpa_attention"
 
 
 def marked(config) -> bool:
-    ref = _MARKED.get(id(config))
-    return ref is not None and ref() is config
+    return _WRAPPER.marked(config)
 
 
 def has_sliding_layers(config) -> bool:
@@ -121,7 +120,8 @@ def _wrap(original):
         window = kwargs.get("sliding_window")
         length = query.shape[2]
         if (
-            args == ()
+            not torch.compiler.is_compiling() and not _capturing()   # first: nothing before it is traced
+            and args == ()
             and isinstance(window, int) and not isinstance(window, bool) and window > 0
             and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
@@ -131,7 +131,6 @@ def _wrap(original):
             and not kwargs.get("output_attentions", False)
             and length >= config.min_blocks * config.block_rows
             and marked(getattr(module, "config", None))
-            and not torch.compiler.is_compiling() and not _capturing()
         ):
             if checks.banded(attention_mask, length, window, config.block_rows):
                 mask = attention_mask[..., :length]  # the keys this call has (transformers slices alike)
@@ -143,55 +142,14 @@ def _wrap(original):
                 return torch.cat(outputs, dim=1), None
         return original(module, query, key, value, attention_mask, *args, **kwargs)
 
-    sdpa_attention_forward._tigon = True
-    setattr(sdpa_attention_forward, _ORIGINAL_KEY, original)
     return sdpa_attention_forward
 
 
-def _install() -> bool:
-    """Put the band wrapper in front of transformers' sdpa attention function (once); False where
-    transformers has no attention interface."""
-    try:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-    except ImportError:
-        return False
-    current = ALL_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
-    if current is None:
-        return False
-    if not getattr(current, "_tigon", False):
-        AttentionInterface.register("sdpa", _wrap(current))
-    return True
+_WRAPPER = InterfaceWrapper("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "sdpa",
+                            _wrap, _ORIGINAL_KEY)
+_MARKED = _WRAPPER.groups[""]
 
 
-def _uninstall() -> None:
-    """transformers' own sdpa attention function back once no patched model is marked (if ours is still
-    the registered one). No import: this also runs from a weakref callback at interpreter shutdown."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None:
-        return
-    current = modeling.ALL_ATTENTION_FUNCTIONS._global_mapping.get("sdpa")
-    if getattr(current, "_tigon", False):
-        modeling.AttentionInterface.register("sdpa", getattr(current, _ORIGINAL_KEY))
-
-
-def _forget(key: int) -> None:
-    if _MARKED.pop(key, None) is not None and not _MARKED:
-        _uninstall()
-
-
-class MarkConfig:
-    """A patch change (``apply``/``undo``): the attention of ``config``'s model takes the band path."""
-
-    def __init__(self, config):
-        self.config = config
-
-    def apply(self):
-        if _install():
-            key = id(self.config)
-            _MARKED[key] = weakref.ref(self.config, lambda _, key=key: _forget(key))
-
-    def undo(self):
-        if marked(self.config):
-            del _MARKED[id(self.config)]
-            if not _MARKED:
-                _uninstall()
+def MarkConfig(config):  # noqa: N802  (a patch change, built like a class)
+    """The patch change (``apply``/``undo``): the attention of ``config``'s model takes the band path."""
+    return _WRAPPER.mark(config)
