@@ -220,8 +220,8 @@ def fp32_dw_plan(
 ) -> ChunkPlan | None:
     """By tokens with an fp32 dW accumulator, in chunks as large as logits_fraction of the whole
     logits' bytes (at most fp32_dw_max_bytes) allows once dX and the accumulator are counted
-    (fp32_dw_peak_bytes); None when chunks of fp32_dw_min_token_chunk tokens do not fit. One chunk of all the tokens needs no
-    accumulator: dW is then one matmul, rounded once in its own dtype."""
+    (fp32_dw_peak_bytes); None when chunks of fp32_dw_min_token_chunk tokens do not fit. One chunk
+    of all the tokens needs no accumulator: dW is then one matmul, rounded once in its own dtype."""
     config = config or CONFIG
     budget = min(config.logits_fraction * num_tokens * vocab * elem_size, config.fp32_dw_max_bytes)
     held = num_tokens * hidden * dx_size + vocab * hidden * DW_ACCUMULATOR_BYTES   # dX + accumulator
