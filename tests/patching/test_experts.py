@@ -96,6 +96,47 @@ def test_revert_restores_the_experts():
     assert all(type(m)._apply_gate is moe._default_apply_gate for m in modules)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_autocast_runs_the_experts_in_the_autocast_dtype(monkeypatch, implementation):
+    """Under bf16 autocast the experts' fp32 weights reach every implementation cast to bf16 (stock hands
+    grouped_mm its fp32 parameters: torch._grouped_mm has no autocast rule), as a bf16 copy of the
+    experts would compute them; the gradients reach the fp32 parameters, in fp32. Without autocast the
+    implementation sees the parameters themselves."""
+    _, patched, _ = stock_and_patched("qwen3_moe", config_overrides={"experts_implementation": implementation})
+    module = _experts_modules(patched)[0]
+    reference = copy.deepcopy(module)
+    for name in ("_apply_gate", "forward"):
+        vars(reference).pop(name)
+    reference.to(torch.bfloat16)
+    seen = []
+    spied = moe.ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(module).forward) \
+        if implementation != "eager" else None
+    if spied is not None:
+        def spy(self, *args, **kwargs):
+            if self is not reference:
+                seen.append(self.gate_up_proj.dtype)
+            return spied(self, *args, **kwargs)
+        monkeypatch.setitem(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, implementation, spy)
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden = 7, module.gate_up_proj.shape[-1]
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    top_k = torch.stack([torch.randperm(module.num_experts, generator=gen)[:2] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, 2, generator=gen).to(DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        got = module(x, top_k, weights)
+        want = reference(x.to(torch.bfloat16), top_k, weights.to(torch.bfloat16))
+    assert rel(got.float(), want.float()) <= 1e-2
+    grad = torch.randn(got.shape, generator=gen).to(DEVICE)
+    got.float().backward(grad)
+    want.float().backward(grad)
+    assert module.gate_up_proj.grad.dtype == torch.float32 and module.down_proj.grad.dtype == torch.float32
+    assert rel(module.gate_up_proj.grad, reference.gate_up_proj.grad.float()) <= 3e-2
+    assert rel(module.down_proj.grad, reference.down_proj.grad.float()) <= 3e-2
+    if spied is not None:
+        module(x, top_k, weights)
+        assert seen == [torch.bfloat16, torch.float32]
+
+
 def test_class_patch_lists_the_experts():
     with tigon.patch("mixtral") as handle:
         assert any(line.startswith("MixtralExperts._apply_gate -> tigon.ops.moe_glu (halves layout")
@@ -224,9 +265,11 @@ def test_gpt_oss_experts_match_stock(implementation, kernel_calls):
     handle = _plan_experts(root, GPT_OSS)
     assert handle.replaced == [
         "GptOssExperts._apply_gate -> tigon.ops.moe_glu (interleaved layout, clamped_swiglu with each module's "
-        "alpha and limit) in every experts implementation (instance attributes)"
+        "alpha and limit) in every experts implementation; under autocast the experts' weights in the "
+        "autocast dtype (instance attributes)"
     ]
-    assert "forward" not in vars(root["experts"])  # its eager loop calls _apply_gate itself
+    # its eager loop calls _apply_gate itself: the forward set is the class's, behind the autocast casts
+    assert vars(root["experts"])["forward"].__func__._tigon
     x_stock, x_patched = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
     want = stock(x_stock, index, weights)
     got = root["experts"](x_patched, index, weights)
