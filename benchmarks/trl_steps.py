@@ -74,6 +74,7 @@ Results: ``--out`` (default benchmarks/results/) gets ``trl-steps-<device>-<date
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as _dt
 import json
@@ -420,15 +421,13 @@ def _train(job, out, model, ref_model, device):
                 torch.cuda.reset_peak_memory_stats()
         before = _allocator_counts(cuda)
         profiling = job.get("profile") and step == warmup + steps - 1
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        profiler = torch.profiler.profile(activities=activities) if profiling else contextlib.nullcontext()
+        with profiler:
+            start = time.perf_counter()
+            loss, grad_norm = train_step()
+            seconds.append(time.perf_counter() - start)
         if profiling:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                              + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
-            profiler.__enter__()
-        start = time.perf_counter()
-        loss, grad_norm = train_step()
-        seconds.append(time.perf_counter() - start)
-        if profiling:
-            profiler.__exit__(None, None, None)
             _write_profile(profiler, job)
         allocator.append({k: v - before[k] for k, v in _allocator_counts(cuda).items()})
         losses.append(loss)

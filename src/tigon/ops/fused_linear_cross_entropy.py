@@ -296,7 +296,6 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
     buffer = _chunk_buffer(min(chunk, num_tokens) * vocab, x.dtype, x.device)
     losses = []
-    logits = dlogits = None
     for c0 in range(0, num_tokens, chunk):
         c1 = min(num_tokens, c0 + chunk)
         x_c = x[c0:c1]

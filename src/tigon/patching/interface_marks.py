@@ -19,6 +19,7 @@ holds that bookkeeping once for both:
 
 from __future__ import annotations
 
+import importlib
 import sys
 import weakref
 
@@ -44,7 +45,7 @@ class InterfaceWrapper:
         """Register the wrapper in front of the current function (once); False where the installed
         transformers has no such interface or name (nothing to do then)."""
         try:
-            module = __import__(self.module, fromlist=[self.mapping])
+            module = importlib.import_module(self.module)
         except ImportError:
             return False
         mapping, interface = getattr(module, self.mapping, None), getattr(module, self.interface, None)
