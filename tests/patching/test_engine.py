@@ -60,10 +60,11 @@ def test_supported_models_lists_the_table():
 def test_switch_defaults_are_the_contract():
     # API.md's switches with their defaults, and tigon's own additions: the two that change what a step
     # keeps or how it launches off by default; the band attention of sliding-window layers (the same
-    # softmax terms, summed in another order, as any two sdpa kernels) on.
+    # softmax terms, summed in another order, as any two sdpa kernels) and the Qwen-VL vision attention's
+    # segments in one sdpa call (the same per-segment attention) on.
     assert SWITCHES == {"rope": True, "rms_norm": True, "layer_norm": True, "mlp": True,
                         "cross_entropy": False, "fused_linear_cross_entropy": True, "cuda_graphs": False,
-                        "recompute_norms": False, "sliding_window": True}
+                        "recompute_norms": False, "sliding_window": True, "vision_attention": True}
 
 
 def test_unknown_model_type_lists_supported():

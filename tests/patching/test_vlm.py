@@ -131,9 +131,9 @@ def test_class_patch_patches_models_built_afterwards():
 
 
 def test_switches_off_leave_their_parts():
-    """rope=False keeps both rotaries (text and vision), rms_norm/layer_norm=False every norm, and the
-    model still trains as stock does."""
-    stock, patched, handle = stock_and_patched_vlm("qwen2_vl", rope=False, layer_norm=False)
+    """rope=False keeps both rotaries (text and vision), rms_norm/layer_norm=False every norm,
+    vision_attention=False the vision attention's forward, and the model still trains as stock does."""
+    stock, patched, handle = stock_and_patched_vlm("qwen2_vl", rope=False, layer_norm=False, vision_attention=False)
     assert not any("apply_rotary_pos_emb" in line for line in handle.replaced)
     assert any(type(m) is torch.nn.LayerNorm for m in patched.modules())
     assert not any("forward" in vars(m) for m in patched.modules() if type(m).__name__.endswith("Attention"))

@@ -58,7 +58,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import causal_mask, graphs, joins, recompute, sliding_window, vision_language, wrappers
+from tigon.patching import (
+    causal_mask,
+    graphs,
+    joins,
+    recompute,
+    sliding_window,
+    vision_attention,
+    vision_language,
+    wrappers,
+)
 from tigon.patching import experts as moe_experts
 from tigon.patching import forwards as replacement_forwards
 from tigon.patching import loss as loss_path
@@ -79,6 +88,7 @@ SWITCHES = {
     "cuda_graphs": False,
     "recompute_norms": False,
     "sliding_window": True,
+    "vision_attention": True,
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -555,10 +565,10 @@ def _check_rotary(family, classes):
         )
 
 
-def _plan_rope(plan, root, family, classes, line=None):
+def _plan_rope(plan, root, family, classes):
     _check_rotary(family, classes)
     forward = None
-    line = line or _rope_line(classes, family)
+    line = _rope_line(classes, family)
     for old, _, path in _sites(root, classes.attention):
         if _is_tigon(_own_forward(old)):
             continue
@@ -568,7 +578,7 @@ def _plan_rope(plan, root, family, classes, line=None):
                 rotary = replacement_forwards.tigon_rotary(
                     half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
                 )
-            else:  # a vision tower's rotary (apply_rotary_pos_emb_vision)
+            else:
                 rotary = replacement_forwards.ROTARIES[family.rotary]
             forward = wrappers.with_globals(classes.attention.forward, **{family.rotary: rotary})
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
@@ -766,9 +776,10 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
 
 # ------------------------------------------------------------------------------ vision-language plan
 
-# The switches of the parts a decoder has (the loss is the ForConditionalGeneration's; CUDA graphs are
-# for decoder-only models whose host launches bound the step, not planned for a VLM).
-DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window")
+# The switches of the parts a decoder has (the loss is the ForConditionalGeneration's). cuda_graphs
+# replays the language model's decoder layers; the vision tower stays eager (its attention reads
+# cu_seqlens on the host, which a captured graph cannot).
+DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs")
 VISION_PREFIX = "vision: "
 
 
@@ -799,8 +810,8 @@ def _plan_vision_side(plan, root, family, classes, switches):
         _plan_layer_norms(sub, root, vision, classes)
     if switches["mlp"] and classes.mlp is not None:
         _plan_mlps(sub, root, vision, classes, switches)
-    if switches["rope"] and classes.attention is not None:
-        _plan_rope(sub, root, vision, classes, line=_vision_rope_line(classes))
+    if classes.attention is not None:
+        _plan_vision_attention(sub, root, family, classes, switches)
     plan.changes.extend(sub.changes)
     for line, count in sub.counts.items():
         plan.counts[VISION_PREFIX + line] += count
@@ -809,6 +820,50 @@ def _plan_vision_side(plan, root, family, classes, switches):
 def _vision_rope_line(classes):
     rotary = vision_language.VISION_ROTARY
     return f"{classes.attention.__name__}: {rotary} -> tigon.ops.rope (fp32 math, q's and k's dtypes)"
+
+
+def _vision_packed_line(classes):
+    return (f"{classes.attention.__name__}: sdpa once a cu_seqlens segment -> one sdpa call over every image "
+            "or window (vision_attention.py)")
+
+
+def _packs_vision_attention(family, switches):
+    return switches["vision_attention"] and family.vision.packed_attention
+
+
+def _plan_vision_attention(plan, root, family, classes, switches):
+    """The vision attention's forward: tigon's rotary (``rope``) and all its segments in one sdpa call
+    (``vision_attention``, the rows with ``Vision.packed_attention``), in one instance forward."""
+    vision = vision_language.vision_family(family)
+    rope, packed = switches["rope"], _packs_vision_attention(family, switches)
+    if not (rope or packed):
+        return
+    if packed and not vision_language.matches_source(classes.attention.forward, vision_attention.FORWARD_SOURCE):
+        raise ValueError(
+            f"{family.model_type}: vision_attention: {classes.attention.__name__}.forward is not the one tigon's "
+            f"packed attention reproduces in transformers {_transformers_version()}; pass vision_attention=False"
+        )
+    if rope:
+        _check_rotary(vision, classes)
+        rotary = replacement_forwards.ROTARIES[vision.rotary]
+        forward = wrappers.with_globals(classes.attention.forward, **{vision.rotary: rotary})
+    else:
+        forward = classes.attention.forward
+        module = classes.module
+
+        def rotary(q, k, cos, sin):  # the module's own, looked up at the call as the class's forward does
+            return getattr(module, vision.rotary)(q, k, cos, sin)
+
+    if packed:
+        forward = vision_attention.packed_forward(forward, rotary)
+    lines = [_vision_rope_line(classes)] * rope + [_vision_packed_line(classes)] * packed
+    for old, _, path in _sites(root, classes.attention):
+        if _is_tigon(_own_forward(old)):
+            continue
+        _check_plain(old, classes.attention, path)
+        plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), lines[0])
+        for line in lines[1:]:
+            plan.counts[line] += 1
 
 
 def _plan_vision_language(plan, model, family, classes, switches):
@@ -841,6 +896,8 @@ def _vision_language_lines(family, classes, switches):
         lines.append(VISION_PREFIX + f"{v.mlp.__name__} -> tigon GLU (activation read from each module)")
     if switches["rope"] and v.attention is not None:
         lines.append(VISION_PREFIX + _vision_rope_line(v))
+    if _packs_vision_attention(family, switches) and v.attention is not None:
+        lines.append(VISION_PREFIX + _vision_packed_line(v))
     return lines + _loss_lines(classes, switches)
 
 

@@ -108,6 +108,8 @@ class Vision:
     layer_norm: Norm | None = None
     mlp: Mlp | None = None  # a gated MLP (Qwen2.5-VL's blocks); plain fc1/act/fc2 MLPs have no fused op
     attention: str | None = None  # its forward calls the module-level apply_rotary_pos_emb_vision
+    # its forward attends within cu_seqlens' segments, one sdpa call each (vision_attention.py)
+    packed_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -270,16 +272,18 @@ FAMILIES: dict[str, Family] = {
         # vision-language families (ForConditionalGeneration models; patching/vision_language.py)
         _vision_language("qwen2_vl", "Qwen2VL", norm=Norm("Qwen2VLRMSNorm"), mlp=Mlp("Qwen2MLP"),
                          attention="Qwen2VLAttention", decoder_layer="Qwen2VLDecoderLayer", joined_layer="pre_norm",
-                         vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="VisionAttention")),
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="VisionAttention",
+                                       packed_attention=True)),
         _vision_language("qwen2_5_vl", "Qwen2_5_VL", norm=Norm("Qwen2_5_VLRMSNorm"), mlp=Mlp("Qwen2MLP"),
                          attention="Qwen2_5_VLAttention", decoder_layer="Qwen2_5_VLDecoderLayer",
                          joined_layer="pre_norm",
                          vision=Vision(norm=Norm("Qwen2_5_VLRMSNorm"), mlp=Mlp("Qwen2_5_VLMLP"),
-                                       attention="Qwen2_5_VLVisionAttention")),
+                                       attention="Qwen2_5_VLVisionAttention", packed_attention=True)),
         _vision_language("qwen3_vl", "Qwen3VL", norm=Norm("Qwen3VLTextRMSNorm"), mlp=Mlp("Qwen3VLTextMLP"),
                          attention="Qwen3VLTextAttention", decoder_layer="Qwen3VLTextDecoderLayer",
                          joined_layer="pre_norm",
-                         vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="Qwen3VLVisionAttention")),
+                         vision=Vision(layer_norm=Norm("nn.LayerNorm"), attention="Qwen3VLVisionAttention",
+                                       packed_attention=True)),
         _vision_language("gemma3", "Gemma3", norm=_gemma_norm("Gemma3RMSNorm"), mlp=Mlp("Gemma3MLP"),
                          attention="Gemma3Attention", decoder_layer="Gemma3DecoderLayer", joined_layer="sandwich",
                          projection_norms=SANDWICH_NORMS,

@@ -1,0 +1,161 @@
+r"""The Qwen-VL vision towers' attention over all their images or windows in one sdpa call (the
+``vision_attention`` switch).
+
+Why. A Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower packs the patches of every image of the batch into
+one sequence of ``S`` positions and attends within the segments that ``cu_seqlens`` marks: each image
+(Qwen2-VL, Qwen3-VL and Qwen2.5-VL's four full-attention blocks) or each window of 8 x 8 patches (Qwen2.5-VL's
+other 28 blocks). Under flash attention transformers hands ``cu_seqlens`` to the varlen kernel. Under
+sdpa, the default, it splits q, k and v into the segments and calls the attention once a segment: a
+392 x 392 image is 16 windows, so each windowed block makes 16 attention calls forward and 16 backward,
+~900 a step for one image a sequence. Each call costs the host its Python, dispatch and autograd
+node, and the step is the host's: Qwen2.5-VL-3B-shaped at 1 x 2048 keeps the H100 busy 165 ms of a
+365 ms step (benchmarks/results/2026-11-26/e2e-qwen2_5-vl-1x2048-profile.md).
+
+What. The segments as one batch ``[segments, heads, longest, head_dim]`` and one sdpa call:
+
+- segments of one length (the images of one size; windows where the grid divides into them) are a
+  view of the packed sequence, nothing copied;
+- segments of several lengths are gathered into rows padded to the longest with a position of their
+  own segment, a key mask hides the padding, and the padded query rows are dropped from the output.
+
+Exactness. Row ``i`` of segment ``s`` is ``softmax(q_i K_s^T * scale) V_s`` over the segment's own keys
+either way: a masked key's weight is ``exp(-inf) = 0``. So the output is the per-segment one, up to the
+rounding of a different kernel. The padding gets no gradient: a dropped query row has zero output
+gradient, hence zero ``dP = dO V^T`` and zero ``dQ``; a masked key has zero weight ``P`` in every row,
+hence ``dK = dS^T Q`` and ``dV = P^T dO`` are zero there. So the gather's backward adds only zeros to
+the positions the padding repeated.
+
+Where. Only where the attention's forward is, statement for statement, transformers' (5.17 to 5.24,
+:data:`FORWARD_SOURCE`; the engine checks it), and only under sdpa: for eager, flash and the other
+implementations the module runs the class's forward (with tigon's rotary if ``rope`` is on).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision attention forward, 5.17 to 5.24 (the three are
+# one text); tigon's forward below computes what it computes.
+FORWARD_SOURCE = '''
+def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
+    seq_length = hidden_states.shape[0]
+    query_states, key_states, value_states = (
+        self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    )
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
+
+    query_states = query_states.transpose(0, 1).unsqueeze(0)
+    key_states = key_states.transpose(0, 1).unsqueeze(0)
+    value_states = value_states.transpose(0, 1).unsqueeze(0)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    if is_flash_attention_requested(self.config):
+        max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs={"max_seqlen": max_seqlen})
+        attn_output, _ = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask=None,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
+            is_causal=False,
+            **kwargs,
+        )
+    else:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        splits = [
+            torch.split(tensor, lengths.tolist(), dim=2) for tensor in (query_states, key_states, value_states)
+        ]
+
+        attn_outputs = [
+            attention_interface(
+                self,
+                q,
+                k,
+                v,
+                attention_mask=None,
+                scaling=self.scaling,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                is_causal=False,
+                **kwargs,
+            )[0]
+            for q, k, v in zip(*splits)
+        ]
+        attn_output = torch.cat(attn_outputs, dim=1)
+
+    attn_output = attn_output.reshape(seq_length, -1).contiguous()
+    attn_output = self.proj(attn_output)
+    return attn_output
+'''
+
+PACKED_IMPLEMENTATION = "sdpa"  # the implementation whose per-segment loop the packed call replaces
+
+
+def segment_attention(q, k, v, cu_seqlens, *, scale: float, dropout: float = 0.0):
+    """Attention of ``q, k, v`` ``[S, heads, head_dim]`` within the segments ``cu_seqlens`` marks
+    (``[segments + 1]``, from 0 to S), every segment in one ``scaled_dot_product_attention`` call;
+    returns ``[S, heads, head_dim]``. Empty segments are allowed (they hold nothing)."""
+    if q.dim() != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k, v must be [S, heads, head_dim] alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    bounds = cu_seqlens.tolist()  # the host needs the lengths, as the per-segment split does
+    total = q.shape[0]
+    if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the {total} positions, got {bounds}")
+    starts = [a for a, b in zip(bounds, bounds[1:]) if b > a]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+    if not lengths:
+        return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    segments, longest = len(lengths), max(lengths)
+
+    if min(lengths) == longest:  # one length: a view of the packed sequence
+        def rows(t):
+            return t.unflatten(0, (segments, longest)).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), dropout_p=dropout, scale=scale)
+        return out.transpose(1, 2).flatten(0, 1)
+
+    # Several lengths: row s holds segment s's positions, then its first position again as padding.
+    offsets = torch.arange(longest)
+    length = torch.tensor(lengths)[:, None]
+    valid = offsets < length  # [segments, longest]
+    index = torch.tensor(starts)[:, None] + torch.where(valid, offsets, 0)
+    keep = valid.flatten().nonzero().squeeze(1)  # the real positions of the padded rows, in order
+    index, valid, keep = (t.to(q.device, non_blocking=True) for t in (index, valid, keep))
+
+    def rows(t):
+        return t[index].transpose(1, 2)  # [segments, heads, longest, head_dim]
+
+    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=valid[:, None, None, :],
+                                         dropout_p=dropout, scale=scale)
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, keep)
+
+
+def packed_forward(fallback, rotary):
+    """The vision attention's forward (:data:`FORWARD_SOURCE`) with :func:`segment_attention` in place of
+    its per-segment loop under sdpa. ``fallback`` is the forward for every other implementation;
+    ``rotary(q, k, cos, sin)`` is the rotary the forward applies (tigon's, or the module's own)."""
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
+        if self.config._attn_implementation != PACKED_IMPLEMENTATION:
+            return fallback(self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+        seq_length = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        cos, sin = position_embeddings
+        q, k = rotary(q, k, cos, sin)
+        out = segment_attention(q, k, v, cu_seqlens, scale=self.scaling,
+                                dropout=self.attention_dropout if self.training else 0.0)
+        return self.proj(out.reshape(seq_length, -1))
+
+    forward._tigon = True
+    return forward
