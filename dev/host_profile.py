@@ -3,6 +3,7 @@
     PYTHONPATH=src:. python dev/host_profile.py --model qwen2 --provider tigon [--steps 3]
     PYTHONPATH=src:. python dev/host_profile.py --model gemma2 --provider tigon+compile  # the compiled step
     PYTHONPATH=src:. python dev/host_profile.py --ops rms_norm rope swiglu   # per-op host cost
+    PYTHONPATH=src:. python dev/host_profile.py --model qwen2_5_vl --batch 1 --phases   # a VLM (e2e_vlm.py)
 
 A step whose GPU time is below its wall time is bound by the host (the e2e profile's busy / wall
 column). This runs the benchmark's own step under cProfile and prints the functions with the most
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--provider", default="tigon", choices=("stock", "tigon", "compile", "tigon+compile"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, help="sequences per step (default: the e2e benchmark's)")
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--ops", nargs="+", help="per-op host cost of these benchmark specs instead")
     parser.add_argument("--phases", action="store_true",
@@ -77,20 +79,29 @@ def main() -> None:
     import tigon
     from tigon.bench.models import build_model
 
+    from benchmarks import e2e_vlm
+
     device = torch.device("cuda")
-    spec = model_spec(args.model)
+    batch = batch_for(args.model, args.batch)
     torch.manual_seed(SEED)
-    model = build_model(spec.config, device=device)
+    if args.model in e2e_vlm.SPECS:  # a VLM: its model and an image batch as the e2e benchmark builds them
+        spec = e2e_vlm.model_spec(args.model)
+        model = e2e_vlm.build_model(spec.config, device=device)
+        gen = torch.Generator(device=device).manual_seed(SEED)
+        inputs = e2e_vlm.batches(spec, 1, batch, args.seq, device=device, generator=gen)[0]
+    else:
+        spec = model_spec(args.model)
+        model = build_model(spec.config, device=device)
+        ids = torch.randint(spec.config.vocab_size, (batch, args.seq), device=device)
+        inputs = {"input_ids": ids, "labels": ids}
     if args.provider.startswith("tigon"):
         tigon.patch(model)
     forward = torch.compile(model) if args.provider.endswith("compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    batch = batch_for(args.model, None)
-    ids = torch.randint(spec.config.vocab_size, (batch, args.seq), device=device)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward(input_ids=ids, labels=ids).loss
+            loss = forward(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -100,7 +111,7 @@ def main() -> None:
         step().item()
     torch.cuda.synchronize()
     if args.phases:
-        phases(forward, optimizer, ids, args)
+        phases(forward, optimizer, inputs, args)
         return
     profiler = cProfile.Profile()
     start = time.perf_counter()
@@ -124,7 +135,7 @@ def main() -> None:
     print(out.getvalue())
 
 
-def phases(model, optimizer, ids, args) -> None:
+def phases(model, optimizer, inputs, args) -> None:
     """Host time of each phase with no profiler (the GPU runs behind; each step ends with one sync),
     with Python's garbage collector on and off; then where the host's time goes by torch op."""
     import gc
@@ -132,7 +143,7 @@ def phases(model, optimizer, ids, args) -> None:
     def timed_step():
         marks = [time.perf_counter()]
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(**inputs).loss
         marks.append(time.perf_counter())
         loss.backward()
         marks.append(time.perf_counter())

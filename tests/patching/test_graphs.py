@@ -67,6 +67,19 @@ def test_cuda_graphs_switch_is_reported_and_reverted():
     assert [vars(layer).get("forward") for layer in model.model.layers] == before
 
 
+def test_cuda_graphs_reach_a_vision_language_models_decoder():
+    """A VLM's language model layers take the switch (the vision tower's blocks do not); revert undoes it."""
+    from tests.patching import tiny_vlm
+
+    model = tiny_vlm.tiny_vlm("qwen2_5_vl")
+    handle = tigon.patch(model, cuda_graphs=True)
+    assert any("Qwen2_5_VLDecoderLayer" in line and "CUDA graphs" in line for line in handle.replaced)
+    assert all(layer.forward.graphs is not None for layer in model.model.language_model.layers)
+    assert not any("forward" in vars(block) for block in model.model.visual.blocks)
+    handle.revert()
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
 @pytest.mark.skipif(ON_GPU, reason="CPU semantics; on the GPU the tests below train with graphs on")
 def test_cuda_graphs_off_the_gpu_changes_nothing():
     """Without CUDA tensors every call runs eagerly: bitwise the patch without graphs."""
@@ -325,3 +338,37 @@ def test_graphed_training_under_ddp():
         batches = [[_batch(step, vocab)] for step in range(3)]
         _assert_trains_alike(plain, graphed, batches, run=DistributedDataParallel(graphed))
         assert _replays(graphed) == 3 * len(graphed.model.layers)
+
+
+@pytest.mark.gpu
+def test_graphed_vision_language_decoder_trains_as_eager():
+    """A Qwen2.5-VL (M-RoPE positions, image features merged into the embeddings): its language model's
+    decoder layers replay as graphs, the vision tower stays eager, and training matches the patch
+    without graphs."""
+    from tests.patching import tiny_vlm
+
+    torch.manual_seed(0)
+    plain = tiny_vlm.tiny_vlm("qwen2_5_vl")
+    for config in (plain.config, plain.config.text_config, plain.config.vision_config):
+        config._attn_implementation = "sdpa"
+    plain.to(DEVICE)
+    graphed = copy.deepcopy(plain)
+    tigon.patch(plain)
+    handle = tigon.patch(graphed, cuda_graphs=True)
+    assert any("CUDA graphs" in line for line in handle.replaced)
+    losses = []
+    for model in (plain, graphed):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = []
+        for step in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**tiny_vlm.vlm_batch("qwen2_5_vl", model.config, seed=step)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            run.append(loss.detach())
+        losses.append(torch.stack(run))
+    layers = graphed.model.language_model.layers
+    assert sum(layer.forward.graphs.replays for layer in layers) == 3 * len(layers)
+    assert rel(losses[1], losses[0]) <= TIGHT
+    _assert_same_training(graphed, plain)

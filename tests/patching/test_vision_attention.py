@@ -232,3 +232,20 @@ def test_a_forward_that_differs_is_refused(monkeypatch):
         tigon.patch(model)
     assert not any("forward" in vars(m) for m in model.modules())
     assert tigon.patch(model, vision_attention=False).replaced  # the rest still patches
+
+
+def test_segments_are_read_once_per_tensor():
+    """The blocks of a tower share cu_seqlens: the host reads it once; an in-place change reads it again."""
+    from tigon.patching.vision_attention import segments_of
+
+    cu_seqlens = torch.tensor([0, 3, 8, 8, 10], device=DEVICE)
+    first = segments_of(cu_seqlens, 10, DEVICE)
+    assert segments_of(cu_seqlens, 10, DEVICE) is first
+    assert (first.count, first.longest) == (3, 5)
+    assert first.index.tolist() == [0, 1, 2, 0, 0, 3, 4, 5, 6, 7, 8, 9, 8, 8, 8]
+    assert first.keep.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]
+    cu_seqlens[1] = 5
+    again = segments_of(cu_seqlens, 10, DEVICE)
+    assert again is not first and again.index.tolist()[:5] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        segments_of(cu_seqlens, 11, DEVICE)  # another length: read again, and refused

@@ -18,6 +18,9 @@ What. The segments as one batch ``[segments, heads, longest, head_dim]`` and one
 - segments of several lengths are gathered into rows padded to the longest with a position of their
   own segment, a key mask hides the padding, and the padded query rows are dropped from the output.
 
+The host reads ``cu_seqlens`` once per tensor, not once per block (:func:`segments_of`): each read
+waits for the GPU, and the tower hands the same tensor to all its blocks.
+
 Exactness. Row ``i`` of segment ``s`` is ``softmax(q_i K_s^T * scale) V_s`` over the segment's own keys
 either way: a masked key's weight is ``exp(-inf) = 0``. So the output is the per-segment one, up to the
 rounding of a different kernel. The padding gets no gradient: a dropped query row has zero output
@@ -31,6 +34,9 @@ implementations the module runs the class's forward (with tigon's rotary if ``ro
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +105,57 @@ def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqle
 '''
 
 PACKED_IMPLEMENTATION = "sdpa"  # the implementation whose per-segment loop the packed call replaces
+CACHE_ATTR = "_tigon_segments"  # where segments_of keeps what it read on the cu_seqlens tensor
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How the positions of a packed sequence of ``total`` fall into rows: ``count`` non-empty segments,
+    the ``longest`` of them, and, for segments of several lengths, the gather ``index`` ``[count,
+    longest]`` (each row's positions, padded with its first), the ``valid`` mask of the same shape and
+    the positions to ``keep`` from the flattened rows, on the device (``index`` flattened too)."""
+
+    total: int
+    version: int  # cu_seqlens._version when read: an in-place change makes a cached one stale
+    count: int
+    longest: int
+    index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+
+def segments_of(cu_seqlens, total: int, device) -> Segments:
+    """The :class:`Segments` of ``cu_seqlens``, read once per tensor.
+
+    A vision tower hands the same ``cu_seqlens`` tensor to each of its blocks (Qwen2.5-VL: one for the
+    windowed blocks, one for the full-attention ones), and reading it on the host waits for the GPU to
+    finish everything queued before. So the result is kept on the tensor itself (an attribute that goes
+    with it) and the next blocks reuse it: one wait per tensor a step rather than one a block. Not under
+    torch.compile tracing, which reads the values as the per-segment split does.
+    """
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        cached = getattr(cu_seqlens, CACHE_ATTR, None)
+        if cached is not None and cached.total == total and cached.version == cu_seqlens._version:
+            return cached
+    bounds = cu_seqlens.tolist()  # the host needs the lengths, as the per-segment split does
+    if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the {total} positions, got {bounds}")
+    starts = [a for a, b in zip(bounds, bounds[1:]) if b > a]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+    longest = max(lengths, default=0)
+    found = Segments(total, cu_seqlens._version, len(lengths), longest)
+    if lengths and min(lengths) != longest:
+        # Several lengths: row s holds segment s's positions, then its first position again as padding.
+        offsets = torch.arange(longest)
+        valid = offsets < torch.tensor(lengths)[:, None]  # [count, longest]
+        index = (torch.tensor(starts)[:, None] + torch.where(valid, offsets, 0)).flatten()
+        keep = valid.flatten().nonzero().squeeze(1)  # the real positions of the padded rows, in order
+        index, valid, keep = (t.to(device, non_blocking=True) for t in (index, valid, keep))
+        found = dataclasses.replace(found, index=index, valid=valid, keep=keep)
+    if not compiling:
+        setattr(cu_seqlens, CACHE_ATTR, found)
+    return found
 
 
 def segment_attention(q, k, v, cu_seqlens, *, scale: float, dropout: float = 0.0):
@@ -108,37 +165,25 @@ def segment_attention(q, k, v, cu_seqlens, *, scale: float, dropout: float = 0.0
     if q.dim() != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k, v must be [S, heads, head_dim] alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    bounds = cu_seqlens.tolist()  # the host needs the lengths, as the per-segment split does
-    total = q.shape[0]
-    if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to the {total} positions, got {bounds}")
-    starts = [a for a, b in zip(bounds, bounds[1:]) if b > a]
-    lengths = [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
-    if not lengths:
+    found = segments_of(cu_seqlens, q.shape[0], q.device)
+    if found.count == 0:
         return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    segments, longest = len(lengths), max(lengths)
 
-    if min(lengths) == longest:  # one length: a view of the packed sequence
+    if found.index is None:  # one length: a view of the packed sequence
         def rows(t):
-            return t.unflatten(0, (segments, longest)).transpose(1, 2)
+            return t.unflatten(0, (found.count, found.longest)).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), dropout_p=dropout, scale=scale)
         return out.transpose(1, 2).flatten(0, 1)
 
-    # Several lengths: row s holds segment s's positions, then its first position again as padding.
-    offsets = torch.arange(longest)
-    length = torch.tensor(lengths)[:, None]
-    valid = offsets < length  # [segments, longest]
-    index = torch.tensor(starts)[:, None] + torch.where(valid, offsets, 0)
-    keep = valid.flatten().nonzero().squeeze(1)  # the real positions of the padded rows, in order
-    index, valid, keep = (t.to(q.device, non_blocking=True) for t in (index, valid, keep))
+    def rows(t):  # [count, heads, longest, head_dim]
+        # index_select, not t[index]: its backward is one index_add (advanced indexing's is index_put
+        # with accumulate, a sort and a handful of launches)
+        return t.index_select(0, found.index).unflatten(0, (found.count, found.longest)).transpose(1, 2)
 
-    def rows(t):
-        return t[index].transpose(1, 2)  # [segments, heads, longest, head_dim]
-
-    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=valid[:, None, None, :],
+    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=found.valid[:, None, None, :],
                                          dropout_p=dropout, scale=scale)
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, keep)
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, found.keep)
 
 
 def packed_forward(fallback, rotary):
