@@ -184,12 +184,48 @@ def phases(model, optimizer, inputs, args) -> None:
               f"(mean {mean:.1f}); collections {spent or 'none'}; tracked objects {len(gc.get_objects())}")
     gc.callbacks.remove(on_gc)
     gc.unfreeze()
+    if hasattr(getattr(model, "model", None), "visual"):
+        vision_share(model, timed_step)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2):
             timed_step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+def vision_share(model, timed_step) -> None:
+    """A VLM's host time split at its vision tower: the tower's forward (its forward hooks), and its
+    backward (from the gradient reaching the tower's output, the backward's last part, to the end)."""
+    marks = {}
+
+    def output_hook(module, args, output):
+        marks["vision forward"] = time.perf_counter() - marks.pop("start")
+        out = output[0] if isinstance(output, tuple) else getattr(output, "pooler_output", output)
+        if torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad: marks.__setitem__("vision backward start", time.perf_counter()))
+
+    handles = [model.model.visual.register_forward_pre_hook(lambda m, a: marks.__setitem__("start", time.perf_counter())),
+               model.model.visual.register_forward_hook(output_hook)]
+    original = torch.Tensor.backward
+
+    def backward(self, *a, **k):
+        original(self, *a, **k)
+        marks["vision backward"] = time.perf_counter() - marks.pop("vision backward start", time.perf_counter())
+
+    torch.Tensor.backward = backward
+    try:
+        rows = []
+        for _ in range(6):
+            phases_ms = timed_step()
+            rows.append((marks["vision forward"], marks["vision backward"], phases_ms[0], phases_ms[1]))
+    finally:
+        torch.Tensor.backward = original
+        for handle in handles:
+            handle.remove()
+    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
+    print(f"vision tower: forward {med[0]:.1f} of {med[2]:.1f} ms, backward {med[1]:.1f} of {med[3]:.1f} ms "
+          "(host, median of 6 steps)")
 
 
 if __name__ == "__main__":

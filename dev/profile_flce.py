@@ -1,10 +1,10 @@
 """Where the fused linear CE's time goes, kernel by kernel, against torch.compile's (GPU only).
 
-    PYTHONPATH=src python3 dev/profile_flce.py
+    PYTHONPATH=src python3 dev/profile_flce.py [Llama-3-8B Qwen2.5-0.5B Gemma-2-2B]
 
 An experiment kept out of the package (STYLE: llm.c habit). At the two benchmark heads where tigon
-is slower than torch.compile (Qwen2.5-0.5B's H = 896, V = 151936, by classes; Gemma-2-2B's
-H = 2304, V = 256000 with softcap 30, by tokens; N = 8192, bf16), it prints:
+is slower than torch.compile, or was (Llama-3-8B's H = 4096, V = 128256; Qwen2.5-0.5B's H = 896,
+V = 151936; Gemma-2-2B's H = 2304, V = 256000 with softcap 30; N = 8192, bf16), it prints:
 
 1. one forward + backward of tigon and of the compiled reference under torch.profiler, each
    kernel's count and total GPU time, largest first;
@@ -30,7 +30,8 @@ from tigon.bench.specs.cross_entropy import _target
 flce = sys.modules["tigon.ops.fused_linear_cross_entropy"]
 DEVICE = "cuda"
 N = 8192
-SHAPES = (("Qwen2.5-0.5B", 896, 151936, None), ("Gemma-2-2B", 2304, 256000, 30.0))
+SHAPES = (("Llama-3-8B", 4096, 128256, None), ("Qwen2.5-0.5B", 896, 151936, None),
+          ("Gemma-2-2B", 2304, 256000, 30.0))
 
 
 def kernel_table(label, step) -> None:
@@ -57,7 +58,7 @@ def profile_shape(name, hidden, vocab, softcap) -> None:
     x = torch.randn(N, hidden, device=DEVICE, dtype=bf, requires_grad=True)
     w = (torch.randn(vocab, hidden, device=DEVICE) * hidden**-0.5).to(bf).requires_grad_()
     target = _target(N, vocab, DEVICE)
-    plan = flce.chunk_plan(N, vocab, hidden, 2)
+    plan = flce.chunk_plan(N, vocab, hidden, 2, dx_size=2, dw_size=2)
     print(f"\n{name} N={N} H={hidden} V={vocab} softcap={softcap}: {plan}", flush=True)
 
     def tigon_step():
@@ -117,7 +118,10 @@ def profile_shape(name, hidden, vocab, softcap) -> None:
 def main() -> None:
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    names = sys.argv[1:]
     for shape in SHAPES:
+        if names and shape[0] not in names:
+            continue
         profile_shape(*shape)
         torch.cuda.empty_cache()
 
