@@ -26,6 +26,7 @@ import tigon
 from tests.helpers import ON_GPU
 from tests.patching.tiny import COMMON, CONFIGS, assert_grads_close, batch, grads, rel, stock_and_patched, train
 from tigon.patching import forwards
+from tigon.patching.experts import WEIGHT_ATTRS
 from tigon.patching.families import FAMILIES
 
 FAMILY_TYPES = sorted(CONFIGS)
@@ -147,10 +148,28 @@ def test_projection_norms_give_autocast_output(model_type):
     loss_fp32_norms, want = _autocast_step(unflagged)
     assert torch.equal(loss, loss_fp32_norms)
     assert_grads_close(got, want, AUTOCAST_GRAD_TOLERANCE)
-    loss_stock, grads_stock = _autocast_step(stock)
+    loss_stock, grads_stock = _autocast_step(_experts_in_autocast_dtype(stock, family))
     assert rel(loss, loss_stock) <= AUTOCAST_LOSS_TOLERANCE
     assert_grads_close(got, grads_stock, AUTOCAST_STOCK_GRAD_TOLERANCE)
     assert len(flagged) == len(family.projection_norms) * patched.config.num_hidden_layers
+
+
+def _experts_in_autocast_dtype(stock, family, dtype=torch.bfloat16):
+    """The stock reference of a bf16-autocast step. For an MoE row: a copy whose experts hold their
+    weights in bf16, so that stock computes its experts in bf16 as tigon's patch has them computed
+    under autocast (patching/experts.py: transformers' grouped_mm has no autocast rule, so stock with
+    fp32 weights runs the experts' matmuls in fp32, which no nn.Linear under autocast does)."""
+    if family.experts is None:
+        return stock
+    reference = copy.deepcopy(stock)
+    experts = [m for m in reference.modules() if type(m).__name__ == family.experts.cls]
+    assert experts, f"{family.model_type}: no {family.experts.cls} module"
+    for module in experts:
+        for name in WEIGHT_ATTRS:
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter) and param.is_floating_point():
+                param.data = param.data.to(dtype)
+    return reference
 
 
 # Plain pre-norm (GQA, and without: k's output too), Gemma-2's sandwich (fp32 residual stream),
