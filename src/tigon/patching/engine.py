@@ -573,13 +573,10 @@ def _plan_rope(plan, root, family, classes):
         if _is_tigon(_own_forward(old)):
             continue
         _check_plain(old, classes.attention, path)
-        if forward is None:
-            if family.rotary == ROTARY_NAME:
-                rotary = replacement_forwards.tigon_rotary(
-                    half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
-                )
-            else:
-                rotary = replacement_forwards.ROTARIES[family.rotary]
+        if forward is None:  # a decoder's rotate-half rotary (a vision tower's: _plan_vision_attention)
+            rotary = replacement_forwards.tigon_rotary(
+                half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
+            )
             forward = wrappers.with_globals(classes.attention.forward, **{family.rotary: rotary})
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
