@@ -249,3 +249,23 @@ def test_segments_are_read_once_per_tensor():
     assert again is not first and again.index.tolist()[:5] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="cu_seqlens"):
         segments_of(cu_seqlens, 11, DEVICE)  # another length: read again, and refused
+
+
+def test_inference_mode():
+    """Under torch.inference_mode (generation, evaluation) nothing is kept on cu_seqlens (an inference
+    tensor has no version counter) and the patched model gives stock's logits."""
+    from tigon.patching.vision_attention import CACHE_ATTR
+
+    with torch.inference_mode():
+        cu_seqlens = torch.tensor([0, 2, 7], device=DEVICE)
+        q, k, v = (t.detach() for t in _packed_qkv(7, torch.float32))
+        out = segment_attention(q, k, v, cu_seqlens, scale=0.5)
+    assert not hasattr(cu_seqlens, CACHE_ATTR)
+    assert_close(out, _per_segment(q.double(), k.double(), v.double(), cu_seqlens, 0.5), torch.float32)
+
+    stock, patched, _ = _sdpa_pair("qwen2_5_vl")
+    inputs = _two_image_batch("qwen2_5_vl", stock.config)
+    stock.eval()
+    patched.eval()
+    with torch.inference_mode():
+        assert rel(patched(**inputs).logits, stock(**inputs).logits) <= 1e-5

@@ -130,11 +130,13 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
     A vision tower hands the same ``cu_seqlens`` tensor to each of its blocks (Qwen2.5-VL: one for the
     windowed blocks, one for the full-attention ones), and reading it on the host waits for the GPU to
     finish everything queued before. So the result is kept on the tensor itself (an attribute that goes
-    with it) and the next blocks reuse it: one wait per tensor a step rather than one a block. Not under
-    torch.compile tracing, which reads the values as the per-segment split does.
+    with it) and the next blocks reuse it: one wait per tensor a step rather than one a block.
     """
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
+    # Not kept under torch.compile tracing (which reads the values as the per-segment split does), nor
+    # under torch.inference_mode (an inference tensor has no version counter to tell an in-place change,
+    # and index tensors made there could not be saved for a backward outside it).
+    keep_it = not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or cu_seqlens.is_inference())
+    if keep_it:
         cached = getattr(cu_seqlens, CACHE_ATTR, None)
         if cached is not None and cached.total == total and cached.version == cu_seqlens._version:
             return cached
@@ -144,7 +146,7 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
     starts = [a for a, b in zip(bounds, bounds[1:]) if b > a]
     lengths = [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
     longest = max(lengths, default=0)
-    found = Segments(total, cu_seqlens._version, len(lengths), longest)
+    found = Segments(total, cu_seqlens._version if keep_it else -1, len(lengths), longest)
     if lengths and min(lengths) != longest:
         # Several lengths: row s holds segment s's positions, then its first position again as padding.
         offsets = torch.arange(longest)
@@ -153,7 +155,7 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
         keep = valid.flatten().nonzero().squeeze(1)  # the real positions of the padded rows, in order
         index, valid, keep = (t.to(device, non_blocking=True) for t in (index, valid, keep))
         found = dataclasses.replace(found, index=index, valid=valid, keep=keep)
-    if not compiling:
+    if keep_it:
         setattr(cu_seqlens, CACHE_ATTR, found)
     return found
 
