@@ -48,7 +48,8 @@ def _packed_qkv(total, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lengths", [[5, 5, 5], [7, 3, 0, 11, 1], [13]], ids=["equal", "mixed", "one"])
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [7, 5, 0, 8, 6], [13], [3, 21, 3, 0, 3, 5]],
+                         ids=["equal", "padded", "one", "by-length"])
 def test_segment_attention_matches_fp64_per_segment(lengths, dtype):
     cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).int()
     total, scale = sum(lengths), HEAD_DIM ** -0.5
@@ -241,14 +242,31 @@ def test_segments_are_read_once_per_tensor():
     cu_seqlens = torch.tensor([0, 3, 8, 8, 10], device=DEVICE)
     first = segments_of(cu_seqlens, 10, DEVICE)
     assert segments_of(cu_seqlens, 10, DEVICE) is first
-    assert (first.count, first.longest) == (3, 5)
-    assert first.index.tolist() == [0, 1, 2, 0, 0, 3, 4, 5, 6, 7, 8, 9, 8, 8, 8]
+    (call,) = first.calls
+    assert (call.count, call.length) == (3, 5)
+    assert call.index.tolist() == [0, 1, 2, 0, 0, 3, 4, 5, 6, 7, 8, 9, 8, 8, 8]
     assert first.keep.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]
     cu_seqlens[1] = 5
     again = segments_of(cu_seqlens, 10, DEVICE)
-    assert again is not first and again.index.tolist()[:5] == [0, 1, 2, 3, 4]
+    assert again is not first and again.calls[0].index.tolist()[:5] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="cu_seqlens"):
         segments_of(cu_seqlens, 11, DEVICE)  # another length: read again, and refused
+
+
+def test_a_long_segment_beside_short_ones_is_not_padded():
+    """Padding 3-position segments to a 21-position one would cost 4x their attention work: one call per
+    length instead, their outputs put back in order."""
+    from tigon.patching.vision_attention import CONFIG, segments_of
+
+    found = segments_of(torch.tensor([0, 3, 24, 27, 27, 30], device=DEVICE), 30, DEVICE)
+    assert [(c.count, c.length, c.valid) for c in found.calls] == [(1, 21, None), (3, 3, None)]
+    assert found.calls[0].index.tolist() == list(range(3, 24))
+    assert found.calls[1].index.tolist() == [0, 1, 2, 24, 25, 26, 27, 28, 29]
+    order = torch.cat([c.index for c in found.calls])
+    assert torch.equal(order[found.keep], torch.arange(30, device=DEVICE))
+    assert CONFIG.pad_limit == 2.0
+    windows = segments_of(torch.tensor([0, 64, 96, 160, 176], device=DEVICE), 176, DEVICE)
+    assert len(windows.calls) == 1 and windows.calls[0].valid is not None  # windows: padded, one call
 
 
 def test_inference_mode():

@@ -16,7 +16,9 @@ What. The segments as one batch ``[segments, heads, longest, head_dim]`` and one
 - segments of one length (the images of one size; windows where the grid divides into them) are a
   view of the packed sequence, nothing copied;
 - segments of several lengths are gathered into rows padded to the longest with a position of their
-  own segment, a key mask hides the padding, and the padded query rows are dropped from the output.
+  own segment, a key mask hides the padding, and the padded query rows are dropped from the output;
+- unless padding would cost more than ``CONFIG.pad_limit`` (2) times the segments' own attention work or
+  rows (a large image beside small ones): then one call per distinct length, nothing padded.
 
 The host reads ``cu_seqlens`` once per tensor, not once per block (:func:`segments_of`): each read
 waits for the GPU, and the tower hands the same tensor to all its blocks.
@@ -109,19 +111,66 @@ CACHE_ATTR = "_tigon_segments"  # where segments_of keeps what it read on the cu
 
 
 @dataclass(frozen=True)
+class VisionAttentionConfig:
+    """How segments of several lengths are batched (:func:`segments_of`)."""
+
+    # One call padded to the longest segment while that costs at most pad_limit times the segments' own
+    # attention work (count·longest² against Σ length²) and rows (count·longest against the positions);
+    # past it (a large image beside small ones), one call per distinct length, nothing padded.
+    pad_limit: float = 2.0
+
+
+CONFIG = VisionAttentionConfig()
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One sdpa call: ``count`` rows of ``length`` positions, gathered by ``index`` (flat, row after
+    row; None: the packed sequence itself, in order), ``valid`` ``[count, length]`` masking the padded
+    keys (None: nothing padded)."""
+
+    count: int
+    length: int
+    index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Segments:
-    """How the positions of a packed sequence of ``total`` fall into rows: ``count`` non-empty segments,
-    the ``longest`` of them, and, for segments of several lengths, the gather ``index`` ``[count,
-    longest]`` (each row's positions, padded with its first), the ``valid`` mask of the same shape and
-    the positions to ``keep`` from the flattened rows, on the device (``index`` flattened too)."""
+    """The sdpa ``calls`` that cover the segments of a packed sequence of ``total`` positions, and
+    ``keep``: the positions of the calls' concatenated outputs that give the sequence back in order
+    (None: they are in order already)."""
 
     total: int
     version: int  # cu_seqlens._version when read: an in-place change makes a cached one stale
-    count: int
-    longest: int
-    index: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
+    calls: tuple[Rows, ...]
     keep: torch.Tensor | None = None
+
+
+def _batched(starts: list[int], lengths: list[int], total: int, config: VisionAttentionConfig):
+    """(calls, keep) on the host for non-empty segments (see :class:`Segments`)."""
+    count, longest = len(lengths), max(lengths)
+    if min(lengths) == longest:  # one length: a view of the packed sequence
+        return (Rows(count, longest),), None
+    padded_work = count * longest * longest <= config.pad_limit * sum(n * n for n in lengths)
+    if padded_work and count * longest <= config.pad_limit * total:
+        # Row s holds segment s's positions, then its first position again as padding.
+        offsets = torch.arange(longest)
+        valid = offsets < torch.tensor(lengths)[:, None]  # [count, longest]
+        index = (torch.tensor(starts)[:, None] + torch.where(valid, offsets, 0)).flatten()
+        keep = valid.flatten().nonzero().squeeze(1)  # the real positions of the padded rows, in order
+        return (Rows(count, longest, index, valid),), keep
+    # One call per distinct length; keep is the inverse of the order the calls visit the positions in.
+    calls, order = [], []
+    for length in sorted(set(lengths), reverse=True):
+        first = torch.tensor([a for a, n in zip(starts, lengths) if n == length])
+        index = (first[:, None] + torch.arange(length)).flatten()
+        calls.append(Rows(len(first), length, index))
+        order.append(index)
+    order = torch.cat(order)
+    keep = torch.empty_like(order)
+    keep[order] = torch.arange(len(order))
+    return tuple(calls), keep
 
 
 def segments_of(cu_seqlens, total: int, device) -> Segments:
@@ -145,16 +194,13 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
         raise ValueError(f"cu_seqlens must rise from 0 to the {total} positions, got {bounds}")
     starts = [a for a, b in zip(bounds, bounds[1:]) if b > a]
     lengths = [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
-    longest = max(lengths, default=0)
-    found = Segments(total, cu_seqlens._version if keep_it else -1, len(lengths), longest)
-    if lengths and min(lengths) != longest:
-        # Several lengths: row s holds segment s's positions, then its first position again as padding.
-        offsets = torch.arange(longest)
-        valid = offsets < torch.tensor(lengths)[:, None]  # [count, longest]
-        index = (torch.tensor(starts)[:, None] + torch.where(valid, offsets, 0)).flatten()
-        keep = valid.flatten().nonzero().squeeze(1)  # the real positions of the padded rows, in order
-        index, valid, keep = (t.to(device, non_blocking=True) for t in (index, valid, keep))
-        found = dataclasses.replace(found, index=index, valid=valid, keep=keep)
+    calls, keep = _batched(starts, lengths, total, CONFIG) if lengths else ((), None)
+
+    def to_device(t):
+        return None if t is None else t.to(device, non_blocking=True)
+
+    calls = tuple(dataclasses.replace(c, index=to_device(c.index), valid=to_device(c.valid)) for c in calls)
+    found = Segments(total, cu_seqlens._version if keep_it else -1, calls, to_device(keep))
     if keep_it:
         setattr(cu_seqlens, CACHE_ATTR, found)
     return found
@@ -162,30 +208,31 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
 
 def segment_attention(q, k, v, cu_seqlens, *, scale: float, dropout: float = 0.0):
     """Attention of ``q, k, v`` ``[S, heads, head_dim]`` within the segments ``cu_seqlens`` marks
-    (``[segments + 1]``, from 0 to S), every segment in one ``scaled_dot_product_attention`` call;
-    returns ``[S, heads, head_dim]``. Empty segments are allowed (they hold nothing)."""
+    (``[segments + 1]``, from 0 to S), in as few ``scaled_dot_product_attention`` calls as
+    :func:`segments_of` batches them into (one, but where padding would cost more than
+    ``CONFIG.pad_limit`` times the work); returns ``[S, heads, head_dim]``. Empty segments are allowed
+    (they hold nothing)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k, v must be [S, heads, head_dim] alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     found = segments_of(cu_seqlens, q.shape[0], q.device)
-    if found.count == 0:
+    if not found.calls:
         return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    outs = []
+    for call in found.calls:
+        def rows(t, call=call):  # [count, heads, length, head_dim]
+            # index_select, not t[index]: its backward is one index_add (advanced indexing's is
+            # index_put with accumulate, a sort and a handful of launches)
+            if call.index is not None:
+                t = t.index_select(0, call.index)
+            return t.unflatten(0, (call.count, call.length)).transpose(1, 2)
 
-    if found.index is None:  # one length: a view of the packed sequence
-        def rows(t):
-            return t.unflatten(0, (found.count, found.longest)).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), dropout_p=dropout, scale=scale)
-        return out.transpose(1, 2).flatten(0, 1)
-
-    def rows(t):  # [count, heads, longest, head_dim]
-        # index_select, not t[index]: its backward is one index_add (advanced indexing's is index_put
-        # with accumulate, a sort and a handful of launches)
-        return t.index_select(0, found.index).unflatten(0, (found.count, found.longest)).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=found.valid[:, None, None, :],
-                                         dropout_p=dropout, scale=scale)
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, found.keep)
+        mask = None if call.valid is None else call.valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=mask, dropout_p=dropout,
+                                             scale=scale)
+        outs.append(out.transpose(1, 2).flatten(0, 1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out if found.keep is None else out.index_select(0, found.keep)
 
 
 def packed_forward(fallback, rotary):
