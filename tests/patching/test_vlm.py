@@ -238,3 +238,30 @@ def test_compiled_patched_model_matches_eager(model_type):
     got.backward()
     assert rel(got, loss) <= LOSS_TOLERANCE
     assert_vlm_grads_close(grads(compiled_copy), grads(patched), LOSS_TOLERANCE)
+
+
+def test_vision_projection_norms_give_autocast_output():
+    """Qwen2.5-VL's vision blocks: norm1 (into the attention's qkv) and norm2 (into the MLP) give bf16
+    under autocast, the merger's ln_q (reshaped first) does not. A bf16-autocast step: the loss bitwise
+    that of the same patch with those norms giving fp32 (the bf16 output is the cast the projections
+    made), the gradients within bf16 rounding."""
+    stock, patched, handle = stock_and_patched_vlm("qwen2_5_vl")
+    assert any("norm1/norm2 give their output in the autocast dtype" in line for line in handle.replaced)
+    flagged = {name for name, m in patched.model.visual.named_modules() if getattr(m, "autocast_output", False)}
+    blocks = len(patched.model.visual.blocks)
+    assert flagged == {f"blocks.{i}.{n}" for i in range(blocks) for n in ("norm1", "norm2")}
+    unflagged = copy.deepcopy(patched)
+    for m in unflagged.modules():
+        if getattr(m, "autocast_output", False):
+            m.autocast_output = False
+    inputs = vlm_batch("qwen2_5_vl", stock.config, seed=4)
+    results = []
+    for model in (patched, unflagged):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        results.append((loss.detach(), grads(model)))
+    (loss, got), (want_loss, want) = results
+    assert torch.equal(loss, want_loss)
+    for name, g in got.items():
+        assert rel(g, want[name]) <= 2e-2, name

@@ -110,6 +110,10 @@ class Vision:
     attention: str | None = None  # its forward calls the module-level apply_rotary_pos_emb_vision
     # its forward attends within cu_seqlens' segments, one sdpa call each (vision_attention.py)
     packed_attention: bool = False
+    # the tower's block, and its norms whose output goes only to a projection (the attention's qkv, the
+    # MLP): under autocast they give it in the autocast dtype, the cast the projection would make
+    block: str | None = None
+    projection_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,7 +282,8 @@ FAMILIES: dict[str, Family] = {
                          attention="Qwen2_5_VLAttention", decoder_layer="Qwen2_5_VLDecoderLayer",
                          joined_layer="pre_norm",
                          vision=Vision(norm=Norm("Qwen2_5_VLRMSNorm"), mlp=Mlp("Qwen2_5_VLMLP"),
-                                       attention="Qwen2_5_VLVisionAttention", packed_attention=True)),
+                                       attention="Qwen2_5_VLVisionAttention", packed_attention=True,
+                                       block="Qwen2_5_VLVisionBlock", projection_norms=("norm1", "norm2"))),
         _vision_language("qwen3_vl", "Qwen3VL", norm=Norm("Qwen3VLTextRMSNorm"), mlp=Mlp("Qwen3VLTextMLP"),
                          attention="Qwen3VLTextAttention", decoder_layer="Qwen3VLTextDecoderLayer",
                          joined_layer="pre_norm",
