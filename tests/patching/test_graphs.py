@@ -348,10 +348,7 @@ def test_graphed_vision_language_decoder_trains_as_eager():
     from tests.patching import tiny_vlm
 
     torch.manual_seed(0)
-    plain = tiny_vlm.tiny_vlm("qwen2_5_vl")
-    for config in (plain.config, plain.config.text_config, plain.config.vision_config):
-        config._attn_implementation = "sdpa"
-    plain.to(DEVICE)
+    plain = tiny_vlm.tiny_vlm("qwen2_5_vl", attention="sdpa").to(DEVICE)
     graphed = copy.deepcopy(plain)
     tigon.patch(plain)
     handle = tigon.patch(graphed, cuda_graphs=True)

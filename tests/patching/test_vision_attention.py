@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import textwrap
 
 import pytest
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 import transformers
 
 import tigon
-from tests.helpers import DEVICE, DTYPES, ON_GPU, TOLERANCE, assert_close, rel_err, stride0_like
+from tests.helpers import DEVICE, DTYPES, TOLERANCE, assert_close, rel_err, stride0_like
 from tests.patching import tiny_vlm
 from tests.patching.tiny import grads, rel
 from tigon.patching import vision_attention
@@ -35,7 +36,7 @@ def _per_segment(q, k, v, cu_seqlens, scale):
     """What transformers' sdpa branch computes: one sdpa call a segment, concatenated."""
     bounds = cu_seqlens.tolist()
     outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=scale).transpose(0, 1)
-            for a, b in zip(bounds, bounds[1:]) if b > a]
+            for a, b in itertools.pairwise(bounds) if b > a]
     return torch.cat(outs)
 
 
@@ -83,7 +84,8 @@ def test_segment_attention_takes_a_stride0_gradient():
         assert_close(got.grad, leaf.grad, torch.float32)
 
 
-@pytest.mark.parametrize("bounds", [[0, 4, 10], [1, 4, 11], [0, 6, 4, 11], []], ids=["short", "start", "falls", "empty"])
+@pytest.mark.parametrize("bounds", [[0, 4, 10], [1, 4, 11], [0, 6, 4, 11], []],
+                         ids=["short", "start", "falls", "empty"])
 def test_segment_attention_refuses_bad_segments(bounds):
     q, k, v = _packed_qkv(11, torch.float32)
     with pytest.raises(ValueError, match="cu_seqlens"):
@@ -100,12 +102,8 @@ def test_segment_attention_refuses_mismatched_shapes():
 # --------------------------------------------------------------------------------------------- models
 
 def _sdpa_pair(model_type, **switches):
-    config = tiny_vlm.tiny_vlm_config(model_type)
-    for sub in (config, config.text_config, config.vision_config):
-        sub._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    cls = transformers.AutoModelForImageTextToText._model_mapping[type(config)]
-    stock = cls(config).train().to(DEVICE)
+    stock = tiny_vlm.tiny_vlm(model_type, attention="sdpa").to(DEVICE)
     patched = copy.deepcopy(stock)
     return stock, patched, tigon.patch(patched, **switches)
 
@@ -127,7 +125,7 @@ def _two_image_batch(model_type, config, seed=0):
     inputs = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids),
               "pixel_values": torch.randn(sum(g * g for g in grids), features, generator=gen),
               "image_grid_thw": torch.tensor([[1, g, g] for g in grids])}
-    if "mm_token_type_ids" in inspect.signature(tiny_vlm.tiny_vlm(model_type).forward).parameters:
+    if "mm_token_type_ids" in tiny_vlm._forward_parameters(model_type):
         inputs["mm_token_type_ids"] = (ids == tiny_vlm.IMAGE).int()
     return {k: v.to(DEVICE) for k, v in inputs.items()}
 
@@ -168,7 +166,7 @@ def test_patched_vision_attention_matches_stock_sdpa(model_type, monkeypatch):
     assert not any("forward" in vars(m) for m in patched.modules())
 
 
-@pytest.mark.skipif(not ON_GPU, reason="bf16 autocast on the GPU's sdpa kernels")
+@pytest.mark.gpu
 @pytest.mark.parametrize("model_type", QWEN_VL)
 def test_patched_vision_attention_matches_stock_under_bf16_autocast(model_type):
     stock, patched, _ = _sdpa_pair(model_type)

@@ -154,18 +154,18 @@ IMAGES = {
 CONFIGS = dict.fromkeys(IMAGES)
 
 
-def tiny_vlm_config(model_type):
+def tiny_vlm_config(model_type, attention="eager"):
     config = _config(model_type)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     for sub in ("text_config", "vision_config"):
         if getattr(config, sub, None) is not None:
-            getattr(config, sub)._attn_implementation = "eager"
+            getattr(config, sub)._attn_implementation = attention
     return config
 
 
-def tiny_vlm(model_type):
-    """A tiny random VLM (ForConditionalGeneration) in train mode."""
-    config = tiny_vlm_config(model_type)
+def tiny_vlm(model_type, attention="eager"):
+    """A tiny random VLM (ForConditionalGeneration) in train mode, every part with ``attention``."""
+    config = tiny_vlm_config(model_type, attention)
     cls = transformers.AutoModelForImageTextToText._model_mapping[type(config)]
     return cls(config).train()
 

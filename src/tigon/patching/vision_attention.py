@@ -38,6 +38,7 @@ implementations the module runs the class's forward (with tigon's rotary if ``ro
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -163,7 +164,7 @@ def _batched(starts: list[int], lengths: list[int], total: int, config: VisionAt
     # One call per distinct length; keep is the inverse of the order the calls visit the positions in.
     calls, order = [], []
     for length in sorted(set(lengths), reverse=True):
-        first = torch.tensor([a for a, n in zip(starts, lengths) if n == length])
+        first = torch.tensor([a for a, n in zip(starts, lengths, strict=True) if n == length])
         index = (first[:, None] + torch.arange(length)).flatten()
         calls.append(Rows(len(first), length, index))
         order.append(index)
@@ -190,10 +191,11 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
         if cached is not None and cached.total == total and cached.version == cu_seqlens._version:
             return cached
     bounds = cu_seqlens.tolist()  # the host needs the lengths, as the per-segment split does
-    if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+    spans = list(itertools.pairwise(bounds))
+    if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in spans):
         raise ValueError(f"cu_seqlens must rise from 0 to the {total} positions, got {bounds}")
-    starts = [a for a, b in zip(bounds, bounds[1:]) if b > a]
-    lengths = [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+    starts = [a for a, b in spans if b > a]
+    lengths = [b - a for a, b in spans if b > a]
     calls, keep = _batched(starts, lengths, total, CONFIG) if lengths else ((), None)
 
     def to_device(t):
