@@ -1,11 +1,12 @@
-"""The Qwen-VL vision attention over all its segments in one sdpa call (patching/vision_attention.py,
-the ``vision_attention`` switch).
+"""The Qwen-VL vision attention over all its segments in one call (patching/vision_attention.py, the
+``vision_attention`` switch).
 
 ``segment_attention`` against an fp64 per-segment reference in every dtype (segments of one length and
 of several, empty ones, non-contiguous q/k/v as the packed qkv projection gives them, a stride-0
-gradient), its bad inputs; then the three Qwen-VL rows under sdpa, patched against stock, with windows
-of several sizes and two images of different sizes in one batch; the fallback for other attention
-implementations, the switch, and a forward that differs from transformers'.
+gradient; on the GPU in fp16/bf16 the one flash call), its bad inputs; then the three Qwen-VL rows
+under sdpa, patched against stock, with windows of several sizes and two images of different sizes in
+one batch; the fallback for other attention implementations, the switch, and a forward that differs
+from transformers'.
 """
 
 from __future__ import annotations
@@ -82,6 +83,45 @@ def test_segment_attention_takes_a_stride0_gradient():
     _per_segment(*leaves, cu_seqlens, 0.3).backward(grad.double())
     for got, leaf in zip((q, k, v), leaves, strict=True):
         assert_close(got.grad, leaf.grad, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad_kind", ["random", "stride0"])
+def test_segments_run_as_one_flash_call_on_the_gpu(dtype, grad_kind, monkeypatch):
+    """fp16/bf16 on the GPU: the segments (windows of four sizes, an empty one; Qwen's head size 80) are
+    one flash call, no sdpa call; against the fp64 per-segment reference, and no less accurate than the
+    padded sdpa call the other dtypes and devices take."""
+    import dataclasses
+
+    heads, head_dim, lengths = 4, 80, [64, 32, 0, 32, 16, 64, 5]
+    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).int()
+    total, scale = sum(lengths), head_dim ** -0.5
+    qkv = torch.randn(total, 3, heads, head_dim, device="cuda").to(dtype)
+    q, k, v = (t.detach().requires_grad_() for t in qkv.permute(1, 0, 2, 3).unbind(0))
+    sdpa_calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw))
+    out = segment_attention(q, k, v, cu_seqlens, scale=scale)
+    grad = torch.randn_like(out) if grad_kind == "random" else stride0_like(out)
+    out.backward(grad)
+    assert not sdpa_calls and out.dtype == dtype and out.shape == (total, heads, head_dim)
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = _per_segment(*leaves, cu_seqlens, scale)
+    want.backward(grad.double())
+    assert_close(out, want, dtype)
+    for name, got, leaf in zip("qkv", (q, k, v), leaves, strict=True):
+        assert_close(got.grad, leaf.grad, dtype, what=f"d{name}")
+
+    monkeypatch.setattr(vision_attention, "CONFIG", dataclasses.replace(vision_attention.CONFIG, flash=False))
+    padded = [t.detach().requires_grad_() for t in (q, k, v)]
+    out_padded = segment_attention(*padded, cu_seqlens, scale=scale)
+    out_padded.backward(grad)
+    assert sdpa_calls
+    assert rel_err(out, want) <= 2 * rel_err(out_padded, want) + 1e-3
+    for got, other, leaf in zip((q, k, v), padded, leaves, strict=True):
+        assert rel_err(got.grad, leaf.grad) <= 2 * rel_err(other.grad, leaf.grad) + 1e-3
 
 
 @pytest.mark.parametrize("bounds", [[0, 4, 10], [1, 4, 11], [0, 6, 4, 11], []],

@@ -20,6 +20,13 @@ What. The segments as one batch ``[segments, heads, longest, head_dim]`` and one
 - unless padding would cost more than ``CONFIG.pad_limit`` (2) times the segments' own attention work or
   rows (a large image beside small ones): then one call per distinct length, nothing padded.
 
+On a GPU, in fp16/bf16, the segments need no batching at all: PyTorch's own flash attention takes
+packed sequences with their cumulative lengths (``aten::_flash_attention_forward`` with ``cum_seq_q``,
+the kernel behind ``torch.nn.attention.varlen``), so the whole packed sequence is one call and its
+backward one call: no gather, no mask, no padded rows (:class:`_FlashSegments`). A windowed block of
+the 392 x 392 image above launched ~10 kernels for its attention forward and ~20 backward through the
+padded batch; here two and three.
+
 The host reads ``cu_seqlens`` once per tensor, not once per block (:func:`segments_of`): each read
 waits for the GPU, and the tower hands the same tensor to all its blocks.
 
@@ -28,7 +35,8 @@ either way: a masked key's weight is ``exp(-inf) = 0``. So the output is the per
 rounding of a different kernel. The padding gets no gradient: a dropped query row has zero output
 gradient, hence zero ``dP = dO V^T`` and zero ``dQ``; a masked key has zero weight ``P`` in every row,
 hence ``dK = dS^T Q`` and ``dV = P^T dO`` are zero there. So the gather's backward adds only zeros to
-the positions the padding repeated.
+the positions the padding repeated. The flash call computes the same per-segment softmax directly
+(its tiles never cross a segment's bounds).
 
 Where. Only where the attention's forward is, statement for statement, transformers' (5.17 to 5.24,
 :data:`FORWARD_SOURCE`; the engine checks it), and only under sdpa: for eager, flash and the other
@@ -38,11 +46,14 @@ implementations the module runs the class's forward (with tigon's rotary if ``ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tigon.ops._launch import function_apply
 
 # transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision attention forward, 5.17 to 5.24 (the three are
 # one text); tigon's forward below computes what it computes.
@@ -119,6 +130,9 @@ class VisionAttentionConfig:
     # attention work (count·longest² against Σ length²) and rows (count·longest against the positions);
     # past it (a large image beside small ones), one call per distinct length, nothing padded.
     pad_limit: float = 2.0
+    # fp16/bf16 on a GPU: all segments as one flash-attention call over the packed sequence (where
+    # PyTorch has flash attention, sdpa's flash backend is enabled, and the head size suits it).
+    flash: bool = True
 
 
 CONFIG = VisionAttentionConfig()
@@ -146,6 +160,9 @@ class Segments:
     version: int  # cu_seqlens._version when read: an in-place change makes a cached one stale
     calls: tuple[Rows, ...]
     keep: torch.Tensor | None = None
+    # The flash call's operands: the non-empty segments' bounds (int32, on the device) and the longest.
+    bounds: torch.Tensor | None = None
+    longest: int = 0
 
 
 def _batched(starts: list[int], lengths: list[int], total: int, config: VisionAttentionConfig):
@@ -202,7 +219,9 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
         return None if t is None else t.to(device, non_blocking=True)
 
     calls = tuple(dataclasses.replace(c, index=to_device(c.index), valid=to_device(c.valid)) for c in calls)
-    found = Segments(total, cu_seqlens._version if keep_it else -1, calls, to_device(keep))
+    nonempty = to_device(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32))
+    found = Segments(total, cu_seqlens._version if keep_it else -1, calls, to_device(keep), nonempty,
+                     max(lengths, default=0))
     if keep_it:
         setattr(cu_seqlens, CACHE_ATTR, found)
     return found
@@ -210,16 +229,18 @@ def segments_of(cu_seqlens, total: int, device) -> Segments:
 
 def segment_attention(q, k, v, cu_seqlens, *, scale: float, dropout: float = 0.0):
     """Attention of ``q, k, v`` ``[S, heads, head_dim]`` within the segments ``cu_seqlens`` marks
-    (``[segments + 1]``, from 0 to S), in as few ``scaled_dot_product_attention`` calls as
-    :func:`segments_of` batches them into (one, but where padding would cost more than
-    ``CONFIG.pad_limit`` times the work); returns ``[S, heads, head_dim]``. Empty segments are allowed
-    (they hold nothing)."""
+    (``[segments + 1]``, from 0 to S): fp16/bf16 on a GPU as one flash call (:class:`_FlashSegments`),
+    otherwise in as few ``scaled_dot_product_attention`` calls as :func:`segments_of` batches them
+    into (one, but where padding would cost more than ``CONFIG.pad_limit`` times the work); returns
+    ``[S, heads, head_dim]``. Empty segments are allowed (they hold nothing)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k, v must be [S, heads, head_dim] alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     found = segments_of(cu_seqlens, q.shape[0], q.device)
     if not found.calls:
         return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    if CONFIG.flash and dropout == 0.0 and _flash_suits(q, k, v):
+        return _FLASH_APPLY(q, k, v, found.bounds, found.longest, scale)
     outs = []
     for call in found.calls:
         def rows(t, call=call):  # [count, heads, length, head_dim]
@@ -235,6 +256,53 @@ def segment_attention(q, k, v, cu_seqlens, *, scale: float, dropout: float = 0.0
         outs.append(out.transpose(1, 2).flatten(0, 1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out if found.keep is None else out.index_select(0, found.keep)
+
+
+class _FlashSegments(torch.autograd.Function):
+    """Attention within the segments ``bounds`` marks (non-empty, int32 cumulative lengths) as one flash
+    call over the packed ``[S, heads, head_dim]`` q, k, v, and one call back: aten's flash-attention
+    pair with cumulative sequence lengths, what ``torch.nn.attention.varlen.varlen_attn`` runs,
+    called directly (its custom op adds a dispatch layer of Python a call, and the step is the host's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, longest, scale):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, bounds, bounds, longest, longest, 0.0, False, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused, bounds)
+        ctx.longest, ctx.scale = longest, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, rng_state, unused, bounds = ctx.saved_tensors
+        if grad.stride(-1) != 1:  # the kernel reads head_dim contiguously (a stride-0 gradient)
+            grad = grad.contiguous()
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad, q, k, v, out, lse, bounds, bounds, ctx.longest, ctx.longest, 0.0, False, rng_state, unused,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+_FLASH_APPLY = function_apply(_FlashSegments)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _flash_suits(q, k, v) -> bool:
+    """Whether aten's flash attention takes these q, k, v: fp16/bf16 on an sm80+ GPU where PyTorch was
+    built with it and sdpa's flash backend is on (a user who switched it off keeps the sdpa calls),
+    head_dim a multiple of 8 up to 256, head_dim contiguous; not under torch.compile (which traces the
+    per-segment calls as transformers' forward does)."""
+    return (q.is_cuda and q.dtype in _FLASH_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and not torch.compiler.is_compiling() and torch.backends.cuda.flash_sdp_enabled()
+            and _flash_built(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _flash_built(device_index: int) -> bool:
+    return (torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(device_index) >= (8, 0))
 
 
 def packed_forward(fallback, rotary):
