@@ -127,7 +127,8 @@ def test_mlp_saves_only_x_gate_up(bias):
 @pytest.mark.parametrize("bias", (False, True))
 def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias):
     """Under autocast the node keeps the fp32 weights it is given (no bf16 copies saved for the
-    backward) and its gradients are bitwise those of the same node fed weights cast beforehand,
+    backward), takes weights and biases with no cast node before it, and its gradients are bitwise
+    those of the same node fed weights cast beforehand,
     whose gradients autocast's cast would turn to fp32 (on the GPU the weights' gradients are the
     unrounded fp32 products instead)."""
     from tigon.nn.mlp import _GatedMLPFunction
@@ -143,6 +144,9 @@ def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias):
     param_ptrs = {q.data_ptr() for q in params}
     copies = [t for t in saved if t.data_ptr() not in param_ptrs and t.dim() == 2 and t.shape[0] != tokens]
     assert copies == [], [tuple(t.shape) for t in copies]
+    # weights and biases reach the node as they are (it casts them, by one launch): no cast nodes
+    inputs = [f for f, _ in y.grad_fn.next_functions[1:7] if f is not None]
+    assert [type(f).__name__ for f in inputs] == ["AccumulateGrad"] * len(params)
     dy = randn(*y.shape, dtype=torch.bfloat16)
     got = torch.autograd.grad(y, [x, *params], dy)
 
@@ -156,10 +160,11 @@ def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias):
     assert torch.equal(y, want_y)
     for g, w, q in zip(got, want, [x, *params], strict=True):
         assert g.dtype == q.dtype
-        if DEVICE.type == "cuda" and q is not x and q.dim() == 2:
-            # On the GPU the matmul writes a weight's fp32 gradient itself (ops._matmul.matmul_to):
-            # its fp32 accumulator, of which the bf16 product is the rounding.
-            assert_close(g, w.float(), torch.bfloat16, "weight gradient")
+        if DEVICE.type == "cuda" and q is not x:
+            # On the GPU the matmul (the sum, for a bias) writes a parameter's fp32 gradient itself
+            # (ops._matmul.matmul_to, sum_rows_to): its fp32 accumulator, of which the bf16 one is the
+            # rounding.
+            assert_close(g, w.float(), torch.bfloat16, "parameter gradient")
             assert not torch.equal(g, w.to(q.dtype)), "the fp32 gradient was rounded to bf16"
         else:
             assert torch.equal(g, w.to(q.dtype))

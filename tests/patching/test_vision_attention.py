@@ -30,7 +30,7 @@ from tigon.patching.vision_attention import segment_attention
 
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 HEADS, HEAD_DIM = 3, 8
-PACKED_LINE = "one sdpa call over every image or window"
+PACKED_LINE = "one call over every image or window"
 
 
 def _per_segment(q, k, v, cu_seqlens, scale):

@@ -265,3 +265,67 @@ def test_vision_projection_norms_give_autocast_output():
     assert torch.equal(loss, want_loss)
     for name, g in got.items():
         assert rel(g, want[name]) <= 2e-2, name
+
+
+def test_qwen2_5_vl_vision_blocks_join_and_project_as_one_node():
+    """Qwen2.5-VL's vision blocks: the attention's output joins the stream with norm2 as one
+    add_rms_norm (``rms_norm``), and the attention's qkv and proj are one autocast node each, with no
+    cast node before their fp32 weights and biases (``vision_attention``). A bf16-autocast step within
+    bf16 rounding of stock's; each switch off leaves its part."""
+    from tigon.patching.shared_cast import shared_cast_linear
+
+    stock, patched, handle = stock_and_patched_vlm("qwen2_5_vl")
+    assert any(line.startswith("vision: Qwen2_5_VLVisionBlock.forward -> residual joins as tigon.ops.add_rms_norm")
+               for line in handle.replaced)
+    blocks = patched.model.visual.blocks
+    assert all("forward" in vars(block) for block in blocks)
+    assert all(p.forward.__func__ is shared_cast_linear for b in blocks for p in (b.attn.qkv, b.attn.proj))
+    nodes = []
+    blocks[0].attn.qkv.register_forward_hook(lambda m, a, out: nodes.append(out.grad_fn))
+    inputs = vlm_batch("qwen2_5_vl", stock.config, seed=5)
+    losses = []
+    for model in (stock, patched):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss.detach())
+    (node,) = nodes
+    assert type(node).__name__ == "_AutocastLinearBackward"
+    assert [type(f).__name__ for f, _ in node.next_functions[2:4]] == ["AccumulateGrad"] * 2  # weight, bias
+    assert rel(losses[1], losses[0]) <= 1e-2
+    assert_vlm_grads_close(grads(patched), grads(stock), 3e-2)
+
+    _, unjoined, handle = stock_and_patched_vlm("qwen2_5_vl", rms_norm=False)
+    assert not any("VisionBlock" in line for line in handle.replaced)
+    assert not any("forward" in vars(b) for b in unjoined.model.visual.blocks)
+    _, unpacked, _ = stock_and_patched_vlm("qwen2_5_vl", vision_attention=False)
+    assert not any("forward" in vars(b.attn.qkv) or "forward" in vars(b.attn.proj)
+                   for b in unpacked.model.visual.blocks)
+
+
+def test_a_vision_block_that_differs_keeps_its_forward(monkeypatch):
+    """A transformers version whose vision block differs (here: one statement added) keeps that forward:
+    the patch warns, leaves the joins out, patches the rest, and trains as stock."""
+    stock = tiny_vlm("qwen2_5_vl").to(DEVICE)
+    model = copy.deepcopy(stock)
+    block_cls = type(model.model.visual.blocks[0])
+    stock_forward = block_cls.forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hidden_states = hidden_states * 1.0
+        return stock_forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(block_cls, "forward", forward)
+    with pytest.warns(UserWarning, match="not the vision_pre_norm forward tigon knows"):
+        handle = tigon.patch(model)
+    assert not any("VisionBlock" in line for line in handle.replaced)
+    assert any(line.startswith("vision: ") and "RMSNorm" in line for line in handle.replaced)
+    assert not any("forward" in vars(b) for b in model.model.visual.blocks)
+    inputs = vlm_batch("qwen2_5_vl", stock.config, seed=6)
+    losses = []
+    for m in (stock, model):
+        loss = m(**inputs).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert rel(losses[1], losses[0]) <= LOSS_TOLERANCE
+    assert_vlm_grads_close(grads(model), grads(stock))

@@ -32,16 +32,18 @@ The price of recomputing is one extra write of h, inside the backward's pass ove
 (M·I·b bytes, against nine GEMMs of 2·M·H·I flops); recomputing h in a launch of its own would read
 gate and up a second time as well (3·M·I·b).
 
-Autocast: as ``nn.Linear`` under ``torch.autocast``, x and the biases are cast to the autocast dtype
-before the node (the casts stay in the graph), and inside it autocast finds every operand in its
-dtype already (it casts nothing there). The weights are cast inside the node (all of them by one
-launch: :func:`tigon.ops._matmul.cast_all`), and cast again in the backward rather than saved:
+Autocast: as ``nn.Linear`` under ``torch.autocast``, x is cast to the autocast dtype before the node
+(the cast stays in the graph), and inside it autocast finds every operand in its dtype already (it
+casts nothing there). The weights and biases are cast inside the node (all of them by one launch:
+:func:`tigon.ops._matmul.cast_all`; three bias casts and their backward nodes less than autocast's
+per-linear casts, which matters where the step is the host's: a vision tower's MLP at a few hundred
+patches), and the weights are cast again in the backward rather than saved:
 autocast's ``nn.Linear`` keeps a bf16 copy of every weight from the forward to the backward (2 bytes
 per MLP parameter: 1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves
 are there anyway. The weight gradients are the bf16 products in the weights' dtype
 (:func:`tigon.ops._matmul.matmul_to`): on the CPU the bf16 product cast, as autocast's cast returns
 it (bitwise the same); on the GPU the matmul's fp32 accumulator written as it is (no cast kernel, and
-no rounding to bf16 on the way).
+no rounding to bf16 on the way); the bias gradients likewise (:func:`tigon.ops._matmul.sum_rows_to`).
 
 Reference: :func:`gated_mlp_reference` (``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers'
 ``LlamaMLP`` / ``GemmaMLP``).
@@ -55,7 +57,7 @@ from torch import nn
 
 from tigon.ops._common import FLOAT_DTYPES, check_tensor
 from tigon.ops._launch import function_apply
-from tigon.ops._matmul import cast_all, matmul_to
+from tigon.ops._matmul import cast_all, matmul_to, sum_rows_to
 from tigon.ops.glu import ACTIVATIONS, GLU, activation_reference, gelu_activation_name, glu, glu_backward_into
 
 
@@ -69,14 +71,16 @@ class _GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, dtype):
-        gate_w, up_w, down_w = cast_all((gate_weight, up_weight, down_weight), dtype)  # one launch
-        gate = F.linear(x, gate_w, gate_bias)                       # (..., I)
-        up = F.linear(x, up_w, up_bias)                             # (..., I)
+        gate_w, gate_b, up_w, up_b, down_w, down_b = cast_all(
+            (gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias), dtype)  # one launch
+        gate = F.linear(x, gate_w, gate_b)                          # (..., I)
+        up = F.linear(x, up_w, up_b)                                # (..., I)
         gate_w = up_w = None
         h = GLU(gate, up, activation)                               # (..., I)
-        y = F.linear(h, down_w, down_bias)                          # (..., H)
+        y = F.linear(h, down_w, down_b)                             # (..., H)
         ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
         ctx.activation, ctx.dtype = activation, dtype
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (gate_bias, up_bias, down_bias))
         return y
 
     @staticmethod
@@ -118,8 +122,9 @@ class _GatedMLPFunction(torch.autograd.Function):
                 h = GLU(gate2, up2, ctx.activation)                 # (M, I)
             d_down_w = matmul_to(dy2.t(), h, down_weight.dtype)     # (H, I)
             h = None
+        gate_b_dtype, up_b_dtype, down_b_dtype = ctx.bias_dtypes
         if need_down_b:
-            d_down_b = dy2.sum(0)
+            d_down_b = sum_rows_to(dy2, down_b_dtype)
         if need_x:
             dx = dgate @ gate_w                                     # (M, H)
             dx.addmm_(dup, up_w)
@@ -128,11 +133,11 @@ class _GatedMLPFunction(torch.autograd.Function):
         if need_gate_w:
             d_gate_w = matmul_to(dgate.t(), x2, gate_weight.dtype)  # (I, H)
         if need_gate_b:
-            d_gate_b = dgate.sum(0)
+            d_gate_b = sum_rows_to(dgate, gate_b_dtype)
         if need_up_w:
             d_up_w = matmul_to(dup.t(), x2, up_weight.dtype)
         if need_up_b:
-            d_up_b = dup.sum(0)
+            d_up_b = sum_rows_to(dup, up_b_dtype)
         return dx, d_gate_w, d_gate_b, d_up_w, d_up_b, d_down_w, d_down_b, None, None
 
 
@@ -181,8 +186,9 @@ def _to_autocast(t, dtype):
 
 
 def _weight(w, dtype):
-    """A weight the node casts itself (fp32 ones, as autocast would); any other dtype is cast here."""
-    return w if w.dtype == torch.float32 else _to_autocast(w, dtype)
+    """A weight or bias the node casts itself (fp32 ones, as autocast would); any other dtype is cast
+    here."""
+    return w if w is None or w.dtype == torch.float32 else _to_autocast(w, dtype)
 
 
 def gated_mlp(
@@ -199,12 +205,12 @@ def gated_mlp(
     # cuda, or cpu under the interpreter: the devices tigon runs on (meta tensors have no autocast)
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        # x and the biases are cast here; the weights inside the node (module docs)
+        # x is cast here; fp32 weights and biases inside the node (module docs)
         # autocast stays on: the node's F.linear operands are all in its dtype, so it casts nothing
         return _GATED_MLP_APPLY(
-            _to_autocast(x, dtype), _weight(gate_weight, dtype), _to_autocast(gate_bias, dtype),
-            _weight(up_weight, dtype), _to_autocast(up_bias, dtype), _weight(down_weight, dtype),
-            _to_autocast(down_bias, dtype), activation, dtype,
+            _to_autocast(x, dtype), _weight(gate_weight, dtype), _weight(gate_bias, dtype),
+            _weight(up_weight, dtype), _weight(up_bias, dtype), _weight(down_weight, dtype),
+            _weight(down_bias, dtype), activation, dtype,
         )
     tensors = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     names = ("x", "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight",

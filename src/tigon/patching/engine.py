@@ -93,6 +93,7 @@ SWITCHES = {
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 OUTPUT_PROJECTION = "o_proj"
+VISION_PROJECTIONS = ("qkv", "proj")  # the Qwen-VL vision attention's (its FORWARD_SOURCE calls both)
 
 
 def _transformers_version() -> str:
@@ -803,6 +804,8 @@ def _plan_vision_side(plan, root, family, classes, switches):
     sub = _Plan()
     if switches["rms_norm"] and classes.norm is not None:
         _plan_rms_norms(sub, root, vision, classes)
+        if vision.joined_layer:
+            _plan_joined_layers(sub, root, vision, classes)
     if switches["layer_norm"] and classes.layer_norm is not None:
         _plan_layer_norms(sub, root, vision, classes)
     if switches["mlp"] and classes.mlp is not None:
@@ -820,8 +823,9 @@ def _vision_rope_line(classes):
 
 
 def _vision_packed_line(classes):
-    return (f"{classes.attention.__name__}: sdpa once a cu_seqlens segment -> one sdpa call over every image "
-            "or window (vision_attention.py)")
+    return (f"{classes.attention.__name__}: sdpa once a cu_seqlens segment -> one call over every image or "
+            "window (flash attention in fp16/bf16 on a GPU, else sdpa; vision_attention.py), qkv/proj as one "
+            "autocast node each")
 
 
 def _packs_vision_attention(family, switches):
@@ -861,6 +865,21 @@ def _plan_vision_attention(plan, root, family, classes, switches):
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), lines[0])
         for line in lines[1:]:
             plan.counts[line] += 1
+        if packed:
+            _plan_vision_projections(plan, old)
+
+
+def _plan_vision_projections(plan, attention):
+    """Part of the ``vision_attention`` switch: the packed attention's ``qkv`` and ``proj`` run as
+    shared_cast.py's autocast linear (each weight and bias cast by one launch, the gradients of the fp32
+    parameters written by the matmul and the sum, one autograd node a projection instead of three).
+    A projection that is not a plain nn.Linear (LoRA) keeps its own forward."""
+    for name in VISION_PROJECTIONS:
+        projection = attention._modules.get(name)
+        if type(projection) is not nn.Linear or _own_forward(projection) is not None:
+            continue
+        plan.add(_SetAttr(projection, CACHE_ATTR, CastCache()))
+        plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))
 
 
 def _plan_vision_language(plan, model, family, classes, switches):

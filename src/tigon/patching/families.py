@@ -114,6 +114,8 @@ class Vision:
     # MLP): under autocast they give it in the autocast dtype, the cast the projection would make
     block: str | None = None
     projection_norms: tuple[str, ...] = ()
+    # the block's residual joins and the norms beside them, a layout of patching/joins.py (needs block)
+    joined_block: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class Family:
     router_aux_loss: str | None = None  # name of the load-balancing loss function in the module
     decoder_layer: str | None = None
     projection_norms: tuple[str, ...] = ()
-    joined_layer: str | None = None  # "sandwich" / "post_norm": a layout of patching/joins.py
+    joined_layer: str | None = None  # "pre_norm" / "sandwich" / "post_norm": a layout of patching/joins.py
     experts: Experts | None = None  # MoE experts behind transformers' experts dispatch
     # The rotary's cos/sin hold one angle per rotated pair, not the rotate-half layout's two copies
     # (GPT-OSS: ``emb = freqs``; its ``_apply_rotary_emb`` rotates the two halves): tigon's rope gets
@@ -283,7 +285,8 @@ FAMILIES: dict[str, Family] = {
                          joined_layer="pre_norm",
                          vision=Vision(norm=Norm("Qwen2_5_VLRMSNorm"), mlp=Mlp("Qwen2_5_VLMLP"),
                                        attention="Qwen2_5_VLVisionAttention", packed_attention=True,
-                                       block="Qwen2_5_VLVisionBlock", projection_norms=("norm1", "norm2"))),
+                                       block="Qwen2_5_VLVisionBlock", projection_norms=("norm1", "norm2"),
+                                       joined_block="vision_pre_norm")),
         _vision_language("qwen3_vl", "Qwen3VL", norm=Norm("Qwen3VLTextRMSNorm"), mlp=Mlp("Qwen3VLTextMLP"),
                          attention="Qwen3VLTextAttention", decoder_layer="Qwen3VLTextDecoderLayer",
                          joined_layer="pre_norm",

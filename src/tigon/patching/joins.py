@@ -27,6 +27,12 @@ Three layer layouts do it, named in the family table (``joined_layer``):
   :func:`tigon.ops.sandwich_norm_join` and the second as :func:`tigon.ops.post_norm_join`.
 - **post_norm** (OLMo-2, OLMo-3): post-norms only; both joins are :func:`tigon.ops.post_norm_join`
   (:func:`post_norm_layer_forward`).
+- **vision_pre_norm** (Qwen2.5-VL's vision blocks, RMSNorm): pre-norm with the adds written inline,
+  ``hidden_states = hidden_states + self.attn(self.norm1(hidden_states), ...)`` then
+  ``hidden_states + self.mlp(self.norm2(hidden_states))``; the first add and norm2 run as
+  :func:`tigon.ops.add_rms_norm` (:func:`vision_block_forward`). In a vision tower the GPU work of a
+  block is a few µs a kernel (784 patches of 1280 for a 392 x 392 image), so what a join saves there
+  is chiefly the host's launch and autograd node, forward and backward.
 
 With the norms swapped for tigon's, each add stays a kernel of its own, as do, in the backward,
 autograd's sum of the residual stream's two gradients (sandwich, pre_norm) and its cast of the add's
@@ -138,6 +144,20 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, CACHE=N
     hidden_states = self.mlp(hidden_states)
     hidden_states = self.post_feedforward_layernorm(hidden_states)
     hidden_states = residual + hidden_states
+    return hidden_states
+'''
+
+# The body of transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision block forward (5.17 to 5.24): pre-norm,
+# with both residual adds written inline.
+VISION_BLOCK_FORWARD = '''
+def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+    hidden_states = hidden_states + self.attn(
+        self.norm1(hidden_states),
+        cu_seqlens=cu_seqlens,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states = hidden_states + self.mlp(self.norm2(hidden_states))
     return hidden_states
 '''
 
@@ -259,6 +279,18 @@ def post_norm_layer_forward(arguments: AttentionArguments):
     return forward
 
 
+def vision_block_forward(arguments: AttentionArguments):
+    """transformers' Qwen-VL vision block (VISION_BLOCK_FORWARD) with its first join fused: the attention's
+    output joins the stream (``hidden_states + attn``, the stock add's order) and norm2 reads the sum."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        attended = self.attn(self.norm1(hidden_states), **arguments(args, kwargs))
+        normed, hidden_states = _add_and_norm(self.norm2, attended, hidden_states)
+        return hidden_states + self.mlp(normed)
+
+    return forward
+
+
 @dataclass(frozen=True)
 class JoinedLayer:
     """A layer layout: transformers' forward (source, with CACHE for the cache argument's name; a tuple
@@ -291,5 +323,8 @@ LAYOUTS = {
     "post_norm": JoinedLayer(
         POST_NORM_FORWARD, ("post_attention_layernorm", "post_feedforward_layernorm"), post_norm_layer_forward,
         "tigon.ops.post_norm_join",
+    ),
+    "vision_pre_norm": JoinedLayer(
+        VISION_BLOCK_FORWARD, ("norm1", "norm2"), vision_block_forward, "tigon.ops.add_rms_norm",
     ),
 }

@@ -39,12 +39,13 @@ VISION_ROTARY = "apply_rotary_pos_emb_vision"
 
 def vision_family(family: Family) -> Family:
     """The row's vision side as a row of its own (no loss; its block as the decoder layer, for the
-    projection norms only): what the engine's norm, MLP and rope planners read."""
+    projection norms and the residual joins): what the engine's norm, MLP and rope planners read."""
     vision = family.vision
     return Family(
         model_type=f"{family.model_type} (vision)", package=family.package, causal_lm=None, model=None,
         norm=vision.norm, mlp=vision.mlp, attention=vision.attention, layer_norm=vision.layer_norm,
         rotary=VISION_ROTARY, decoder_layer=vision.block, projection_norms=vision.projection_norms,
+        joined_layer=vision.joined_block,
     )
 
 
