@@ -125,14 +125,16 @@ def test_mlp_saves_only_x_gate_up(bias):
 
 
 @pytest.mark.parametrize("bias", (False, True))
-def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias):
+def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias, monkeypatch):
     """Under autocast the node keeps the fp32 weights it is given (no bf16 copies saved for the
     backward), takes weights and biases with no cast node before it, and its gradients are bitwise
     those of the same node fed weights cast beforehand,
     whose gradients autocast's cast would turn to fp32 (on the GPU the weights' gradients are the
     unrounded fp32 products instead)."""
+    from tigon.nn import mlp
     from tigon.nn.mlp import _GatedMLPFunction
 
+    monkeypatch.setattr(mlp, "STACKED_DEVICES", ())  # the split products (the stacked: test below)
     hidden, intermediate, tokens = 16, 40, 6
     module = make_mlp(SwiGLUMLP, {}, hidden, intermediate, bias=bias)
     x = randn(tokens, hidden, requires_grad=True)
@@ -168,6 +170,74 @@ def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias):
             assert not torch.equal(g, w.to(q.dtype)), "the fp32 gradient was rounded to bf16"
         else:
             assert torch.equal(g, w.to(q.dtype))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("frozen", ("none", "x", "gate_up", "down", "weights"))
+def test_mlp_stacked_gate_up_under_autocast(variant, bias, frozen, monkeypatch):
+    """fp32 weights under autocast on the GPU: gate and up are one product over [Wg; Wu] (cast and
+    stacked by one launch), the node saves x and that one (M, 2I) output, and its backward writes
+    [dgate | dup] over it (one GLU pass, h over dh) for one dx product, one weight product and one bias
+    sum. Against the fp64 reference of what autocast's nn.Linear MLP computes, and within bf16 rounding
+    of the split products; frozen parts get no gradient; a stride-0 gradient; a second backward
+    raises. (Run here on every device: the CPU takes the split products by default.)"""
+    from tigon.nn import mlp
+
+    cls, kwargs, activation = variant
+    hidden, intermediate, tokens = 24, 56, 7
+    module = make_mlp(cls, kwargs, hidden, intermediate, bias=bias)
+    x = randn(tokens, hidden, requires_grad=frozen != "x")
+    frozen_params = {"none": [], "x": [], "weights": list(module.parameters()),
+                     "gate_up": [*module.gate_proj.parameters(), *module.up_proj.parameters()],
+                     "down": list(module.down_proj.parameters())}[frozen]
+    for p in frozen_params:
+        p.requires_grad_(False)
+    tensors = {"x": x, **{n: t for n, t in weights(module).items() if t is not None}}
+    trainable = [n for n, t in tensors.items() if t.requires_grad]
+    dy = randn(tokens, hidden, dtype=torch.bfloat16)
+
+    def run(devices):
+        monkeypatch.setattr(mlp, "STACKED_DEVICES", devices)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                y = module(x)
+        grads = torch.autograd.grad(y, [tensors[n] for n in trainable], dy, retain_graph=True)
+        return y, dict(zip(trainable, grads, strict=True)), saved
+
+    y, got, saved = run(("cuda", "cpu"))
+    params = {p.data_ptr() for p in module.parameters()}
+    assert sorted(t.numel() for t in saved if t.data_ptr() not in params) == [
+        tokens * hidden, tokens * 2 * intermediate]
+    if trainable:  # dG written over G: a second backward raises (no hooks here)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            again = module(x)
+        torch.autograd.grad(again, [tensors[n] for n in trainable], dy, retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(again, [tensors[n] for n in trainable], dy)
+    y_split, want_split, _ = run(())
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        ref = gated_mlp_reference(x, **weights(module), activation=activation)
+    want_ref = dict(zip(trainable, torch.autograd.grad(ref, [tensors[n] for n in trainable], dy), strict=True))
+    assert y.dtype == torch.bfloat16
+    assert_close(y, ref, torch.bfloat16, "y")
+    assert_close(y, y_split, torch.bfloat16, "y against the split products")
+    for name in trainable:
+        assert got[name].dtype == tensors[name].dtype
+        assert_close(got[name], want_ref[name], torch.bfloat16, f"d{name}")
+        assert_close(got[name], want_split[name], torch.bfloat16, f"d{name} against the split products")
+
+    if trainable:  # a stride-0 gradient (``.sum()``)
+        monkeypatch.setattr(mlp, "STACKED_DEVICES", ("cuda", "cpu"))
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            out = module(x).sum()
+        got0 = torch.autograd.grad(out, [tensors[n] for n in trainable])
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            out_ref = gated_mlp_reference(x, **weights(module), activation=activation).sum()
+        want0 = torch.autograd.grad(out_ref, [tensors[n] for n in trainable])
+        for name, g, w in zip(trainable, got0, want0, strict=True):
+            assert_close(g, w, torch.bfloat16, f"d{name} (stride-0)")
 
 
 @pytest.mark.parametrize("frozen", ("weights", "x", "gate_up", "down"))

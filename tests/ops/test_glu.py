@@ -16,6 +16,7 @@ from tigon.ops.glu import (
     geglu,
     glu,
     glu_backward_into,
+    glu_backward_stacked_into,
     glu_reference,
     swiglu,
 )
@@ -146,6 +147,35 @@ def test_glu_backward_recompute_into_writes_h_too(dtype):
     with pytest.raises(ValueError, match="h must be contiguous"):
         wrong = torch.empty(7, 301, dtype=torch.float64)
         glu_backward_into(dh.clone(), gate, up, torch.empty_like(up), "silu", h=wrong)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 301), (2, 3, 33), (1, 1)], ids=["rows", "3d", "one"])
+def test_glu_backward_stacked_into(dtype, shape):
+    """gate and up as the halves of one gate_up buffer (a stacked projection's output): [dgate | dup] is
+    written over it and h over dh, bitwise the functional ops' values; eager and registered op; without
+    h, dh is left as it was. Bad buffers are refused, nothing written."""
+    lead, inter = shape[:-1], shape[-1]
+    gate_up = randn(*lead, 2 * inter, dtype=dtype, scale=3.0)
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    dh = randn(*lead, inter, dtype=dtype)
+    for activation in ACTIVATIONS:
+        want_h = torch.ops.tigon.glu(gate, up, activation)
+        want_dgate, want_dup = torch.ops.tigon.glu_backward(dh, gate, up, activation)
+        want = torch.cat([want_dgate, want_dup], dim=-1)
+        for call in (lambda d, g, a, s: glu_backward_stacked_into(d, g, a, store_h=s),
+                     torch.ops.tigon.glu_backward_stacked_into):
+            for store_h in (True, False):
+                out, h = gate_up.clone(), dh.clone()
+                call(h, out, activation, store_h)
+                assert torch.equal(out, want)
+                assert torch.equal(h, want_h if store_h else dh)
+    before = gate_up.clone()
+    with pytest.raises(ValueError, match="gate_up must be contiguous"):
+        glu_backward_stacked_into(dh.clone(), torch.cat([gate_up, gate_up], dim=-1)[..., ::2], "silu")
+    with pytest.raises(ValueError, match="dh must be contiguous"):
+        glu_backward_stacked_into(dh.to(torch.float64), gate_up, "silu")
+    assert torch.equal(gate_up, before)
 
 
 def test_glu_saves_only_gate_and_up():

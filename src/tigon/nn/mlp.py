@@ -45,6 +45,17 @@ are there anyway. The weight gradients are the bf16 products in the weights' dty
 it (bitwise the same); on the GPU the matmul's fp32 accumulator written as it is (no cast kernel, and
 no rounding to bf16 on the way); the bias gradients likewise (:func:`tigon.ops._matmul.sum_rows_to`).
 
+On the GPU, where the weights are cast anyway (fp32 master weights under autocast), gate and up are one
+product: the one cast launch writes ``[Wg; Wu]`` stacked, ``G = x·[Wg; Wu]ᵀ`` is one ``(M, 2·I)``
+matmul whose two halves the GLU kernel reads in place, and the node saves G (what gate and up took).
+The backward's GLU pass writes ``[dgate | dup]`` over G and h over dh, so that ``dx = dG·[Wg; Wu]``,
+``[dWg; dWu] = dGᵀ·x`` and ``[dbg; dbu] = Σ dG`` are one product or sum each where the split form
+takes two (and an add): one launch less forward and three backward, each a tile grid twice as wide
+(the training step of a small model, or of a vision tower at a few hundred patches, is bound by its
+host's launches). :func:`_stacked_backward` derives it. Elsewhere (the CPU, whose results stay
+bitwise the stock ones; weights already in the compute dtype, which stacking would copy) gate and up
+are separate products as above.
+
 Reference: :func:`gated_mlp_reference` (``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers'
 ``LlamaMLP`` / ``GemmaMLP``).
 """
@@ -57,8 +68,16 @@ from torch import nn
 
 from tigon.ops._common import FLOAT_DTYPES, check_tensor
 from tigon.ops._launch import function_apply
-from tigon.ops._matmul import cast_all, matmul_to, sum_rows_to
-from tigon.ops.glu import ACTIVATIONS, GLU, activation_reference, gelu_activation_name, glu, glu_backward_into
+from tigon.ops._matmul import cast_all, cast_stacked, matmul_to, sum_rows_to
+from tigon.ops.glu import (
+    ACTIVATIONS,
+    GLU,
+    activation_reference,
+    gelu_activation_name,
+    glu,
+    glu_backward_into,
+    glu_backward_stacked_into,
+)
 
 
 class _GatedMLPFunction(torch.autograd.Function):
@@ -71,6 +90,19 @@ class _GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, dtype):
+        ctx.activation, ctx.dtype = activation, dtype
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (gate_bias, up_bias, down_bias))
+        ctx.stacked = _stackable(x, gate_weight, up_weight, gate_bias, up_bias, dtype)
+        if ctx.stacked:
+            # gate and up as one product over [Wg; Wu] (cast and stacked by the one launch)
+            inter = gate_weight.shape[0]
+            gate_up_w, gate_up_b, (down_w, down_b) = cast_stacked(
+                (gate_weight, up_weight), (gate_bias, up_bias), dtype, (down_weight, down_bias))
+            gate_up = F.linear(x, gate_up_w, gate_up_b)             # (..., 2I)
+            gate_up_w = None
+            h = GLU(gate_up[..., :inter], gate_up[..., inter:], activation)  # (..., I)
+            ctx.save_for_backward(x, gate_up, gate_weight, up_weight, down_weight)
+            return F.linear(h, down_w, down_b)                      # (..., H)
         gate_w, gate_b, up_w, up_b, down_w, down_b = cast_all(
             (gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias), dtype)  # one launch
         gate = F.linear(x, gate_w, gate_b)                          # (..., I)
@@ -79,12 +111,12 @@ class _GatedMLPFunction(torch.autograd.Function):
         h = GLU(gate, up, activation)                               # (..., I)
         y = F.linear(h, down_w, down_b)                             # (..., H)
         ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
-        ctx.activation, ctx.dtype = activation, dtype
-        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (gate_bias, up_bias, down_bias))
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.stacked:
+            return _stacked_backward(ctx, dy)
         x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
         (need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b, _, _) = (
             ctx.needs_input_grad
@@ -142,6 +174,69 @@ class _GatedMLPFunction(torch.autograd.Function):
 
 
 _GATED_MLP_APPLY = function_apply(_GatedMLPFunction)
+
+# Devices on which gate and up run as one stacked matmul (_stackable). Not the CPU: there the separate
+# products are kept, so that the patched models' losses and gradients stay bitwise the stock ones;
+# tests add "cpu" to run the stacked path under the interpreter.
+STACKED_DEVICES = ("cuda",)
+
+
+def _stackable(x, gate_weight, up_weight, gate_bias, up_bias, dtype) -> bool:
+    """Whether gate and up run as one product over the stacked weights: on a STACKED_DEVICES device in
+    eager mode (Inductor plans its own), where the weights are cast to the compute dtype anyway (fp32
+    master weights under autocast: stacking weights already in it would copy them for nothing), in one
+    dtype and shape, with both biases or neither (of one dtype)."""
+    if x.device.type not in STACKED_DEVICES or torch.compiler.is_compiling():
+        return False
+    if gate_weight.dtype == dtype or up_weight.dtype != gate_weight.dtype or up_weight.shape != gate_weight.shape:
+        return False
+    if gate_bias is None:
+        return up_bias is None
+    return up_bias is not None and gate_bias.dtype == up_bias.dtype
+
+
+def _stacked_backward(ctx, dy):
+    """The stacked node's gradients. With G = [gate | up] (M, 2I), as the forward saved it, and its
+    gradient dG = [dgate | dup] (written over G by one GLU pass, which also gives h over dh)::
+
+        dh = dy Wd;  dG, h = glu_backward(dh, G)      dWd = dyᵀ h,  dbd = Σ dy
+        dx = dG [Wg; Wu]                               (one product: the sum of the two)
+        [dWg; dWu] = dGᵀ x,  [dbg; dbu] = Σ dG         (one product, one sum; returned as row blocks)
+    """
+    x, gate_up, gate_weight, up_weight, down_weight = ctx.saved_tensors
+    (need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b, _, _) = ctx.needs_input_grad
+    gate_b_dtype, _, down_b_dtype = ctx.bias_dtypes
+    inter = gate_weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])                                 # (M, H)
+    dy2 = dy.reshape(-1, dy.shape[-1])                              # (M, H)
+    gate_up2 = gate_up.view(-1, 2 * inter)                          # (M, 2I)
+    dx = d_gate_w = d_gate_b = d_up_w = d_up_b = d_down_w = d_down_b = None
+    h = None
+    if need_x or need_gate_w or need_gate_b or need_up_w or need_up_b:
+        (down_w,) = cast_all((down_weight,), ctx.dtype)
+        dh = dy2 @ down_w                                           # (M, I)
+        down_w = None
+        glu_backward_stacked_into(dh, gate_up2, ctx.activation, store_h=need_down_w)  # dG over G, h over dh
+        torch.autograd.graph.increment_version((gate_up,))  # a second backward raises, not misreads
+        d_gate_up = gate_up2
+        h = dh if need_down_w else None
+    if need_down_w:
+        if h is None:
+            h = GLU(gate_up2[:, :inter], gate_up2[:, inter:], ctx.activation)  # (M, I)
+        d_down_w = matmul_to(dy2.t(), h, down_weight.dtype)         # (H, I)
+        h = None
+    if need_down_b:
+        d_down_b = sum_rows_to(dy2, down_b_dtype)
+    if need_x:
+        gate_up_w, _, _ = cast_stacked((gate_weight, up_weight), (None, None), ctx.dtype)  # one launch
+        dx = (d_gate_up @ gate_up_w).reshape(x.shape)               # (M, H)
+        gate_up_w = None
+    if need_gate_w or need_up_w:
+        d_gate_w, d_up_w = matmul_to(d_gate_up.t(), x2, gate_weight.dtype).split_with_sizes([inter, inter])
+    if need_gate_b or need_up_b:
+        d_gate_b, d_up_b = sum_rows_to(d_gate_up, gate_b_dtype).split_with_sizes([inter, inter])
+    return (dx, d_gate_w if need_gate_w else None, d_gate_b if need_gate_b else None,
+            d_up_w if need_up_w else None, d_up_b if need_up_b else None, d_down_w, d_down_b, None, None)
 
 
 def _reuse_saved(gate, up) -> bool:

@@ -131,18 +131,20 @@ def glu_bwd_kernel(
     dh_ptr, dh_row_stride, dh_col_stride,           # (M, N) gradient of h, any strides (stride 0 too)
     gate_ptr, gate_row_stride, gate_col_stride,     # (M, N) gate
     up_ptr, up_row_stride, up_col_stride,           # (M, N) up
-    dgate_ptr, dup_ptr, out_row_stride,             # (M, N) outs, contiguous; dgate may be dh itself
-    h_ptr,                                          # (M, N) out, contiguous (STORE_H only)
+    dgate_ptr, dup_ptr, out_row_stride,             # (M, N) outs, unit column stride; dgate may be dh
+    h_ptr, h_row_stride,                            # (M, N) out, unit column stride (STORE_H only)
     num_rows, num_cols, num_elements, col_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, ACTIVATION: tl.constexpr,
     STORE_H: tl.constexpr,
 ):
     """du = dh·a, dg = dh·u·act'(g) over one tile; with STORE_H also h = a·u, the forward's output.
 
-    Each element of dh is loaded before the same thread stores dg there, so dgate_ptr may alias a
-    contiguous dh (the in-place variant). STORE_H serves the recomputing MLP, whose backward needs h
-    again (for down_proj's weight gradient): the tile has g and u loaded already, so h costs one
-    write here instead of a forward launch that reads g and u a second time.
+    Each element of dh, g and u is loaded before the same thread stores there, so the outputs may
+    alias the inputs: dgate over a contiguous dh (the in-place variant), or dgate and du over g and u
+    with h over dh (the stacked variant, g and u the two halves of one gate_up row). STORE_H serves the
+    recomputing MLP, whose backward needs h again (for down_proj's weight gradient): the tile has g
+    and u loaded already, so h costs one write here instead of a forward launch that reads g and u a
+    second time.
     """
     rows, cols, mask = _tile(
         tl.program_id(0), num_rows, num_cols, num_elements, col_blocks, BLOCK_M, BLOCK_N, FLAT
@@ -157,7 +159,7 @@ def glu_bwd_kernel(
     tl.store(dgate_ptr + out, (dh * u * dact).to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + out, (dh * a).to(dup_ptr.dtype.element_ty), mask=mask)
     if STORE_H:
-        tl.store(h_ptr + out, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + rows * h_row_stride + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # -------------------------------------------------------------------------------------- launch config
@@ -239,20 +241,25 @@ def _forward(gate, up, activation):
 
 
 def _backward(dh, gate, up, activation, dgate, dup, h=None):
-    """Write dgate and dup (contiguous, gate's shape) from dh, gate, up; and h = act(gate)·up into
-    ``h`` (contiguous) when given."""
+    """Write dgate and dup (gate's shape, rows of one stride, unit column stride: contiguous, or the
+    halves of a gate_up buffer) from dh, gate, up; and h = act(gate)·up into ``h`` (rows of a unit
+    column stride) when given."""
     if gate.numel() == 0:
         return
     d2, g2, u2 = as_rows(dh), as_rows(gate), as_rows(up)
+    dg2, du2 = as_rows(dgate), as_rows(dup)
+    if dg2.stride() != du2.stride() or dg2.stride(1) != 1:
+        raise ValueError("dgate and dup must share their row stride, with unit column stride")
     num_rows, num_cols = g2.shape
-    flat = d2.is_contiguous() and g2.is_contiguous() and u2.is_contiguous()
+    flat = all(t.is_contiguous() for t in (d2, g2, u2, dg2, du2)) and (h is None or h.is_contiguous())
     cfg = glu_launch(num_rows, num_cols, flat=flat)
+    h2 = du2 if h is None else as_rows(h)
     wrap_triton(glu_bwd_kernel)[(cfg.num_programs,)](
         d2, *_operand_strides(d2, cfg),
         g2, *_operand_strides(g2, cfg),
         u2, *_operand_strides(u2, cfg),
-        dgate, dup, cfg.block_n if cfg.flat else num_cols,
-        dup if h is None else h,
+        dg2, du2, cfg.block_n if cfg.flat else dg2.stride(0),
+        h2, cfg.block_n if cfg.flat else h2.stride(0),
         num_rows, num_cols, num_rows * num_cols, cfg.col_blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FLAT=cfg.flat, ACTIVATION=activation,
         STORE_H=h is not None, num_warps=cfg.num_warps,
@@ -287,10 +294,19 @@ def _glu_backward_recompute_into_impl(
     _backward(dh, gate, up, activation, dh, dup, h)
 
 
+def _glu_backward_stacked_into_impl(dh: torch.Tensor, gate_up: torch.Tensor, activation: str, store_h: bool) -> None:
+    half = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :half], gate_up[..., half:]
+    _backward(dh, gate, up, activation, gate, up, dh if store_h else None)
+
+
 # Mutating: writes dgate over dh and dup into dup (and h into h); see glu_backward_into.
 GLU_BACKWARD_INTO = TigonOp("glu_backward_into", _glu_backward_into_impl, mutates_args={"dh", "dup"})
 GLU_BACKWARD_RECOMPUTE_INTO = TigonOp(
     "glu_backward_recompute_into", _glu_backward_recompute_into_impl, mutates_args={"dh", "dup", "h"}
+)
+GLU_BACKWARD_STACKED_INTO = TigonOp(
+    "glu_backward_stacked_into", _glu_backward_stacked_into_impl, mutates_args={"dh", "gate_up"}
 )
 
 
@@ -312,6 +328,19 @@ def glu_backward_into(dh, gate, up, dup, activation, *, h=None):
         GLU_BACKWARD_INTO(dh, gate, up, dup, activation)
     else:
         GLU_BACKWARD_RECOMPUTE_INTO(dh, gate, up, dup, h, activation)
+
+
+def glu_backward_stacked_into(dh, gate_up, activation, *, store_h=False):
+    """The GLU backward of ``h = act(gate)·up`` with gate and up the two halves of one contiguous
+    ``gate_up`` ``[..., 2·I]`` (one stacked projection's output), in place: ``[dgate | dup]`` is written
+    over ``gate_up`` (the stacked projection's output gradient, ready for its two products), and with
+    ``store_h`` the forward's h over dh (contiguous ``[..., I]``, gate_up's dtype), in one pass.
+    """
+    if not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+        raise ValueError("gate_up must be contiguous with an even last dimension")
+    if not dh.is_contiguous() or dh.shape != (*gate_up.shape[:-1], gate_up.shape[-1] // 2) or dh.dtype != gate_up.dtype:
+        raise ValueError("dh must be contiguous, with gate_up's dtype and half its last dimension")
+    GLU_BACKWARD_STACKED_INTO(dh, gate_up, activation, bool(store_h))
 
 
 def _setup_glu(ctx, inputs, output):

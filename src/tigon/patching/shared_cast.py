@@ -41,8 +41,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._common import cast_all, matmul_accumulate, matmul_to, sum_rows_to
 from tigon.ops._launch import function_apply
+from tigon.ops._matmul import cast_all, cast_stacked, matmul_accumulate, matmul_to, sum_rows_to
 
 
 class _AutocastLinear(torch.autograd.Function):
@@ -166,17 +166,7 @@ def _stackable(cast, weights, biases) -> bool:
 def _stacked_casts(weights, biases, dtype):
     """``[Wq; Wk; Wv]`` and ``[bq; bk; bv]`` (or None) in ``dtype``, written by one multi-tensor copy
     (each source into its row block: the cast and the stacking in one pass)."""
-    sizes = [w.shape[0] for w in weights]
-    first = weights[0]
-    weight = torch.empty((sum(sizes), first.shape[1]), dtype=dtype, device=first.device)
-    # split_with_sizes: what Tensor.split calls for a list of sizes, without its Python wrapper
-    targets, sources = list(weight.split_with_sizes(sizes)), list(weights)
-    bias = None
-    if biases[0] is not None:
-        bias = torch.empty(sum(sizes), dtype=dtype, device=first.device)
-        targets += bias.split_with_sizes(sizes)
-        sources += biases
-    torch._foreach_copy_(targets, sources)
+    weight, bias, _ = cast_stacked(weights, biases, dtype)
     return weight, bias
 
 
