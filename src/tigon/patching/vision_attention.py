@@ -23,9 +23,10 @@ What. The segments as one batch ``[segments, heads, longest, head_dim]`` and one
 On a GPU, in fp16/bf16, the segments need no batching at all: PyTorch's own flash attention takes
 packed sequences with their cumulative lengths (``aten::_flash_attention_forward`` with ``cum_seq_q``,
 the kernel behind ``torch.nn.attention.varlen``), so the whole packed sequence is one call and its
-backward one call: no gather, no mask, no padded rows (:class:`_FlashSegments`). A windowed block of
-the 392 x 392 image above launched ~10 kernels for its attention forward and ~20 backward through the
-padded batch; here two and three.
+backward one call: no gather, no mask, no padded rows (:class:`_FlashSegments`). Through the padded
+batch a windowed block gathered q, k and v, built its mask and put the rows back in order, forward and
+backward; here the flash kernels are all its attention launches (the 392 x 392 image's tower: 30 kernels
+a block forward before, 17 with this and the block's other fusions; ``dev/vision_host.py``).
 
 The host reads ``cu_seqlens`` once per tensor, not once per block (:func:`segments_of`): each read
 waits for the GPU, and the tower hands the same tensor to all its blocks.
@@ -291,7 +292,7 @@ def _flash_suits(q, k, v) -> bool:
     """Whether aten's flash attention takes these q, k, v: fp16/bf16 on an sm80+ GPU where PyTorch was
     built with it and sdpa's flash backend is on (a user who switched it off keeps the sdpa calls),
     head_dim a multiple of 8 up to 256, head_dim contiguous; not under torch.compile (which traces the
-    per-segment calls as transformers' forward does)."""
+    sdpa path)."""
     return (q.is_cuda and q.dtype in _FLASH_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
