@@ -240,6 +240,14 @@ def test_compiled_patched_model_matches_eager(model_type):
     assert_vlm_grads_close(grads(compiled_copy), grads(patched), LOSS_TOLERANCE)
 
 
+def _bf16_autocast_step(model, inputs):
+    """One bf16-autocast training step's loss and every parameter gradient."""
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
 def test_vision_projection_norms_give_autocast_output():
     """Qwen2.5-VL's vision blocks: norm1 (into the attention's qkv) and norm2 (into the MLP) give bf16
     under autocast, the merger's ln_q (reshaped first) does not. A bf16-autocast step: the loss bitwise
@@ -255,13 +263,7 @@ def test_vision_projection_norms_give_autocast_output():
         if getattr(m, "autocast_output", False):
             m.autocast_output = False
     inputs = vlm_batch("qwen2_5_vl", stock.config, seed=4)
-    results = []
-    for model in (patched, unflagged):
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            loss = model(**inputs).loss
-        loss.backward()
-        results.append((loss.detach(), grads(model)))
-    (loss, got), (want_loss, want) = results
+    (loss, got), (want_loss, want) = (_bf16_autocast_step(m, inputs) for m in (patched, unflagged))
     assert torch.equal(loss, want_loss)
     for name, g in got.items():
         assert rel(g, want[name]) <= 2e-2, name
@@ -283,17 +285,12 @@ def test_qwen2_5_vl_vision_blocks_join_and_project_as_one_node():
     nodes = []
     blocks[0].attn.qkv.register_forward_hook(lambda m, a, out: nodes.append(out.grad_fn))
     inputs = vlm_batch("qwen2_5_vl", stock.config, seed=5)
-    losses = []
-    for model in (stock, patched):
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            loss = model(**inputs).loss
-        loss.backward()
-        losses.append(loss.detach())
+    (want_loss, want), (loss, got) = (_bf16_autocast_step(m, inputs) for m in (stock, patched))
     (node,) = nodes
     assert type(node).__name__ == "_AutocastLinearBackward"
     assert [type(f).__name__ for f, _ in node.next_functions[2:4]] == ["AccumulateGrad"] * 2  # weight, bias
-    assert rel(losses[1], losses[0]) <= 1e-2
-    assert_vlm_grads_close(grads(patched), grads(stock), 3e-2)
+    assert rel(loss, want_loss) <= 1e-2
+    assert_vlm_grads_close(got, want, 3e-2)
 
     _, unjoined, handle = stock_and_patched_vlm("qwen2_5_vl", rms_norm=False)
     assert not any("VisionBlock" in line for line in handle.replaced)

@@ -598,8 +598,13 @@ def _plan_shared_cast(plan, root, family, classes):
             projections.append(output)  # its input is in the autocast dtype already: no cast to share
         cache = CastCache(group=None if in_place else tuple(projections[: len(QKV_PROJECTIONS)]))
         for projection in projections:
-            plan.add(_SetAttr(projection, CACHE_ATTR, cache))
-            plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))
+            _plan_shared_cast_linear(plan, projection, cache)
+
+
+def _plan_shared_cast_linear(plan, projection, cache):
+    """``projection`` (a plain nn.Linear) runs as shared_cast.py's autocast linear, with ``cache``."""
+    plan.add(_SetAttr(projection, CACHE_ATTR, cache))
+    plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))
 
 
 def _plan_loss(plan, model, family, classes, switches):
@@ -876,10 +881,8 @@ def _plan_vision_projections(plan, attention):
     A projection that is not a plain nn.Linear (LoRA) keeps its own forward."""
     for name in VISION_PROJECTIONS:
         projection = attention._modules.get(name)
-        if type(projection) is not nn.Linear or _own_forward(projection) is not None:
-            continue
-        plan.add(_SetAttr(projection, CACHE_ATTR, CastCache()))
-        plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))
+        if type(projection) is nn.Linear and _own_forward(projection) is None:
+            _plan_shared_cast_linear(plan, projection, CastCache())
 
 
 def _plan_vision_language(plan, model, family, classes, switches):

@@ -109,7 +109,7 @@ class _AutocastQKV(torch.autograd.Function):
                            v_bias.dtype if v_bias is not None else None)
         ctx.stacked = _stackable(cast, weights, biases)
         if ctx.stacked:
-            weight, bias = _stacked_casts(weights, biases, dtype)                # one launch
+            weight, bias, _ = cast_stacked(weights, biases, dtype)               # one launch
             out = F.linear(cast, weight, bias)                                    # (..., Oq + Ok + Ov)
             return out.split_with_sizes([w.shape[0] for w in weights], dim=-1)
         casts = cast_all((q_weight, q_bias, k_weight, k_bias, v_weight, v_bias), dtype)  # one launch
@@ -163,13 +163,6 @@ def _stackable(cast, weights, biases) -> bool:
     return k_bias is not None and v_bias is not None and q_bias.dtype == k_bias.dtype == v_bias.dtype
 
 
-def _stacked_casts(weights, biases, dtype):
-    """``[Wq; Wk; Wv]`` and ``[bq; bk; bv]`` (or None) in ``dtype``, written by one multi-tensor copy
-    (each source into its row block: the cast and the stacking in one pass)."""
-    weight, bias, _ = cast_stacked(weights, biases, dtype)
-    return weight, bias
-
-
 def _stacked_backward(ctx, cast, weights, dys):
     """The gradients of the stacked projection: d = [dq | dk | dv] (M, O), dx = d·W, dW = dᵀ·x and
     db = Σ d, each one product or sum; the weight and bias gradients come back as row blocks."""
@@ -179,7 +172,7 @@ def _stacked_backward(ctx, cast, weights, dys):
     d = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], dim=1)           # (M, O)
     cast2 = cast.reshape(-1, cast.shape[-1])                                      # (M, I)
     if needs[0]:
-        weight, _ = _stacked_casts(weights, (None, None, None), ctx.dtype)        # one launch
+        weight, _, _ = cast_stacked(weights, (None, None, None), ctx.dtype)       # one launch
         grads[0] = matmul_to(d, weight, ctx.x_dtype).view(cast.shape)             # (M, I)
         weight = None
     if any(needs[3:9:2]):
