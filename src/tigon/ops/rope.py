@@ -374,6 +374,14 @@ def _launch(x_q, x_k, out_q, out_k, cos, sin, unsqueeze_dim, backward):
     wrap_triton(rope_kernel)[(batch_position_blocks * head_blocks,)](*tensors, q_head_blocks, head_blocks, **blocks)
 
 
+def rope_into(x_q, x_k, out_q, out_k, cos, sin, *, backward: bool = False) -> None:
+    """Rotate ``[B, T, H, D]`` q and k (any strides) into ``out_q`` / ``out_k`` in one launch, the backward
+    rotation when ``backward``; ``out`` may be ``x`` itself (each program reads its rows before writing
+    them, and no two programs share a row). For nodes that own their buffers in eager mode (a fused
+    attention rotates q and k inside its qkv projection's output): no autograd, not a registered op."""
+    _launch(x_q, x_k, out_q, out_k, cos, sin, 2, backward)
+
+
 # ------------------------------------------------------------------------------- torch ops + autograd
 
 

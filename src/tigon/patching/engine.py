@@ -60,6 +60,7 @@ from torch import nn
 
 from tigon.patching import (
     causal_mask,
+    fused_attention,
     graphs,
     joins,
     recompute,
@@ -89,6 +90,7 @@ SWITCHES = {
     "recompute_norms": False,
     "sliding_window": True,
     "vision_attention": True,
+    "fused_attention": True,
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -390,6 +392,11 @@ def _rope_line(classes, family=None):
     return line
 
 
+def _fused_attention_line(classes):
+    return (f"{classes.attention.__name__}: q/k/v, rotary, sdpa and o_proj as one autograd node in eager training "
+            "on the GPU without a mask or cache (fused_attention.py; otherwise the line above)")
+
+
 def _loss_lines(classes, switches):
     name = classes.causal_lm.__name__
     if switches["fused_linear_cross_entropy"]:
@@ -566,7 +573,10 @@ def _check_rotary(family, classes):
         )
 
 
-def _plan_rope(plan, root, family, classes):
+def _plan_rope(plan, root, family, classes, *, fused=None):
+    """The rope switch on a decoder's attention: tigon's rotary in the class forward (and with ``fused``
+    the whole attention as one node where it can run, fused_attention.py; ``fused``: the class forward's
+    fused_attention.variant)."""
     _check_rotary(family, classes)
     forward = None
     line = _rope_line(classes, family)
@@ -579,6 +589,8 @@ def _plan_rope(plan, root, family, classes):
                 half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
             )
             forward = wrappers.with_globals(classes.attention.forward, **{family.rotary: rotary})
+            if fused is not None:
+                forward = fused_attention.fused_forward(forward, fused)
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
 
 
@@ -692,10 +704,19 @@ def _rope_off_by_config(family, config) -> bool:
 def _plan_attention(plan, model, family, classes, switches):
     if _rope_off_by_config(family, model.config):
         return
-    _plan_rope(plan, model, family, classes)
+    fused = fused_attention.variant(classes.attention) if _fuses_attention(family, classes, switches) else None
+    _plan_rope(plan, model, family, classes, fused=fused)
     _plan_shared_cast(plan, model, family, classes)
     if not causal_mask.marked(model.config):
         plan.add(causal_mask.MarkConfig(model.config))
+
+
+def _fuses_attention(family, classes, switches) -> bool:
+    """The fused_attention switch (with rope): the attention runs as one node where its class forward is
+    transformers' own (fused_attention.SOURCES) with the rotate-half rotary."""
+    return (switches["fused_attention"] and family.rotary == ROTARY_NAME and not family.rotary_half_angles
+            and family.rope_autocast_output and family.qkv_clamp is None
+            and fused_attention.variant(classes.attention) is not None)
 
 
 def _plan_sliding_window(plan, model):
@@ -728,7 +749,8 @@ PARTS = (
     _Part("mlp", lambda f, c: c.mlp is not None, _plan_mlps,
           lambda f, c, s: [f"{c.mlp.__name__} -> tigon GLU (activation read from each module)"]),
     _Part("mlp", lambda f, c: c.experts is not None, _plan_experts, lambda f, c, s: _experts_lines(f, c)),
-    _Part("rope", lambda f, c: c.attention is not None, _plan_attention, lambda f, c, s: [_rope_line(c, f)]),
+    _Part("rope", lambda f, c: c.attention is not None, _plan_attention,
+          lambda f, c, s: [_rope_line(c, f)] + ([_fused_attention_line(c)] if _fuses_attention(f, c, s) else [])),
     _Part(None, lambda f, c: True, _plan_loss, lambda f, c, s: _loss_lines(c, s)),
     _Part("cuda_graphs", lambda f, c: c.decoder_layer is not None,
           lambda plan, m, f, c, s: _plan_graphs(plan, m, c), lambda f, c, s: [_graphs_line(c)]),
@@ -782,7 +804,7 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
 # The switches of the parts a decoder has (the loss is the ForConditionalGeneration's). cuda_graphs
 # replays the language model's decoder layers; the vision tower stays eager (its attention reads
 # cu_seqlens on the host, which a captured graph cannot).
-DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs")
+DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs", "fused_attention")
 VISION_PREFIX = "vision: "
 
 

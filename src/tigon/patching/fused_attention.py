@@ -1,0 +1,357 @@
+"""A decoder's self-attention as one autograd node in eager training: q/k/v, rotary, sdpa and o_proj.
+
+Why: a small model's eager step is bound by the host that launches it, not by the GPU (Qwen2.5-0.5B,
+4 × 2048 tokens on the H100: ~43 ms of host forward and ~57 ms of backward a step against ~85 ms of
+GPU work, ``benchmarks/results/2026-11-26/host_profile-qwen2-stacked-*.log``), and stock attention is
+the densest part of that host work. transformers' attention forward makes ~14 autograd nodes a layer:
+the projections, a ``view`` and a ``transpose`` of each of q, k and v, the rotary, sdpa, and a
+transpose, copy and view of its output before ``o_proj``; each is built in the forward and run by the
+engine in the backward, around a handful of kernels. Here the whole module is one node, whose forward
+and backward launch only the kernels::
+
+    forward    W = [Wq; Wk; Wv] (cast and stacked by one launch, Wo's cast with it)
+               qkv = x Wᵀ + b                      one matmul, (B, T, (Hq + 2 Hk) D)
+               q, k ← rope(q, k)                   in place, inside qkv (rope_into)
+               a = sdpa(q, k, v, causal)           torch's own sdpa, on views of qkv
+               y = a Woᵀ + bo
+    backward   da = dy Wo,  dWo = dyᵀ a,  dbo = Σ dy
+               dq, dk, dv = sdpa's backward (da)
+               dqkv = [rope⁻¹(dq) | rope⁻¹(dk) | dv]   (the rotation's transpose, into one buffer)
+               dx = dqkv W,  dW = dqkvᵀ x,  db = Σ dqkv  (one product or sum each; row blocks back)
+
+The values are stock's: the projections are the same products (stacked, as the ``rope`` switch's
+shared-cast node already makes them on the GPU), the rotation computes in fp32 and rounds once to the
+compute dtype (what sdpa under autocast reads of stock's fp32 rotary output), and attention is
+``torch.nn.functional.scaled_dot_product_attention`` with the arguments transformers' sdpa interface
+passes where there is no mask (``is_causal``, ``enable_gqa``, the module's scaling): the same backend
+choice and kernels. Its backward is sdpa's own, run on a graph of its own inside this node (made in
+the forward from detached views of q, k and v). Rotating in place also saves the rotated copies of
+q and k that stock keeps for the backward.
+
+The node runs only where that is what stock would compute, checked at each call; everything else
+takes the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps
+the separate products, so that its results stay bitwise stock's), without grad, under torch.compile
+or a dispatch mode, with an attention mask, a key/value cache, dropout, ``output_attentions`` or an
+attention implementation other than transformers' own sdpa; with projections that are not plain
+``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's DTensors,
+DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in it).
+It is installed only on attention classes whose forward is statement for statement transformers'
+(the sources below: Llama's layout and Qwen2's, which passes ``sliding_window``, 5.17 to 5.24).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._C import _len_torch_dispatch_stack
+from torch.nn.modules import module as _module
+
+from tigon.ops._launch import function_apply
+from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
+from tigon.ops.rope import rope_into
+from tigon.patching import joins
+from tigon.patching.joins import CACHE_NAMES
+
+# transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
+# for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE).
+LLAMA_ATTENTION_FORWARD = '''
+def forward(self, hidden_states, position_embeddings=None, attention_mask=None, CACHE=None, **kwargs):
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    if CACHE is not None:
+        key_states, value_states = CACHE.update(key_states, value_states, self.layer_idx UPDATE)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        SLIDING**kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+'''
+
+# (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 does.
+SOURCES = tuple(
+    (LLAMA_ATTENTION_FORWARD.replace("UPDATE", update).replace("SLIDING", sliding), bool(update))
+    for update in ("", ", kwargs=kwargs")
+    for sliding in ("", "sliding_window=self.sliding_window, ")
+)
+# The attention forward's named parameters: what its **kwargs (handed to the cache in 5.24) leaves out.
+_NAMED = ("hidden_states", "position_embeddings", "attention_mask")
+
+# Devices on which the node runs. Not the CPU: there the attention keeps its separate products, so
+# that a patched model's losses and gradients stay bitwise the stock ones; tests add "cpu" to run the
+# node under the interpreter.
+DEVICES = ("cuda",)
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_HALF = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def variant(attention_class):
+    """``(cache argument name, whether the cache gets the keyword arguments)`` where
+    ``attention_class.forward`` (through its decorators) is one of :data:`SOURCES`, else None."""
+    for source, passes_kwargs in SOURCES:
+        name = joins.matched_variant(attention_class.forward, source)
+        if name is not None:
+            return name, passes_kwargs
+    return None
+
+
+class _AttentionNode(torch.autograd.Function):
+    """The attention module as one node (module docs). ``dtype``: the compute dtype (autocast's, or
+    that of the weights and the input); weights and biases come back in their own dtypes, the input's
+    gradient in the input's."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, dtype, shape, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
+                o_weight, o_bias, cache, cache_arguments):
+        heads, kv_heads, head_dim, scale = shape
+        batch, seq = x.shape[0], x.shape[1]
+        cast = x if x.dtype == dtype else x.to(dtype)
+        weight, bias, (o_w, o_b) = cast_stacked(                                # one launch
+            (q_weight, k_weight, v_weight), (q_bias, k_bias, v_bias), dtype, (o_weight, o_bias))
+        qkv = F.linear(cast, weight, bias).view(batch, seq, heads + 2 * kv_heads, head_dim)
+        weight = bias = None
+        q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)     # (B, T, H, D) views
+        rope_into(q, k, q, k, cos, sin)                                         # in place
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, H, T, D) views
+        if cache is not None:  # empty before (_node_arguments): it hands back its copies of k and v
+            k, v = _cache_update(cache, k, v, cache_arguments)
+        # sdpa on a graph of its own: its backward is run in this node's (transformers' arguments for
+        # a causal call without a mask; enable_gqa where k and v have fewer heads).
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            attended = F.scaled_dot_product_attention(
+                *inputs, dropout_p=0.0, scale=scale, is_causal=True, enable_gqa=kv_heads != heads)
+        a = attended.detach().transpose(1, 2).reshape(batch, seq, heads * head_dim)   # (B, T, Hq D)
+        y = F.linear(a, o_w, o_b)
+        ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight)
+        ctx.sdpa = (attended, inputs)
+        ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)))
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight = ctx.saved_tensors
+        attended, inputs = ctx.sdpa
+        ctx.sdpa = None
+        x_dtype, dtype, (heads, kv_heads, head_dim, _), (qkv_bias_dtype, o_bias_dtype) = ctx.meta
+        needs = ctx.needs_input_grad  # x, cos, sin, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments
+        batch, seq = cast.shape[0], cast.shape[1]
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                             # (M, H)
+        weight, _, (o_w,) = cast_stacked((q_weight, k_weight, v_weight), (None, None, None), dtype, (o_weight,))
+        grads = [None] * len(needs)
+        if needs[11]:
+            grads[11] = matmul_to(dy2.t(), a.view(-1, a.shape[-1]), o_weight.dtype)   # (H, Hq D)
+        if needs[12]:
+            grads[12] = sum_rows_to(dy2, o_bias_dtype)
+        da = (dy2 @ o_w).view(batch, seq, heads, head_dim)                       # (B, T, Hq, D)
+        o_w = None
+        dq, dk, dv = torch.autograd.grad(attended, inputs, da.transpose(1, 2))   # (B, H, T, D) each
+        attended = inputs = da = None
+        dqkv = torch.empty((batch, seq, heads + 2 * kv_heads, head_dim), dtype=dtype, device=cast.device)
+        dq_out, dk_out, dv_out = dqkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)
+        rope_into(dq.transpose(1, 2), dk.transpose(1, 2), dq_out, dk_out, cos, sin, backward=True)
+        dv_out.copy_(dv.transpose(1, 2))
+        dq = dk = dv = None
+        d2 = dqkv.view(batch * seq, -1)                                           # (M, Oq + Ok + Ov)
+        cast2 = cast.view(-1, cast.shape[-1])                                    # (M, H)
+        if needs[0]:
+            grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)
+        weight = None
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        if any(needs[5:11:2]):
+            for i, dw in enumerate(matmul_to(d2.t(), cast2, q_weight.dtype).split_with_sizes(sizes)):
+                grads[5 + 2 * i] = dw if needs[5 + 2 * i] else None
+        if any(needs[6:11:2]):
+            for i, db in enumerate(sum_rows_to(d2, qkv_bias_dtype).split_with_sizes(sizes)):
+                grads[6 + 2 * i] = db if needs[6 + 2 * i] else None
+        return tuple(grads)
+
+
+def _cache_update(cache, k, v, arguments):
+    """``cache.update(k, v, ...)`` as the attention forward calls it, for a layer with nothing cached yet:
+    what it returns holds the same values as k and v (its own copies)."""
+    layer_idx, kwargs = arguments
+    shape = k.shape
+    k, v = cache.update(k, v, layer_idx, **kwargs)
+    if k.shape != shape or v.shape != shape:
+        raise RuntimeError(f"tigon: the key/value cache's layer {layer_idx} held entries the fused attention did "
+                           "not expect; patch with fused_attention=False")
+    return k, v
+
+
+_APPLY = function_apply(_AttentionNode)
+
+
+def _compute_dtype(x, weights, biases):
+    """The dtype the node computes in, or None where it does not run: autocast's fp16/bf16 with input,
+    weights and biases each in fp32 or in it (what autocast casts, or leaves); without autocast, all of
+    them in one of fp16/bf16."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        allowed = (torch.float32, dtype)
+    else:
+        dtype = x.dtype
+        allowed = (dtype,)
+    if dtype not in _HALF or x.dtype not in allowed:
+        return None
+    for t in (*weights, *biases):
+        if t is not None and t.dtype not in allowed:
+            return None
+    return dtype
+
+
+def _hooked(module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks)
+
+
+@dataclass(frozen=True)
+class _Installed:
+    """What the installed forward checks against: transformers' sdpa interface and cache classes, and the
+    class forward's cache argument (:func:`variant`)."""
+
+    sdpa: object
+    dynamic_cache: type
+    dynamic_layer: type
+    cache_name: str
+    cache_gets_kwargs: bool
+
+
+def _node_arguments(attention, kwargs, installed: _Installed):
+    """The node's arguments when it computes what the attention's own forward would on the keyword
+    arguments ``kwargs`` (module docs), else None."""
+    cache_name = installed.cache_name
+    hidden_states = kwargs.get("hidden_states")
+    if (hidden_states is None or kwargs.get("attention_mask") is not None or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or type(hidden_states) not in _PLAIN
+            or hidden_states.device.type not in DEVICES or hidden_states.dim() != 3 or hidden_states.shape[1] < 2):
+        return None
+    for name in (*CACHE_NAMES, "position_bias", "softcap"):
+        if name != cache_name and kwargs.get(name) is not None:
+            return None
+    cache = kwargs.get(cache_name)
+    cache_arguments = None
+    if cache is not None:
+        # A training forward with use_cache on: a DynamicCache filling this layer for the first time
+        # (transformers' default in training). Anything else (a cache with entries, decoding) is the
+        # class forward's.
+        layers = getattr(cache, "layers", None)
+        if (type(cache) is not installed.dynamic_cache or not layers or attention.layer_idx >= len(layers)
+                or type(layers[attention.layer_idx]) is not installed.dynamic_layer
+                or cache.get_seq_length(attention.layer_idx) != 0):
+            return None
+        rest = {name: value for name, value in kwargs.items() if name not in _NAMED and name != cache_name}
+        cache_arguments = (attention.layer_idx, {"kwargs": rest} if installed.cache_gets_kwargs else {})
+    if kwargs.get("output_attentions") or kwargs.get("is_causal") is False or not getattr(attention, "is_causal", False):
+        return None
+    if attention.training and attention.attention_dropout:
+        return None
+    if attention.config._attn_implementation != "sdpa" or _attention_functions().get("sdpa") is not installed.sdpa:
+        return None
+    position_embeddings = kwargs.get("position_embeddings")
+    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
+        return None
+    cos, sin = position_embeddings
+    batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+    for t in (cos, sin):
+        if (type(t) not in _PLAIN or t.requires_grad or t.dim() != 3 or t.shape[0] not in (1, batch)
+                or t.shape[1] != seq or t.device != hidden_states.device or not t.dtype.is_floating_point):
+            return None
+    modules = attention._modules
+    projections = [modules.get(name) for name in PROJECTIONS]
+    if _global_hooks():
+        return None
+    params = []
+    for p in projections:
+        if type(p) is not nn.Linear or _hooked(p) or not _plain_forward(p):
+            return None
+        weight, bias = p.weight, p.bias
+        if type(weight) not in _PLAIN or hasattr(weight, "ds_id") or (bias is not None and type(bias) not in _PLAIN):
+            return None
+        params += (weight, bias)
+    q_bias, k_bias, v_bias = params[1], params[3], params[5]
+    if (q_bias is None) != (k_bias is None) or (q_bias is None) != (v_bias is None):
+        return None
+    if q_bias is not None and not (q_bias.dtype == k_bias.dtype == v_bias.dtype):
+        return None
+    q_weight, k_weight, v_weight = params[0], params[2], params[4]
+    if not (q_weight.dtype == k_weight.dtype == v_weight.dtype):
+        return None
+    head_dim = attention.head_dim
+    hidden = hidden_states.shape[-1]
+    heads, kv_heads = q_weight.shape[0] // head_dim, k_weight.shape[0] // head_dim
+    if (head_dim > 256 or q_weight.shape != (heads * head_dim, hidden) or k_weight.shape != (kv_heads * head_dim, hidden)
+            or v_weight.shape != k_weight.shape or heads % kv_heads):
+        return None
+    if cos.shape[-1] > head_dim or cos.shape[-1] % 2 or sin.shape[-1] != cos.shape[-1]:
+        return None
+    dtype = _compute_dtype(hidden_states, params[0::2], params[1::2])
+    # Without autocast, the rotary's output takes cos/sin's dtype into its promotion: it must be q's.
+    if dtype is None or (not torch.is_autocast_enabled(hidden_states.device.type) and cos.dtype != dtype):
+        return None
+    return (hidden_states, cos, sin, dtype, (heads, kv_heads, head_dim, attention.scaling), *params,
+            cache, cache_arguments)
+
+
+def _plain_forward(projection) -> bool:
+    """The projection runs nn.Linear's forward: its class's, or tigon's shared-cast one (the same product)."""
+    own = vars(projection).get("forward")
+    return own is None or getattr(getattr(own, "__func__", own), "_tigon", False)
+
+
+def _attention_functions():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def fused_forward(inner, source_variant):
+    """The attention forward: the node where it computes what ``inner`` (the attention class's forward,
+    rope-patched) would, ``inner`` itself otherwise. ``source_variant``: :func:`variant` of the class."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    installed = _Installed(sdpa_attention_forward, DynamicCache, DynamicLayer, *source_variant)
+
+    def forward(self, *args, **kwargs):
+        # transformers' decoder layers call their attention with keywords only
+        arguments = None if args else _node_arguments(self, kwargs, installed)
+        if arguments is not None:
+            return _APPLY(*arguments), None
+        return inner(self, *args, **kwargs)
+
+    forward._tigon = True
+    return forward
