@@ -56,8 +56,8 @@ def models(request):
     torch.manual_seed(0)
     base = tiny_model(request.param).to(DEVICE)
     shared, separate = copy.deepcopy(base), copy.deepcopy(base)
-    tigon.patch(shared)
-    tigon.patch(separate)
+    tigon.patch(shared, fused_attention=False)
+    tigon.patch(separate, fused_attention=False)
     for model in (shared, separate):  # fp32 attention inputs, as OLMo-2 feeds its raw residual stream
         for m in model.modules():
             if getattr(m, "autocast_output", False):
@@ -132,7 +132,7 @@ def test_gradient_checkpointing_matches(models):
 
 def test_revert_and_replaced_line_and_deepcopy():
     model = tiny_model("llama").to(DEVICE)
-    handle = tigon.patch(model)
+    handle = tigon.patch(model, fused_attention=False)
     lines = [line for line in handle.replaced if "q_proj/k_proj/v_proj" in line]
     assert len(lines) == 1 and "tigon.ops.rope" in lines[0] and "(2 modules)" in lines[0]
     projections = [getattr(model.model.layers[0].self_attn, n) for n in PROJECTIONS]
@@ -146,7 +146,7 @@ def test_wrapped_projection_is_left_alone():
     model = tiny_model("llama").to(DEVICE)
     attention = model.model.layers[0].self_attn
     attention.q_proj = nn.Sequential(attention.q_proj)  # as an adapter wrapper would
-    tigon.patch(model)
+    tigon.patch(model, fused_attention=False)
     assert all("forward" not in vars(getattr(attention, n)) for n in ("k_proj", "v_proj"))
     other = model.model.layers[1].self_attn
     assert all("forward" in vars(getattr(other, n)) for n in PROJECTIONS)
@@ -174,7 +174,7 @@ def test_bf16_norm_outputs_need_no_casts():
     outputs (the attention input's, shared by q/k/v, and the MLP's)."""
     torch.manual_seed(0)
     model = tiny_model("llama").to(DEVICE)
-    tigon.patch(model)
+    tigon.patch(model, fused_attention=False)
     plain = copy.deepcopy(model)
     for m in plain.modules():
         if getattr(m, "autocast_output", False):
@@ -210,7 +210,7 @@ def test_qkv_is_one_node_and_nothing_waits_after_the_forward(norm_output):
     shared cast), and after the forward nothing is left waiting in the cache."""
     torch.manual_seed(0)
     model = tiny_model("qwen2").to(DEVICE)
-    tigon.patch(model)
+    tigon.patch(model, fused_attention=False)
     if norm_output == "fp32":
         for m in model.modules():
             if getattr(m, "autocast_output", False):
@@ -232,7 +232,7 @@ def test_qkv_node_input_gradient_in_bf16_sums_the_products_once():
     by autograd round each product first."""
     torch.manual_seed(0)
     model = tiny_model("qwen2").to(DEVICE)
-    tigon.patch(model)
+    tigon.patch(model, fused_attention=False)
     attention = model.model.layers[0].self_attn
     hidden = model.config.hidden_size
     x = torch.randn(2, 5, hidden, device=DEVICE, dtype=AUTOCAST, requires_grad=True)
@@ -292,7 +292,7 @@ def test_inputs_wrapped_per_projection_end_the_grouping():
     and gradients stay those of separate projections."""
     torch.manual_seed(0)
     model = tiny_model("llama").to(DEVICE)
-    tigon.patch(model)
+    tigon.patch(model, fused_attention=False)
     reference = copy.deepcopy(model)
     for layer in reference.model.layers:
         layer.self_attn.q_proj._tigon_cast_cache.group = None
@@ -320,7 +320,7 @@ def test_zero3_parameters_are_not_grouped(monkeypatch):
     q_proj's call must not read k_proj's and v_proj's weights, so each projection is its own node."""
     torch.manual_seed(0)
     model = tiny_model("llama").to(DEVICE)
-    tigon.patch(model)
+    tigon.patch(model, fused_attention=False)
     grouped = []
     monkeypatch.setattr(shared_cast._AutocastQKV, "apply", lambda *a: grouped.append(1))
     for p in model.parameters():
@@ -337,7 +337,7 @@ def test_default_patch_under_gradient_checkpointing_matches():
     the GPU within bf16 rounding (the attention backward may sum in another order)."""
     torch.manual_seed(0)
     base = tiny_model("qwen2").to(DEVICE)
-    tigon.patch(base)
+    tigon.patch(base, fused_attention=False)
     checkpointed = copy.deepcopy(base)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = _ids(4)
@@ -380,7 +380,7 @@ def test_stacked_projection_with_an_unused_output(monkeypatch):
     monkeypatch.setattr(shared_cast, "STACKED_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
     model = tiny_model("qwen2").to(DEVICE)
-    tigon.patch(model)
+    tigon.patch(model, fused_attention=False)
     attention = model.model.layers[0].self_attn
     x = torch.randn(2, 5, model.config.hidden_size, device=DEVICE, dtype=AUTOCAST, requires_grad=True)
     with torch.autocast(DEVICE.type, dtype=AUTOCAST):

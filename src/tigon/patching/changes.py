@@ -77,6 +77,10 @@ class _Plan:
         if line is not None:
             self.counts[line] += 1
 
+    def note(self, line):
+        """Count ``line`` once more, for a change queued under another line that also does this."""
+        self.counts[line] += 1
+
     def lines(self):
         return [line if n == 1 else f"{line} ({n} modules)" for line, n in self.counts.items()]
 

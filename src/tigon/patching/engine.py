@@ -592,6 +592,8 @@ def _plan_rope(plan, root, family, classes, *, fused=None):
             if fused is not None:
                 forward = fused_attention.fused_forward(forward, fused)
         plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
+        if fused is not None:
+            plan.note(_fused_attention_line(classes))
 
 
 def _plan_shared_cast(plan, root, family, classes):

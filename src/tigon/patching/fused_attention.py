@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._C import _len_torch_dispatch_stack
+from torch._C._autograd import _top_saved_tensors_default_hooks as _saved_tensor_hooks
 from torch.nn.modules import module as _module
 
 from tigon.ops._launch import function_apply
@@ -180,9 +181,9 @@ class _AttentionNode(torch.autograd.Function):
         dv_out.copy_(dv.transpose(1, 2))
         dq = dk = dv = None
         d2 = dqkv.view(batch * seq, -1)                                           # (M, Oq + Ok + Ov)
-        cast2 = cast.view(-1, cast.shape[-1])                                    # (M, H)
+        cast2 = cast.reshape(-1, cast.shape[-1])                                 # (M, H)
         if needs[0]:
-            grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)
+            grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)  # (B, T, H), dense
         weight = None
         sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         if any(needs[5:11:2]):
@@ -256,7 +257,8 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     cache_name = installed.cache_name
     hidden_states = kwargs.get("hidden_states")
     if (hidden_states is None or kwargs.get("attention_mask") is not None or not torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or type(hidden_states) not in _PLAIN
+            or torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or _saved_tensor_hooks(False)
+            or type(hidden_states) not in _PLAIN
             or hidden_states.device.type not in DEVICES or hidden_states.dim() != 3 or hidden_states.shape[1] < 2):
         return None
     for name in (*CACHE_NAMES, "position_bias", "softcap"):

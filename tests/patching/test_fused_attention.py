@@ -1,0 +1,273 @@
+"""The fused attention node (tigon.patching.fused_attention, the ``fused_attention`` switch): the whole
+attention module as one autograd node where it computes what the attention's own forward would.
+
+Compared against the same patch with the switch off (q/k/v as the shared-cast node, tigon's rotary,
+transformers' sdpa interface, o_proj; tested against stock in test_shared_cast.py and
+test_families.py) and against stock transformers in fp64. On the CPU the node is off by default
+(``DEVICES``): these tests add the CPU to run it under the interpreter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tigon
+from tests.helpers import DEVICE, ON_GPU, assert_close, stride0_like
+from tests.patching.tiny import VOCAB, tiny_model
+from tigon.patching import fused_attention
+
+# (model_type, config overrides): GQA without biases, q/k/v biases with GQA, heads not grouped
+MODELS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "llama-mha": ("llama", {"num_key_value_heads": 4, "head_dim": 16, "hidden_size": 48}),
+}
+# (weights' dtype, autocast dtype or None)
+MODES = {
+    "autocast-bf16": (torch.float32, torch.bfloat16),
+    "autocast-fp16": (torch.float32, torch.float16),
+    "bf16": (torch.bfloat16, None),
+    "fp16": (torch.float16, None),
+}
+
+
+@pytest.fixture(autouse=True)
+def _node_on_this_device(monkeypatch):
+    monkeypatch.setattr(fused_attention, "DEVICES", ("cuda", "cpu"))
+
+
+@pytest.fixture
+def node_calls(monkeypatch):
+    calls = []
+    apply = fused_attention._APPLY
+
+    def counting(*args):
+        calls.append(args)
+        return apply(*args)
+
+    monkeypatch.setattr(fused_attention, "_APPLY", counting)
+    return calls
+
+
+def _sdpa_model(name, dtype=torch.float32, **overrides):
+    model_type, extra = MODELS[name]
+    torch.manual_seed(0)
+    model = tiny_model(model_type, **{**extra, **overrides}).to(DEVICE, dtype)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _pair(name, dtype=torch.float32, **overrides):
+    """(fused, unfused): one tiny sdpa model patched with and without the switch, the same weights."""
+    base = _sdpa_model(name, dtype, **overrides)
+    fused, unfused = copy.deepcopy(base), copy.deepcopy(base)
+    tigon.patch(fused)
+    tigon.patch(unfused, fused_attention=False)
+    return base, fused, unfused
+
+
+def _ids(seed=0, batch=3, seq=13):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=gen).to(DEVICE)
+
+
+def _step(model, ids, autocast, **kwargs):
+    with torch.autocast(DEVICE.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()  # not autograd.grad: reentrant checkpointing refuses it
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def _compute_dtype(mode):
+    weights, autocast = MODES[mode]
+    return autocast or weights
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("use_cache", (True, False))
+def test_node_matches_the_unfused_patch_and_fp64_stock(name, mode, use_cache, node_calls):
+    weights, autocast = MODES[mode]
+    dtype = _compute_dtype(mode)
+    base, fused, unfused = _pair(name, weights)
+    ids = _ids()
+    out_f, grads_f = _step(fused, ids, autocast, use_cache=use_cache)
+    assert len(node_calls) == fused.config.num_hidden_layers
+    out_u, grads_u = _step(unfused, ids, autocast, use_cache=use_cache)
+    assert len(node_calls) == fused.config.num_hidden_layers  # the unfused patch never runs it
+    assert_close(out_f.loss, out_u.loss, dtype, "loss")
+    for n, g in grads_u.items():
+        assert grads_f[n].dtype == g.dtype, n
+        assert_close(grads_f[n], g, dtype, n)
+    # stock transformers in fp64: the roundings of the compute dtype are all the difference
+    stock = copy.deepcopy(base).double()
+    out_s = stock(input_ids=ids, labels=ids, use_cache=False)
+    assert_close(out_f.loss, out_s.loss, dtype, "loss vs fp64 stock")
+    if use_cache:  # the cache holds what the attention's own forward gives it (keys rounded once to dtype)
+        for got, want in zip(out_f.past_key_values.layers, out_u.past_key_values.layers, strict=True):
+            assert got.keys.shape == want.keys.shape and not got.keys.requires_grad
+            assert_close(got.keys, want.keys.to(got.keys.dtype), dtype, "cached keys")
+            assert torch.equal(got.values, want.values)
+
+
+@pytest.mark.parametrize("reentrant", (True, False))
+def test_gradient_checkpointing_recomputes_the_node(reentrant, node_calls):
+    _, fused, _ = _pair("qwen2")
+    checkpointed = copy.deepcopy(fused)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = _ids(1)
+    out, grads = _step(fused, ids, torch.bfloat16, use_cache=False)
+    calls = len(node_calls)
+    out_c, grads_c = _step(checkpointed, ids, torch.bfloat16, use_cache=False)
+    # reentrant checkpointing runs the forward without grad (the attention's own forward), then the node in
+    # the recompute; the non-reentrant one saves through saved-tensor hooks, where the node is not used
+    layers = fused.config.num_hidden_layers
+    assert len(node_calls) == calls + (layers if reentrant else 0)
+    for n, g in {"loss": out.loss, **grads}.items():
+        got = out_c.loss if n == "loss" else grads_c[n]
+        if reentrant:
+            assert torch.equal(got, g), n
+        else:  # the unfused attention: the same values up to bf16 rounding
+            assert_close(got, g, torch.bfloat16, n)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODELS)
+def test_module_call_against_fp64_stock_noncontiguous_input_stride0_gradient(name, mode, node_calls):
+    """One attention module called as a decoder layer calls it, on a non-contiguous input with a stride-0
+    gradient, against stock's module in fp64 and the unfused patch's."""
+    weights, autocast = MODES[mode]
+    dtype = _compute_dtype(mode)
+    base, fused, unfused = _pair(name, weights)
+    stock = copy.deepcopy(base).double()
+    hidden = fused.config.hidden_size
+    x = torch.randn(3, hidden * 2, 11, device=DEVICE, dtype=dtype).transpose(1, 2)[..., ::2]
+    assert not x.is_contiguous()
+    positions = torch.arange(11, device=DEVICE)[None].expand(3, -1)
+    results = []
+    for model in (fused, unfused, stock):
+        attn = model.model.layers[1].self_attn
+        leaf = x.detach().to(torch.float64 if model is stock else dtype).requires_grad_()
+        cos, sin = model.model.rotary_emb(leaf, positions)
+        with torch.autocast(DEVICE.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None and model is not stock):
+            y, attention_weights = attn(hidden_states=leaf, position_embeddings=(cos, sin), attention_mask=None)
+        assert attention_weights is None
+        if not results:
+            grad = stride0_like(y)
+        y.backward(grad.to(y.dtype))
+        results.append((y, leaf.grad, {n: p.grad for n, p in attn.named_parameters()}))
+    assert len(node_calls) == 1
+    (y_f, dx_f, dp_f), *others = results
+    for y, dx, dp in others:
+        assert_close(y_f, y, dtype, "output")
+        assert_close(dx_f, dx, dtype, "input gradient")
+        for n, g in dp.items():
+            assert dp_f[n].dtype == weights
+            assert_close(dp_f[n], g, dtype, n)
+
+
+def _padding_mask(ids):
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return mask
+
+
+class _Wrapped(nn.Module):
+    """A projection wrapped as an adapter library would (not an nn.Linear)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.base = linear
+
+    def forward(self, x):
+        return self.base(x)
+
+
+@pytest.mark.parametrize("case", ("mask", "no-grad", "eager", "hooked", "global-hook", "wrapped", "dropout",
+                                  "filled-cache", "output-attentions", "switch-off", "rope-off"))
+def test_the_attention_forward_runs_where_the_node_would_not(case, node_calls):
+    switches = {"fused_attention": False} if case == "switch-off" else {"rope": False} if case == "rope-off" else {}
+    model = _sdpa_model("qwen2")
+    reference = copy.deepcopy(model)
+    tigon.patch(model, **switches)
+    tigon.patch(reference, fused_attention=False, **({"rope": False} if case == "rope-off" else {}))
+    ids = _ids(2)
+    kwargs = {"use_cache": False}
+    handles = []
+    if case == "mask":
+        kwargs["attention_mask"] = _padding_mask(ids)
+    elif case == "eager":
+        for m in (model, reference):
+            m.config._attn_implementation = "eager"
+    elif case == "hooked":
+        handles.append(model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, o: None))
+    elif case == "global-hook":
+        handles.append(nn.modules.module.register_module_forward_pre_hook(lambda m, i: None))
+    elif case == "wrapped":
+        for m in (model, reference):
+            for layer in m.model.layers:
+                layer.self_attn.v_proj = _Wrapped(layer.self_attn.v_proj)
+    elif case == "dropout":
+        for m in (model, reference):
+            for layer in m.model.layers:
+                layer.self_attn.attention_dropout = 0.5
+    elif case == "output-attentions":
+        kwargs["output_attentions"] = True
+    try:
+        for m in (model, reference):
+            torch.manual_seed(3)  # dropout draws the same
+            autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16)
+            autocast.__enter__()
+            if case == "no-grad":
+                with torch.no_grad():
+                    out = m(input_ids=ids, labels=ids, **kwargs)
+            elif case == "filled-cache":  # a second forward reads the first one's keys and values
+                past = m(input_ids=ids[:, :5], use_cache=True).past_key_values
+                out = m(input_ids=ids[:, 5:], labels=ids[:, 5:], past_key_values=past, use_cache=True)
+            else:
+                out = m(input_ids=ids, labels=ids, **kwargs)
+            autocast.__exit__(None, None, None)
+            if m is model:
+                loss = out.loss
+        want = out.loss
+    finally:
+        for h in handles:
+            h.remove()
+    # the first forward of "filled-cache" fills an empty cache: that one is the node's; a hook on one
+    # layer's projection keeps that layer's attention its own
+    layers = model.config.num_hidden_layers
+    assert len(node_calls) == {"filled-cache": layers, "hooked": layers - 1}.get(case, 0)
+    assert torch.equal(loss, want)
+
+
+def test_patch_report_revert_and_matching_classes():
+    model = _sdpa_model("llama")
+    attention = model.model.layers[0].self_attn
+    handle = tigon.patch(model)
+    assert any("one autograd node" in line for line in handle.replaced)
+    assert getattr(vars(attention)["forward"].__func__, "_tigon", False)
+    handle.revert()
+    assert "forward" not in vars(attention)
+    off = tigon.patch(_sdpa_model("llama"), fused_attention=False)
+    assert not any("one autograd node" in line for line in off.replaced)
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    assert fused_attention.variant(LlamaAttention) is not None
+    assert fused_attention.variant(Qwen2Attention) is not None
+    assert fused_attention.variant(Qwen3Attention) is None  # q/k norms: another forward
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the default devices: the node runs on the GPU only")
+def test_default_devices(monkeypatch, node_calls):
+    monkeypatch.setattr(fused_attention, "DEVICES", ("cuda",))
+    _, fused, _ = _pair("llama")
+    _step(fused, _ids(), torch.bfloat16)
+    assert len(node_calls) == fused.config.num_hidden_layers
