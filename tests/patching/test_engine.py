@@ -61,10 +61,12 @@ def test_switch_defaults_are_the_contract():
     # API.md's switches with their defaults, and tigon's own additions: the two that change what a step
     # keeps or how it launches off by default; the band attention of sliding-window layers (the same
     # softmax terms, summed in another order, as any two sdpa kernels) and the Qwen-VL vision attention's
-    # segments in one sdpa call (the same per-segment attention) on.
+    # segments in one sdpa call (the same per-segment attention) on, and the attention as one node (the
+    # same products and sdpa call) on.
     assert SWITCHES == {"rope": True, "rms_norm": True, "layer_norm": True, "mlp": True,
                         "cross_entropy": False, "fused_linear_cross_entropy": True, "cuda_graphs": False,
-                        "recompute_norms": False, "sliding_window": True, "vision_attention": True}
+                        "recompute_norms": False, "sliding_window": True, "vision_attention": True,
+                        "fused_attention": True}
 
 
 def test_unknown_model_type_lists_supported():
@@ -145,7 +147,7 @@ def test_replacements_are_logged_once_at_info(caplog):
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     for line in handle.replaced:
         assert sum(line in message for message in logged) == 1, line
-    assert len(handle.replaced) == 6  # norms, layer joins, MLPs, rope, forward, lm_head
+    assert len(handle.replaced) == 7  # norms, layer joins, MLPs, rope, the attention node, forward, lm_head
     assert "(5 modules)" in handle.replaced[0]  # 2 layers x 2 + the final norm
 
 

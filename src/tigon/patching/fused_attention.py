@@ -259,7 +259,8 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     if (hidden_states is None or kwargs.get("attention_mask") is not None or not torch.is_grad_enabled()
             or torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or _saved_tensor_hooks(False)
             or type(hidden_states) not in _PLAIN
-            or hidden_states.device.type not in DEVICES or hidden_states.dim() != 3 or hidden_states.shape[1] < 2):
+            or hidden_states.device.type not in DEVICES or hidden_states.dim() != 3 or hidden_states.shape[1] < 2
+            or (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     for name in (*CACHE_NAMES, "position_bias", "softcap"):
         if name != cache_name and kwargs.get(name) is not None:
