@@ -357,4 +357,5 @@ def fused_forward(inner, source_variant):
         return inner(self, *args, **kwargs)
 
     forward._tigon = True
+    forward.__wrapped__ = inner  # inspect.signature / unwrap see the attention's own forward
     return forward
