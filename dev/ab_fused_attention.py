@@ -77,6 +77,7 @@ def check() -> bool:
 
 def timing(model_names, steps):
     from benchmarks.e2e import LR, SEED, batch_for, model_spec
+
     from tigon.bench.models import build_model
 
     for name in model_names:

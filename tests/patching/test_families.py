@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import ON_GPU
 from tests.patching.tiny import COMMON, CONFIGS, assert_grads_close, batch, grads, rel, stock_and_patched, train
 from tigon.patching import forwards
 from tigon.patching.experts import WEIGHT_ATTRS
@@ -38,9 +37,10 @@ LOSS_TOLERANCE = 1e-4
 # models, dev/family_drift.py, 2026-11-26): patching only the fused linear cross-entropy, which changes
 # no math but only how the head's matmul is split, moves GPT-OSS's step-10 loss by 9.1e-4 and GLM-4-MoE's
 # by 2.3e-5 (rope alone: 9.1e-4 and 2.0e-4); every part patched: 9.1e-4 and 8.8e-4. The first step,
-# before any update, is held to LOSS_TOLERANCE with every gradient; the later steps of a routed model on
-# the GPU to this. On the CPU (the same kernels for both) the whole run is held to LOSS_TOLERANCE.
-ROUTED_GPU_RUN_TOLERANCE = 2e-3
+# before any update, is held to LOSS_TOLERANCE with every gradient; the later steps of a routed model to
+# this. The CPU is no exception: with Triton 3.9's interpreter (2026-11-27) GLM-4-MoE's run drifts the same
+# way with only the norms patched (step 2: 2.0e-4, step 10: 8.8e-4; every part patched: 2.1e-4 and 8.8e-4).
+ROUTED_RUN_TOLERANCE = 2e-3
 # bf16 autocast, one step: both sides round to bf16 at the matmuls, in different places. Measured on
 # these tiny models: losses within 7e-5 of stock (StableLM 6.5e-4), gradients within 1.6e-2 (StableLM's
 # 8-element per-head LayerNorm weights 3.7e-2), with or without the projection norms' bf16 outputs.
@@ -63,10 +63,10 @@ def test_training_matches_stock(model_type):
     want, want_grads = train(stock, steps)
     got, got_grads = train(patched, steps)
     assert_grads_close(got_grads, want_grads)
-    routed = ON_GPU and any(type(m).__name__.endswith("Experts") for m in stock.modules())
+    routed = any(type(m).__name__.endswith("Experts") for m in stock.modules())
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         err = abs(g - w) / abs(w)
-        tolerance = ROUTED_GPU_RUN_TOLERANCE if routed and step > 0 else LOSS_TOLERANCE
+        tolerance = ROUTED_RUN_TOLERANCE if routed and step > 0 else LOSS_TOLERANCE
         assert err <= tolerance, f"step {step}: loss {g} vs stock {w} ({err:.2e})"
 
 

@@ -155,7 +155,8 @@ def test_module_call_against_fp64_stock_noncontiguous_input_stride0_gradient(nam
         attn = model.model.layers[1].self_attn
         leaf = x.detach().to(torch.float64 if model is stock else dtype).requires_grad_()
         cos, sin = model.model.rotary_emb(leaf, positions)
-        with torch.autocast(DEVICE.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None and model is not stock):
+        autocast_on = autocast is not None and model is not stock
+        with torch.autocast(DEVICE.type, dtype=autocast or torch.bfloat16, enabled=autocast_on):
             y, attention_weights = attn(hidden_states=leaf, position_embeddings=(cos, sin), attention_mask=None)
         assert attention_weights is None
         if not results:
@@ -271,3 +272,20 @@ def test_default_devices(monkeypatch, node_calls):
     _, fused, _ = _pair("llama")
     _step(fused, _ids(), torch.bfloat16)
     assert len(node_calls) == fused.config.num_hidden_layers
+
+
+def test_runs_beside_a_patched_sliding_window_model(node_calls):
+    """A patched model with sliding layers registers tigon's band wrapper as transformers' sdpa function;
+    it hands a call without a mask to transformers' own, so the node still runs."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sliding = _sdpa_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                          layer_types=["sliding_attention", "sliding_attention"])
+    handle = tigon.patch(sliding)
+    try:
+        assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_tigon", False)
+        _, fused, _ = _pair("llama")
+        _step(fused, _ids(), torch.bfloat16)
+        assert len(node_calls) == fused.config.num_hidden_layers
+    finally:
+        handle.revert()

@@ -36,7 +36,8 @@ attention implementation other than transformers' own sdpa; with projections tha
 ``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's DTensors,
 DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in it).
 It is installed only on attention classes whose forward is statement for statement transformers'
-(the sources below: Llama's layout and Qwen2's, which passes ``sliding_window``, 5.17 to 5.24).
+(the sources below: Llama's layout, and Qwen2's and Mistral's, which pass ``sliding_window``, 5.17 to
+5.24).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from torch.nn.modules import module as _module
 from tigon.ops._launch import function_apply
 from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.rope import rope_into
-from tigon.patching import joins
+from tigon.patching import joins, sliding_window
 from tigon.patching.joins import CACHE_NAMES
 
 # transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
@@ -93,11 +94,14 @@ def forward(self, hidden_states, position_embeddings=None, attention_mask=None, 
     return attn_output, attn_weights
 '''
 
-# (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 does.
+# (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 does. The
+# sliding_window argument (Qwen2's, Mistral's) only reaches sdpa's interface, which ignores it: a window is
+# applied by the mask, and the node runs only without one.
 SOURCES = tuple(
     (LLAMA_ATTENTION_FORWARD.replace("UPDATE", update).replace("SLIDING", sliding), bool(update))
     for update in ("", ", kwargs=kwargs")
-    for sliding in ("", "sliding_window=self.sliding_window, ")
+    for sliding in ("", "sliding_window=self.sliding_window, ",
+                    'sliding_window=getattr(self.config, "sliding_window", None), ')
 )
 # The attention forward's named parameters: what its **kwargs (handed to the cache in 5.24) leaves out.
 _NAMED = ("hidden_states", "position_embeddings", "attention_mask")
@@ -278,11 +282,15 @@ def _node_arguments(attention, kwargs, installed: _Installed):
             return None
         rest = {name: value for name, value in kwargs.items() if name not in _NAMED and name != cache_name}
         cache_arguments = (attention.layer_idx, {"kwargs": rest} if installed.cache_gets_kwargs else {})
-    if kwargs.get("output_attentions") or kwargs.get("is_causal") is False or not getattr(attention, "is_causal", False):
+    if (kwargs.get("output_attentions") or kwargs.get("is_causal") is False
+            or not getattr(attention, "is_causal", False)):
         return None
     if attention.training and attention.attention_dropout:
         return None
-    if attention.config._attn_implementation != "sdpa" or _attention_functions().get("sdpa") is not installed.sdpa:
+    # transformers' sdpa function, or tigon's sliding-window wrapper of it (registered while a model with
+    # sliding layers is patched), which hands a call without a mask to that function as it is
+    if (attention.config._attn_implementation != "sdpa"
+            or sliding_window.unwrapped(_attention_functions().get("sdpa")) is not installed.sdpa):
         return None
     position_embeddings = kwargs.get("position_embeddings")
     if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
@@ -316,7 +324,8 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     head_dim = attention.head_dim
     hidden = hidden_states.shape[-1]
     heads, kv_heads = q_weight.shape[0] // head_dim, k_weight.shape[0] // head_dim
-    if (head_dim > 256 or q_weight.shape != (heads * head_dim, hidden) or k_weight.shape != (kv_heads * head_dim, hidden)
+    if (head_dim > 256 or kv_heads < 1 or q_weight.shape != (heads * head_dim, hidden)
+            or k_weight.shape != (kv_heads * head_dim, hidden)
             or v_weight.shape != k_weight.shape or heads % kv_heads):
         return None
     if cos.shape[-1] > head_dim or cos.shape[-1] % 2 or sin.shape[-1] != cos.shape[-1]:

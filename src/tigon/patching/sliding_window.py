@@ -150,6 +150,12 @@ _WRAPPER = InterfaceWrapper("transformers.modeling_utils", "ALL_ATTENTION_FUNCTI
 _MARKED = _WRAPPER.groups[""]
 
 
+def unwrapped(function):
+    """The attention function behind the band wrapper (``function`` itself when it is not the wrapper): what
+    the wrapper calls for an attention without a mask."""
+    return getattr(function, _ORIGINAL_KEY, function)
+
+
 def MarkConfig(config):  # noqa: N802  (a patch change, built like a class)
     """The patch change (``apply``/``undo``): the attention of ``config``'s model takes the band path."""
     return _WRAPPER.mark(config)
