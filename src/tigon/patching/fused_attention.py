@@ -31,8 +31,14 @@ q and k that stock keeps for the backward.
 The node runs only where that is what stock would compute, checked at each call; everything else
 takes the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps
 the separate products, so that its results stay bitwise stock's), without grad, under torch.compile
-or a dispatch mode, with an attention mask, a key/value cache, dropout, ``output_attentions`` or an
-attention implementation other than transformers' own sdpa; with projections that are not plain
+or a dispatch mode, while a CUDA graph is captured (the node lets go of its sdpa graph in the backward,
+which a replay would still read), inside a ``saved_tensors_hooks`` scope (non-reentrant checkpointing
+re-runs a layer's forward once per autograd graph task that unpacks from it, and sdpa's backward here is
+a task of its own: the layer would be recomputed twice; reentrant checkpointing, transformers' default,
+runs the node in its recompute), with an attention mask, a key/value cache holding entries (a training
+forward's empty ``DynamicCache`` is filled as the attention's forward fills it), dropout,
+``output_attentions`` or an attention implementation other than transformers' own sdpa (or tigon's
+sliding-window wrapper of it, which hands maskless calls to it); with projections that are not plain
 ``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's DTensors,
 DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in it).
 It is installed only on attention classes whose forward is statement for statement transformers'
