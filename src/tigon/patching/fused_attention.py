@@ -34,8 +34,8 @@ the separate products, so that its results stay bitwise stock's), without grad, 
 or a dispatch mode, while a CUDA graph is captured (the node lets go of its sdpa graph in the backward,
 which a replay would still read), inside a ``saved_tensors_hooks`` scope (non-reentrant checkpointing
 re-runs a layer's forward once per autograd graph task that unpacks from it, and sdpa's backward here is
-a task of its own: the layer would be recomputed twice; reentrant checkpointing, transformers' default,
-runs the node in its recompute), with an attention mask, a key/value cache holding entries (a training
+a task of its own: the layer would be recomputed twice. That includes ``gradient_checkpointing_enable()``
+with transformers' default ``use_reentrant=False``; reentrant checkpointing runs the node in its recompute), with an attention mask, a key/value cache holding entries (a training
 forward's empty ``DynamicCache`` is filled as the attention's forward fills it), dropout,
 ``output_attentions`` or an attention implementation other than transformers' own sdpa (or tigon's
 sliding-window wrapper of it, which hands maskless calls to it); with projections that are not plain
