@@ -4,7 +4,11 @@ calling that backend's aten forward and backward directly gives F.scaled_dot_pro
 
     python dev/probe_sdpa_backends.py
 """
-import time, torch, torch.nn.functional as F
+import time
+
+import torch
+import torch.nn.functional as F
+
 aten = torch.ops.aten
 torch.manual_seed(0)
 for (B, Hq, Hk, T, D) in [(4, 14, 2, 2048, 64), (4, 32, 8, 2048, 64), (2, 8, 8, 512, 128)]:
@@ -29,9 +33,10 @@ for (B, Hq, Hk, T, D) in [(4, 14, 2, 2048, 64), (4, 32, 8, 2048, 64), (2, 8, 8, 
             g = aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out[0], out[1], out[2], out[3], out[4],
                                                                   out[5], 0.0, True, out[6], out[7], scale=s)
         else:
-            print("  other backend"); continue
+            print("  other backend")
+            continue
         print("  out equal", torch.equal(out[0], ref), "strides", out[0].stride(), ref.stride(),
-              "grads equal", [torch.equal(a, b) for a, b in zip(g, ref_grads)])
+              "grads equal", [torch.equal(a, b) for a, b in zip(g, ref_grads, strict=True)])
     except Exception as e:
         print("  direct call failed:", repr(e)[:300])
     # host cost: nested autograd.grad against the direct backward
