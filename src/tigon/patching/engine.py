@@ -394,7 +394,7 @@ def _rope_line(classes, family=None):
 
 def _fused_attention_line(classes):
     return (f"{classes.attention.__name__}: q/k/v, rotary, sdpa and o_proj as one autograd node in eager training "
-            "on the GPU without a mask or cache (fused_attention.py; otherwise the line above)")
+            "on the GPU, without a mask or a filled key/value cache (fused_attention.py; otherwise the line above)")
 
 
 def _loss_lines(classes, switches):
