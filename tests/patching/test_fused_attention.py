@@ -45,9 +45,10 @@ def node_calls(monkeypatch):
     calls = []
     apply = fused_attention._APPLY
 
-    def counting(*args):
+    def counting(*args):  # the nodes made (not those given up for sdpa's backend, _NotCalledHere)
+        result = apply(*args)
         calls.append(args)
-        return apply(*args)
+        return result
 
     monkeypatch.setattr(fused_attention, "_APPLY", counting)
     return calls
@@ -131,15 +132,25 @@ def test_gradient_checkpointing_recomputes_the_node(reentrant, node_calls):
     calls = len(node_calls)
     out_c, grads_c = _step(checkpointed, ids, torch.bfloat16, use_cache=False)
     # reentrant checkpointing runs the forward without grad (the attention's own forward), then the node in
-    # the recompute; the non-reentrant one saves through saved-tensor hooks, where the node is not used
+    # the recompute; the non-reentrant one runs the node in both, its saved tensors going through the hooks
     layers = fused.config.num_hidden_layers
-    assert len(node_calls) == calls + (layers if reentrant else 0)
+    assert len(node_calls) == calls + (layers if reentrant else 2 * layers)
     for n, g in {"loss": out.loss, **grads}.items():
-        got = out_c.loss if n == "loss" else grads_c[n]
-        if reentrant:
-            assert torch.equal(got, g), n
-        else:  # the unfused attention: the same values up to bf16 rounding
-            assert_close(got, g, torch.bfloat16, n)
+        assert torch.equal(out_c.loss if n == "loss" else grads_c[n], g), n
+
+
+def test_recompute_norms_remakes_the_nodes_input(node_calls):
+    """recompute_norms hands the node's saved input (the input norm's output) a recipe: the same values."""
+    base = _sdpa_model("llama")
+    fused, recomputed = copy.deepcopy(base), copy.deepcopy(base)
+    tigon.patch(fused)
+    tigon.patch(recomputed, recompute_norms=True)
+    ids = _ids(4)
+    out, grads = _step(fused, ids, torch.bfloat16, use_cache=False)
+    out_r, grads_r = _step(recomputed, ids, torch.bfloat16, use_cache=False)
+    assert len(node_calls) == 2 * base.config.num_hidden_layers
+    for n, g in {"loss": out.loss, **grads}.items():
+        assert torch.equal(out_r.loss if n == "loss" else grads_r[n], g), n
 
 
 @pytest.mark.parametrize("name,mode", [("qwen2", mode) for mode in MODES] + [("llama-mha", "autocast-bf16")])
@@ -195,7 +206,7 @@ class _Wrapped(nn.Module):
 
 
 @pytest.mark.parametrize("case", ("mask", "no-grad", "eager", "hooked", "global-hook", "wrapped", "dropout",
-                                  "filled-cache", "output-attentions", "switch-off", "rope-off"))
+                                  "filled-cache", "output-attentions", "switch-off", "rope-off", "math-backend"))
 def test_the_attention_forward_runs_where_the_node_would_not(case, node_calls):
     switches = {"fused_attention": False} if case == "switch-off" else {"rope": False} if case == "rope-off" else {}
     model = _sdpa_model("qwen2")
@@ -224,6 +235,11 @@ def test_the_attention_forward_runs_where_the_node_would_not(case, node_calls):
                 layer.self_attn.attention_dropout = 0.5
     elif case == "output-attentions":
         kwargs["output_attentions"] = True
+    if case == "math-backend":  # sdpa's math backend, which the node does not call
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        handles.append(sdpa_kernel(SDPBackend.MATH))
+        handles[-1].__enter__()
     try:
         for m in (model, reference):
             torch.manual_seed(3)  # dropout draws the same
@@ -243,7 +259,7 @@ def test_the_attention_forward_runs_where_the_node_would_not(case, node_calls):
         want = out.loss
     finally:
         for h in handles:
-            h.remove()
+            h.__exit__(None, None, None) if case == "math-backend" else h.remove()
     # the first forward of "filled-cache" fills an empty cache: that one is the node's; a hook on one
     # layer's projection keeps that layer's attention its own
     layers = model.config.num_hidden_layers
@@ -268,6 +284,37 @@ def test_patch_report_revert_and_matching_classes():
     assert fused_attention.variant(LlamaAttention) is not None
     assert fused_attention.variant(Qwen2Attention) is not None
     assert fused_attention.variant(Qwen3Attention) is None  # q/k norms: another forward
+
+
+@pytest.mark.skipif(not ON_GPU, reason="sdpa's GPU backends")
+@pytest.mark.parametrize("backend", ("FLASH_ATTENTION", "CUDNN_ATTENTION"))
+@pytest.mark.parametrize("kv_heads", (2, 8))
+def test_each_gpu_backend_against_sdpa(backend, kv_heads, node_calls):
+    """The backends the node calls itself, each chosen by sdpa_kernel, against the unfused patch (which calls
+    F.scaled_dot_product_attention with the same choice): the output, dk and dv bitwise; dq (cuDNN's sums with
+    atomics) and what is made from it within bf16's rounding. Head size 64, grouped key/value heads or not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _, fused, unfused = _pair("qwen2", hidden_size=512, num_attention_heads=8, num_key_value_heads=kv_heads,
+                              head_dim=64)
+    x = torch.randn(2, 300, 512, device=DEVICE)
+    positions = torch.arange(300, device=DEVICE)[None].expand(2, -1)
+    results = []
+    for model in (fused, unfused):
+        attn = model.model.layers[0].self_attn
+        leaf = x.detach().requires_grad_()
+        cos, sin = model.model.rotary_emb(leaf, positions)
+        with sdpa_kernel(getattr(SDPBackend, backend)), torch.autocast("cuda", dtype=torch.bfloat16):
+            y, _ = attn(hidden_states=leaf, position_embeddings=(cos, sin), attention_mask=None)
+        y.backward(stride0_like(y))
+        results.append((y, leaf.grad, {n: p.grad for n, p in attn.named_parameters()}))
+    assert len(node_calls) == 1
+    (y_f, dx_f, dp_f), (y_u, dx_u, dp_u) = results
+    assert torch.equal(y_f, y_u)
+    assert torch.equal(dp_f["v_proj.weight"], dp_u["v_proj.weight"])
+    assert_close(dx_f, dx_u, torch.bfloat16, "input gradient")
+    for n, g in dp_u.items():
+        assert_close(dp_f[n], g, torch.bfloat16, n)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the default devices: the node runs on the GPU only")

@@ -12,49 +12,48 @@ and backward launch only the kernels::
     forward    W = [Wq; Wk; Wv] (cast and stacked by one launch, Wo's cast with it)
                qkv = x Wᵀ + b                      one matmul, (B, T, (Hq + 2 Hk) D)
                q, k ← rope(q, k)                   in place, inside qkv (rope_into)
-               a = sdpa(q, k, v, causal)           torch's own sdpa, on views of qkv
+               a = sdpa(q, k, v, causal)           sdpa's chosen backend, on views of qkv
                y = a Woᵀ + bo
     backward   da = dy Wo,  dWo = dyᵀ a,  dbo = Σ dy
-               dq, dk, dv = sdpa's backward (da)
+               dq, dk, dv = that backend's backward (da)
                dqkv = [rope⁻¹(dq) | rope⁻¹(dk) | dv]   (the rotation's transpose, into one buffer)
                dx = dqkv W,  dW = dqkvᵀ x,  db = Σ dqkv  (one product or sum each; row blocks back)
 
 The values are stock's: the projections are the same products (stacked, as the ``rope`` switch's
 shared-cast node already makes them on the GPU), the rotation computes in fp32 and rounds once to the
-compute dtype (what sdpa under autocast reads of stock's fp32 rotary output), and attention is
-``torch.nn.functional.scaled_dot_product_attention`` with the arguments transformers' sdpa interface
-passes where there is no mask (``is_causal``, ``enable_gqa``, the module's scaling): the same backend
-choice and kernels. Its backward is sdpa's own, run on a graph of its own inside this node (made in
-the forward from detached views of q, k and v). Rotating in place also saves the rotated copies of
-q and k that stock keeps for the backward.
+compute dtype (what sdpa under autocast reads of stock's fp32 rotary output), and attention is what
+``torch.nn.functional.scaled_dot_product_attention`` computes with the arguments transformers' sdpa
+interface passes where there is no mask (``is_causal``, ``enable_gqa``, the module's scaling): the
+backend sdpa would choose, its aten forward and backward called by the node itself (:func:`_attend`),
+so the node's saved tensors are all ``save_for_backward``'s and saved-tensor hooks see them
+(checkpointing, either kind, recomputes the node; ``recompute_norms`` remakes its input). Rotating in
+place also saves the rotated copies of q and k that stock keeps for the backward.
 
 The node runs only where that is what stock would compute, checked at each call; everything else
 takes the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps
-the separate products, so that its results stay bitwise stock's), without grad, under torch.compile
-or a dispatch mode, while a CUDA graph is captured (the node lets go of its sdpa graph in the backward,
-which a replay would still read), inside a ``saved_tensors_hooks`` scope (non-reentrant checkpointing
-re-runs a layer's forward once per autograd graph task that unpacks from it, and sdpa's backward here is
-a task of its own: the layer would be recomputed twice. That includes ``gradient_checkpointing_enable()``
-with transformers' default ``use_reentrant=False``; reentrant checkpointing runs the node in its recompute), with an attention mask, a key/value cache holding entries (a training
-forward's empty ``DynamicCache`` is filled as the attention's forward fills it), dropout,
-``output_attentions`` or an attention implementation other than transformers' own sdpa (or tigon's
-sliding-window wrapper of it, which hands maskless calls to it); with projections that are not plain
-``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's DTensors,
-DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in it).
-It is installed only on attention classes whose forward is statement for statement transformers'
-(the sources below: Llama's layout, and Qwen2's and Mistral's, which pass ``sliding_window``, 5.17 to
-5.24).
+the separate products, so that its results stay bitwise stock's), on a GPU where sdpa would choose
+neither flash nor cuDNN attention (before Ampere, a head size that is not a multiple of 8, both turned
+off by ``torch.nn.attention.sdpa_kernel``), without grad, under torch.compile or a dispatch mode, with
+an attention mask, a key/value cache holding entries (a training forward's empty ``DynamicCache`` is
+filled as the attention's forward fills it), dropout, ``output_attentions`` or an attention
+implementation other than transformers' own sdpa (or tigon's sliding-window wrapper of it, which hands
+maskless calls to it); with projections that are not plain ``nn.Linear`` (LoRA), that carry hooks, or
+whose weights are not plain tensors (FSDP2's DTensors, DeepSpeed ZeRO-3's gathered parameters);
+outside fp16/bf16 (autocast, or weights and input in it). It is installed only on attention classes
+whose forward is statement for statement transformers' (the sources below: Llama's layout, and
+Qwen2's and Mistral's, which pass ``sliding_window``, 5.17 to 5.24).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._C import _len_torch_dispatch_stack
-from torch._C._autograd import _top_saved_tensors_default_hooks as _saved_tensor_hooks
+from torch.nn.attention import SDPBackend
 from torch.nn.modules import module as _module
 
 from tigon.ops._launch import function_apply
@@ -62,6 +61,8 @@ from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.rope import rope_into
 from tigon.patching import joins, sliding_window
 from tigon.patching.joins import CACHE_NAMES
+
+aten = torch.ops.aten
 
 # transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
 # for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE).
@@ -150,28 +151,25 @@ class _AttentionNode(torch.autograd.Function):
         q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)     # (B, T, H, D) views
         rope_into(q, k, q, k, cos, sin)                                         # in place
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, H, T, D) views
-        if cache is not None:  # empty before (_node_arguments): it hands back its copies of k and v
-            k, v = _cache_update(cache, k, v, cache_arguments)
-        # sdpa on a graph of its own: its backward is run in this node's (transformers' arguments for
-        # a causal call without a mask; enable_gqa where k and v have fewer heads).
-        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            attended = F.scaled_dot_product_attention(
-                *inputs, dropout_p=0.0, scale=scale, is_causal=True, enable_gqa=kv_heads != heads)
-        a = attended.detach().transpose(1, 2).reshape(batch, seq, heads * head_dim)   # (B, T, Hq D)
+        attended = _attend(q, k, v, scale, kv_heads != heads)
+        if attended is None:
+            raise _NotCalledHere  # before any side effect: the caller runs the attention's own forward
+        out, saved, sizes = attended                                            # (B, Hq, T, D)
+        if cache is not None:  # empty before (_node_arguments): it keeps its own copies of k and v
+            _cache_update(cache, k, v, cache_arguments)
+        # (B, T, Hq D): a view, the backends writing out as (B, T, Hq, D); the backward views it back
+        a = out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+        out = None
         y = F.linear(a, o_w, o_b)
-        ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight)
-        ctx.sdpa = (attended, inputs)
-        ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)))
+        ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved)
+        ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)), sizes)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight = ctx.saved_tensors
-        attended, inputs = ctx.sdpa
-        ctx.sdpa = None
-        x_dtype, dtype, (heads, kv_heads, head_dim, _), (qkv_bias_dtype, o_bias_dtype) = ctx.meta
+        cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved = ctx.saved_tensors
+        x_dtype, dtype, (heads, kv_heads, head_dim, scale), (qkv_bias_dtype, o_bias_dtype), sizes = ctx.meta
         needs = ctx.needs_input_grad  # x, cos, sin, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments
         batch, seq = cast.shape[0], cast.shape[1]
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                             # (M, H)
@@ -183,8 +181,9 @@ class _AttentionNode(torch.autograd.Function):
             grads[12] = sum_rows_to(dy2, o_bias_dtype)
         da = (dy2 @ o_w).view(batch, seq, heads, head_dim)                       # (B, T, Hq, D)
         o_w = None
-        dq, dk, dv = torch.autograd.grad(attended, inputs, da.transpose(1, 2))   # (B, H, T, D) each
-        attended = inputs = da = None
+        out = a.view(batch, seq, heads, head_dim).transpose(1, 2)                # (B, Hq, T, D)
+        dq, dk, dv = _attend_backward(da.transpose(1, 2), q, k, v, out, saved, sizes, scale)  # (B, H, T, D)
+        q = k = v = out = da = saved = None
         dqkv = torch.empty((batch, seq, heads + 2 * kv_heads, head_dim), dtype=dtype, device=cast.device)
         dq_out, dk_out, dv_out = dqkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)
         rope_into(dq.transpose(1, 2), dk.transpose(1, 2), dq_out, dk_out, cos, sin, backward=True)
@@ -206,15 +205,72 @@ class _AttentionNode(torch.autograd.Function):
 
 
 def _cache_update(cache, k, v, arguments):
-    """``cache.update(k, v, ...)`` as the attention forward calls it, for a layer with nothing cached yet:
-    what it returns holds the same values as k and v (its own copies)."""
+    """``cache.update(k, v, ...)`` as the attention forward calls it, for a layer with nothing cached yet."""
     layer_idx, kwargs = arguments
     shape = k.shape
     k, v = cache.update(k, v, layer_idx, **kwargs)
     if k.shape != shape or v.shape != shape:
         raise RuntimeError(f"tigon: the key/value cache's layer {layer_idx} held entries the fused attention did "
                            "not expect; patch with fused_attention=False")
-    return k, v
+
+
+class _NotCalledHere(Exception):
+    """sdpa would choose a backend the node does not call (:func:`_attend`)."""
+
+
+# sdpa's backends the node calls directly; the ids are those torch._fused_sdp_choice returns.
+_CUDNN = SDPBackend.CUDNN_ATTENTION.value
+_FLASH = SDPBackend.FLASH_ATTENTION.value
+
+
+def _attend(q, k, v, scale, gqa):
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)`` without
+    autograd: ``(out, saved, sizes)``, where ``saved`` (tensors) and ``sizes`` (ints) are what
+    :func:`_attend_backward` takes; None where sdpa would choose a backend not called here.
+
+    sdpa picks its backend with ``torch._fused_sdp_choice`` (the same arguments, the user's
+    ``sdpa_kernel`` choices and the hardware's) and calls that backend's aten forward; its autograd
+    formula calls the backend's aten backward with what the forward returned. The node calls both
+    itself, for the two backends an Ampere-or-newer GPU takes in fp16/bf16 (cuDNN's, flash's; both
+    group key/value heads natively) and the CPU's flash: the same kernels on the same arguments, so the
+    same values (cuDNN's dq sums with atomics, bitwise only up to their order), and every tensor the
+    backward reads goes through ``save_for_backward``, where saved-tensor hooks (checkpointing,
+    ``recompute_norms``, offloading) see it. sdpa pads a head size that is not a multiple of 8 before
+    calling flash on the GPU; that case is left to it.
+    """
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale, enable_gqa=gqa)
+    if choice == _CUDNN and q.is_cuda:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale)
+        return out, (lse, cum_q, cum_k, seed, offset), (_CUDNN, max_q, max_k)
+    if choice == _FLASH and q.is_cuda and q.shape[-1] % 8 == 0:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)
+        return out, (lse, cum_q, cum_k, seed, offset), (_FLASH, max_q, max_k)
+    if choice == _FLASH and q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, (lse,), (_FLASH,)
+    return None
+
+
+def _attend_backward(dout, q, k, v, out, saved, sizes, scale):
+    """sdpa's backward for :func:`_attend`'s forward: ``(dq, dk, dv)``, each in its input's shape."""
+    choice = sizes[0]
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, saved[0], 0.0, True, scale=scale)
+    lse, cum_q, cum_k, seed, offset = saved
+    if choice == _CUDNN:
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, *sizes[1:], 0.0, True, scale=scale)
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, *sizes[1:], 0.0, True, seed, offset, scale=scale)
+
+
+@functools.cache
+def _ampere_or_newer(device_index: int) -> bool:
+    """Whether sdpa can choose flash or cuDNN attention on this GPU (both need compute capability 8.0)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 _APPLY = function_apply(_AttentionNode)
@@ -267,10 +323,9 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     cache_name = installed.cache_name
     hidden_states = kwargs.get("hidden_states")
     if (hidden_states is None or kwargs.get("attention_mask") is not None or not torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or _saved_tensor_hooks(False)
+            or torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0
             or type(hidden_states) not in _PLAIN
-            or hidden_states.device.type not in DEVICES or hidden_states.dim() != 3 or hidden_states.shape[1] < 2
-            or (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing())):
+            or hidden_states.device.type not in DEVICES or hidden_states.dim() != 3 or hidden_states.shape[1] < 2):
         return None
     for name in (*CACHE_NAMES, "position_bias", "softcap"):
         if name != cache_name and kwargs.get(name) is not None:
@@ -336,6 +391,10 @@ def _node_arguments(attention, kwargs, installed: _Installed):
         return None
     if cos.shape[-1] > head_dim or cos.shape[-1] % 2 or sin.shape[-1] != cos.shape[-1]:
         return None
+    # where sdpa could not choose flash or cuDNN attention (_attend), the node would be made in vain
+    if hidden_states.is_cuda and (head_dim % 8 or not _ampere_or_newer(hidden_states.device.index) or not (
+            torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled())):
+        return None
     dtype = _compute_dtype(hidden_states, params[0::2], params[1::2])
     # Without autocast, the rotary's output takes cos/sin's dtype into its promotion: it must be q's.
     if dtype is None or (not torch.is_autocast_enabled(hidden_states.device.type) and cos.dtype != dtype):
@@ -368,7 +427,10 @@ def fused_forward(inner, source_variant):
         # transformers' decoder layers call their attention with keywords only
         arguments = None if args else _node_arguments(self, kwargs, installed)
         if arguments is not None:
-            return _APPLY(*arguments), None
+            try:
+                return _APPLY(*arguments), None
+            except _NotCalledHere:
+                pass
         return inner(self, *args, **kwargs)
 
     forward._tigon = True
