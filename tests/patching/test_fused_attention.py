@@ -299,6 +299,7 @@ def test_each_gpu_backend_against_sdpa(backend, kv_heads, node_calls):
                               head_dim=64)
     x = torch.randn(2, 300, 512, device=DEVICE)
     positions = torch.arange(300, device=DEVICE)[None].expand(2, -1)
+    grad = stride0_like(x.to(torch.bfloat16))
     results = []
     for model in (fused, unfused):
         attn = model.model.layers[0].self_attn
@@ -306,7 +307,7 @@ def test_each_gpu_backend_against_sdpa(backend, kv_heads, node_calls):
         cos, sin = model.model.rotary_emb(leaf, positions)
         with sdpa_kernel(getattr(SDPBackend, backend)), torch.autocast("cuda", dtype=torch.bfloat16):
             y, _ = attn(hidden_states=leaf, position_embeddings=(cos, sin), attention_mask=None)
-        y.backward(stride0_like(y))
+        y.backward(grad)
         results.append((y, leaf.grad, {n: p.grad for n, p in attn.named_parameters()}))
     assert len(node_calls) == 1
     (y_f, dx_f, dp_f), (y_u, dx_u, dp_u) = results
