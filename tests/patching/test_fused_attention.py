@@ -189,9 +189,37 @@ def test_module_call_against_fp64_stock_noncontiguous_input_stride0_gradient(nam
 
 
 def _padding_mask(ids):
+    """Left padding in the first sequence (its first queries attend to no key), right padding in the last."""
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
+    mask[-1, -2:] = 0
     return mask
+
+
+@pytest.mark.parametrize("name,mode", (("qwen2", "autocast-bf16"), ("llama-mha", "bf16"), ("qwen2", "fp16")))
+def test_padding_mask_matches_the_unfused_patch_and_fp64_stock(name, mode, node_calls):
+    """A batch with padding: transformers hands sdpa a boolean mask and k, v repeated to the query heads; the
+    node makes the same call (sdpa_backends.attend) and sums the repeated heads' gradients."""
+    weights, autocast = MODES[mode]
+    dtype = _compute_dtype(mode)
+    base, fused, unfused = _pair(name, weights, head_dim=16)  # 16: a head size every GPU backend takes
+    ids = _ids(5)
+    mask = _padding_mask(ids)
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for model in (fused, unfused):
+        with torch.autocast(DEVICE.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        results.append((out.loss, {n: p.grad for n, p in model.named_parameters()}))
+    assert len(node_calls) == fused.config.num_hidden_layers
+    (loss_f, grads_f), (loss_u, grads_u) = results
+    assert_close(loss_f, loss_u, dtype, "loss")
+    for n, g in grads_u.items():
+        assert_close(grads_f[n], g, dtype, n)
+    stock = copy.deepcopy(base).double()
+    want = stock(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    assert_close(loss_f, want, dtype, "loss vs fp64 stock")
 
 
 class _Wrapped(nn.Module):
@@ -205,7 +233,7 @@ class _Wrapped(nn.Module):
         return self.base(x)
 
 
-@pytest.mark.parametrize("case", ("mask", "no-grad", "eager", "hooked", "global-hook", "wrapped", "dropout",
+@pytest.mark.parametrize("case", ("float-mask", "no-grad", "eager", "hooked", "global-hook", "wrapped", "dropout",
                                   "filled-cache", "output-attentions", "switch-off", "rope-off", "math-backend"))
 def test_the_attention_forward_runs_where_the_node_would_not(case, node_calls):
     switches = {"fused_attention": False} if case == "switch-off" else {"rope": False} if case == "rope-off" else {}
@@ -216,8 +244,10 @@ def test_the_attention_forward_runs_where_the_node_would_not(case, node_calls):
     ids = _ids(2)
     kwargs = {"use_cache": False}
     handles = []
-    if case == "mask":
-        kwargs["attention_mask"] = _padding_mask(ids)
+    if case == "float-mask":  # a 4-D additive mask, which transformers hands sdpa as it is
+        allowed = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=DEVICE).tril()
+        allowed = allowed[None, None] & _padding_mask(ids).bool()[:, None, None, :]
+        kwargs["attention_mask"] = torch.zeros(allowed.shape, device=DEVICE).masked_fill(~allowed, float("-inf"))
     elif case == "eager":
         for m in (model, reference):
             m.config._attn_implementation = "eager"
@@ -263,7 +293,7 @@ def test_the_attention_forward_runs_where_the_node_would_not(case, node_calls):
     # the first forward of "filled-cache" fills an empty cache: that one is the node's; a hook on one
     # layer's projection keeps that layer's attention its own
     layers = model.config.num_hidden_layers
-    assert len(node_calls) == {"filled-cache": layers, "hooked": layers - 1}.get(case, 0)
+    assert len(node_calls) == {"filled-cache": layers, "hooked": layers - 1}.get(case, 0), case
     assert torch.equal(loss, want)
 
 
@@ -286,19 +316,32 @@ def test_patch_report_revert_and_matching_classes():
     assert fused_attention.variant(Qwen3Attention) is None  # q/k norms: another forward
 
 
+# (backend forced by sdpa_kernel, key/value heads of 8, sequence length, masked): each backend the node calls on
+# the GPU, grouped heads or not, without a mask (causal) and with a padding mask (k, v repeated); 300 is not a
+# multiple of 8, where the memory-efficient backend's bias is padded
+GPU_BACKEND_CASES = (("FLASH_ATTENTION", 2, 300, False), ("FLASH_ATTENTION", 8, 300, False),
+                     ("CUDNN_ATTENTION", 2, 300, False), ("CUDNN_ATTENTION", 8, 300, True),
+                     ("CUDNN_ATTENTION", 2, 256, True), ("EFFICIENT_ATTENTION", 8, 300, False),
+                     ("EFFICIENT_ATTENTION", 2, 300, True), ("EFFICIENT_ATTENTION", 8, 256, True))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="sdpa's GPU backends")
-@pytest.mark.parametrize("backend", ("FLASH_ATTENTION", "CUDNN_ATTENTION"))
-@pytest.mark.parametrize("kv_heads", (2, 8))
-def test_each_gpu_backend_against_sdpa(backend, kv_heads, node_calls):
+@pytest.mark.parametrize("backend,kv_heads,seq,masked", GPU_BACKEND_CASES)
+def test_each_gpu_backend_against_sdpa(backend, kv_heads, seq, masked, node_calls):
     """The backends the node calls itself, each chosen by sdpa_kernel, against the unfused patch (which calls
-    F.scaled_dot_product_attention with the same choice): the output, dk and dv bitwise; dq (cuDNN's sums with
-    atomics) and what is made from it within bf16's rounding. Head size 64, grouped key/value heads or not."""
+    F.scaled_dot_product_attention with the same choice): the output and v's weight gradient bitwise; the rest
+    (cuDNN sums dq with atomics) within bf16's rounding. Head size 64."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     _, fused, unfused = _pair("qwen2", hidden_size=512, num_attention_heads=8, num_key_value_heads=kv_heads,
                               head_dim=64)
-    x = torch.randn(2, 300, 512, device=DEVICE)
-    positions = torch.arange(300, device=DEVICE)[None].expand(2, -1)
+    x = torch.randn(2, seq, 512, device=DEVICE)
+    positions = torch.arange(seq, device=DEVICE)[None].expand(2, -1)
+    mask = None
+    if masked:  # transformers' sdpa mask for left padding in the first sequence, right padding in the second
+        keys = torch.ones(2, seq, dtype=torch.bool, device=DEVICE)
+        keys[0, :37], keys[1, -11:] = False, False
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=DEVICE).tril()[None, None] & keys[:, None, None, :]
     grad = stride0_like(x.to(torch.bfloat16))
     results = []
     for model in (fused, unfused):
@@ -306,7 +349,7 @@ def test_each_gpu_backend_against_sdpa(backend, kv_heads, node_calls):
         leaf = x.detach().requires_grad_()
         cos, sin = model.model.rotary_emb(leaf, positions)
         with sdpa_kernel(getattr(SDPBackend, backend)), torch.autocast("cuda", dtype=torch.bfloat16):
-            y, _ = attn(hidden_states=leaf, position_embeddings=(cos, sin), attention_mask=None)
+            y, _ = attn(hidden_states=leaf, position_embeddings=(cos, sin), attention_mask=mask)
         y.backward(grad)
         results.append((y, leaf.grad, {n: p.grad for n, p in attn.named_parameters()}))
     assert len(node_calls) == 1
@@ -338,6 +381,10 @@ def test_runs_beside_a_patched_sliding_window_model(node_calls):
         assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_tigon", False)
         _, fused, _ = _pair("llama")
         _step(fused, _ids(), torch.bfloat16)
+        assert len(node_calls) == fused.config.num_hidden_layers
+        # a masked call of the sliding model itself is the band wrapper's: its attention's own forward
+        ids = _ids(6, seq=17)
+        sliding(input_ids=ids, attention_mask=_padding_mask(ids), labels=ids).loss.backward()
         assert len(node_calls) == fused.config.num_hidden_layers
     finally:
         handle.revert()

@@ -47,13 +47,13 @@ Qwen2's and Mistral's, which pass ``sliding_window``, 5.17 to 5.24).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._C import _len_torch_dispatch_stack
-from torch.nn.attention import SDPBackend
 from torch.nn.modules import module as _module
 
 from tigon.ops._launch import function_apply
@@ -61,8 +61,7 @@ from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.rope import rope_into
 from tigon.patching import joins, sliding_window
 from tigon.patching.joins import CACHE_NAMES
-
-aten = torch.ops.aten
+from tigon.patching.sdpa_backends import attend, attend_backward, repeat_heads, sum_heads
 
 # transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
 # for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE).
@@ -110,6 +109,8 @@ SOURCES = tuple(
     for sliding in ("", "sliding_window=self.sliding_window, ",
                     'sliding_window=getattr(self.config, "sliding_window", None), ')
 )
+# transformers 5.24's switch for sdpa's grouped heads with a mask (its sdpa interface then does not repeat k, v)
+FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 # The attention forward's named parameters: what its **kwargs (handed to the cache in 5.24) leaves out.
 _NAMED = ("hidden_states", "position_embeddings", "attention_mask")
 
@@ -139,7 +140,7 @@ class _AttentionNode(torch.autograd.Function):
     gradient in the input's."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, dtype, shape, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
+    def forward(ctx, x, cos, sin, mask, dtype, shape, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
                 o_weight, o_bias, cache, cache_arguments):
         heads, kv_heads, head_dim, scale = shape
         batch, seq = x.shape[0], x.shape[1]
@@ -151,7 +152,11 @@ class _AttentionNode(torch.autograd.Function):
         q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)     # (B, T, H, D) views
         rope_into(q, k, q, k, cos, sin)                                         # in place
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, H, T, D) views
-        attended = _attend(q, k, v, scale, kv_heads != heads)
+        # transformers' two sdpa calls: without a mask, causal, grouped heads as they are; with one, k and v
+        # repeated to the query heads first (repeat_kv; the cache takes them as they were)
+        groups = heads // kv_heads if mask is not None else 1
+        k_attended, v_attended = (k, v) if groups == 1 else (repeat_heads(k, groups), repeat_heads(v, groups))
+        attended = attend(q, k_attended, v_attended, scale, gqa=mask is None and kv_heads != heads, mask=mask)
         if attended is None:
             raise _NotCalledHere  # before any side effect: the caller runs the attention's own forward
         out, saved, sizes = attended                                            # (B, Hq, T, D)
@@ -161,29 +166,34 @@ class _AttentionNode(torch.autograd.Function):
         a = out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
         out = None
         y = F.linear(a, o_w, o_b)
-        ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved)
-        ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)), sizes)
+        ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k_attended, v_attended,
+                              *saved)
+        ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)), sizes,
+                    groups)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved = ctx.saved_tensors
-        x_dtype, dtype, (heads, kv_heads, head_dim, scale), (qkv_bias_dtype, o_bias_dtype), sizes = ctx.meta
-        needs = ctx.needs_input_grad  # x, cos, sin, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments
+        x_dtype, dtype, (heads, kv_heads, head_dim, scale), (qkv_bias_dtype, o_bias_dtype), sizes, groups = ctx.meta
+        # x, cos, sin, mask, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments
+        needs = ctx.needs_input_grad
         batch, seq = cast.shape[0], cast.shape[1]
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                             # (M, H)
         weight, _, (o_w,) = cast_stacked((q_weight, k_weight, v_weight), (None, None, None), dtype, (o_weight,))
         grads = [None] * len(needs)
-        if needs[11]:
-            grads[11] = matmul_to(dy2.t(), a.view(-1, a.shape[-1]), o_weight.dtype)   # (H, Hq D)
         if needs[12]:
-            grads[12] = sum_rows_to(dy2, o_bias_dtype)
+            grads[12] = matmul_to(dy2.t(), a.view(-1, a.shape[-1]), o_weight.dtype)   # (H, Hq D)
+        if needs[13]:
+            grads[13] = sum_rows_to(dy2, o_bias_dtype)
         da = (dy2 @ o_w).view(batch, seq, heads, head_dim)                       # (B, T, Hq, D)
         o_w = None
         out = a.view(batch, seq, heads, head_dim).transpose(1, 2)                # (B, Hq, T, D)
-        dq, dk, dv = _attend_backward(da.transpose(1, 2), q, k, v, out, saved, sizes, scale)  # (B, H, T, D)
+        dq, dk, dv = attend_backward(da.transpose(1, 2), q, k, v, out, saved, sizes, scale)  # (B, H, T, D)
         q = k = v = out = da = saved = None
+        if groups > 1:  # repeat_kv's gradient: each group's heads summed
+            dk, dv = sum_heads(dk, groups), sum_heads(dv, groups)
         dqkv = torch.empty((batch, seq, heads + 2 * kv_heads, head_dim), dtype=dtype, device=cast.device)
         dq_out, dk_out, dv_out = dqkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)
         rope_into(dq.transpose(1, 2), dk.transpose(1, 2), dq_out, dk_out, cos, sin, backward=True)
@@ -195,12 +205,12 @@ class _AttentionNode(torch.autograd.Function):
             grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)  # (B, T, H), dense
         weight = None
         sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        if any(needs[5:11:2]):
+        if any(needs[6:12:2]):
             for i, dw in enumerate(matmul_to(d2.t(), cast2, q_weight.dtype).split_with_sizes(sizes)):
-                grads[5 + 2 * i] = dw if needs[5 + 2 * i] else None
-        if any(needs[6:11:2]):
+                grads[6 + 2 * i] = dw if needs[6 + 2 * i] else None
+        if any(needs[7:12:2]):
             for i, db in enumerate(sum_rows_to(d2, qkv_bias_dtype).split_with_sizes(sizes)):
-                grads[6 + 2 * i] = db if needs[6 + 2 * i] else None
+                grads[7 + 2 * i] = db if needs[7 + 2 * i] else None
         return tuple(grads)
 
 
@@ -215,56 +225,7 @@ def _cache_update(cache, k, v, arguments):
 
 
 class _NotCalledHere(Exception):
-    """sdpa would choose a backend the node does not call (:func:`_attend`)."""
-
-
-# sdpa's backends the node calls directly; the ids are those torch._fused_sdp_choice returns.
-_CUDNN = SDPBackend.CUDNN_ATTENTION.value
-_FLASH = SDPBackend.FLASH_ATTENTION.value
-
-
-def _attend(q, k, v, scale, gqa):
-    """``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)`` without
-    autograd: ``(out, saved, sizes)``, where ``saved`` (tensors) and ``sizes`` (ints) are what
-    :func:`_attend_backward` takes; None where sdpa would choose a backend not called here.
-
-    sdpa picks its backend with ``torch._fused_sdp_choice`` (the same arguments, the user's
-    ``sdpa_kernel`` choices and the hardware's) and calls that backend's aten forward; its autograd
-    formula calls the backend's aten backward with what the forward returned. The node calls both
-    itself, for the two backends an Ampere-or-newer GPU takes in fp16/bf16 (cuDNN's, flash's; both
-    group key/value heads natively) and the CPU's flash: the same kernels on the same arguments, so the
-    same values (cuDNN's dq sums with atomics, bitwise only up to their order), and every tensor the
-    backward reads goes through ``save_for_backward``, where saved-tensor hooks (checkpointing,
-    ``recompute_norms``, offloading) see it. sdpa pads a head size that is not a multiple of 8 before
-    calling flash on the GPU; that case is left to it.
-    """
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale, enable_gqa=gqa)
-    if choice == _CUDNN and q.is_cuda:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False, scale=scale)
-        return out, (lse, cum_q, cum_k, seed, offset), (_CUDNN, max_q, max_k)
-    if choice == _FLASH and q.is_cuda and q.shape[-1] % 8 == 0:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, True, False, scale=scale)
-        return out, (lse, cum_q, cum_k, seed, offset), (_FLASH, max_q, max_k)
-    if choice == _FLASH and q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-        return out, (lse,), (_FLASH,)
-    return None
-
-
-def _attend_backward(dout, q, k, v, out, saved, sizes, scale):
-    """sdpa's backward for :func:`_attend`'s forward: ``(dq, dk, dv)``, each in its input's shape."""
-    choice = sizes[0]
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, saved[0], 0.0, True, scale=scale)
-    lse, cum_q, cum_k, seed, offset = saved
-    if choice == _CUDNN:
-        return aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, *sizes[1:], 0.0, True, scale=scale)
-    return aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q, cum_k, *sizes[1:], 0.0, True, seed, offset, scale=scale)
+    """sdpa would choose a backend the node does not call (:func:`sdpa_backends.attend`)."""
 
 
 @functools.cache
@@ -322,7 +283,7 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     arguments ``kwargs`` (module docs), else None."""
     cache_name = installed.cache_name
     hidden_states = kwargs.get("hidden_states")
-    if (hidden_states is None or kwargs.get("attention_mask") is not None or not torch.is_grad_enabled()
+    if (hidden_states is None or not torch.is_grad_enabled()
             or torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0
             or type(hidden_states) not in _PLAIN
             or hidden_states.device.type not in DEVICES or hidden_states.dim() != 3 or hidden_states.shape[1] < 2):
@@ -349,9 +310,15 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     if attention.training and attention.attention_dropout:
         return None
     # transformers' sdpa function, or tigon's sliding-window wrapper of it (registered while a model with
-    # sliding layers is patched), which hands a call without a mask to that function as it is
-    if (attention.config._attn_implementation != "sdpa"
-            or sliding_window.unwrapped(_attention_functions().get("sdpa")) is not installed.sdpa):
+    # sliding layers is patched), which hands it a call without a mask, and a masked one of a model it does
+    # not band, as they are
+    registered = _attention_functions().get("sdpa")
+    if attention.config._attn_implementation != "sdpa" or sliding_window.unwrapped(registered) is not installed.sdpa:
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not _boolean_mask(mask, hidden_states)
+                             or (registered is not installed.sdpa and sliding_window.marked(attention.config))
+                             or os.environ.get(FORCE_GQA) == "1"):
         return None
     position_embeddings = kwargs.get("position_embeddings")
     if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
@@ -391,16 +358,26 @@ def _node_arguments(attention, kwargs, installed: _Installed):
         return None
     if cos.shape[-1] > head_dim or cos.shape[-1] % 2 or sin.shape[-1] != cos.shape[-1]:
         return None
-    # where sdpa could not choose flash or cuDNN attention (_attend), the node would be made in vain
+    # where sdpa could not choose a backend the node calls (sdpa_backends.attend), the node would be made in vain
     if hidden_states.is_cuda and (head_dim % 8 or not _ampere_or_newer(hidden_states.device.index) or not (
-            torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled())):
+            torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled()
+            or torch.backends.cuda.mem_efficient_sdp_enabled())):
         return None
     dtype = _compute_dtype(hidden_states, params[0::2], params[1::2])
     # Without autocast, the rotary's output takes cos/sin's dtype into its promotion: it must be q's.
     if dtype is None or (not torch.is_autocast_enabled(hidden_states.device.type) and cos.dtype != dtype):
         return None
-    return (hidden_states, cos, sin, dtype, (heads, kv_heads, head_dim, attention.scaling), *params,
+    return (hidden_states, cos, sin, mask, dtype, (heads, kv_heads, head_dim, attention.scaling), *params,
             cache, cache_arguments)
+
+
+def _boolean_mask(mask, hidden_states) -> bool:
+    """``mask`` is what transformers' mask functions hand sdpa for a batch with padding (or a sliding
+    window): boolean, ``(B or 1, 1, T, T)``, on the input's device, queries and keys this call's tokens."""
+    batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+    return (type(mask) in _PLAIN and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, batch)
+            and mask.shape[1] == 1 and mask.shape[2] == seq and mask.shape[3] == seq
+            and mask.device == hidden_states.device)
 
 
 def _plain_forward(projection) -> bool:
