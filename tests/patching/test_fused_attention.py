@@ -207,11 +207,18 @@ def test_padding_mask_matches_the_unfused_patch_and_fp64_stock(name, mode, node_
     mask = _padding_mask(ids)
     labels = ids.masked_fill(mask == 0, -100)
     results = []
+    saved = []
     for model in (fused, unfused):
-        with torch.autocast(DEVICE.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        with (torch.autocast(DEVICE.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None),
+              torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)):
             out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         out.loss.backward()
         results.append((out.loss, {n: p.grad for n, p in model.named_parameters()}))
+        if model is fused:  # every layer's node saved one bias, the same tensor (sdpa_backends.MaskBiases)
+            seq = ids.shape[1]
+            biases = [t for t in saved if t.dim() == 4 and t.shape[1:] == (1, seq, seq) and t.dtype == dtype]
+            assert len(biases) == fused.config.num_hidden_layers
+            assert len({t.data_ptr() for t in biases}) == 1
     assert len(node_calls) == fused.config.num_hidden_layers
     (loss_f, grads_f), (loss_u, grads_u) = results
     assert_close(loss_f, loss_u, dtype, "loss")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.helpers import ON_GPU, assert_close
-from tigon.patching.sdpa_backends import attend, attend_backward, repeat_heads, sum_heads
+from tigon.patching.sdpa_backends import MaskBiases, attend, attend_backward, repeat_heads, sum_heads
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,6 +71,29 @@ def test_repeated_heads_and_their_gradient_are_repeat_kv_and_autograds():
     grad = torch.randn_like(repeated)
     (want,) = torch.autograd.grad(repeated, k, grad)
     assert torch.equal(sum_heads(grad, 4), want)
+
+
+def test_mask_biases_one_bias_per_mask_remade_after_an_in_place_change_dropped_with_the_mask():
+    import gc
+
+    q, k, v, mask, dout = _inputs("cpu", torch.bfloat16)
+    k, v = repeat_heads(k, 3), repeat_heads(v, 3)
+    biases = MaskBiases()
+    first = attend(q, k, v, 0.3, mask=mask, biases=biases)
+    second = attend(q, k, v, 0.3, mask=mask, biases=biases)
+    assert first[1][-1] is second[1][-1]  # the saved bias: one tensor for both calls
+    assert torch.equal(first[0], second[0])
+    mask[1, 0, 5, :] = False  # in place: the bias is made again
+    third = attend(q, k, v, 0.3, mask=mask, biases=biases)
+    assert third[1][-1] is not first[1][-1]
+    want_out, want_grads = _sdpa(q, k, v, dout, 0.3, mask, False)
+    assert torch.equal(third[0], want_out)
+    assert all(torch.equal(a, b) for a, b in zip(attend_backward(dout, q, k, v, *third, 0.3), want_grads, strict=True))
+    other = attend(q.half(), k.half(), v.half(), 0.3, mask=mask, biases=biases)  # another dtype: another bias
+    assert other[1][-1].dtype == torch.float16
+    del mask, first, second, third, other
+    gc.collect()
+    assert not biases.entries
 
 
 def test_a_backend_not_called_here_gives_none():

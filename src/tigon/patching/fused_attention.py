@@ -61,7 +61,7 @@ from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.rope import rope_into
 from tigon.patching import joins, sliding_window
 from tigon.patching.joins import CACHE_NAMES
-from tigon.patching.sdpa_backends import attend, attend_backward, repeat_heads, sum_heads
+from tigon.patching.sdpa_backends import MaskBiases, attend, attend_backward, repeat_heads, sum_heads
 
 # transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
 # for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE).
@@ -141,7 +141,7 @@ class _AttentionNode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin, mask, dtype, shape, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
-                o_weight, o_bias, cache, cache_arguments):
+                o_weight, o_bias, cache, cache_arguments, biases):
         heads, kv_heads, head_dim, scale = shape
         batch, seq = x.shape[0], x.shape[1]
         cast = x if x.dtype == dtype else x.to(dtype)
@@ -156,7 +156,8 @@ class _AttentionNode(torch.autograd.Function):
         # repeated to the query heads first (repeat_kv; the cache takes them as they were)
         groups = heads // kv_heads if mask is not None else 1
         k_attended, v_attended = (k, v) if groups == 1 else (repeat_heads(k, groups), repeat_heads(v, groups))
-        attended = attend(q, k_attended, v_attended, scale, gqa=mask is None and kv_heads != heads, mask=mask)
+        attended = attend(q, k_attended, v_attended, scale, gqa=mask is None and kv_heads != heads, mask=mask,
+                          biases=biases)
         if attended is None:
             raise _NotCalledHere  # before any side effect: the caller runs the attention's own forward
         out, saved, sizes = attended                                            # (B, Hq, T, D)
@@ -177,7 +178,7 @@ class _AttentionNode(torch.autograd.Function):
     def backward(ctx, dy):
         cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved = ctx.saved_tensors
         x_dtype, dtype, (heads, kv_heads, head_dim, scale), (qkv_bias_dtype, o_bias_dtype), sizes, groups = ctx.meta
-        # x, cos, sin, mask, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments
+        # x, cos, sin, mask, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments, the mask biases
         needs = ctx.needs_input_grad
         batch, seq = cast.shape[0], cast.shape[1]
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                             # (M, H)
@@ -269,13 +270,14 @@ def _global_hooks() -> bool:
 @dataclass(frozen=True)
 class _Installed:
     """What the installed forward checks against: transformers' sdpa interface and cache classes, and the
-    class forward's cache argument (:func:`variant`)."""
+    class forward's cache argument (:func:`variant`); and the masks' biases its layers share."""
 
     sdpa: object
     dynamic_cache: type
     dynamic_layer: type
     cache_name: str
     cache_gets_kwargs: bool
+    biases: MaskBiases  # one bias per mask for all the layers (sdpa_backends)
 
 
 def _node_arguments(attention, kwargs, installed: _Installed):
@@ -368,7 +370,7 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     if dtype is None or (not torch.is_autocast_enabled(hidden_states.device.type) and cos.dtype != dtype):
         return None
     return (hidden_states, cos, sin, mask, dtype, (heads, kv_heads, head_dim, attention.scaling), *params,
-            cache, cache_arguments)
+            cache, cache_arguments, installed.biases)
 
 
 def _boolean_mask(mask, hidden_states) -> bool:
@@ -398,7 +400,7 @@ def fused_forward(inner, source_variant):
     from transformers.cache_utils import DynamicCache, DynamicLayer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    installed = _Installed(sdpa_attention_forward, DynamicCache, DynamicLayer, *source_variant)
+    installed = _Installed(sdpa_attention_forward, DynamicCache, DynamicLayer, *source_variant, MaskBiases())
 
     def forward(self, *args, **kwargs):
         # transformers' decoder layers call their attention with keywords only
