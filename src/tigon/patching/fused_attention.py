@@ -22,26 +22,30 @@ and backward launch only the kernels::
 The values are stock's: the projections are the same products (stacked, as the ``rope`` switch's
 shared-cast node already makes them on the GPU), the rotation computes in fp32 and rounds once to the
 compute dtype (what sdpa under autocast reads of stock's fp32 rotary output), and attention is what
-``torch.nn.functional.scaled_dot_product_attention`` computes with the arguments transformers' sdpa
-interface passes where there is no mask (``is_causal``, ``enable_gqa``, the module's scaling): the
-backend sdpa would choose, its aten forward and backward called by the node itself (:func:`_attend`),
-so the node's saved tensors are all ``save_for_backward``'s and saved-tensor hooks see them
-(checkpointing, either kind, recomputes the node; ``recompute_norms`` remakes its input). Rotating in
-place also saves the rotated copies of q and k that stock keeps for the backward.
+``torch.nn.functional.scaled_dot_product_attention`` computes for transformers' sdpa interface's call:
+without a mask, causal with ``enable_gqa``; with its boolean mask (padding, or a window the mask
+encodes), the mask with k and v repeated to the query heads first. The node makes that call through
+sdpa's chosen backend, whose aten forward and backward it calls itself (``sdpa_backends.attend``), so
+its saved tensors are all ``save_for_backward``'s and saved-tensor hooks see them: checkpointing of
+either kind recomputes the node, ``recompute_norms`` remakes its input, ``cuda_graphs`` captures it.
+Rotating in place also saves the rotated copies of q and k that stock keeps for the backward, and the
+layers share one mask bias where sdpa makes and keeps one a layer (``sdpa_backends.MaskBiases``).
 
 The node runs only where that is what stock would compute, checked at each call; everything else
 takes the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps
-the separate products, so that its results stay bitwise stock's), on a GPU where sdpa would choose
-neither flash nor cuDNN attention (before Ampere, a head size that is not a multiple of 8, both turned
-off by ``torch.nn.attention.sdpa_kernel``), without grad, under torch.compile or a dispatch mode, with
-an attention mask, a key/value cache holding entries (a training forward's empty ``DynamicCache`` is
-filled as the attention's forward fills it), dropout, ``output_attentions`` or an attention
-implementation other than transformers' own sdpa (or tigon's sliding-window wrapper of it, which hands
-maskless calls to it); with projections that are not plain ``nn.Linear`` (LoRA), that carry hooks, or
-whose weights are not plain tensors (FSDP2's DTensors, DeepSpeed ZeRO-3's gathered parameters);
-outside fp16/bf16 (autocast, or weights and input in it). It is installed only on attention classes
-whose forward is statement for statement transformers' (the sources below: Llama's layout, and
-Qwen2's and Mistral's, which pass ``sliding_window``, 5.17 to 5.24).
+the separate products, so that its results stay bitwise stock's), on a GPU older than Ampere or with a
+head size that is not a multiple of 8, where sdpa would choose a backend not called here (its math
+fallback; the backends turned off by ``torch.nn.attention.sdpa_kernel``), without grad, under
+torch.compile or a dispatch mode, with a mask other than transformers' boolean ``(B, 1, T, T)`` one
+(an additive float mask), a key/value cache holding entries (a training forward's empty
+``DynamicCache`` is filled as the attention's forward fills it), dropout, ``output_attentions`` or an
+attention implementation other than transformers' own sdpa (or tigon's sliding-window wrapper of it,
+which hands it maskless calls and the masked calls of models it does not band); with projections that
+are not plain ``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's
+DTensors, DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in
+it). It is installed only on attention classes whose forward is statement for statement transformers'
+(the sources below: Llama's layout, and Qwen2's and Mistral's, which pass ``sliding_window``, 5.17 to
+5.24).
 """
 
 from __future__ import annotations
@@ -205,12 +209,12 @@ class _AttentionNode(torch.autograd.Function):
         if needs[0]:
             grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)  # (B, T, H), dense
         weight = None
-        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         if any(needs[6:12:2]):
-            for i, dw in enumerate(matmul_to(d2.t(), cast2, q_weight.dtype).split_with_sizes(sizes)):
+            for i, dw in enumerate(matmul_to(d2.t(), cast2, q_weight.dtype).split_with_sizes(widths)):
                 grads[6 + 2 * i] = dw if needs[6 + 2 * i] else None
         if any(needs[7:12:2]):
-            for i, db in enumerate(sum_rows_to(d2, qkv_bias_dtype).split_with_sizes(sizes)):
+            for i, db in enumerate(sum_rows_to(d2, qkv_bias_dtype).split_with_sizes(widths)):
                 grads[7 + 2 * i] = db if needs[7 + 2 * i] else None
         return tuple(grads)
 
@@ -231,7 +235,8 @@ class _NotCalledHere(Exception):
 
 @functools.cache
 def _ampere_or_newer(device_index: int) -> bool:
-    """Whether sdpa can choose flash or cuDNN attention on this GPU (both need compute capability 8.0)."""
+    """Whether sdpa can choose flash or cuDNN attention on this GPU (both need compute capability 8.0; the
+    node is not run on older GPUs, where its backends were not measured)."""
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
