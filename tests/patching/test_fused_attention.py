@@ -332,7 +332,7 @@ GPU_BACKEND_CASES = (("FLASH_ATTENTION", 2, 300, False), ("FLASH_ATTENTION", 8, 
                      ("EFFICIENT_ATTENTION", 2, 300, True), ("EFFICIENT_ATTENTION", 8, 256, True))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="sdpa's GPU backends")
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (sdpa's GPU backends): runs in scripts/gpu-check.sh")
 @pytest.mark.parametrize("backend,kv_heads,seq,masked", GPU_BACKEND_CASES)
 def test_each_gpu_backend_against_sdpa(backend, kv_heads, seq, masked, node_calls):
     """The backends the node calls itself, each chosen by sdpa_kernel, against the unfused patch (which calls

@@ -112,7 +112,7 @@ GPU_CASES = [(backend, kv_heads, seq, masked)
              and not (backend == "EFFICIENT_ATTENTION" and kv_heads == 2 and not masked)]
 
 
-@pytest.mark.skipif(not ON_GPU, reason="sdpa's GPU backends")
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (sdpa's GPU backends): runs in scripts/gpu-check.sh")
 @pytest.mark.parametrize("backend,kv_heads,seq,masked", GPU_CASES)
 def test_gpu_backends_match_sdpa(backend, kv_heads, seq, masked):
     q, k, v, mask, dout = _inputs("cuda", torch.bfloat16, batch=2, heads=8, kv_heads=kv_heads, seq=seq, dim=64)

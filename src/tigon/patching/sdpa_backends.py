@@ -94,6 +94,11 @@ class MaskBiases:
         return bias
 
 
+def _bias(biases, mask, signature, make):
+    """``make()``, or the bias ``biases`` (a :class:`MaskBiases`, or None) made for this mask before."""
+    return make() if biases is None else biases.get(mask, signature, make)
+
+
 def attend(q, k, v, scale, *, gqa=False, mask=None, biases=None):
     """sdpa's forward without autograd, for the two calls of the module docs: ``(out, saved, sizes)`` where
     ``saved`` (tensors, some None) and ``sizes`` (ints and flags) are what :func:`attend_backward` takes,
@@ -104,15 +109,11 @@ def attend(q, k, v, scale, *, gqa=False, mask=None, biases=None):
     :class:`MaskBiases` that makes its bias once for all the calls with this mask (None: made here)."""
     causal = mask is None
     choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, causal, scale=scale, enable_gqa=gqa)
-
-    def bias_for(kind, make):
-        if causal:
-            return None
-        return make() if biases is None else biases.get(mask, (kind, q.dtype, q.shape, k.shape[2]), make)
-
+    signature = (q.dtype, q.shape, k.shape[2])
     if q.is_cuda:
         if choice == CUDNN:
-            bias = bias_for(CUDNN, lambda: _additive(mask, CUDNN_MASKED, q.dtype))
+            bias = None if causal else _bias(biases, mask, (CUDNN, *signature),
+                                             lambda: _additive(mask, CUDNN_MASKED, q.dtype))
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
                 q, k, v, bias, True, 0.0, causal, False, scale=scale)
             return out, (lse, cum_q, cum_k, seed, offset, bias), (CUDNN, causal, max_q, max_k)
@@ -121,13 +122,15 @@ def attend(q, k, v, scale, *, gqa=False, mask=None, biases=None):
                 q, k, v, 0.0, True, False, scale=scale)
             return out, (lse, cum_q, cum_k, seed, offset, None), (FLASH, causal, max_q, max_k)
         if choice == EFFICIENT and not gqa:
-            bias = bias_for(EFFICIENT, lambda: _efficient_bias(_additive(mask, float("-inf"), q.dtype), q, k))
+            bias = None if causal else _bias(biases, mask, (EFFICIENT, *signature),
+                                             lambda: _efficient_bias(_additive(mask, float("-inf"), q.dtype), q, k))
             out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
                 q, k, v, bias, True, 0.0, causal, scale=scale)
             return out, (lse, None, None, seed, offset, bias), (EFFICIENT, causal)
         return None
     if choice == FLASH and q.device.type == "cpu":
-        bias = bias_for(FLASH, lambda: _additive(mask, float("-inf"), q.dtype))
+        bias = None if causal else _bias(biases, mask, (FLASH, *signature),
+                                         lambda: _additive(mask, float("-inf"), q.dtype))
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return out, (lse, None, None, None, None, bias), (FLASH, causal)
     return None
