@@ -52,6 +52,12 @@ prompt tokens counted; DPO's reference forward is inside the step), peak allocat
 timed steps, per-step loss, gradient norm (and GRPO's entropy), and their largest differences from
 ``trl``'s run. ``--warmup`` 2, ``--steps`` 5.
 
+``--padded``: the rows are of random lengths, as real preference pairs and sampled completions are. DPO:
+each prompt, chosen and rejected completion uniformly of [half, all] of ``--prompt``/``--completion``
+tokens, padded by the collator to the longest; GRPO: each completion's mask ends at such a length
+(what TRL masks after a completion's EOS), the group sharing one prompt. transformers then gives sdpa
+a boolean padding mask, where without padding it passes none. Tokens/s still count the padded shape.
+
 ``longest-dpo``: Gemma-3-1B-shaped (``gemma3_text``: hidden 1152, 26 layers, 4 heads, 1 KV head, head
 dim 256, intermediate 6912, vocabulary 262144, no final-logit softcap (Gemma-3's config has
 ``final_logit_softcapping: null``, transformers' default), sliding window 512, every sixth layer
@@ -190,6 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     steps.add_argument("--warmup", type=int, help=f"untimed steps (default {WARMUP})")
     steps.add_argument("--steps", type=int, help=f"timed steps (default {STEPS})")
     steps.add_argument("--profile", type=Path, help="folder for a torch.profiler table of each job's last step")
+    steps.add_argument("--padded", action="store_true",
+                       help="rows of random lengths, padded to the longest (transformers then passes a mask)")
 
     longest = sub.add_parser("longest-dpo", parents=[common], help="longest DPO pair at batch 1, Gemma-3-1B")
     longest.add_argument("--start", nargs="+", default=[], metavar="[PROVIDER=]LENGTH",
@@ -269,6 +277,15 @@ def _trainer_args(config_cls, job: dict, out_dir: str, **extra):
     )
 
 
+def _length(full: int, job: dict, gen) -> int:
+    """A row's length: ``full``, or with ``--padded`` one drawn uniformly from [full/2, full]."""
+    import torch
+
+    if not job.get("padded"):
+        return full
+    return int(torch.randint(max(1, full // 2), full + 1, (1,), generator=gen))
+
+
 def _dpo(job, model, ref_model, out_dir, gen):
     import datasets
     import torch
@@ -281,7 +298,7 @@ def _dpo(job, model, ref_model, out_dir, gen):
     vocab = model.config.vocab_size
     pairs = []
     for _ in range(job["rows"] // 2):
-        prompt, chosen, rejected = (torch.randint(3, vocab, (n,), generator=gen).tolist()
+        prompt, chosen, rejected = (torch.randint(3, vocab, (_length(n, job, gen),), generator=gen).tolist()
                                     for n in (job["prompt"], job["completion"], job["completion"]))
         pairs.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
     return trainer, trainer.data_collator(pairs)
@@ -300,7 +317,11 @@ def _grpo(job, model, out_dir, gen):
                               processing_class=_word_tokenizer())
     vocab = model.config.vocab_size
     rewards = torch.randn(rows, generator=gen)
-    completion_mask = torch.ones(rows, job["completion"], dtype=torch.long)
+    # each completion ends where it ends (--padded: at a random length, the rest masked out, as TRL masks what
+    # follows a completion's EOS); one group shares its prompt
+    completion_mask = torch.zeros(rows, job["completion"], dtype=torch.long)
+    for row in range(rows):
+        completion_mask[row, :_length(job["completion"], job, gen)] = 1
     batch = {
         "prompt_ids": torch.randint(3, vocab, (rows, job["prompt"]), generator=gen),
         "prompt_mask": torch.ones(rows, job["prompt"], dtype=torch.long),
@@ -381,6 +402,9 @@ def _train(job, out, model, ref_model, device):
     out["batch_shapes"] = {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
     out["tokens_per_step"] = sum(batch[k].numel() for k in ("input_ids", "prompt_ids", "completion_ids")
                                  if k in batch)
+    # the tokens that are not padding (--padded)
+    out["real_tokens_per_step"] = int(sum(batch[k].sum() for k in ("attention_mask", "prompt_mask", "completion_mask")
+                                          if k in batch and not (k == "completion_mask" and "attention_mask" in batch)))
     if job["checkpointing"]:  # what Trainer.train() does with activation_checkpointing=True
         name = _checkpointing_name()
         kwargs = dict(getattr(trainer.args, f"{name}_kwargs") or {})
@@ -526,7 +550,7 @@ def steps_mode(args, log=print) -> dict:
                 for provider in args.providers:
                     job = _job(args, model, trainer, provider, rows=args.rows, prompt=args.prompt,
                                completion=args.completion, warmup=args.warmup, steps=args.steps,
-                               profile=str(args.profile) if args.profile else None)
+                               profile=str(args.profile) if args.profile else None, padded=args.padded)
                     row = pool.run(job)
                     rows.append(row)
                     log(row_line(row))
@@ -694,7 +718,11 @@ def markdown(result: dict) -> str:
     lines += [
         f"Fixed batch of {s['rows']} rows x {s['prompt'] + s['completion']} tokens (prompt {s['prompt']} + "
         f"completion {s['completion']}; DPO {s['rows'] // 2} pairs, GRPO {s['rows']} completions), median of "
-        f"{s['steps']} steps after {s['warmup']} warm-up steps. Loss Δ: largest per-step |Δ| / max(|trl|, 1); "
+        f"{s['steps']} steps after {s['warmup']} warm-up steps"
+        + (f"; padded: each row of a random length in [half, full] (prompt, chosen and rejected apart for DPO, the "
+           f"completion for GRPO), padded to the longest, tokens/s counting the padded shape "
+           f"({_real_share(rows)} of it real tokens)" if s.get("padded") else "")
+        + ". Loss Δ: largest per-step |Δ| / max(|trl|, 1); "
         "grad-norm Δ: relative, floor 1e-3 of trl's first-step norm; entropy Δ: relative; ok: all ≤ 3e-2 (bf16).", "",
         "| model | trainer | provider | tokens/s | vs trl | step ms | peak GiB | loss Δ | grad-norm Δ "
         "| entropy Δ | ok | note |",
@@ -721,6 +749,11 @@ def markdown(result: dict) -> str:
                          f"{', '.join(f'{x:.6g}' for x in row['losses'])}; grad norm "
                          f"{', '.join(f'{x:.6g}' for x in row['grad_norms'])}")
     return "\n".join(lines) + "\n"
+
+
+def _real_share(rows) -> str:
+    shares = [r["real_tokens_per_step"] / r["tokens_per_step"] for r in rows if r.get("real_tokens_per_step")]
+    return f"{min(shares):.0%}–{max(shares):.0%}" if shares else "—"
 
 
 def save(result: dict, out_dir: Path) -> list[Path]:
