@@ -17,8 +17,9 @@ compiled-kernel stand-in whose launcher does nothing. FastLaunch caches it as it
 and every later launch runs FastLaunch's own code unchanged: the specialization key, the cache
 lookup, the launcher call with its arguments. What the GPU path calls and the CPU has not is replaced
 by a C builtin of the same shape (``torch._C._cuda_getDevice`` -> ``int``, the raw stream ->
-``abs``), and ``shared_cast.STACKED_DEVICES`` gets "cpu" so that q/k/v take the stacked path the GPU
-takes. The stubbed kernels' outputs are ``torch.empty`` garbage: fine for timing, since nothing on
+``abs``), ``shared_cast.STACKED_DEVICES`` gets "cpu" so that q/k/v take the stacked path the GPU
+takes, and ``fused_attention.DEVICES`` so that the attention runs as the one node it is on the GPU
+(calling sdpa's CPU flash backend where the GPU calls cuDNN's or flash's). The stubbed kernels' outputs are ``torch.empty`` garbage: fine for timing, since nothing on
 the patched layer path reads values to choose a path (the loss is not printed).
 
 Remaining CPU/GPU differences (small; both providers have them): autocast's CPU op lists, matmul_to's
@@ -50,7 +51,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import tigon  # noqa: E402
 import tigon.ops._common as common  # noqa: E402
 import tigon.ops._launch as launch  # noqa: E402
-from tigon.patching import shared_cast  # noqa: E402
+from tigon.patching import fused_attention, shared_cast  # noqa: E402
 
 # Widths small enough that even the CPU's bf16 matmuls cost next to nothing (oneDNN: ~12 µs for
 # 8 × 64 × 128, ~2 µs for 8 × 16 × 16), so that both providers' times are host work.
@@ -85,6 +86,7 @@ def stub_gpu() -> None:
     torch._C._cuda_getCurrentRawStream = abs        # a C call of one int argument
     common.interpreter_active = lambda: True        # check_tensor lets CPU tensors through
     shared_cast.STACKED_DEVICES = ("cuda", "cpu")   # q/k/v stacked, as on the GPU
+    fused_attention.DEVICES = ("cuda", "cpu")       # the attention as one node, as on the GPU
     # The loss's target range check reads a flag a (stubbed) kernel wrote: clear the garbage first.
     from tigon.ops._loss_grad import RangeCheck
 
