@@ -39,16 +39,22 @@ def test_search_from_near_trl_figure_is_short():
     assert longest == 59392 and len(probed) == 4, probed
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("trainer", ["dpo", "grpo"])
-def test_tiny_step_agrees_between_providers(trainer):
+def test_tiny_step_agrees_between_providers(trainer, padded):
     job = dict(model="llama", trainer=trainer, device=DEVICE.type, tiny=True, weights="fp32", attention="sdpa",
-               patch_ref=True, checkpointing=False, rows=4, prompt=4, completion=8, warmup=0, steps=2)
+               patch_ref=True, checkpointing=False, rows=4, prompt=4, completion=8, warmup=0, steps=2, padded=padded)
     rows = [trl_steps.run_job({**job, "provider": p}) for p in ("trl", "tigon")]
-    assert rows[0]["tokens_per_step"] == 4 * 12
     if trainer == "dpo":
-        assert rows[0]["batch_shapes"]["input_ids"] == [4, 12]
+        width = rows[0]["batch_shapes"]["input_ids"][1]
+        assert rows[0]["batch_shapes"]["input_ids"] == [4, width] and rows[0]["tokens_per_step"] == 4 * width
+        assert width <= 12 if padded else width == 12  # padded: to the longest row
     else:
         assert rows[0]["batch_shapes"]["completion_ids"] == [4, 8] and len(rows[0]["entropies"]) == 2
+        assert rows[0]["tokens_per_step"] == 4 * 12
+    real = rows[0]["real_tokens_per_step"]
+    assert real < rows[0]["tokens_per_step"] if padded else real == rows[0]["tokens_per_step"]
+    assert rows[1]["real_tokens_per_step"] == real  # the same batch for both providers
     trl_steps.add_agreement(rows)
     assert rows[1]["agrees"], rows[1]
     assert rows[1]["grad_norm_diff"] <= 1e-3  # fp32 weights: tighter than the bf16 bound
