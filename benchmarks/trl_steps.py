@@ -402,9 +402,9 @@ def _train(job, out, model, ref_model, device):
     out["batch_shapes"] = {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
     out["tokens_per_step"] = sum(batch[k].numel() for k in ("input_ids", "prompt_ids", "completion_ids")
                                  if k in batch)
-    # the tokens that are not padding (--padded)
-    out["real_tokens_per_step"] = int(sum(batch[k].sum() for k in ("attention_mask", "prompt_mask", "completion_mask")
-                                          if k in batch and not (k == "completion_mask" and "attention_mask" in batch)))
+    # the tokens that are not padding (--padded): DPO's attention mask, GRPO's prompt and completion masks
+    masks = ("attention_mask",) if "attention_mask" in batch else ("prompt_mask", "completion_mask")
+    out["real_tokens_per_step"] = int(sum(batch[k].sum() for k in masks))
     if job["checkpointing"]:  # what Trainer.train() does with activation_checkpointing=True
         name = _checkpointing_name()
         kwargs = dict(getattr(trainer.args, f"{name}_kwargs") or {})

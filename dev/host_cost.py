@@ -19,8 +19,9 @@ lookup, the launcher call with its arguments. What the GPU path calls and the CP
 by a C builtin of the same shape (``torch._C._cuda_getDevice`` -> ``int``, the raw stream ->
 ``abs``), ``shared_cast.STACKED_DEVICES`` gets "cpu" so that q/k/v take the stacked path the GPU
 takes, and ``fused_attention.DEVICES`` so that the attention runs as the one node it is on the GPU
-(calling sdpa's CPU flash backend where the GPU calls cuDNN's or flash's). The stubbed kernels' outputs are ``torch.empty`` garbage: fine for timing, since nothing on
-the patched layer path reads values to choose a path (the loss is not printed).
+(calling sdpa's CPU flash backend where the GPU calls cuDNN's or flash's). The stubbed kernels'
+outputs are ``torch.empty`` garbage: fine for timing, since nothing on the patched layer path reads
+values to choose a path (the loss is not printed).
 
 Remaining CPU/GPU differences (small; both providers have them): autocast's CPU op lists, matmul_to's
 fp32 output (GPU: one ``addmm(out_dtype=...)``; CPU: the product and a cast), check_tensor's CPU
