@@ -296,13 +296,20 @@ def test_no_grad_forward():
 
 
 def test_chunk_classes():
-    """The default budget: fp32 logits plus their bf16 gradient twin in 256 MiB, whole 512-class tiles."""
+    """The default budget: fp32 logits plus their bf16 gradient twin in twice the weight's bytes, within
+    [256 MiB, 1 GiB], whole 512-class tiles."""
     config = FusedLinearLogprobsConfig()
     chunk = config.chunk_classes(8192, 151936, 2)
     assert chunk % 512 == 0 and chunk * 8192 * 6 <= config.workspace_bytes
     assert config.chunk_classes(6, 300, 2) == 300
     assert config.chunk_classes(10**6, 151936, 2) == 512
     assert CHUNKS.chunk_classes(8192, 257, 2) == 128
+    # Qwen2.5-0.5B's bf16 head (272 MB): a 544 MB workspace; an H = 4096 one: capped at 1 GiB
+    qwen = config.chunk_classes(8192, 151936, 2, 151936 * 896 * 2)
+    assert qwen == 10752 and qwen * 8192 * 6 <= 2 * 151936 * 896 * 2 < (qwen + 512) * 8192 * 6
+    wide = config.chunk_classes(8192, 151936, 2, 151936 * 4096 * 2)
+    assert wide == 21504 and wide * 8192 * 6 <= config.max_workspace_bytes < (wide + 512) * 8192 * 6
+    assert config.chunk_classes(8192, 151936, 2, 1000) == chunk  # a small weight: the 256 MiB floor
 
 
 # -------------------------------------------------------------------------------------- bad input

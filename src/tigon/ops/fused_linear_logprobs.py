@@ -42,8 +42,14 @@ to the two gradient matmuls before the next chunk is made.
 Chunking (by classes, all N tokens × Vc classes): chunk c's fp32 logits L_c = X·W_cᵀ (one matmul),
 folded into each row's running statistics; the backward makes each again, then dW[c] = dl_cᵀ·X in
 one matmul over all tokens (K = N: one rounding of dW, no sum of partials in bf16) and
-dX += dl_c·W_c summed in fp32. Vc is chosen from ``FusedLinearLogprobsConfig.workspace_bytes`` (fp32
-chunk plus its dl twin) and aligned to whole matmul tiles.
+dX += dl_c·W_c summed in fp32. Vc is chosen from the workspace (fp32 chunk plus its dl twin) and
+aligned to whole matmul tiles. The workspace is twice the weight's bytes, within
+[``workspace_bytes``, ``max_workspace_bytes``] (256 MiB to 1 GiB; ``FusedLinearLogprobsConfig``):
+each chunk's dX product reads and writes the fp32 accumulator (N·H·4 bytes: 134 MB at N = 8192,
+H = 4096), and narrower chunks make narrower matmuls, so wider chunks are faster, while the peak stays
+a small multiple of the dW the op returns anyway. Measured on an H100 (N = 8192, V = 151936,
+forward + backward, ``dev/tune_logprobs_chunks.py``): at H = 4096, 61.3 ms with 5120-class chunks
+(256 MiB), 59.2 ms with 21504 (1 GiB); at H = 896, 19.4 ms and 18.3 ms with 10752 (544 MB).
 
 Speed of light (N tokens, H hidden, V classes, element size e): 4 matmuls of 2·N·H·V flops each
 (forward logits; backward recompute, dX, dW), 1 for a forward without gradient. Beyond them the
@@ -55,7 +61,7 @@ matmul (≈ 14 ms each on an H100 at ~700 Tflop/s) against ≈ 25 GB of chunk tr
 Memory beyond the inputs and the returned gradients: one fp32 chunk (plus its dl twin in the input
 dtype), per-token fp32 statistics, and by classes an fp32 dX accumulator (N·H·4). TRL 1.16 holds a
 (4096, 32768) bf16 tile (256 MiB) and fp32 accumulators for dX and dW (V·H·4: 2.5 GB at the
-benchmark's head); the default budget here is the same 256 MiB.
+benchmark's head, twice the bf16 weight: the workspace here is at most that).
 
 Reference: :func:`fused_linear_logprobs_reference` (plain torch: F.linear in fp32, log_softmax).
 """
@@ -90,26 +96,31 @@ from tigon.ops.fused_linear_cross_entropy import _compute_dtype, _compute_operan
 class FusedLinearLogprobsConfig:
     """Every launch setting of the op.
 
-    ``workspace_bytes``: one chunk of fp32 logits plus its gradient twin in the matmul dtype may take
-    this much (TRL's tile is 4096 × 32768 bf16 = 256 MiB). Class chunks are multiples of
-    ``class_align`` (whole matmul tiles) and at least that wide. ``class_chunk`` forces a chunk
-    width (tests use it to make several chunks at small sizes). The row kernels run one program per
-    token on a GPU (``block_v`` classes a block over ``num_warps`` warps: the narrow-chunk setting
-    tuned for cross_entropy's chunk kernels, CHUNK_BLOCK_V / CHUNK_WARPS), a persistent handful
-    under the interpreter.
+    The workspace: one chunk of fp32 logits plus its gradient twin in the matmul dtype may take
+    ``weight_fraction`` × the weight's bytes, but at least ``workspace_bytes`` (TRL's tile is 4096 ×
+    32768 bf16 = 256 MiB) and at most ``max_workspace_bytes`` (module docs: wider chunks are faster).
+    Class chunks are multiples of ``class_align`` (whole matmul tiles) and at least that wide.
+    ``class_chunk`` forces a chunk width (tests use it to make several chunks at small sizes). The row
+    kernels run one program per token on a GPU (``block_v`` classes a block over ``num_warps`` warps:
+    the narrow-chunk setting tuned for cross_entropy's chunk kernels, CHUNK_BLOCK_V / CHUNK_WARPS), a
+    persistent handful under the interpreter.
     """
 
     workspace_bytes: int = 256 << 20
+    max_workspace_bytes: int = 1 << 30
+    weight_fraction: float = 2.0
     class_align: int = 512
     class_chunk: int | None = None
     block_v: int = 1024
     num_warps: int = 4
 
-    def chunk_classes(self, num_tokens: int, vocab: int, grad_elem: int) -> int:
-        """Vc for N tokens: fp32 logits (4 bytes) plus the gradient twin (``grad_elem``, 0 in place)."""
+    def chunk_classes(self, num_tokens: int, vocab: int, grad_elem: int, weight_bytes: int = 0) -> int:
+        """Vc for N tokens: fp32 logits (4 bytes) plus the gradient twin (``grad_elem``, 0 in place), in
+        the workspace a weight of ``weight_bytes`` gets."""
         if self.class_chunk is not None:
             return max(1, min(vocab, self.class_chunk))
-        fit = self.workspace_bytes // max(1, num_tokens * (4 + grad_elem))
+        workspace = min(self.max_workspace_bytes, max(self.workspace_bytes, int(self.weight_fraction * weight_bytes)))
+        fit = workspace // max(1, num_tokens * (4 + grad_elem))
         return min(vocab, max(self.class_align, fit // self.class_align * self.class_align))
 
 
@@ -630,7 +641,7 @@ def fused_linear_token_stats(
     compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
     num_tokens = target.numel()
     grad_elem = 0 if compute_dtype == torch.float32 else torch.finfo(compute_dtype).bits // 8
-    chunk = config.chunk_classes(num_tokens, vocab, grad_elem)
+    chunk = config.chunk_classes(num_tokens, vocab, grad_elem, linear_weight.numel() * linear_weight.element_size())
     _, bad = REDUCTION_SCALES(target.reshape(-1), None, int(ignore_index), "sum", vocab)
     check = RangeCheck(bad)
     grad_on = torch.is_grad_enabled()
