@@ -95,7 +95,10 @@ class MaskBiases:
 
 
 def _bias(biases, mask, signature, make):
-    """``make()``, or the bias ``biases`` (a :class:`MaskBiases`, or None) made for this mask before."""
+    """None without a mask (the causal call); else ``make()``, or the bias ``biases`` (a :class:`MaskBiases`,
+    or None) made for this mask before."""
+    if mask is None:
+        return None
     return make() if biases is None else biases.get(mask, signature, make)
 
 
@@ -112,8 +115,7 @@ def attend(q, k, v, scale, *, gqa=False, mask=None, biases=None):
     signature = (q.dtype, q.shape, k.shape[2])
     if q.is_cuda:
         if choice == CUDNN:
-            bias = None if causal else _bias(biases, mask, (CUDNN, *signature),
-                                             lambda: _additive(mask, CUDNN_MASKED, q.dtype))
+            bias = _bias(biases, mask, (CUDNN, *signature), lambda: _additive(mask, CUDNN_MASKED, q.dtype))
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
                 q, k, v, bias, True, 0.0, causal, False, scale=scale)
             return out, (lse, cum_q, cum_k, seed, offset, bias), (CUDNN, causal, max_q, max_k)
@@ -122,15 +124,14 @@ def attend(q, k, v, scale, *, gqa=False, mask=None, biases=None):
                 q, k, v, 0.0, True, False, scale=scale)
             return out, (lse, cum_q, cum_k, seed, offset, None), (FLASH, causal, max_q, max_k)
         if choice == EFFICIENT and not gqa:
-            bias = None if causal else _bias(biases, mask, (EFFICIENT, *signature),
-                                             lambda: _efficient_bias(_additive(mask, float("-inf"), q.dtype), q, k))
+            bias = _bias(biases, mask, (EFFICIENT, *signature),
+                         lambda: _efficient_bias(_additive(mask, float("-inf"), q.dtype), q, k))
             out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
                 q, k, v, bias, True, 0.0, causal, scale=scale)
             return out, (lse, None, None, seed, offset, bias), (EFFICIENT, causal)
         return None
     if choice == FLASH and q.device.type == "cpu":
-        bias = None if causal else _bias(biases, mask, (FLASH, *signature),
-                                         lambda: _additive(mask, float("-inf"), q.dtype))
+        bias = _bias(biases, mask, (FLASH, *signature), lambda: _additive(mask, float("-inf"), q.dtype))
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return out, (lse, None, None, None, None, bias), (FLASH, causal)
     return None
