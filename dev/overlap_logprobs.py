@@ -135,6 +135,74 @@ def backward_pass(x, w, t, lse, ent, g_lp, g_ent, opts, chunk, side):
     return dx32, dw
 
 
+def _passes(x2, w, t, g_lp, g_ent, opts, chunk, side, want):
+    """One setting: its forward and backward timed, its results against the shipped op's."""
+    lp, lse, ent = forward_pass(x2, w, t, opts, chunk, side)
+    dx, dw = backward_pass(x2, w, t, lse, ent, g_lp, g_ent, opts, chunk, side)
+    torch.cuda.synchronize()
+    err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+              for a, b in zip((lp, ent, dx, dw.float()), want, strict=True))
+    f_ms = gpu_time(lambda: forward_pass(x2, w, t, opts, chunk, side), 16.0)
+    b_ms = gpu_time(lambda: backward_pass(x2, w, t, lse, ent, g_lp, g_ent, opts, chunk, side), 46.0)
+    return f_ms, b_ms, err
+
+
+def measure(label, hidden, vocab, streams, opts) -> None:
+    """Every setting at one head, with the shipped op and the matmul floor; then the raw ingredients."""
+    inputs = spec._make(spec.TOKENS, hidden, vocab)("cuda", torch.bfloat16)
+    x2, w, t = inputs["input"].detach(), inputs["linear_weight"].detach(), inputs["target"]
+    g_lp, g_ent = torch.randn(spec.TOKENS, device="cuda"), torch.randn(spec.TOKENS, device="cuda")
+    shipped = DEFAULT_CONFIG.chunk_classes(spec.TOKENS, vocab, 2, w.numel() * 2)
+    print(f"\n{label}: N={spec.TOKENS} H={hidden} V={vocab}; shipped chunk {shipped} classes", flush=True)
+
+    xr, wr = x2.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = fused_linear_logprobs(xr, wr, t, entropy=True)
+    torch.autograd.backward((lp, ent), (g_lp, g_ent))
+    want = (lp.detach(), ent.detach(), xr.grad.float(), wr.grad.float())
+
+    def op_fwd():
+        with torch.no_grad():
+            fused_linear_logprobs(x2, w, t, entropy=True)
+
+    def op_full():
+        a, b = fused_linear_logprobs(xr, wr, t, entropy=True)
+        torch.autograd.backward((a, b), (g_lp, g_ent))
+        xr.grad = wr.grad = None
+
+    op_fwd(), op_full()
+    print(f"  matmul floor, forward {gpu_time(lambda: x2 @ w.t(), 15.0):7.3f} ms", flush=True)
+    print(f"  tigon op: forward {gpu_time(op_fwd, 16.0):7.3f} ms, forward + backward {gpu_time(op_full, 62.0):7.3f} ms",
+          flush=True)
+    for chunk in (shipped, shipped // 2 // 512 * 512):
+        for name, side in (("one stream", None), ("side normal", streams["normal"]), ("side high", streams["high"])):
+            f_ms, b_ms, err = _passes(x2, w, t, g_lp, g_ent, opts, chunk, side, want)
+            print(f"  chunk {chunk:6d} {name:<12} forward {f_ms:7.3f} ms  backward {b_ms:7.3f} ms  "
+                  f"sum {f_ms + b_ms:7.3f}  [max rel diff {err:.1e}]", flush=True)
+    # the raw ingredients at the shipped width: a chunk's matmul and a statistics pass over other logits
+    buf = torch.empty(spec.TOKENS, shipped, dtype=torch.float32, device="cuda")
+    state = torch.empty(0, dtype=torch.float32, device="cuda")
+    other = torch.randn(spec.TOKENS, shipped, device="cuda")
+
+    def mm():
+        _linear_fp32(x2, w[:shipped], None, buf)
+
+    def stats():
+        CHUNK_STATS(other, t, state, 0, vocab, True, True, opts.ignore_index, opts.logit_scale, opts.softcap,
+                    opts.softcap_scale, True, False, *LAUNCH)
+
+    print(f"  one chunk: matmul {gpu_time(mm, 2.0):6.3f} ms, stats {gpu_time(stats, 1.0):6.3f} ms", flush=True)
+    for side_name, side in streams.items():
+        def both(side=side):
+            main = torch.cuda.current_stream()
+            side.wait_event(_event(main))
+            with torch.cuda.stream(side):
+                stats()
+            mm()
+            main.wait_stream(side)
+
+        print(f"  one chunk: both on two streams ({side_name} priority) {gpu_time(both, 3.0):6.3f} ms", flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -144,68 +212,7 @@ def main() -> int:
     streams = {"normal": torch.cuda.Stream(), "high": torch.cuda.Stream(priority=-1)}
     opts = _Options.make(-100, 1.0, None, 1.0, True, False)
     for label, hidden, vocab in spec.SHAPES:
-        inputs = spec._make(spec.TOKENS, hidden, vocab)("cuda", torch.bfloat16)
-        x, w, t = inputs["input"].detach(), inputs["linear_weight"].detach(), inputs["target"]
-        x2 = x.reshape(-1, hidden)
-        g_lp, g_ent = torch.randn(spec.TOKENS, device="cuda"), torch.randn(spec.TOKENS, device="cuda")
-        shipped = DEFAULT_CONFIG.chunk_classes(spec.TOKENS, vocab, 2, w.numel() * 2)
-        print(f"\n{label}: N={spec.TOKENS} H={hidden} V={vocab}; shipped chunk {shipped} classes", flush=True)
-
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        lp, ent = fused_linear_logprobs(xr, wr, t, entropy=True)
-        torch.autograd.backward((lp, ent), (g_lp, g_ent))
-        want = (lp.detach(), ent.detach(), xr.grad.reshape(-1, hidden).float(), wr.grad.float())
-        lse = None
-
-        def op_fwd():
-            with torch.no_grad():
-                fused_linear_logprobs(x, w, t, entropy=True)
-
-        def op_full():
-            a, b = fused_linear_logprobs(xr, wr, t, entropy=True)
-            torch.autograd.backward((a, b), (g_lp, g_ent))
-            xr.grad = wr.grad = None
-
-        op_fwd(), op_full()
-        print(f"  matmul floor, forward              {gpu_time(lambda: x2 @ w.t(), 15.0):7.3f} ms", flush=True)
-        print(f"  tigon op: forward {gpu_time(op_fwd, 16.0):7.3f} ms, forward + backward {gpu_time(op_full, 62.0):7.3f} ms",
-              flush=True)
-        for chunk in (shipped, shipped // 2 // 512 * 512):
-            for name, side in (("one stream", None), ("side normal", streams["normal"]),
-                               ("side high", streams["high"])):
-                lp2, lse, ent2 = forward_pass(x2, w, t, opts, chunk, side)
-                dx, dw = backward_pass(x2, w, t, lse, ent2, g_lp, g_ent, opts, chunk, side)
-                torch.cuda.synchronize()
-                got = (lp2, ent2, dx, dw.float())
-                err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, want))
-                f_ms = gpu_time(lambda: forward_pass(x2, w, t, opts, chunk, side), 16.0)
-                b_ms = gpu_time(lambda: backward_pass(x2, w, t, lse, ent2, g_lp, g_ent, opts, chunk, side), 46.0)
-                print(f"  chunk {chunk:6d} {name:<12} forward {f_ms:7.3f} ms  backward {b_ms:7.3f} ms  "
-                      f"sum {f_ms + b_ms:7.3f}  [max rel diff {err:.1e}]", flush=True)
-        # the raw ingredients at the shipped width
-        buf = torch.empty(spec.TOKENS, shipped, dtype=torch.float32, device="cuda")
-        state = torch.empty(0, dtype=torch.float32, device="cuda")
-        other = torch.randn(spec.TOKENS, shipped, device="cuda")
-
-        def mm():
-            _linear_fp32(x2, w[:shipped], None, buf)
-
-        def stats(src=other):
-            CHUNK_STATS(src, t, state, 0, vocab, True, True, opts.ignore_index, opts.logit_scale, opts.softcap,
-                        opts.softcap_scale, True, False, *LAUNCH)
-
-        for side_name, side in streams.items():
-            def both(side=side):
-                main = torch.cuda.current_stream()
-                side.wait_event(_event(main))
-                with torch.cuda.stream(side):
-                    stats()
-                mm()
-                main.wait_stream(side)
-
-            if side_name == "normal":
-                print(f"  one chunk: matmul {gpu_time(mm, 2.0):6.3f} ms, stats {gpu_time(stats, 1.0):6.3f} ms", flush=True)
-            print(f"  one chunk: both on two streams ({side_name} priority) {gpu_time(both, 3.0):6.3f} ms", flush=True)
+        measure(label, hidden, vocab, streams, opts)
     return 0
 
 
