@@ -20,11 +20,17 @@ from tests.helpers import DEVICE, ON_GPU, assert_close, stride0_like
 from tests.patching.tiny import VOCAB, tiny_model
 from tigon.patching import fused_attention
 
-# (model_type, config overrides): GQA without biases, q/k/v biases with GQA, heads not grouped
+# (model_type, config overrides): GQA without biases, q/k/v biases with GQA, heads not grouped; the families
+# whose attention forward is Llama's with another dropout expression and a softcap argument (Gemma-2: its
+# attention softcap off, as sdpa requires; sliding and full layers, the window wider than the tests' sequences,
+# so no mask) or with a residual dropout after o_proj (Starcoder2: biases and LayerNorm; Seed-OSS)
 MODELS = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "llama-mha": ("llama", {"num_key_value_heads": 4, "head_dim": 16, "hidden_size": 48}),
+    "gemma2": ("gemma2", {"attn_logit_softcapping": None, "sliding_window": 64}),
+    "starcoder2": ("starcoder2", {"sliding_window": 64}),
+    "seed_oss": ("seed_oss", {}),
 }
 # (weights' dtype, autocast dtype or None)
 MODES = {
@@ -94,7 +100,8 @@ def _compute_dtype(mode):
 # interpreter makes slow)
 MATCH_CASES = (("llama", "autocast-bf16", True), ("qwen2", "autocast-bf16", False),
                ("llama-mha", "autocast-fp16", True), ("qwen2", "bf16", True), ("llama", "fp16", False),
-               ("llama-mha", "bf16", False))
+               ("llama-mha", "bf16", False), ("gemma2", "autocast-bf16", True), ("gemma2", "fp16", False),
+               ("starcoder2", "autocast-bf16", True), ("seed_oss", "autocast-fp16", False))
 
 
 @pytest.mark.parametrize("name,mode,use_cache", MATCH_CASES)
@@ -314,13 +321,48 @@ def test_patch_report_revert_and_matching_classes():
     assert "forward" not in vars(attention)
     off = tigon.patch(_sdpa_model("llama"), fused_attention=False)
     assert not any("one autograd node" in line for line in off.replaced)
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
     from transformers.models.llama.modeling_llama import LlamaAttention
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention
+    from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2Attention
 
-    assert fused_attention.variant(LlamaAttention) is not None
-    assert fused_attention.variant(Qwen2Attention) is not None
+    for attention_class in (LlamaAttention, Qwen2Attention, Gemma2Attention, Starcoder2Attention, SeedOssAttention):
+        assert fused_attention.variant(attention_class) is not None, attention_class.__name__
     assert fused_attention.variant(Qwen3Attention) is None  # q/k norms: another forward
+
+
+def test_gemma2_attention_softcap_keeps_stocks_error(node_calls):
+    """With its attention-logit softcap on, Gemma-2's sdpa call raises in transformers (sdpa cannot apply it):
+    the node stands aside, so the patched model raises the same error."""
+    model = _sdpa_model("gemma2", attn_logit_softcapping=5.0)
+    stock = copy.deepcopy(model)
+    tigon.patch(model)
+    ids = _ids()
+    errors = []
+    for m in (stock, model):
+        with pytest.raises(ValueError, match="softcap") as caught:
+            m(input_ids=ids, labels=ids, use_cache=False)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1] and not node_calls
+
+
+@pytest.mark.parametrize("name", ("starcoder2", "seed_oss"))
+def test_residual_dropout_runs_the_attention_forward_in_training(name, node_calls):
+    """A residual dropout with p > 0 draws random numbers in training: the attention's own forward runs (the
+    same draws as the unfused patch); in eval mode, or at p = 0 (the other tests), it is an identity."""
+    model = _sdpa_model(name, residual_dropout=0.5)
+    reference = copy.deepcopy(model)
+    tigon.patch(model)
+    tigon.patch(reference, fused_attention=False)
+    ids = _ids(4)
+    losses = []
+    for m in (model, reference):
+        torch.manual_seed(5)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            losses.append(m(input_ids=ids, labels=ids, use_cache=False).loss)
+    assert not node_calls and torch.equal(losses[0], losses[1])
 
 
 # (backend forced by sdpa_kernel, key/value heads of 8, sequence length, masked): each backend the node calls on

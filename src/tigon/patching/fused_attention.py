@@ -38,14 +38,17 @@ head size that is not a multiple of 8, where sdpa would choose a backend not cal
 fallback; the backends turned off by ``torch.nn.attention.sdpa_kernel``), without grad, under
 torch.compile or a dispatch mode, with a mask other than transformers' boolean ``(B, 1, T, T)`` one
 (an additive float mask), a key/value cache holding entries (a training forward's empty
-``DynamicCache`` is filled as the attention's forward fills it), dropout, ``output_attentions`` or an
+``DynamicCache``, its layers full or sliding-window, is filled as the attention's forward fills it), dropout, ``output_attentions`` or an
 attention implementation other than transformers' own sdpa (or tigon's sliding-window wrapper of it,
 which hands it maskless calls and the masked calls of models it does not band); with projections that
 are not plain ``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's
 DTensors, DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in
-it). It is installed only on attention classes whose forward is statement for statement transformers'
-(the sources below: Llama's layout, and Qwen2's and Mistral's, which pass ``sliding_window``, 5.17 to
-5.24).
+it); with a softcap on the attention logits (Gemma-2's ``attn_logit_softcapping``, which transformers'
+sdpa interface refuses: the attention's own forward raises its error) or a residual dropout with p > 0
+in training (Starcoder2, Seed-OSS). It is installed only on attention classes whose forward is
+statement for statement transformers' (the sources below, 5.17 to 5.24: Llama's layout, and the copies
+of it in Qwen2, Mistral, Gemma-2, Starcoder2 and Seed-OSS, which pass ``sliding_window`` or ``softcap``
+or add a residual dropout, ATTENTION_LAYOUTS).
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ from tigon.patching.joins import CACHE_NAMES
 from tigon.patching.sdpa_backends import MaskBiases, attend, attend_backward, repeat_heads, sum_heads
 
 # transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
-# for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE).
+# for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE). The other
+# placeholders are where the families' copies of it differ (ATTENTION_LAYOUTS).
 LLAMA_ATTENTION_FORWARD = '''
 def forward(self, hidden_states, position_embeddings=None, attention_mask=None, CACHE=None, **kwargs):
     input_shape = hidden_states.shape[:-1]
@@ -94,24 +98,40 @@ def forward(self, hidden_states, position_embeddings=None, attention_mask=None, 
         key_states,
         value_states,
         attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
+        dropout=DROPOUT,
         scaling=self.scaling,
-        SLIDING**kwargs,
+        SLIDINGSOFTCAP**kwargs,
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
+RESIDUAL    return attn_output, attn_weights
 '''
 
-# (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 does. The
-# sliding_window argument (Qwen2's, Mistral's) only reaches sdpa's interface, which ignores it: a window is
-# applied by the mask, and the node runs only without one.
+# Where the families' attention forwards differ from Llama's: (dropout expression, sliding_window argument,
+# softcap argument, residual dropout after o_proj). The sliding_window argument only reaches sdpa's
+# interface, which ignores it: a window is applied by the mask. Gemma-2's softcap makes that interface
+# raise, so the node runs only where the module's ``attn_logit_softcapping`` is None (what sdpa computes
+# then); a residual dropout, only outside training or at p = 0 (an identity that draws no random numbers).
+_LLAMA_DROPOUT = "0.0 if not self.training else self.attention_dropout"
+_RESIDUAL = "    attn_output = nn.functional.dropout(attn_output, p=self.residual_dropout, training=self.training)\n"
+_SELF_WINDOW = "sliding_window=self.sliding_window, "
+_CONFIG_WINDOW = 'sliding_window=getattr(self.config, "sliding_window", None), '
+ATTENTION_LAYOUTS = (
+    (_LLAMA_DROPOUT, "", "", ""),                     # Llama, Gemma, Granite, Qwen2-MoE
+    (_LLAMA_DROPOUT, _SELF_WINDOW, "", ""),           # Qwen2, Ministral
+    (_LLAMA_DROPOUT, _CONFIG_WINDOW, "", ""),         # Mistral, Mixtral
+    ("self.attention_dropout if self.training else 0.0", _SELF_WINDOW,
+     "softcap=self.attn_logit_softcapping, ", ""),    # Gemma-2
+    (_LLAMA_DROPOUT, _CONFIG_WINDOW, "", _RESIDUAL),  # Starcoder2
+    (_LLAMA_DROPOUT, "", "", _RESIDUAL),              # Seed-OSS
+)
+# (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 does.
 SOURCES = tuple(
-    (LLAMA_ATTENTION_FORWARD.replace("UPDATE", update).replace("SLIDING", sliding), bool(update))
+    (LLAMA_ATTENTION_FORWARD.replace("UPDATE", update).replace("DROPOUT", dropout).replace("SLIDING", sliding)
+     .replace("SOFTCAP", softcap).replace("RESIDUAL", residual), bool(update))
     for update in ("", ", kwargs=kwargs")
-    for sliding in ("", "sliding_window=self.sliding_window, ",
-                    'sliding_window=getattr(self.config, "sliding_window", None), ')
+    for dropout, sliding, softcap, residual in ATTENTION_LAYOUTS
 )
 # transformers 5.24's switch for sdpa's grouped heads with a mask (its sdpa interface then does not repeat k, v)
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -279,7 +299,7 @@ class _Installed:
 
     sdpa: object
     dynamic_cache: type
-    dynamic_layer: type
+    dynamic_layers: tuple  # the cache layers the node fills as the forward would: full and sliding-window
     cache_name: str
     cache_gets_kwargs: bool
     biases: MaskBiases  # one bias per mask for all the layers (sdpa_backends)
@@ -306,7 +326,7 @@ def _node_arguments(attention, kwargs, installed: _Installed):
         # class forward's.
         layers = getattr(cache, "layers", None)
         if (type(cache) is not installed.dynamic_cache or not layers or attention.layer_idx >= len(layers)
-                or type(layers[attention.layer_idx]) is not installed.dynamic_layer
+                or type(layers[attention.layer_idx]) not in installed.dynamic_layers
                 or cache.get_seq_length(attention.layer_idx) != 0):
             return None
         rest = {name: value for name, value in kwargs.items() if name not in _NAMED and name != cache_name}
@@ -314,7 +334,9 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     if (kwargs.get("output_attentions") or kwargs.get("is_causal") is False
             or not getattr(attention, "is_causal", False)):
         return None
-    if attention.training and attention.attention_dropout:
+    if attention.training and (attention.attention_dropout or getattr(attention, "residual_dropout", 0.0)):
+        return None
+    if getattr(attention, "attn_logit_softcapping", None) is not None:  # sdpa's interface raises: stock's error
         return None
     # transformers' sdpa function, or tigon's sliding-window wrapper of it (registered while a model with
     # sliding layers is patched), which hands it a call without a mask, and a masked one of a model it does
@@ -402,10 +424,11 @@ def _attention_functions():
 def fused_forward(inner, source_variant):
     """The attention forward: the node where it computes what ``inner`` (the attention class's forward,
     rope-patched) would, ``inner`` itself otherwise. ``source_variant``: :func:`variant` of the class."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    installed = _Installed(sdpa_attention_forward, DynamicCache, DynamicLayer, *source_variant, MaskBiases())
+    installed = _Installed(sdpa_attention_forward, DynamicCache, (DynamicLayer, DynamicSlidingWindowLayer),
+                           *source_variant, MaskBiases())
 
     def forward(self, *args, **kwargs):
         # transformers' decoder layers call their attention with keywords only
