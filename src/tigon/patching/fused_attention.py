@@ -31,24 +31,24 @@ either kind recomputes the node, ``recompute_norms`` remakes its input, ``cuda_g
 Rotating in place also saves the rotated copies of q and k that stock keeps for the backward, and the
 layers share one mask bias where sdpa makes and keeps one a layer (``sdpa_backends.MaskBiases``).
 
-The node runs only where that is what stock would compute, checked at each call; everything else
-takes the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps
-the separate products, so that its results stay bitwise stock's), on a GPU older than Ampere or with a
-head size that is not a multiple of 8, where sdpa would choose a backend not called here (its math
-fallback; the backends turned off by ``torch.nn.attention.sdpa_kernel``), without grad, under
-torch.compile or a dispatch mode, with a mask other than transformers' boolean ``(B, 1, T, T)`` one
-(an additive float mask), a key/value cache holding entries (a training forward's empty
-``DynamicCache``, its layers full or sliding-window, is filled as the attention's forward fills it), dropout, ``output_attentions`` or an
+The node runs only where that is what stock would compute, checked at each call; everything else takes
+the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps the
+separate products, so that its results stay bitwise stock's), on a GPU older than Ampere or with a head
+size that is not a multiple of 8, where sdpa would choose a backend not called here (its math fallback;
+the backends turned off by ``torch.nn.attention.sdpa_kernel``), without grad, under torch.compile or a
+dispatch mode, with a mask other than transformers' boolean ``(B, 1, T, T)`` one (an additive float
+mask), a key/value cache holding entries (a training forward's empty ``DynamicCache``, its layers full
+or sliding-window, is filled as the attention's forward fills it), dropout, ``output_attentions`` or an
 attention implementation other than transformers' own sdpa (or tigon's sliding-window wrapper of it,
 which hands it maskless calls and the masked calls of models it does not band); with projections that
 are not plain ``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's
 DTensors, DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in
 it); with a softcap on the attention logits (Gemma-2's ``attn_logit_softcapping``, which transformers'
-sdpa interface refuses: the attention's own forward raises its error) or a residual dropout with p > 0
-in training (Starcoder2, Seed-OSS). It is installed only on attention classes whose forward is
-statement for statement transformers' (the sources below, 5.17 to 5.24: Llama's layout, and the copies
-of it in Qwen2, Mistral, Gemma-2, Starcoder2 and Seed-OSS, which pass ``sliding_window`` or ``softcap``
-or add a residual dropout, ATTENTION_LAYOUTS).
+sdpa interface refuses in 5.24 and ignores before: the attention's own forward answers it) or a residual
+dropout with p > 0 in training (Starcoder2, Seed-OSS). It is installed only on attention classes whose
+forward is statement for statement transformers' (the sources below, 5.17 to 5.24: Llama's layout, and
+the copies of it in Qwen2, Mistral, Gemma-2, Starcoder2 and Seed-OSS, which pass ``sliding_window`` or
+``softcap`` or add a residual dropout, ATTENTION_LAYOUTS).
 """
 
 from __future__ import annotations
@@ -110,9 +110,10 @@ RESIDUAL    return attn_output, attn_weights
 
 # Where the families' attention forwards differ from Llama's: (dropout expression, sliding_window argument,
 # softcap argument, residual dropout after o_proj). The sliding_window argument only reaches sdpa's
-# interface, which ignores it: a window is applied by the mask. Gemma-2's softcap makes that interface
-# raise, so the node runs only where the module's ``attn_logit_softcapping`` is None (what sdpa computes
-# then); a residual dropout, only outside training or at p = 0 (an identity that draws no random numbers).
+# interface, which ignores it: a window is applied by the mask. Gemma-2's softcap makes that interface raise
+# (5.24; earlier releases ignore it), so the node runs only where the module's ``attn_logit_softcapping`` is
+# None (what sdpa computes then); a residual dropout, only outside training or at p = 0 (an identity that
+# draws no random numbers).
 _LLAMA_DROPOUT = "0.0 if not self.training else self.attention_dropout"
 _RESIDUAL = "    attn_output = nn.functional.dropout(attn_output, p=self.residual_dropout, training=self.training)\n"
 _SELF_WINDOW = "sliding_window=self.sliding_window, "
@@ -336,7 +337,7 @@ def _node_arguments(attention, kwargs, installed: _Installed):
         return None
     if attention.training and (attention.attention_dropout or getattr(attention, "residual_dropout", 0.0)):
         return None
-    if getattr(attention, "attn_logit_softcapping", None) is not None:  # sdpa's interface raises: stock's error
+    if getattr(attention, "attn_logit_softcapping", None) is not None:  # transformers' sdpa interface answers it
         return None
     # transformers' sdpa function, or tigon's sliding-window wrapper of it (registered while a model with
     # sliding layers is patched), which hands it a call without a mask, and a masked one of a model it does
