@@ -23,7 +23,8 @@ from tigon.patching import fused_attention
 # (model_type, config overrides): GQA without biases, q/k/v biases with GQA, heads not grouped; the families
 # whose attention forward is Llama's with another dropout expression and a softcap argument (Gemma-2: its
 # attention softcap off, as sdpa requires; sliding and full layers, the window wider than the tests' sequences,
-# so no mask) or with a residual dropout after o_proj (Starcoder2: biases and LayerNorm; Seed-OSS)
+# so no mask) or with a residual dropout after o_proj (Starcoder2: biases and LayerNorm; Seed-OSS), or whose
+# rotary is applied only where the layer uses one (SmolLM3: here the second layer has none)
 MODELS = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
@@ -31,6 +32,7 @@ MODELS = {
     "gemma2": ("gemma2", {"attn_logit_softcapping": None, "sliding_window": 64}),
     "starcoder2": ("starcoder2", {"sliding_window": 64}),
     "seed_oss": ("seed_oss", {}),
+    "smollm3": ("smollm3", {"no_rope_layers": [1, 0]}),
 }
 # (weights' dtype, autocast dtype or None)
 MODES = {
@@ -101,7 +103,8 @@ def _compute_dtype(mode):
 MATCH_CASES = (("llama", "autocast-bf16", True), ("qwen2", "autocast-bf16", False),
                ("llama-mha", "autocast-fp16", True), ("qwen2", "bf16", True), ("llama", "fp16", False),
                ("llama-mha", "bf16", False), ("gemma2", "autocast-bf16", True), ("gemma2", "fp16", False),
-               ("starcoder2", "autocast-bf16", True), ("seed_oss", "autocast-fp16", False))
+               ("starcoder2", "autocast-bf16", True), ("seed_oss", "autocast-fp16", False),
+               ("smollm3", "autocast-bf16", True), ("smollm3", "bf16", False))
 
 
 @pytest.mark.parametrize("name,mode,use_cache", MATCH_CASES)
@@ -160,7 +163,8 @@ def test_recompute_norms_remakes_the_nodes_input(node_calls):
         assert torch.equal(out_r.loss if n == "loss" else grads_r[n], g), n
 
 
-@pytest.mark.parametrize("name,mode", [("qwen2", mode) for mode in MODES] + [("llama-mha", "autocast-bf16")])
+@pytest.mark.parametrize("name,mode", [("qwen2", mode) for mode in MODES] + [("llama-mha", "autocast-bf16")]
+                         + [("smollm3", "autocast-bf16"), ("gemma2", "bf16")])  # layer 1: SmolLM3's has no rotary
 def test_module_call_against_fp64_stock_noncontiguous_input_stride0_gradient(name, mode, node_calls):
     """One attention module called as a decoder layer calls it, on a non-contiguous input with a stride-0
     gradient, against stock's module in fp64 and the unfused patch's."""
@@ -326,9 +330,11 @@ def test_patch_report_revert_and_matching_classes():
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
     from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention
+    from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
     from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2Attention
 
-    for attention_class in (LlamaAttention, Qwen2Attention, Gemma2Attention, Starcoder2Attention, SeedOssAttention):
+    for attention_class in (LlamaAttention, Qwen2Attention, Gemma2Attention, Starcoder2Attention, SeedOssAttention,
+                            SmolLM3Attention):
         assert fused_attention.variant(attention_class) is not None, attention_class.__name__
     assert fused_attention.variant(Qwen3Attention) is None  # q/k norms: another forward
 

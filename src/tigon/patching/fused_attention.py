@@ -47,8 +47,9 @@ it); with a softcap on the attention logits (Gemma-2's ``attn_logit_softcapping`
 sdpa interface refuses in 5.24 and ignores before: the attention's own forward answers it) or a residual
 dropout with p > 0 in training (Starcoder2, Seed-OSS). It is installed only on attention classes whose
 forward is statement for statement transformers' (the sources below, 5.17 to 5.24: Llama's layout, and
-the copies of it in Qwen2, Mistral, Gemma-2, Starcoder2 and Seed-OSS, which pass ``sliding_window`` or
-``softcap`` or add a residual dropout, ATTENTION_LAYOUTS).
+the copies of it in Qwen2, Mistral, Gemma-2, Starcoder2, Seed-OSS and SmolLM3, which pass
+``sliding_window`` or ``softcap``, add a residual dropout or rotate only in layers with a rotary,
+ATTENTION_LAYOUTS; such a layer without one, SmolLM3's every fourth, runs the node without the rotary).
 """
 
 from __future__ import annotations
@@ -82,9 +83,7 @@ def forward(self, hidden_states, position_embeddings=None, attention_mask=None, 
     key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
+ROTARY
     if CACHE is not None:
         key_states, value_states = CACHE.update(key_states, value_states, self.layer_idx UPDATE)
 
@@ -108,31 +107,37 @@ def forward(self, hidden_states, position_embeddings=None, attention_mask=None, 
 RESIDUAL    return attn_output, attn_weights
 '''
 
-# Where the families' attention forwards differ from Llama's: (dropout expression, sliding_window argument,
+# Where the families' attention forwards differ from Llama's: (the rotary, or the rotary where the layer
+# uses one, dropout expression, sliding_window argument,
 # softcap argument, residual dropout after o_proj). The sliding_window argument only reaches sdpa's
 # interface, which ignores it: a window is applied by the mask. Gemma-2's softcap makes that interface raise
 # (5.24; earlier releases ignore it), so the node runs only where the module's ``attn_logit_softcapping`` is
 # None (what sdpa computes then); a residual dropout, only outside training or at p = 0 (an identity that
 # draws no random numbers).
 _LLAMA_DROPOUT = "0.0 if not self.training else self.attention_dropout"
+_ROTARY = '''    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+'''
+_ROTARY_IF_USED = "    if self.use_rope:\n" + "".join("    " + line + "\n" for line in _ROTARY.splitlines())
 _RESIDUAL = "    attn_output = nn.functional.dropout(attn_output, p=self.residual_dropout, training=self.training)\n"
 _SELF_WINDOW = "sliding_window=self.sliding_window, "
 _CONFIG_WINDOW = 'sliding_window=getattr(self.config, "sliding_window", None), '
 ATTENTION_LAYOUTS = (
-    (_LLAMA_DROPOUT, "", "", ""),                     # Llama, Gemma, Granite, Qwen2-MoE
-    (_LLAMA_DROPOUT, _SELF_WINDOW, "", ""),           # Qwen2, Ministral
-    (_LLAMA_DROPOUT, _CONFIG_WINDOW, "", ""),         # Mistral, Mixtral
-    ("self.attention_dropout if self.training else 0.0", _SELF_WINDOW,
-     "softcap=self.attn_logit_softcapping, ", ""),    # Gemma-2
-    (_LLAMA_DROPOUT, _CONFIG_WINDOW, "", _RESIDUAL),  # Starcoder2
-    (_LLAMA_DROPOUT, "", "", _RESIDUAL),              # Seed-OSS
+    (_ROTARY, _LLAMA_DROPOUT, "", "", ""),                     # Llama, Gemma, Granite, Qwen2-MoE
+    (_ROTARY, _LLAMA_DROPOUT, _SELF_WINDOW, "", ""),           # Qwen2, Ministral
+    (_ROTARY, _LLAMA_DROPOUT, _CONFIG_WINDOW, "", ""),         # Mistral, Mixtral
+    (_ROTARY, "self.attention_dropout if self.training else 0.0", _SELF_WINDOW,
+     "softcap=self.attn_logit_softcapping, ", ""),             # Gemma-2
+    (_ROTARY, _LLAMA_DROPOUT, _CONFIG_WINDOW, "", _RESIDUAL),  # Starcoder2
+    (_ROTARY, _LLAMA_DROPOUT, "", "", _RESIDUAL),              # Seed-OSS
+    (_ROTARY_IF_USED, _LLAMA_DROPOUT, _SELF_WINDOW, "", ""),   # SmolLM3 (no rotary in every fourth layer)
 )
 # (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 does.
 SOURCES = tuple(
-    (LLAMA_ATTENTION_FORWARD.replace("UPDATE", update).replace("DROPOUT", dropout).replace("SLIDING", sliding)
-     .replace("SOFTCAP", softcap).replace("RESIDUAL", residual), bool(update))
+    (LLAMA_ATTENTION_FORWARD.replace("UPDATE", update).replace("ROTARY", rotary).replace("DROPOUT", dropout)
+     .replace("SLIDING", sliding).replace("SOFTCAP", softcap).replace("RESIDUAL", residual), bool(update))
     for update in ("", ", kwargs=kwargs")
-    for dropout, sliding, softcap, residual in ATTENTION_LAYOUTS
+    for rotary, dropout, sliding, softcap, residual in ATTENTION_LAYOUTS
 )
 # transformers 5.24's switch for sdpa's grouped heads with a mask (its sdpa interface then does not repeat k, v)
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -175,7 +180,8 @@ class _AttentionNode(torch.autograd.Function):
         qkv = F.linear(cast, weight, bias).view(batch, seq, heads + 2 * kv_heads, head_dim)
         weight = bias = None
         q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)     # (B, T, H, D) views
-        rope_into(q, k, q, k, cos, sin)                                         # in place
+        if cos is not None:                                                     # a layer with a rotary
+            rope_into(q, k, q, k, cos, sin)                                     # in place
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, H, T, D) views
         # transformers' two sdpa calls: without a mask, causal, grouped heads as they are; with one, k and v
         # repeated to the query heads first (repeat_kv; the cache takes them as they were)
@@ -222,7 +228,11 @@ class _AttentionNode(torch.autograd.Function):
             dk, dv = sum_heads(dk, groups), sum_heads(dv, groups)
         dqkv = torch.empty((batch, seq, heads + 2 * kv_heads, head_dim), dtype=dtype, device=cast.device)
         dq_out, dk_out, dv_out = dqkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)
-        rope_into(dq.transpose(1, 2), dk.transpose(1, 2), dq_out, dk_out, cos, sin, backward=True)
+        if cos is not None:
+            rope_into(dq.transpose(1, 2), dk.transpose(1, 2), dq_out, dk_out, cos, sin, backward=True)
+        else:
+            dq_out.copy_(dq.transpose(1, 2))
+            dk_out.copy_(dk.transpose(1, 2))
         dv_out.copy_(dv.transpose(1, 2))
         dq = dk = dv = None
         d2 = dqkv.view(batch * seq, -1)                                           # (M, Oq + Ok + Ov)
@@ -350,15 +360,17 @@ def _node_arguments(attention, kwargs, installed: _Installed):
                              or (registered is not installed.sdpa and sliding_window.marked(attention.config))
                              or os.environ.get(FORCE_GQA) == "1"):
         return None
-    position_embeddings = kwargs.get("position_embeddings")
-    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
-        return None
-    cos, sin = position_embeddings
-    batch, seq = hidden_states.shape[0], hidden_states.shape[1]
-    for t in (cos, sin):
-        if (type(t) not in _PLAIN or t.requires_grad or t.dim() != 3 or t.shape[0] not in (1, batch)
-                or t.shape[1] != seq or t.device != hidden_states.device or not t.dtype.is_floating_point):
+    cos = sin = None  # a layer without a rotary (SmolLM3's use_rope off) leaves q and k as projected
+    if getattr(attention, "use_rope", True):
+        position_embeddings = kwargs.get("position_embeddings")
+        if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
             return None
+        cos, sin = position_embeddings
+        batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+        for t in (cos, sin):
+            if (type(t) not in _PLAIN or t.requires_grad or t.dim() != 3 or t.shape[0] not in (1, batch)
+                    or t.shape[1] != seq or t.device != hidden_states.device or not t.dtype.is_floating_point):
+                return None
     modules = attention._modules
     projections = [modules.get(name) for name in PROJECTIONS]
     if _global_hooks():
@@ -386,7 +398,7 @@ def _node_arguments(attention, kwargs, installed: _Installed):
             or k_weight.shape != (kv_heads * head_dim, hidden)
             or v_weight.shape != k_weight.shape or heads % kv_heads):
         return None
-    if cos.shape[-1] > head_dim or cos.shape[-1] % 2 or sin.shape[-1] != cos.shape[-1]:
+    if cos is not None and (cos.shape[-1] > head_dim or cos.shape[-1] % 2 or sin.shape[-1] != cos.shape[-1]):
         return None
     # where sdpa could not choose a backend the node calls (sdpa_backends.attend), the node would be made in vain
     if hidden_states.is_cuda and (head_dim % 8 or not _ampere_or_newer(hidden_states.device.index) or not (
@@ -395,7 +407,8 @@ def _node_arguments(attention, kwargs, installed: _Installed):
         return None
     dtype = _compute_dtype(hidden_states, params[0::2], params[1::2])
     # Without autocast, the rotary's output takes cos/sin's dtype into its promotion: it must be q's.
-    if dtype is None or (not torch.is_autocast_enabled(hidden_states.device.type) and cos.dtype != dtype):
+    if dtype is None or (cos is not None and not torch.is_autocast_enabled(hidden_states.device.type)
+                         and cos.dtype != dtype):
         return None
     return (hidden_states, cos, sin, mask, dtype, (heads, kv_heads, head_dim, attention.scaling), *params,
             cache, cache_arguments, installed.biases)
