@@ -12,6 +12,14 @@ def test_env_reports_versions_and_interpreter(capsys):
     assert "torch" in out and "triton" in out and "interpreter" in out
 
 
+def test_env_reports_the_families_whose_attention_runs_as_one_node(capsys):
+    assert main(["env"]) == 0
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["ok"]}
+    for family in ("llama", "qwen2", "gemma2", "starcoder2", "smollm3"):
+        assert "attention as one node" in lines[family], lines[family]
+    assert "attention as one node" not in lines["qwen3"]  # q/k norms: not Llama's attention forward
+
+
 def test_check_passes_for_rms_norm(capsys):
     assert main(["check", "rms_norm", "add_rms_norm"]) == 0
     out = capsys.readouterr().out

@@ -50,6 +50,8 @@ def family_status(model_type: str) -> FamilyStatus:
             parts.append(f"experts ({family.experts.layout}, {eager})")
         if classes.attention is not None:
             parts.append("rope")
+            if engine._fuses_attention(family, classes, {"fused_attention": True}):
+                parts.append("attention as one node (fused_attention)")
         if family.joined_layer:
             variant = joins.matched_variant(classes.decoder_layer.forward, joins.LAYOUTS[family.joined_layer].source)
             if variant is None:
