@@ -1,6 +1,6 @@
 """Host cost (Python, dispatcher, autograd) of one eager training step, measured on a CPU without a GPU.
 
-    PYTHONPATH=src python dev/host_cost.py [--steps 40] [--layers 24] [--profile] [--counts]
+    PYTHONPATH=src python dev/host_cost.py [--steps 40] [--layers 24] [--profile] [--counts] [--no-grad]
 
 Why: at Qwen2.5-0.5B's shape (batch 4 × 2048, bf16 autocast, eager) the H100 has ~72 ms of work per
 step, but the host needs 85-130 ms to issue it: the step is bound by Python, torch's dispatcher and the
@@ -26,7 +26,11 @@ values to choose a path (the loss is not printed).
 Remaining CPU/GPU differences (small; both providers have them): autocast's CPU op lists, matmul_to's
 fp32 output (GPU: one ``addmm(out_dtype=...)``; CPU: the product and a cast), check_tensor's CPU
 branch. Reported: median host ms per step (forward + backward; the optimizer, torch AdamW foreach,
-separately) for stock and tigon, per decoder layer µs, and with ``--counts`` per-layer counts of
+separately) for stock and tigon, per decoder layer µs; with ``--no-grad`` also one forward under
+``torch.no_grad`` (a reference model's or an old policy's scoring, where the attention takes its own
+forward, not the node; the models' forwards alternate: on this project's 2-core CPU, 2026-11-27, tigon's
+took 1.08–1.26× stock's host time in four runs, its Python layers costing more than the ~100 aten ops a
+layer it saves); and with ``--counts`` per-layer counts of
 autograd nodes, casting ``Tensor.to`` calls, ``torch.empty`` calls and (stubbed) Triton launches;
 with ``--profile`` a cProfile of tigon's step (tottime, and cumulative restricted to tigon).
 """
@@ -152,6 +156,29 @@ def timed(provider, layers, steps, ids):
     return tuple(statistics.median(min(r[j] for r in block) for block in blocks) * 1e3 for j in range(3))
 
 
+def timed_no_grad(providers, layers, steps, ids):
+    """{(provider, layers): host ms of one forward under ``torch.no_grad()``} (scoring with a reference model,
+    an old policy, eval) at ``layers`` and at 1 layer, the models' forwards alternating (this machine's speed
+    drifts within a run); each the median over blocks of 5 rounds of the block's minimum."""
+    models = {(p, n): build(p, n)[0] for p in providers for n in (layers, 1)}
+
+    def forward(model):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids)
+
+    for model in models.values():
+        for _ in range(3):
+            forward(model)
+    gc.collect()
+    rows = {key: [] for key in models}
+    for _ in range(steps):
+        for key, model in models.items():
+            t0 = time.thread_time()
+            forward(model)
+            rows[key].append(time.thread_time() - t0)
+    return {key: statistics.median(min(r[i:i + 5]) for i in range(0, len(r) - 4, 5)) * 1e3 for key, r in rows.items()}
+
+
 def count(provider, layers, ids):
     """Counts for one forward+backward (differences between ``layers`` and ``layers + 1`` give the
     per-layer numbers, free of the embedding and the loss head)."""
@@ -247,6 +274,7 @@ def main() -> None:
     parser.add_argument("--providers", nargs="+", default=["stock", "tigon"])
     parser.add_argument("--profile", action="store_true", help="cProfile of tigon's forward+backward")
     parser.add_argument("--counts", action="store_true", help="per-layer counts (nodes, casts, empties, launches)")
+    parser.add_argument("--no-grad", action="store_true", help="also a forward under torch.no_grad (scoring)")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     stub_gpu()
@@ -266,6 +294,14 @@ def main() -> None:
               f"outside the layers {fb1 - per_layer / 1e3:5.2f} ms")
     if "stock" in results and "tigon" in results:
         print(f"tigon / stock host time: {results['tigon'] / results['stock']:.3f}")
+    if args.no_grad:
+        scored = timed_no_grad(args.providers, args.layers, args.steps, ids)
+        for provider in args.providers:
+            full, one = scored[provider, args.layers], scored[provider, 1]
+            print(f"{provider:>6}: no-grad forward {full:7.2f} ms; per decoder layer "
+                  f"{(full - one) / (args.layers - 1) * 1e3:6.1f} us")
+        if "stock" in args.providers and "tigon" in args.providers:
+            print(f"tigon / stock no-grad host time: {scored['tigon', args.layers] / scored['stock', args.layers]:.3f}")
     if args.counts:
         for provider in args.providers:
             one, two = count(provider, 1, ids), count(provider, 2, ids)
