@@ -107,13 +107,12 @@ ROTARY
 RESIDUAL    return attn_output, attn_weights
 '''
 
-# Where the families' attention forwards differ from Llama's: (the rotary, or the rotary where the layer
-# uses one, dropout expression, sliding_window argument,
-# softcap argument, residual dropout after o_proj). The sliding_window argument only reaches sdpa's
-# interface, which ignores it: a window is applied by the mask. Gemma-2's softcap makes that interface raise
-# (5.24; earlier releases ignore it), so the node runs only where the module's ``attn_logit_softcapping`` is
-# None (what sdpa computes then); a residual dropout, only outside training or at p = 0 (an identity that
-# draws no random numbers).
+# Where the families' attention forwards differ from Llama's: (the rotary, or the rotary where the layer uses
+# one, dropout expression, sliding_window argument, softcap argument, residual dropout after o_proj). The
+# sliding_window argument only reaches sdpa's interface, which ignores it: a window is applied by the mask.
+# Gemma-2's softcap makes that interface raise (5.24; earlier releases ignore it), so the node runs only where
+# the module's ``attn_logit_softcapping`` is None (what sdpa computes then); a residual dropout, only outside
+# training or at p = 0 (an identity that draws no random numbers).
 _LLAMA_DROPOUT = "0.0 if not self.training else self.attention_dropout"
 _ROTARY = '''    cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
