@@ -152,8 +152,13 @@ def timed(provider, layers, steps, ids):
         optimize()
         t3 = time.thread_time()
         rows.append((t2 - t0, t1 - t0, t3 - t2))
-    blocks = [rows[i:i + 5] for i in range(0, len(rows) - 4, 5)]
-    return tuple(statistics.median(min(r[j] for r in block) for block in blocks) * 1e3 for j in range(3))
+    return tuple(_block_minima_median([r[j] for r in rows]) for j in range(3))
+
+
+def _block_minima_median(seconds) -> float:
+    """ms: the median over blocks of 5 consecutive timings of each block's minimum (the host's speed
+    drifts and other processes interrupt; a block's minimum is its undisturbed run)."""
+    return statistics.median(min(seconds[i:i + 5]) for i in range(0, len(seconds) - 4, 5)) * 1e3
 
 
 def timed_no_grad(providers, layers, steps, ids):
@@ -176,7 +181,7 @@ def timed_no_grad(providers, layers, steps, ids):
             t0 = time.thread_time()
             forward(model)
             rows[key].append(time.thread_time() - t0)
-    return {key: statistics.median(min(r[i:i + 5]) for i in range(0, len(r) - 4, 5)) * 1e3 for key, r in rows.items()}
+    return {key: _block_minima_median(r) for key, r in rows.items()}
 
 
 def count(provider, layers, ids):
