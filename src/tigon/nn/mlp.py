@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tigon.ops._common import FLOAT_DTYPES, check_tensor
-from tigon.ops._launch import function_apply
+from tigon.ops._launch import PLAIN_TENSORS, function_apply
 from tigon.ops._matmul import cast_all, cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.glu import (
     ACTIVATIONS,
@@ -319,6 +319,15 @@ def gated_mlp(
     return _GATED_MLP_APPLY(*tensors, activation, x.dtype)
 
 
+def plain_linear(projection) -> bool:
+    """Whether ``projection`` computes exactly ``F.linear(x, weight, bias)`` from tensors it holds whole,
+    so that a fused forward may read them: an ``nn.Linear`` (not a LoRA or quantised subclass), with
+    no forward set on the instance (transformers' tensor parallelism sets one that redistributes the
+    input and output), its weight a plain tensor (not a DTensor shard)."""
+    return (type(projection) is nn.Linear and "forward" not in vars(projection)
+            and type(projection.weight) in PLAIN_TENSORS)
+
+
 class _GatedMLP(nn.Module):
     """Shared body of SwiGLUMLP and GEGLUMLP: the three projections and the fused forward."""
 
@@ -333,13 +342,13 @@ class _GatedMLP(nn.Module):
 
     def forward(self, x):
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        if type(gate_proj) is nn.Linear and type(up_proj) is nn.Linear and type(down_proj) is nn.Linear:
+        if plain_linear(gate_proj) and plain_linear(up_proj) and plain_linear(down_proj):
             return gated_mlp(
                 x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias, down_proj.bias,
                 activation=self.activation,
             )
-        # A projection was wrapped (a LoRA adapter, a quantised linear): its own forward must run, so
-        # only the activation is fused here.
+        # A projection was wrapped (a LoRA adapter, a quantised linear) or split across ranks (tensor
+        # parallel): its own forward must run, so only the activation is fused here.
         return down_proj(glu(gate_proj(x), up_proj(x), self.activation))
 
     def extra_repr(self) -> str:

@@ -22,6 +22,7 @@ from tigon.ops.norm_joins import post_norm_join, sandwich_norm_join
 from tigon.ops.rmsnorm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 from tigon.ops.tvd import tvd
+from tigon.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 
 # The post-norm joins' former names, which read like ``add_rms_norm`` with the words swapped.
 rms_norm_add = _deprecated_function_alias(post_norm_join, "rms_norm_add")
@@ -38,5 +39,5 @@ __all__ = [
     "fused_linear_logprobs", "fused_linear_token_stats", "geglu", "jsd",
     "kl_div", "layer_norm", "moe_glu", "mrope", "post_norm_join", "rms_norm", "rope", "sandwich_norm_join",
     "swiglu",
-    "tvd",
+    "tvd", "vocab_parallel_cross_entropy",
 ]

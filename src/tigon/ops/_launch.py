@@ -153,7 +153,7 @@ def _launch_hooks_idle() -> bool:
 
 
 _FAST_LAUNCHERS: dict = {}
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses (fake, functional, DTensor ...)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses (fake, functional, DTensor ...)
 _I32 = (-(2**31), 2**31 - 1)
 _U64 = 2**63
 
@@ -296,7 +296,7 @@ class TigonOp:
         differentiable = self.function is not None and torch.is_grad_enabled()
         if not differentiable or _functorch_transforms_active():
             for a in args:
-                if type(a) not in _PLAIN_TENSORS and isinstance(a, torch.Tensor):
+                if type(a) not in PLAIN_TENSORS and isinstance(a, torch.Tensor):
                     return self.op(*args)
             return self.function.apply(*args) if differentiable else self.impl(*args)
         # What autograd.Function.apply does outside functorch transforms, for a Function without

@@ -142,7 +142,8 @@ def target_terms(
     """(w_y, z_y, in_chunk) for target t; the logits row covers classes [col0, col0 + width).
 
     A target outside [0, V) gets w_y = z_y = NaN (the row's loss and gradient become NaN); the loads
-    use a clamped index, so no address outside the row or the weight vector is ever formed.
+    use a clamped index, so no address outside the row or the weight vector is ever formed, and the
+    row is read only when the target is in it (a chunk of no classes is never read).
     """
     in_range = (t >= 0) & (t < vocab)
     t_safe = tl.where(in_range, t, 0).to(tl.int32)
@@ -153,7 +154,7 @@ def target_terms(
     w_y = tl.where(in_range, w_y, float("nan"))
     in_chunk = in_range & (t >= col0) & (t < col0 + width)
     local = tl.where(in_chunk, t - col0, 0).to(tl.int32)
-    l_y = tl.load(row_in + local * in_col_stride).to(tl.float32)
+    l_y = tl.load(row_in + local * in_col_stride, mask=in_chunk, other=0.0).to(tl.float32)
     z_y = scaled_logits(l_y, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
     z_y = tl.where(in_range, z_y, float("nan"))
     return w_y, z_y, in_chunk

@@ -633,7 +633,10 @@ def _plan_loss(plan, model, family, classes, switches):
             raise ValueError("the model is already patched with cross_entropy=True; revert that patch first")
         _check_plain(model, classes.causal_lm, "the model")
         lm_head = getattr(model, "lm_head", None)
-        if type(lm_head) is not nn.Linear or _own_forward(lm_head) is not None:
+        # A tensor-parallel head (transformers' colwise plans): its weight a DTensor split by classes,
+        # and on the instance the forward that gathers its logits, kept for the logits path.
+        parallel_head = type(lm_head) is nn.Linear and loss_path.vocab_parallel_head(lm_head)
+        if type(lm_head) is not nn.Linear or (_own_forward(lm_head) is not None and not parallel_head):
             raise ValueError(
                 f"lm_head is {type(lm_head).__name__}, not a plain nn.Linear (LoRA on lm_head?); "
                 "pass fused_linear_cross_entropy=False (and cross_entropy=True) for this model"
@@ -652,6 +655,8 @@ def _plan_loss(plan, model, family, classes, switches):
         )
         plan.add(_SetAttr(model, "forward", types.MethodType(forward, model)), lines[0])
         head_forward = types.MethodType(loss_path.linear_or_fused_loss, lm_head)
+        if parallel_head and _own_forward(lm_head) is not None:
+            plan.add(_SetAttr(lm_head, loss_path.LOGITS_FORWARD, _own_forward(lm_head)))
         plan.add(_SetAttr(lm_head, "forward", head_forward), lines[1])
         plan.add(_SetAttr(lm_head, loss_path.TAKES_TARGET, True))
     elif switches["cross_entropy"]:

@@ -43,12 +43,12 @@ def split_glu_forward(activation, *, gate_multiplier=None, down_multiplier=None,
     import torch.nn.functional as F
     from torch import nn
 
-    from tigon.nn.mlp import gated_mlp
+    from tigon.nn.mlp import gated_mlp, plain_linear
     from tigon.ops.glu import glu
 
     def forward(self, x):
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        if gate_multiplier is None and all(type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
+        if gate_multiplier is None and all(plain_linear(p) for p in (gate_proj, up_proj, down_proj)):
             y = gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias,
                           down_proj.bias, activation=activation)  # (..., H)
         else:

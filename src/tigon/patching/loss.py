@@ -99,10 +99,13 @@ causal_lm_cross_entropy._tigon = True
 def linear_or_fused_loss(self, input, target=None, **loss_kwargs):
     """``lm_head.forward``: the plain projection, or with ``target`` the fused projection + loss.
 
-    Bound to the ``nn.Linear`` instance; with no ``target`` it is exactly ``nn.Linear.forward``.
+    Bound to the ``nn.Linear`` instance; with no ``target`` it is exactly ``nn.Linear.forward``, or
+    the forward the patch found on a tensor-parallel head (which gathers the logits). With a target
+    and such a head, each rank computes the loss over its own classes (vocab_parallel_cross_entropy.py).
     """
     if target is None:
-        return nn.Linear.forward(self, input)
+        logits_forward = vars(self).get(LOGITS_FORWARD)
+        return logits_forward(input) if logits_forward is not None else nn.Linear.forward(self, input)
     from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     return fused_linear_cross_entropy(
@@ -117,6 +120,15 @@ def linear_or_fused_loss(self, input, target=None, **loss_kwargs):
 linear_or_fused_loss._tigon = True
 # The instance attribute the patch sets on the lm_head whose forward it rebinds.
 TAKES_TARGET = "_tigon_takes_target"
+# ... and on a tensor-parallel head, the forward it found there (transformers' colwise plan).
+LOGITS_FORWARD = "_tigon_logits_forward"
+
+
+def vocab_parallel_head(lm_head) -> bool:
+    """Whether ``lm_head``'s weight is a DTensor split by classes over a 1-D mesh (tensor parallel)."""
+    from tigon.ops.vocab_parallel_cross_entropy import vocab_sharded
+
+    return vocab_sharded(lm_head.weight)
 
 
 def _takes_target(lm_head) -> bool:
