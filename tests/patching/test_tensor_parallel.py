@@ -97,6 +97,7 @@ def _check_model(run, tolerance, loss_tolerance):
 def test_tensor_parallel_training_matches_stock(runs, family):
     run = runs[(family, "fp32")]
     assert any("fused linear cross-entropy" in line for line in run["replaced"])
+    assert any(line.startswith("tensor parallel") for line in run["replaced"])
     _check_model(run, TOLERANCE, LOSS_TOLERANCE)
 
 

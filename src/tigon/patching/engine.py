@@ -771,6 +771,24 @@ PARTS = (
 )
 
 
+TENSOR_PARALLEL_LINE = (
+    "tensor parallel (split projections): they run their own forwards, so the MLP fuses only its activation "
+    "and the attention is not one node; a head split by classes computes the fused loss over each rank's "
+    "classes (tigon.ops.vocab_parallel_cross_entropy)"
+)
+
+
+def _tensor_parallel(model) -> bool:
+    """Whether transformers' tensor parallelism split the model: a linear layer holding a DTensor weight
+    and, on the instance, the forward that redistributes its input and output."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return any(isinstance(m, nn.Linear) and _own_forward(m) is not None and isinstance(m.weight, DTensor)
+               for m in model.modules())
+
+
 def _unwrap(obj):
     """The transformers model inside a PEFT wrapper (``get_base_model``), or ``obj`` itself."""
     from transformers import PreTrainedModel
@@ -800,6 +818,8 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
         for part in PARTS:
             if part.on(family, classes, switches) and (part.switch is not None or isinstance(model, classes.causal_lm)):
                 part.plan(plan, model, family, classes, switches)
+    if plan.changes and _tensor_parallel(model):
+        plan.note(TENSOR_PARALLEL_LINE)
     target = f"{type(model).__name__} instance"
     if not plan.changes:
         logger.log(log_level, "tigon: %s: nothing to replace (already patched?)", target)
