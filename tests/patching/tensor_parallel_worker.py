@@ -67,7 +67,8 @@ def whole(t):
 
 def train(model, autocast):
     """STEPS SGD steps; per-step losses and the eval logits of the first batch afterwards."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    # foreach=False: one step over split (DTensor) and plain parameters together (a foreach launch takes one kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     losses = []
     for ids, labels in batches():
         with torch.autocast(device().type, dtype=torch.bfloat16, enabled=autocast):
