@@ -145,7 +145,8 @@ def save_model(model_type: str, tiny: bool, path: Path):
 
 
 def launch(job: dict, model_dir: Path, gpus: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     if job["device"] == "cpu":
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_addr",
@@ -183,8 +184,9 @@ def markdown(result: dict) -> str:
                      if stock and "error" not in stock else "—")
             diff = (max(abs(a - b) / abs(b) for a, b in zip(row["losses"], stock["losses"], strict=True))
                     if stock and "error" not in stock else float("nan"))
-            lines.append(f"| {row['label']}, {row['batch']} × {row['seq']} | {provider} | {row['tokens_per_s'] / 1e3:.1f}k "
-                         f"| {speed} | {row['median_step_s'] * 1e3:.1f} | {row['peak_bytes'] / GIB:.1f} | {diff:.1e} |")
+            lines.append(f"| {row['label']}, {row['batch']} × {row['seq']} | {provider} "
+                         f"| {row['tokens_per_s'] / 1e3:.1f}k | {speed} | {row['median_step_s'] * 1e3:.1f} "
+                         f"| {row['peak_bytes'] / GIB:.1f} | {diff:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -244,8 +244,9 @@ def fused_linear_cross_entropy_dtensor(input, linear_weight, target, *, linear_b
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = linear_weight.device_mesh
-    if linear_bias is not None and not (isinstance(linear_bias, DTensor) and tuple(linear_bias.placements) == (Shard(0),)
-                                        and linear_bias.device_mesh == mesh):
+    split_like_weight = (isinstance(linear_bias, DTensor) and tuple(linear_bias.placements) == (Shard(0),)
+                         and linear_bias.device_mesh == mesh)
+    if linear_bias is not None and not split_like_weight:
         raise ValueError("linear_bias must be split by rows over linear_weight's mesh, as the weight is")
     if isinstance(input, DTensor):
         input = input.full_tensor()

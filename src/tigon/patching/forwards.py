@@ -41,7 +41,6 @@ def split_glu_forward(activation, *, gate_multiplier=None, down_multiplier=None,
     projections, the MLP runs as tigon's recomputing node (``tigon.nn.mlp.gated_mlp``).
     """
     import torch.nn.functional as F
-    from torch import nn
 
     from tigon.nn.mlp import gated_mlp, plain_linear
     from tigon.ops.glu import glu
