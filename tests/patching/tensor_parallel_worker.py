@@ -8,8 +8,8 @@ each projection that redistributes its input and output) and the LM head by clas
 (``colwise_gather_output``). Every rank sees the same batches.
 
 For each tiny model saved under MODELS_DIR (by the test), every rank loads it twice, leaves one stock
-and patches the other with ``tigon.patch`` (defaults), and trains both STEPS SGD steps on the same
-batches. Rank 0 saves the per-step losses, the trained weights (gathered whole), the eval-mode logits
+and patches the other with ``tigon.patch`` (defaults; for Llama also once more with its classes patched
+before loading), and trains both STEPS SGD steps on the same batches. Rank 0 saves the per-step losses, the trained weights (gathered whole), the eval-mode logits
 after training (the head's own gathering forward) and, after ``Patch.revert()``, the reverted model's
 logits; and the results of :func:`op_checks`, the vocabulary-parallel loss against the fp64 reference.
 
@@ -88,11 +88,16 @@ def eval_logits(model, autocast):
     return whole(logits)
 
 
-def model_runs(path, autocast):
+def model_runs(path, autocast, *, by_class=False):
+    """Stock and patched (the instance, or with ``by_class`` the family's classes before loading)."""
     stock = load(path)
     stock_losses, stock_logits = train(stock, autocast)
-    patched = load(path)
-    handle = tigon.patch(patched)
+    if by_class:
+        handle = tigon.patch(stock.config.model_type)
+        patched = load(path)
+    else:
+        patched = load(path)
+        handle = tigon.patch(patched)
     losses, logits = train(patched, autocast)
     handle.revert()
     reverted_logits = eval_logits(patched, autocast)
@@ -196,6 +201,8 @@ def main(out_path: str, models_dir: str) -> None:
     results = {"ops": op_checks()}
     for path in sorted(Path(models_dir).iterdir()):
         results[(path.name, "fp32")] = model_runs(path, autocast=False)
+        if path.name == "llama":
+            results[(path.name, "class")] = model_runs(path, autocast=False, by_class=True)
         if ON_CUDA:
             results[(path.name, "autocast")] = model_runs(path, autocast=True)
     if dist.get_rank() == 0:

@@ -107,6 +107,13 @@ def test_tensor_parallel_training_matches_stock(runs, family):
     _check_model(run, TOLERANCE, LOSS_TOLERANCE)
 
 
+def test_tensor_parallel_after_patching_the_classes(runs):
+    """``tigon.patch("llama")`` before ``from_pretrained(..., tp_plan="auto")``: the same."""
+    run = runs[("llama", "class")]
+    assert any("fused linear cross-entropy" in line for line in run["replaced"])
+    _check_model(run, TOLERANCE, LOSS_TOLERANCE)
+
+
 def test_vocab_parallel_loss_matches_reference(runs):
     ops = runs["ops"]
     cases = [key for key in ops if isinstance(key, tuple)]

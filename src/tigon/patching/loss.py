@@ -37,6 +37,7 @@ the logits (with its own softcapping and scaling) and tigon's cross-entropy redu
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
 
 import torch
@@ -44,6 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tigon.patching import wrappers
+
+try:  # a tensor-parallel head's weight
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = ()
 
 IGNORE_INDEX = -100
 
@@ -126,9 +132,19 @@ LOGITS_FORWARD = "_tigon_logits_forward"
 
 def vocab_parallel_head(lm_head) -> bool:
     """Whether ``lm_head``'s weight is a DTensor split by classes over a 1-D mesh (tensor parallel)."""
+    if not isinstance(lm_head.weight, DTensor):
+        return False
     from tigon.ops.vocab_parallel_cross_entropy import vocab_sharded
 
     return vocab_sharded(lm_head.weight)
+
+
+def _loss_call(lm_head):
+    """What computes the loss: ``lm_head``'s own call (its hooks gather a sharded weight: FSDP2, ZeRO-3), or
+    for a tensor-parallel head the fused loss bound to it. Such a head has no hooks to run (its weight stays
+    split), and a model built from patched classes and then split has its forward wrapped in one that would
+    take the loss for a shard of logits."""
+    return types.MethodType(linear_or_fused_loss, lm_head) if vocab_parallel_head(lm_head) else lm_head
 
 
 def _takes_target(lm_head) -> bool:
@@ -227,7 +243,7 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         if family.logit_multiplier is not None:
             logit_scale = logit_scale * logit_multiplier(self, family.logit_multiplier)
-        loss = self.lm_head(
+        loss = _loss_call(self.lm_head)(
             hidden_states,
             target=target.to(hidden_states.device),
             ignore_index=ignore_index,
