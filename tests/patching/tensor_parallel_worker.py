@@ -8,10 +8,11 @@ each projection that redistributes its input and output) and the LM head by clas
 (``colwise_gather_output``). Every rank sees the same batches.
 
 For each tiny model saved under MODELS_DIR (by the test), every rank loads it twice, leaves one stock
-and patches the other with ``tigon.patch`` (defaults; for Llama also once more with its classes patched
-before loading), and trains both STEPS SGD steps on the same batches. Rank 0 saves the per-step losses, the trained weights (gathered whole), the eval-mode logits
-after training (the head's own gathering forward) and, after ``Patch.revert()``, the reverted model's
-logits; and the results of :func:`op_checks`, the vocabulary-parallel loss against the fp64 reference.
+and patches the other with ``tigon.patch`` (defaults; for Llama also once more with its classes
+patched before loading), and trains both STEPS SGD steps on the same batches. Rank 0 saves the
+per-step losses, the trained weights (gathered whole), the eval-mode logits after training (the
+head's own gathering forward) and, after ``Patch.revert()``, the reverted model's logits; and the
+results of :func:`op_checks`, the vocabulary-parallel loss against the fp64 reference.
 
 CPU and gloo with the Triton interpreter; with ``TIGON_DIST_DEVICE=cuda`` (two GPUs) NCCL and one GPU
 a rank, the compiled kernels, and a bf16 autocast run of each model as well.

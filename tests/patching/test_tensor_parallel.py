@@ -114,6 +114,28 @@ def test_tensor_parallel_after_patching_the_classes(runs):
     _check_model(run, TOLERANCE, LOSS_TOLERANCE)
 
 
+def test_only_a_head_split_by_tensor_parallelism_takes_the_vocabulary_parallel_loss():
+    """FSDP2's shards are DTensors split by rows as well, but FSDP2 gathers the whole weight for the head's call
+    (hooks, no forward on the instance): such a head must keep its call. A head carrying a forward on the
+    instance (transformers' tensor parallelism installs one) takes the vocabulary-parallel loss."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tests.helpers import one_rank_group
+    from tigon.patching import loss
+
+    with one_rank_group("gloo"):
+        mesh = init_device_mesh("cpu", (1,))
+        head = nn.Linear(8, 10, bias=False)
+        head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+        assert not loss.vocab_parallel_head(head) and loss._loss_call(head) is head
+        head.forward = lambda x: x
+        assert loss.vocab_parallel_head(head) and loss._loss_call(head) is not head
+        head.weight = nn.Parameter(distribute_tensor(torch.randn(10, 8), mesh, [Replicate()]))
+        assert not loss.vocab_parallel_head(head)
+
+
 def test_vocab_parallel_loss_matches_reference(runs):
     ops = runs["ops"]
     cases = [key for key in ops if isinstance(key, tuple)]

@@ -636,6 +636,13 @@ def _plan_loss(plan, model, family, classes, switches):
         # A tensor-parallel head (transformers' colwise plans): its weight a DTensor split by classes,
         # and on the instance the forward that gathers its logits, kept for the logits path.
         parallel_head = type(lm_head) is nn.Linear and loss_path.vocab_parallel_head(lm_head)
+        if (type(lm_head) is nn.Linear and isinstance(lm_head.weight, loss_path.DTensor) and not parallel_head
+                and _own_forward(lm_head) is not None):
+            raise ValueError(
+                f"lm_head's weight is a DTensor placed {tuple(lm_head.weight.placements)} over a "
+                f"{lm_head.weight.device_mesh.ndim}-D mesh; the fused loss takes a head split by classes over a 1-D "
+                "mesh (tensor parallel) or a whole one: pass fused_linear_cross_entropy=False for this model"
+            )
         if type(lm_head) is not nn.Linear or (_own_forward(lm_head) is not None and not parallel_head):
             raise ValueError(
                 f"lm_head is {type(lm_head).__name__}, not a plain nn.Linear (LoRA on lm_head?); "
@@ -781,11 +788,7 @@ TENSOR_PARALLEL_LINE = (
 def _tensor_parallel(model) -> bool:
     """Whether transformers' tensor parallelism split the model: a linear layer holding a DTensor weight
     and, on the instance, the forward that redistributes its input and output."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return any(isinstance(m, nn.Linear) and _own_forward(m) is not None and isinstance(m.weight, DTensor)
+    return any(isinstance(m, nn.Linear) and _own_forward(m) is not None and isinstance(m.weight, loss_path.DTensor)
                for m in model.modules())
 
 

@@ -131,12 +131,16 @@ LOGITS_FORWARD = "_tigon_logits_forward"
 
 
 def vocab_parallel_head(lm_head) -> bool:
-    """Whether ``lm_head``'s weight is a DTensor split by classes over a 1-D mesh (tensor parallel)."""
-    if not isinstance(lm_head.weight, DTensor):
+    """Whether tensor parallelism split ``lm_head`` by classes: its weight a DTensor split by rows over a 1-D
+    mesh, and a forward on the instance (transformers' tensor parallelism installs one, which the patch keeps
+    as LOGITS_FORWARD). FSDP2's shards are DTensors split by rows too, but FSDP2 installs hooks, not a forward,
+    and gathers the whole weight for the head's call."""
+    weight = lm_head.weight
+    if not isinstance(weight, DTensor) or not (LOGITS_FORWARD in vars(lm_head) or "forward" in vars(lm_head)):
         return False
     from tigon.ops.vocab_parallel_cross_entropy import vocab_sharded
 
-    return vocab_sharded(lm_head.weight)
+    return vocab_sharded(weight)
 
 
 def _loss_call(lm_head):
