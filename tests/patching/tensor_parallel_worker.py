@@ -115,8 +115,8 @@ def model_runs(path, autocast, *, by_class=False):
 
 
 def op_checks():
-    """The vocabulary-parallel loss on a DTensor head (uneven shards: 101 classes over 2 ranks) and on
-    plain shards with a process group, against the fp64 reference, for options and dtypes."""
+    """The vocabulary-parallel loss on a DTensor head (uneven shards: 101 classes over 2 ranks, every
+    option and dtype) and on plain shards with a process group, against the fp64 reference."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -146,7 +146,7 @@ def op_checks():
             bd = distribute_tensor(b.to(dtype).to(dev), mesh, [Shard(0)]).requires_grad_()
             opts = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in options.items()}
             grad_out = torch.tensor(1.7, device=dev)  # a grad_output other than 1
-            loss = fused_linear_cross_entropy(xd, wd, target.to(dev), linear_bias=bd, **opts)
+            loss = vocab_parallel_cross_entropy(xd, wd, target.to(dev), bias_shard=bd, **opts)
             (loss * grad_out).backward()
             ref_opts = {k: (v.double() if torch.is_tensor(v) else v) for k, v in options.items()}
             xr, wr, br = (t.to(dtype).double().requires_grad_() for t in (x, w, b))
@@ -170,12 +170,18 @@ def op_checks():
     _gather_rows(gathered, shard.grad)
     results[("group", "plain")] = {"loss": (whole(loss), ref.detach()), "dx": (whole(xd.grad), xr.grad),
                                    "dw": (torch.cat([g.cpu() for g in gathered]), wr.grad)}
-    # Bad input: a head replicated on every rank is not one split by classes.
+    # Bad input: a head replicated on every rank is not one split by classes; the plain fused loss takes no
+    # DTensor (an FSDP2 shard looks like a head split by classes).
     try:
-        fused_linear_cross_entropy(xd, distribute_tensor(w.float().to(dev), mesh, [Replicate()]), target.to(dev))
+        vocab_parallel_cross_entropy(xd, distribute_tensor(w.float().to(dev), mesh, [Replicate()]), target.to(dev))
         results["replicated_error"] = None
     except ValueError as err:
         results["replicated_error"] = str(err)
+    try:
+        fused_linear_cross_entropy(xd, distribute_tensor(w.float().to(dev), mesh, [Shard(0)]), target.to(dev))
+        results["dtensor_error"] = None
+    except ValueError as err:
+        results["dtensor_error"] = str(err)
     try:
         vocab_parallel_cross_entropy(xd, shard, target.to(dev), vocab_start=vocab, vocab_size=vocab)
         results["offset_error"] = None

@@ -150,6 +150,7 @@ def test_vocab_parallel_loss_bad_input(runs):
     ops = runs["ops"]
     assert ops["replicated_error"] is not None and "Shard(0)" in ops["replicated_error"]
     assert ops["offset_error"] is not None and "vocab_start" in ops["offset_error"]
+    assert ops["dtensor_error"] is not None and "vocab_parallel_cross_entropy" in ops["dtensor_error"]
 
 
 @pytest.mark.gpu

@@ -95,7 +95,7 @@ from tigon.ops.cross_entropy import (
     cross_entropy_reference,
 )
 
-try:  # a tensor-parallel head's weight (vocab_parallel_cross_entropy.py)
+try:  # refused as linear_weight (FSDP2 shards, tensor-parallel heads: vocab_parallel_cross_entropy.py)
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = ()
@@ -536,22 +536,16 @@ def fused_linear_cross_entropy(
     Gradients flow to input, linear_weight and linear_bias. With ``reduction="sum"`` divided by the
     caller's ``num_items_in_batch`` it gives transformers' gradient-accumulation loss.
 
-    A DTensor ``linear_weight`` split by rows (classes) over a one-dimensional mesh, as tensor
-    parallelism splits an LM head, runs :mod:`tigon.ops.vocab_parallel_cross_entropy`: each rank
-    makes only its own classes' logits ("mean" and "sum" reductions).
+    A DTensor ``linear_weight`` is refused: an FSDP2 shard and a tensor-parallel head's rows look the same
+    (rows split over a mesh) but need different losses. A head split by classes over ranks that share their
+    tokens takes :func:`tigon.ops.vocab_parallel_cross_entropy` (``tigon.patch`` calls it for transformers'
+    tensor-parallel heads).
     """
     if isinstance(linear_weight, DTensor):
-        from tigon.ops.vocab_parallel_cross_entropy import fused_linear_cross_entropy_dtensor, vocab_sharded
-
-        if vocab_sharded(linear_weight):
-            return fused_linear_cross_entropy_dtensor(
-                input, linear_weight, target, linear_bias=linear_bias, weight=weight, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss, softcap=softcap,
-                logit_scale=logit_scale,
-            )
         raise ValueError(
-            f"linear_weight is a DTensor placed {tuple(linear_weight.placements)} over a "
-            f"{linear_weight.device_mesh.ndim}-D mesh; a DTensor head must be split by rows (Shard(0)) over a 1-D mesh"
+            f"linear_weight is a DTensor placed {tuple(linear_weight.placements)}: pass the whole weight (FSDP2 "
+            "gathers it inside the module's forward), or for a head split by classes over ranks that hold the same "
+            "tokens use tigon.ops.vocab_parallel_cross_entropy"
         )
     vocab = check_linear_head(input, linear_weight, linear_bias)
     compute_dtype = _compute_dtype(input, linear_weight, linear_bias)

@@ -46,6 +46,7 @@ from tigon.ops._softmax_rows import REDUCTION_SCALES
 from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 from tigon.ops.cross_entropy import check_loss_options, check_target
 from tigon.ops.fused_linear_cross_entropy import (
+    DTensor,
     LossOptions,
     _chunk_buffer,
     _compute_dtype,
@@ -173,8 +174,8 @@ def vocab_parallel_cross_entropy(
     weight_shard,
     target,
     *,
-    vocab_start,
-    vocab_size,
+    vocab_start=None,
+    vocab_size=None,
     group=None,
     bias_shard=None,
     weight=None,
@@ -190,7 +191,21 @@ def vocab_parallel_cross_entropy(
     the same ``input`` ``[..., H]`` and ``target``: the loss of the whole vocabulary of ``vocab_size``
     classes, the same on every rank. Gradients: the whole input gradient on every rank, this rank's
     rows of the weight (and bias) gradient. ``weight`` (vocab_size,) are class weights; options as in
-    :func:`tigon.ops.cross_entropy.cross_entropy` (``reduction`` "mean" or "sum")."""
+    :func:`tigon.ops.cross_entropy.cross_entropy` (``reduction`` "mean" or "sum").
+
+    ``weight_shard`` may instead be the whole head as a DTensor split by rows over a one-dimensional mesh
+    (and ``bias_shard`` one split the same way, or None): the rows, their offset, the vocabulary and the
+    group are then the DTensor's, and the weight's gradient comes back as a DTensor of its placement."""
+    if isinstance(weight_shard, DTensor):
+        if vocab_start is not None or vocab_size is not None or group is not None:
+            raise ValueError("vocab_start, vocab_size and group come from a DTensor weight_shard; pass none of them")
+        return fused_linear_cross_entropy_dtensor(
+            input, weight_shard, target, linear_bias=bias_shard, weight=weight, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss, softcap=softcap,
+            logit_scale=logit_scale,
+        )
+    if vocab_start is None or vocab_size is None:
+        raise ValueError("vocab_start and vocab_size are needed with a plain weight_shard (this rank's rows)")
     check_tensor(input, "input")
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (the hidden dimension is the last)")
@@ -230,7 +245,7 @@ def vocab_parallel_cross_entropy(
 
 def vocab_sharded(linear_weight) -> bool:
     """Whether ``linear_weight`` is a DTensor split by rows (classes) over a one-dimensional mesh."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     return (isinstance(linear_weight, DTensor) and linear_weight.device_mesh.ndim == 1
             and tuple(linear_weight.placements) == (Shard(0),))
@@ -240,9 +255,15 @@ def fused_linear_cross_entropy_dtensor(input, linear_weight, target, *, linear_b
     """:func:`vocab_parallel_cross_entropy` for a DTensor head split by rows over a 1-D mesh (a bias
     split the same way, or None); a plain or replicated DTensor ``input``. Gradients come back as
     DTensors with the parameters' placements."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    if not vocab_sharded(linear_weight):
+        raise ValueError(
+            f"linear_weight is a DTensor placed {tuple(linear_weight.placements)} over a "
+            f"{linear_weight.device_mesh.ndim}-D mesh; a head for the vocabulary-parallel loss is split by rows "
+            "(Shard(0)) over a 1-D mesh"
+        )
     mesh = linear_weight.device_mesh
     split_like_weight = (isinstance(linear_bias, DTensor) and tuple(linear_bias.placements) == (Shard(0),)
                          and linear_bias.device_mesh == mesh)

@@ -112,6 +112,12 @@ def linear_or_fused_loss(self, input, target=None, **loss_kwargs):
     if target is None:
         logits_forward = vars(self).get(LOGITS_FORWARD)
         return logits_forward(input) if logits_forward is not None else nn.Linear.forward(self, input)
+    if vocab_parallel_head(self):
+        from tigon.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(
+            input.reshape(-1, input.shape[-1]), self.weight, target.reshape(-1), bias_shard=self.bias, **loss_kwargs
+        )
     from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     return fused_linear_cross_entropy(
