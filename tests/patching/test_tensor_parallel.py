@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -116,8 +117,9 @@ def test_tensor_parallel_after_patching_the_classes(runs):
 
 def test_only_a_head_split_by_tensor_parallelism_takes_the_vocabulary_parallel_loss():
     """FSDP2's shards are DTensors split by rows as well, but FSDP2 gathers the whole weight for the head's call
-    (hooks, no forward on the instance): such a head must keep its call. A head carrying a forward on the
-    instance (transformers' tensor parallelism installs one) takes the vocabulary-parallel loss."""
+    (hooks, no forward of its own on the instance): such a head must keep its call, tigon's forward on it or
+    not. A head carrying another forward on the instance (transformers' tensor parallelism installs one) takes
+    the vocabulary-parallel loss."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -130,7 +132,10 @@ def test_only_a_head_split_by_tensor_parallelism_takes_the_vocabulary_parallel_l
         head = nn.Linear(8, 10, bias=False)
         head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
         assert not loss.vocab_parallel_head(head) and loss._loss_call(head) is head
-        head.forward = lambda x: x
+        # tigon's own forward on the instance (a model patched before FSDP2 wrapped its head): not split
+        head.forward = types.MethodType(loss.linear_or_fused_loss, head)
+        assert not loss.vocab_parallel_head(head) and loss._loss_call(head) is head
+        head.forward = lambda x: x  # another forward on the instance: transformers' tensor parallelism
         assert loss.vocab_parallel_head(head) and loss._loss_call(head) is not head
         head.weight = nn.Parameter(distribute_tensor(torch.randn(10, 8), mesh, [Replicate()]))
         assert not loss.vocab_parallel_head(head)

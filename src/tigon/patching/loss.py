@@ -46,10 +46,11 @@ from torch import nn
 
 from tigon.patching import wrappers
 
-try:  # a tensor-parallel head's weight
+try:  # a tensor-parallel head's weight, and FSDP2's wrapped modules (whose shards are DTensors too)
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = ()
+    DTensor = FSDPModule = ()
 
 IGNORE_INDEX = -100
 
@@ -138,11 +139,16 @@ LOGITS_FORWARD = "_tigon_logits_forward"
 
 def vocab_parallel_head(lm_head) -> bool:
     """Whether tensor parallelism split ``lm_head`` by classes: its weight a DTensor split by rows over a 1-D
-    mesh, and a forward on the instance (transformers' tensor parallelism installs one, which the patch keeps
-    as LOGITS_FORWARD). FSDP2's shards are DTensors split by rows too, but FSDP2 installs hooks, not a forward,
-    and gathers the whole weight for the head's call."""
+    mesh, and on the instance transformers' tensor-parallel forward (kept by the patch as LOGITS_FORWARD, or
+    wrapped around tigon's by a model built from patched classes). FSDP2's shards are DTensors split by rows
+    too, but FSDP2 installs hooks, not a forward, and gathers the whole weight for the head's call: a head
+    that FSDP2 wraps, or whose only instance forward is tigon's, is not a tensor-parallel one."""
     weight = lm_head.weight
-    if not isinstance(weight, DTensor) or not (LOGITS_FORWARD in vars(lm_head) or "forward" in vars(lm_head)):
+    if not isinstance(weight, DTensor) or isinstance(lm_head, FSDPModule):
+        return False
+    own = vars(lm_head).get("forward")
+    foreign_forward = own is not None and not getattr(getattr(own, "__func__", own), "_tigon", False)
+    if not (LOGITS_FORWARD in vars(lm_head) or foreign_forward):
         return False
     from tigon.ops.vocab_parallel_cross_entropy import vocab_sharded
 
