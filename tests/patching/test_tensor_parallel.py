@@ -78,7 +78,7 @@ def runs(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpu_runs(models, tmp_path_factory):
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices (one rank each); runs in the GPU suite (scripts/gpu-check.sh)")
+        pytest.skip("needs two CUDA devices (one rank each): runs in scripts/gpu-check.sh on a two-GPU machine")
     return _launch(tmp_path_factory.mktemp("tp_gpu") / "results.pt", models, TIGON_DIST_DEVICE="cuda")
 
 

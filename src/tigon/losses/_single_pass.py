@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from tigon.ops._common import matmul_accumulate
-from tigon.ops._loss_grad import RangeCheck, apply_grad_output
+from tigon.ops._loss_grad import RangeCheck, SavedGradientsFunction
 from tigon.ops._softmax_rows import REDUCTION_SCALES
 from tigon.ops.fused_linear_cross_entropy import _compute_dtype, _compute_operands
 from tigon.ops.fused_linear_logprobs import (
@@ -126,31 +126,6 @@ def applies(config: SinglePassConfig | None, input, linear_weight, linear_bias) 
         return False
     return any(t is not None and isinstance(t, torch.Tensor) and t.requires_grad
                for t in (input, linear_weight, linear_bias))
-
-
-# ---------------------------------------------------------------------------------------- autograd
-
-
-class SavedGradientsFunction(torch.autograd.Function):
-    """The loss made in the forward with its gradients; the backward brings them to grad_output."""
-
-    @staticmethod
-    def forward(ctx, loss, input, linear_weight, linear_bias, dx, dw, db):
-        ctx.input_shape = input.shape
-        applied = [torch.ones(n, dtype=torch.float32, device=loss.device) if g is not None else None
-                   for g, n in ((dx, dx.shape[0] if dx is not None else 0),
-                                (dw, dw.shape[0] if dw is not None else 0), (db, 1))]
-        ctx.save_for_backward(dx, dw, db, *applied)
-        return loss.clone()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        dx, dw, db, applied_x, applied_w, applied_b = ctx.saved_tensors
-        with torch.autocast(grad_loss.device.type, enabled=False):
-            dx, dw, db = apply_grad_output(ctx, grad_loss, [(dx, applied_x), (dw, applied_w), (db, applied_b)])
-        dx = dx.view(ctx.input_shape) if dx is not None else None
-        return None, dx, dw, db, None, None, None
 
 
 # -------------------------------------------------------------------------------------------- pass

@@ -109,6 +109,29 @@ def apply_grad_output(ctx, grad_output: torch.Tensor, saved: list) -> list:
 _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
+class SavedGradientsFunction(torch.autograd.Function):
+    """The loss made with its gradients (the single-pass losses, vocab_parallel_cross_entropy); the
+    backward brings them to grad_output."""
+
+    @staticmethod
+    def forward(ctx, loss, input, linear_weight, linear_bias, dx, dw, db):
+        ctx.input_shape = input.shape
+        applied = [torch.ones(n, dtype=torch.float32, device=loss.device) if g is not None else None
+                   for g, n in ((dx, dx.shape[0] if dx is not None else 0),
+                                (dw, dw.shape[0] if dw is not None else 0), (db, 1))]
+        ctx.save_for_backward(dx, dw, db, *applied)
+        return loss.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        dx, dw, db, applied_x, applied_w, applied_b = ctx.saved_tensors
+        with torch.autocast(grad_loss.device.type, enabled=False):
+            dx, dw, db = apply_grad_output(ctx, grad_loss, [(dx, applied_x), (dw, applied_w), (db, applied_b)])
+        dx = dx.view(ctx.input_shape) if dx is not None else None
+        return None, dx, dw, db, None, None, None
+
+
 class RangeCheck:
     """Eager mode's out-of-range target check: the one device-to-host read per call, made early.
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tigon.ops._common import check_tensor
-from tigon.ops._loss_grad import RangeCheck, apply_grad_output
+from tigon.ops._loss_grad import RangeCheck, SavedGradientsFunction
 from tigon.ops._matmul import matmul_accumulate
 from tigon.ops._softmax_rows import REDUCTION_SCALES
 from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
@@ -139,33 +139,6 @@ def _sharded_by_tokens(x, w, b, target, class_weight, scales, need, opts, vocab,
     return torch.cat(losses) if len(losses) > 1 else losses[0], dx, dw, db
 
 
-class VocabParallelCrossEntropyFunction(torch.autograd.Function):
-    """Gradients in the forward (chunked, one all-reduce of dX); the backward applies grad_output."""
-
-    @staticmethod
-    def forward(ctx, input, weight_shard, bias_shard, target, class_weight, scales, opts, vocab, col0, group,
-                compute_dtype, need):
-        with torch.autocast(input.device.type, enabled=False):
-            x, w, b = _compute_operands(input, weight_shard, bias_shard, compute_dtype)
-            grad_dtypes = (input.dtype, weight_shard.dtype, bias_shard.dtype if bias_shard is not None else None)
-            loss_rows, dx, dw, db = _sharded_by_tokens(
-                x, w, b, target.reshape(-1), class_weight, scales, need, opts, vocab, col0, group, grad_dtypes
-            )
-        ctx.input_shape = input.shape
-        applied = [torch.ones(n, dtype=torch.float32, device=x.device) for n in (x.shape[0], w.shape[0], 1)]
-        ctx.save_for_backward(dx, dw, db, *applied)
-        return loss_rows.sum()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        dx, dw, db, applied_x, applied_w, applied_b = ctx.saved_tensors
-        with torch.autocast(grad_loss.device.type, enabled=False):
-            dx, dw, db = apply_grad_output(ctx, grad_loss, [(dx, applied_x), (dw, applied_w), (db, applied_b)])
-        dx = dx.view(ctx.input_shape) if dx is not None else None
-        return (dx, dw, db) + (None,) * 9
-
-
 # ------------------------------------------------------------------------------------ public functions
 
 
@@ -235,12 +208,15 @@ def vocab_parallel_cross_entropy(
     grad_on = torch.is_grad_enabled()
     need = (grad_on and input.requires_grad, grad_on and weight_shard.requires_grad,
             grad_on and bias_shard is not None and bias_shard.requires_grad)
-    loss = VocabParallelCrossEntropyFunction.apply(
-        input, weight_shard, bias_shard, target, weight, scales, opts, vocab_size, int(vocab_start), group,
-        compute_dtype, need,
-    )
+    # The gradients are made with the loss; the autograd node only brings them to grad_output.
+    with torch.no_grad(), torch.autocast(input.device.type, enabled=False):
+        x, w, b = _compute_operands(input, weight_shard, bias_shard, compute_dtype)
+        grad_dtypes = (input.dtype, weight_shard.dtype, bias_shard.dtype if bias_shard is not None else None)
+        loss_rows, dx, dw, db = _sharded_by_tokens(
+            x, w, b, target.reshape(-1), weight, scales, need, opts, vocab_size, int(vocab_start), group, grad_dtypes
+        )
     check.raise_if_bad(vocab_size, ignore_index)
-    return loss
+    return SavedGradientsFunction.apply(loss_rows.sum(), input, weight_shard, bias_shard, dx, dw, db)
 
 
 def vocab_sharded(linear_weight) -> bool:
