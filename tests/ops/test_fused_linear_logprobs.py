@@ -37,6 +37,13 @@ CONFIGS = {"one_chunk": ONE_CHUNK, "chunks": CHUNKS}
 # 8 chunks at V = 1000 in one block a row (quicker under the interpreter)
 WIDE_BLOCKS = FusedLinearLogprobsConfig(class_chunk=128, block_v=128)
 ALL_OPTIONS = dict(temperature=0.7, softcap=4.0, logit_scale=1.3)
+# The tile kernel (_logprob_tiles.py), wherever the operands allow it (bf16/fp16, H·2 a multiple of 16),
+# with small tiles: several row and class tiles a chunk, several chunks (at V = 1000: 8 of 128 classes,
+# 4 class tiles each, the last chunk 104 wide)
+TILES = FusedLinearLogprobsConfig(tiles=True, class_chunk=128, tile_m=16, tile_n=32, tile_k=16)
+# one chunk of 63 class tiles: the combine folds its partials 16 tiles at a time, the last block short
+TILES_ONE_CHUNK = FusedLinearLogprobsConfig(tiles=True, tile_m=16, tile_n=16, tile_k=16)
+TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def make_inputs(tokens_shape, hidden, vocab, dtype, *, bias=False, scale=2.0):
@@ -122,6 +129,123 @@ def test_entropy_of_peaked_logits():
     assert ent.abs().min() < 1.0  # some rows nearly one-hot
 
 
+# --------------------------------------------------------------------------------- the tile kernel
+
+
+def test_tiles_taken_where_the_operands_allow():
+    """The tests below must run the tile kernel: bf16/fp16 with H·2 a multiple of 16; fp32, or an H
+    whose rows TMA cannot address (33·2 bytes), keep the cuBLAS path (and still give the right answer)."""
+    from tigon.ops._logprob_tiles import tiles_available
+
+    for dtype in TILE_DTYPES:
+        x, w, _ = make_inputs((3,), 40, 100, dtype)
+        assert tiles_available(x.detach(), w.detach(), True)
+        assert not tiles_available(x.detach(), w.detach(), False)
+        x, w, _ = make_inputs((3,), 33, 100, dtype)
+        assert not tiles_available(x.detach(), w.detach(), True)
+    x, w, _ = make_inputs((3,), 40, 100, torch.float32)
+    assert not tiles_available(x.detach(), w.detach(), True)
+    x, w, b = make_inputs((9,), 33, 257, torch.bfloat16, bias=True)
+    check(x, w, make_target((9,), 257, ignored=2), b, config=TILES, **ALL_OPTIONS)
+
+
+@pytest.mark.parametrize("config", ("chunks", "one_chunk"))
+@pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "options",
+    (dict(), ALL_OPTIONS, dict(softcap=2.0, logit_scale=-0.8), dict(temperature=2.5, entropy=False)),
+    ids=("plain", "all", "softcap_negative_scale", "no_entropy"),
+)
+def test_tiles_every_option(options, dtype, config):
+    """37 tokens (three row tiles, the last one short), V = 1000 (odd chunks and tiles), bias."""
+    config = TILES if config == "chunks" else TILES_ONE_CHUNK
+    x, w, b = make_inputs((37,), 40, 1000, dtype, bias=True, scale=4.0)
+    check(x, w, make_target((37,), 1000, ignored=3), b, config=config, **dict(options))
+
+
+@pytest.mark.parametrize("grads", (("lp",), ("ent",)), ids=("logprob_grad_only", "entropy_grad_only"))
+def test_tiles_one_output_gradient(grads):
+    x, w, b = make_inputs((7,), 48, 300, torch.bfloat16, bias=True)
+    check(x, w, make_target((7,), 300), b, config=TILES, grads=grads, softcap=5.0)
+
+
+def test_tiles_noncontiguous_input_stride0_grads_and_autocast():
+    """A stride-2 input (made contiguous for TMA) with stride-0 upstream gradients; then fp32 master
+    weights under autocast (cast to bf16, gradients back in fp32)."""
+    x, w, b = make_inputs((2, 3), 40, 257, torch.bfloat16, bias=True)
+    x_nc = noncontiguous(x)
+    target = make_target((3, 2), 257).t()
+    lp, ent = fused_linear_logprobs(x_nc, w, target, linear_bias=b, entropy=True, config=TILES, softcap=3.0)
+    g_lp, g_ent = stride0_like(lp), stride0_like(ent)
+    grads = torch.autograd.grad((lp, ent), (x_nc, w, b), (g_lp, g_ent))
+    ref, ref_grads = fp64_reference(
+        fused_linear_logprobs_reference, {"input": x, "linear_weight": w, "linear_bias": b}, (g_lp, g_ent),
+        target=target, entropy=True, softcap=3.0,
+    )
+    assert_close(lp, ref[0], torch.bfloat16, "logprobs")
+    assert_close(ent, ref[1], torch.bfloat16, "entropy")
+    for name, g in zip(("input", "linear_weight", "linear_bias"), grads, strict=True):
+        assert_close(g, ref_grads[name], torch.bfloat16, f"d{name}")
+
+    x, w, b = make_inputs((6,), 24, 300, torch.float32, bias=True)
+    target = make_target((6,), 300)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        lp, ent = fused_linear_logprobs(x, w, target, linear_bias=b, entropy=True, config=TILES)
+    g = (randn(6), randn(6))
+    grads = torch.autograd.grad((lp, ent), (x, w, b), g)
+    rounded = {n: t.detach().to(torch.bfloat16).requires_grad_() for n, t in
+               (("input", x), ("linear_weight", w), ("linear_bias", b))}
+    ref, ref_grads = fp64_reference(fused_linear_logprobs_reference, rounded, g, target=target, entropy=True)
+    assert_close(lp, ref[0], torch.bfloat16, "logprobs")
+    for name, grad in zip(rounded, grads, strict=True):
+        assert grad.dtype == torch.float32
+        assert_close(grad, ref_grads[name], torch.bfloat16, f"d{name}")
+
+
+def test_tiles_logits_not_rounded_and_ignored_rows():
+    """Logits 64.25 and 64 from bf16 operands: the fp32 accumulator feeds the epilogue unrounded. Then
+    ignored rows (a custom index): zero outputs and gradients, all rows ignored included."""
+    x = torch.ones(1, 8, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE)
+    w[:, 0], w[0, 1] = 64.0, 0.25
+    lp, _ = fused_linear_logprobs(x, w, torch.tensor([0], device=DEVICE), config=TILES)
+    assert abs(lp.item() + math.log1p(math.exp(-0.25))) < 1e-5
+    x, w, _ = make_inputs((6,), 16, 300, torch.bfloat16)
+    target = torch.randint(0, 300, (6,), device=DEVICE)
+    target[[1, 4]] = -7
+    stats = fused_linear_token_stats(x, w, target, ignore_index=-7, entropy=True, extras=True, config=TILES)
+    for out in stats:
+        assert not out[[1, 4]].any()
+    dx, = torch.autograd.grad(stats.logprobs.sum() + stats.entropy.sum(), x)
+    assert not dx[[1, 4]].any() and dx[[0, 2, 3, 5]].float().abs().sum(-1).min() > 0
+    target[:] = -7
+    lp, ent = fused_linear_logprobs(x, w, target, ignore_index=-7, entropy=True, config=TILES)
+    assert not lp.any() and not ent.any()
+    dx, dw = torch.autograd.grad(lp.sum() + ent.sum(), (x, w))
+    assert not dx.any() and not dw.any()
+
+
+def test_tiles_out_of_range_target_is_nan_before_the_error():
+    """The kernels leave a target outside [0, V) NaN (z_t never written); eager mode then raises."""
+    x, w, _ = make_inputs((4,), 16, 100, torch.bfloat16)
+    target = torch.tensor([1, 2, 100, 3], device=DEVICE)
+    with pytest.raises(ValueError, match="target"):
+        fused_linear_logprobs(x, w, target, config=TILES)
+
+
+def test_tile_chunks():
+    """Equal chunks of whole 512-class tiles: the forward's partials and the backward's gradient twin
+    each within the workspace."""
+    config = FusedLinearLogprobsConfig()
+    weight = 151936 * 4096 * 2
+    forward, backward = config.tile_chunks(8192, 151936, 2, weight, 6)
+    assert forward == 151936  # 6 partials per 256 classes: 117 MB, one chunk
+    assert backward % 512 == 0 and backward * 8192 * 2 <= config.max_workspace_bytes
+    assert -(-151936 // backward) == 3 and 3 * backward - 151936 < 3 * 512
+    assert config.tile_chunks(6, 300, 2, 1000, 2) == (300, 300)
+    assert FusedLinearLogprobsConfig(class_chunk=128).tile_chunks(8192, 151936, 2, weight, 6) == (128, 128)
+
+
 # ------------------------------------------------------------------------------------- TRL's metrics
 
 
@@ -142,15 +266,18 @@ def trl_token_stats_fp64(x, w, b, target, *, temperature=1.0, softcap=None, logi
     return lp, ent, log_sum_sq, mean, top1
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("config", (*CONFIGS, "tiles"), ids=str)
 @pytest.mark.parametrize("options", (dict(), ALL_OPTIONS), ids=("plain", "all"))
 def test_extras_match_trl_definitions(options, config):
     """log Σ p², the mean scaled logit and argmax == target, with ties: a class duplicated after the
-    target's is still top-1 (torch.argmax takes the first maximum), one duplicated before is not."""
+    target's is still top-1 (torch.argmax takes the first maximum), one duplicated before is not.
+    The tile kernel in bf16 (its operands; the references from the same bf16 values)."""
     tokens, hidden, vocab = 10, 24, 300
-    x, w, b = make_inputs((tokens,), hidden, vocab, torch.float32, bias=True, scale=4.0)
+    dtype = torch.bfloat16 if config == "tiles" else torch.float32
+    config = TILES if config == "tiles" else CONFIGS[config]
+    x, w, b = make_inputs((tokens,), hidden, vocab, dtype, bias=True, scale=4.0)
     with torch.no_grad():
-        logits = x @ w.t() + b
+        logits = x.float() @ w.float().t() + b.float()
         target = logits.argmax(-1)                 # every row top-1 ...
         target[3] = logits[3].argsort()[-2]        # ... but these two
         target[4] = 0
@@ -163,7 +290,7 @@ def test_extras_match_trl_definitions(options, config):
             x[row] = w[first]
         target[5], target[6] = 10, 260
     stats = fused_linear_token_stats(x, w, target, linear_bias=b, entropy=True, extras=True,
-                                     config=CONFIGS[config], **options)
+                                     config=config, **options)
     assert isinstance(stats, TokenStats)
     ref = trl_token_stats_fp64(x, w, b, target, **options)
     for name, out, expected in zip(TokenStats._fields, stats, ref, strict=True):
@@ -176,7 +303,7 @@ def test_extras_match_trl_definitions(options, config):
     for extra in stats[2:]:
         assert not extra.requires_grad
     # the extras change nothing in the differentiable outputs or their gradients
-    plain = fused_linear_token_stats(x, w, target, linear_bias=b, entropy=True, config=CONFIGS[config], **options)
+    plain = fused_linear_token_stats(x, w, target, linear_bias=b, entropy=True, config=config, **options)
     assert plain.log_sum_sq_probs is None and plain.mean_logits is None and plain.is_top1 is None
     assert torch.equal(plain.logprobs, stats.logprobs) and torch.equal(plain.entropy, stats.entropy)
 

@@ -84,6 +84,7 @@ from tigon.ops._common import (
     persistent_programs,
     wrap_triton,
 )
+from tigon.ops._logprob_tiles import TILES_COMBINE, TILES_GRAD, TILES_STATS, part_rows, tiles_available
 from tigon.ops._loss_grad import RangeCheck
 from tigon.ops._softmax_rows import REDUCTION_SCALES, local_column, scaled_logits, scaled_with_slope, store_zeros
 from tigon.ops.cross_entropy import check_loss_options, check_target
@@ -104,6 +105,13 @@ class FusedLinearLogprobsConfig:
     kernels run one program per token on a GPU (``block_v`` classes a block over ``num_warps`` warps:
     the narrow-chunk setting tuned for cross_entropy's chunk kernels, CHUNK_BLOCK_V / CHUNK_WARPS), a
     persistent handful under the interpreter.
+
+    ``tiles``: the matmul with the row math in its epilogue (``_logprob_tiles.py``: no logits in
+    memory) where it can run: None on a GPU of sm_90 or newer in eager mode, True wherever the
+    operands allow (the interpreter too: tests), False never. Its workspace is the gradient twin
+    alone, in the same budget, cut into equal chunks. ``tile_*``: its tiling (rows, classes and hidden
+    units a tile step, row blocks a group, pipeline stages, warps, warp specialisation), measured on
+    the H100 (``dev/tune_logprob_tiles.py``).
     """
 
     workspace_bytes: int = 256 << 20
@@ -113,15 +121,47 @@ class FusedLinearLogprobsConfig:
     class_chunk: int | None = None
     block_v: int = 1024
     num_warps: int = 4
+    tiles: bool | None = None
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    tile_group: int = 8
+    tile_stages: int = 3
+    tile_warps: int = 8
+    tile_warp_specialize: bool = True
+
+    def workspace(self, weight_bytes: int) -> int:
+        return min(self.max_workspace_bytes, max(self.workspace_bytes, int(self.weight_fraction * weight_bytes)))
 
     def chunk_classes(self, num_tokens: int, vocab: int, grad_elem: int, weight_bytes: int = 0) -> int:
         """Vc for N tokens: fp32 logits (4 bytes) plus the gradient twin (``grad_elem``, 0 in place), in
         the workspace a weight of ``weight_bytes`` gets."""
         if self.class_chunk is not None:
             return max(1, min(vocab, self.class_chunk))
-        workspace = min(self.max_workspace_bytes, max(self.workspace_bytes, int(self.weight_fraction * weight_bytes)))
-        fit = workspace // max(1, num_tokens * (4 + grad_elem))
+        fit = self.workspace(weight_bytes) // max(1, num_tokens * (4 + grad_elem))
         return min(vocab, max(self.class_align, fit // self.class_align * self.class_align))
+
+    def tile_chunks(self, num_tokens: int, vocab: int, grad_elem: int, weight_bytes: int, part_rows: int):
+        """(forward, backward) class chunks of the tile path: the forward's partials (``part_rows`` fp32
+        values a row per ``tile_n`` classes) and the backward's gradient twin each fill the workspace,
+        in chunks of equal width (the last one narrower by less than ``class_align``)."""
+        if self.class_chunk is not None:
+            chunk = max(1, min(vocab, self.class_chunk))
+            return chunk, chunk
+        workspace = self.workspace(weight_bytes)
+
+        def equal(per_class):
+            fit = max(self.class_align, workspace // max(1, num_tokens * per_class) // self.class_align
+                      * self.class_align)
+            count = -(-vocab // fit)
+            width = -(-vocab // count)
+            return min(vocab, -(-width // self.class_align) * self.class_align)
+
+        return equal(part_rows * 4 / self.tile_n), equal(grad_elem)
+
+    def tiling(self) -> tuple:
+        return (self.tile_m, self.tile_n, self.tile_k, self.tile_group, self.tile_stages, self.tile_warps,
+                self.tile_warp_specialize)
 
 
 DEFAULT_CONFIG = FusedLinearLogprobsConfig()
@@ -495,20 +535,56 @@ def _forward_pass(x, w, b, t, opts: _Options, chunk: int, launch: tuple[int, int
     return logprobs, lse, ent, log_sum_sq, mean, top1.bool()
 
 
-def _backward_pass(x, w, b, t, lse, entropy, grad_lp, grad_ent, opts, chunk, launch, need, grad_dtypes):
-    """(dx, dw, db): each class chunk of logits remade, turned into dl, and fed to the matmuls."""
+def _tile_operand(x, w, wanted):
+    """x as the tile kernel reads it (unit stride along H), or None where the tiles do not run."""
+    if wanted is False:
+        return None
+    x = x.contiguous()
+    return x if tiles_available(x, w, wanted) else None
+
+
+def _forward_tiles(x, w, b, t, opts: _Options, chunk: int, tiling: tuple):
+    """_forward_pass's outputs from the tile kernel: partials per class chunk, folded into the state."""
+    num_tokens, vocab = x.shape[0], w.shape[0]
+    z_t = torch.full((num_tokens,), float("nan"), dtype=torch.float32, device=x.device)
+    chunks = _class_chunks(vocab, chunk)
+    state = torch.empty(0, dtype=torch.float32, device=x.device)
+    outputs = None
+    for i, (c0, c1) in enumerate(chunks):
+        part = TILES_STATS(x, w[c0:c1], b[c0:c1] if b is not None else None, t, z_t, c0, *opts.transform(),
+                           opts.entropy, opts.extras, *tiling)                     # (k, P, N)
+        state, *outputs = TILES_COMBINE(part, z_t, t, state, vocab, i == 0, i == len(chunks) - 1,
+                                        opts.ignore_index, opts.entropy, opts.extras)
+        part = None
+    logprobs, lse, ent, log_sum_sq, mean, top1 = outputs
+    return logprobs, lse, ent, log_sum_sq, mean, top1.bool()
+
+
+def _backward_pass(x, w, b, t, lse, entropy, grad_lp, grad_ent, opts, chunk, launch, need, grad_dtypes,
+                   tiling=None):
+    """(dx, dw, db): each class chunk of logits remade, turned into dl, and fed to the matmuls. With
+    ``tiling`` (x as :func:`_tile_operand` made it) the tile kernel makes dl itself, logits unwritten."""
     need_dx, need_dw, need_db = need
     dx_dtype, dw_dtype, db_dtype = grad_dtypes
     num_tokens, vocab = x.shape[0], w.shape[0]
-    inplace = x.dtype == torch.float32
+    inplace = x.dtype == torch.float32 and tiling is None
     cols = min(chunk, vocab)
-    buffer = _chunk_buffer(num_tokens * cols, torch.float32, x.device)
+    buffer = None if tiling is not None else _chunk_buffer(num_tokens * cols, torch.float32, x.device)
     grad_buffer = None if inplace else _chunk_buffer(num_tokens * cols, x.dtype, x.device)
     dx32 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
     dw = torch.empty(w.shape, dtype=dw_dtype, device=x.device) if need_dw else None
     db = torch.empty(vocab, dtype=db_dtype, device=x.device) if need_db else None
     for i, (c0, c1) in enumerate(_class_chunks(vocab, chunk)):
         w_c = w[c0:c1]
+        if tiling is not None:
+            dlogits = _view(grad_buffer, num_tokens, c1 - c0)
+            if dlogits is None:
+                dlogits = torch.empty((num_tokens, c1 - c0), dtype=x.dtype, device=x.device)
+            TILES_GRAD(x, w_c, b[c0:c1] if b is not None else None, t, lse, entropy, grad_lp, grad_ent, dlogits,
+                       c0, *opts.transform(), *tiling)                            # (N, Vc) in the matmul dtype
+            _gradient_matmuls(x, w_c, dlogits, dx32, dw, db, c0, c1, first=i == 0)
+            dlogits = None
+            continue
         logits = _linear_fp32(x, w_c, b[c0:c1] if b is not None else None, _view(buffer, num_tokens, c1 - c0))
         args = (t, lse, entropy, grad_lp, grad_ent, c0, *opts.transform(), *launch)
         if inplace:
@@ -519,16 +595,21 @@ def _backward_pass(x, w, b, t, lse, entropy, grad_lp, grad_ent, opts, chunk, lau
             if dlogits is None:
                 dlogits = torch.empty((num_tokens, c1 - c0), dtype=x.dtype, device=x.device)
             CHUNK_GRAD(logits, dlogits, *args)                             # (N, Vc) in the matmul dtype
-        if need_dw:
-            matmul_accumulate(dw[c0:c1], dlogits.t(), x, first=True)       # (Vc, H): one matmul, K = N
-        if need_dx:
-            matmul_accumulate(dx32, dlogits, w_c, first=i == 0)            # (N, H), fp32 sum over chunks
-        if need_db:
-            db[c0:c1] = dlogits.sum(0, dtype=torch.float32)
+        _gradient_matmuls(x, w_c, dlogits, dx32, dw, db, c0, c1, first=i == 0)
         logits = dlogits = None
     buffer = grad_buffer = None  # freed before dX is made in its own dtype
     dx = (dx32 if dx_dtype == torch.float32 else dx32.to(dx_dtype)) if need_dx else None
     return dx, dw, db
+
+
+def _gradient_matmuls(x, w_c, dlogits, dx32, dw, db, c0, c1, *, first):
+    """One chunk's share of the gradients (None where not needed) from its dl (N, Vc)."""
+    if dw is not None:
+        matmul_accumulate(dw[c0:c1], dlogits.t(), x, first=True)       # (Vc, H): one matmul, K = N
+    if dx32 is not None:
+        matmul_accumulate(dx32, dlogits, w_c, first=first)             # (N, H), fp32 sum over chunks
+    if db is not None:
+        db[c0:c1] = dlogits.sum(0, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------- autograd
@@ -539,16 +620,24 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, linear_weight, linear_bias, target, ignore_index, temperature, softcap, logit_scale,
-                entropy, extras, compute_dtype, chunk, block_v, num_warps, need_input, need_weight, need_bias):
+                entropy, extras, compute_dtype, chunks, block_v, num_warps, tiles, tiling, need_input, need_weight,
+                need_bias):
         ctx.set_materialize_grads(False)
         opts = _Options.make(ignore_index, temperature, softcap, logit_scale, entropy, extras)
         launch = (block_v, num_warps)
+        chunk, tile_forward_chunk, _ = chunks
         with torch.autocast(input.device.type, enabled=False):
             x, w, b = _compute_operands(input, linear_weight, linear_bias, compute_dtype)
             t = target.reshape(-1)
-            logprobs, lse, ent, log_sum_sq, mean, top1 = _forward_pass(x, w, b, t, opts, chunk, launch)
+            x_tiles = _tile_operand(x, w, tiles)
+            if x_tiles is not None:
+                outputs = _forward_tiles(x_tiles, w, b, t, opts, tile_forward_chunk, tiling)
+            else:
+                outputs = _forward_pass(x, w, b, t, opts, chunk, launch)
+            logprobs, lse, ent, log_sum_sq, mean, top1 = outputs
         need = (need_input, need_weight, need_bias)
-        ctx.opts, ctx.chunk, ctx.launch, ctx.need = opts, chunk, launch, need
+        ctx.opts, ctx.chunks, ctx.launch, ctx.need = opts, chunks, launch, need
+        ctx.tiles, ctx.tiling = tiles, tiling
         ctx.compute_dtype, ctx.input_shape = compute_dtype, input.shape
         ctx.grad_dtypes = (input.dtype, linear_weight.dtype, linear_bias.dtype if linear_bias is not None else None)
         if any(need):
@@ -562,7 +651,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy, *_):
-        nothing = (None,) * 17
+        nothing = (None,) * 19
         if not any(ctx.need) or (grad_logprobs is None and grad_entropy is None):
             return nothing
         input, linear_weight, linear_bias, target, lse, ent = ctx.saved_tensors
@@ -573,8 +662,14 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
             t = target.reshape(-1)
             g_lp = grad_logprobs.reshape(-1) if grad_logprobs is not None else None
             g_ent = grad_entropy.reshape(-1) if grad_entropy is not None else None
+            chunk, _, tile_backward_chunk = ctx.chunks
+            x_tiles = _tile_operand(x, w, ctx.tiles)
+            if x_tiles is not None:
+                x, chunk, tiling = x_tiles, tile_backward_chunk, ctx.tiling
+            else:
+                tiling = None
             dx, dw, db = _backward_pass(
-                x, w, b, t, lse, ent, g_lp, g_ent, ctx.opts, ctx.chunk, ctx.launch, ctx.need, ctx.grad_dtypes
+                x, w, b, t, lse, ent, g_lp, g_ent, ctx.opts, chunk, ctx.launch, ctx.need, ctx.grad_dtypes, tiling
             )
         dx = dx.view(ctx.input_shape) if dx is not None else None
         return (dx, dw, db) + nothing[3:]
@@ -641,14 +736,16 @@ def fused_linear_token_stats(
     compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
     num_tokens = target.numel()
     grad_elem = 0 if compute_dtype == torch.float32 else torch.finfo(compute_dtype).bits // 8
-    chunk = config.chunk_classes(num_tokens, vocab, grad_elem, linear_weight.numel() * linear_weight.element_size())
+    weight_bytes = linear_weight.numel() * linear_weight.element_size()
+    chunks = (config.chunk_classes(num_tokens, vocab, grad_elem, weight_bytes),
+              *config.tile_chunks(num_tokens, vocab, grad_elem, weight_bytes, part_rows(entropy, extras)))
     _, bad = REDUCTION_SCALES(target.reshape(-1), None, int(ignore_index), "sum", vocab)
     check = RangeCheck(bad)
     grad_on = torch.is_grad_enabled()
     outputs = FusedLinearLogprobsFunction.apply(
         input, linear_weight, linear_bias, target, int(ignore_index), float(temperature),
         None if softcap is None else float(softcap), float(logit_scale), entropy, extras, compute_dtype,
-        chunk, config.block_v, config.num_warps,
+        chunks, config.block_v, config.num_warps, config.tiles, config.tiling(),
         grad_on and input.requires_grad, grad_on and linear_weight.requires_grad,
         grad_on and linear_bias is not None and linear_bias.requires_grad,
     )
