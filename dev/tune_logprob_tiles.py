@@ -1,0 +1,113 @@
+"""The log-prob head's tile kernel (matmul + row math in its epilogue) against its row-kernel path,
+TRL's head and the matmul floor, for several tilings, on a GPU.
+
+    PYTHONPATH=src python3 dev/tune_logprob_tiles.py [tiling ...]      # a tiling: BM,BN,BK,GROUP,STAGES,WARPS,WS
+
+An experiment kept out of the package (STYLE: llm.c habit): its findings go into the ``tile_*`` defaults
+of FusedLinearLogprobsConfig (src/tigon/ops/fused_linear_logprobs.py). At the benchmark's two heads
+(N = 8192, V = 151936, H = 4096 and 896; entropy on; every 64th target ignored): GPU ms of the forward
+alone (no gradient) and of forward + backward (random upstream gradients for both outputs), by the
+harness's ``gpu_time`` (launches queued behind a sleeping GPU, L2 flushed), and the peak memory beyond
+the inputs. Each tiling's outputs and gradients are compared with the row-kernel path's (cuBLAS logits
+in fp32); a tiling Triton cannot compile is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from tigon.bench.harness import gpu_time
+from tigon.bench.specs import logprobs as spec
+from tigon.ops.fused_linear_logprobs import DEFAULT_CONFIG, fused_linear_logprobs
+
+MIB = 1 << 20
+TILINGS = (  # BM, BN, BK, GROUP, STAGES, WARPS, WARP_SPECIALIZE
+    (128, 256, 64, 8, 3, 8, True),
+    (128, 256, 64, 8, 4, 8, True),
+    (128, 128, 64, 8, 4, 4, True),
+    (128, 128, 64, 8, 4, 8, True),
+    (128, 256, 64, 8, 3, 8, False),
+    (256, 128, 64, 8, 3, 8, True),
+)
+
+
+def _peak_mb(step, base):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / MIB
+
+
+def sweep(label, hidden, vocab, trl_head, tilings) -> None:
+    inputs = spec._make(spec.TOKENS, hidden, vocab)("cuda", torch.bfloat16)
+    x, w, t = inputs["input"], inputs["linear_weight"], inputs["target"]
+    g_lp = torch.randn(spec.TOKENS, device="cuda")
+    g_ent = torch.randn(spec.TOKENS, device="cuda")
+    base = torch.cuda.memory_allocated()
+    print(f"\n{label}: N={spec.TOKENS} H={hidden} V={vocab}", flush=True)
+
+    def timed(name, head):
+        def fwd():
+            with torch.no_grad():
+                head(x, w, t)
+
+        def full():
+            out = head(x, w, t)
+            out = out if isinstance(out, tuple) else (out,)
+            grads = (g_lp, g_ent)[: len(out)]
+            torch.autograd.backward(out, tuple(g[: o.numel()] for o, g in zip(out, grads, strict=True)))
+            x.grad = w.grad = None
+
+        fwd(), full()
+        f_ms, full_ms = gpu_time(fwd, 20.0), gpu_time(full, 70.0)
+        print(f"  {name:<58} fwd {f_ms:7.3f} ms  full {full_ms:7.3f} ms  peak fwd {_peak_mb(fwd, base):6.0f} MB"
+              f"  full {_peak_mb(full, base):6.0f} MB", flush=True)
+
+    def outputs(config):
+        lp, ent = fused_linear_logprobs(x, w, t, entropy=True, config=config)
+        torch.autograd.backward((lp, ent), (g_lp, g_ent))
+        out = (lp.detach(), ent.detach(), x.grad, w.grad)
+        x.grad = w.grad = None
+        return out
+
+    rows = dataclasses.replace(DEFAULT_CONFIG, tiles=False)
+    want = outputs(rows)
+    timed("matmul floor", spec._matmul_floor)
+    if trl_head is not None:
+        timed("TRL 1.16", trl_head)
+    timed("tigon, row kernels (cuBLAS fp32 logits)",
+          lambda a, b, c: fused_linear_logprobs(a, b, c, entropy=True, config=rows))
+    for tiling in tilings:
+        bm, bn, bk, group, stages, warps, ws = tiling
+        config = dataclasses.replace(DEFAULT_CONFIG, tiles=True, tile_m=bm, tile_n=bn, tile_k=bk, tile_group=group,
+                                     tile_stages=stages, tile_warps=warps, tile_warp_specialize=ws)
+        try:
+            got = outputs(config)
+        except Exception as e:  # noqa: BLE001  (a tiling this Triton cannot compile: say so, go on)
+            print(f"  tiles {tiling}: {type(e).__name__} {str(e)[:200]}", flush=True)
+            continue
+        err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                  for a, b in zip(got, want, strict=True))
+        timed(f"tiles {tiling} [max rel diff {err:.1e}]",
+              lambda a, b, c, config=config: fused_linear_logprobs(a, b, c, entropy=True, config=config))
+
+
+def main(argv) -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tilings = [tuple(int(v) if v not in ("True", "False") else v == "True" for v in a.split(",")) for a in argv]
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    trl_head = spec._trl()
+    for label, hidden, vocab in spec.SHAPES:
+        sweep(label, hidden, vocab, trl_head, tilings or TILINGS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
