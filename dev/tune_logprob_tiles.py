@@ -25,12 +25,12 @@ from tigon.ops.fused_linear_logprobs import DEFAULT_CONFIG, fused_linear_logprob
 
 MIB = 1 << 20
 TILINGS = (  # BM, BN, BK, GROUP, STAGES, WARPS, WARP_SPECIALIZE
-    (128, 256, 64, 8, 3, 8, True),
-    (128, 256, 64, 8, 4, 8, True),
-    (128, 128, 64, 8, 4, 4, True),
-    (128, 128, 64, 8, 4, 8, True),
     (128, 256, 64, 8, 3, 8, False),
-    (256, 128, 64, 8, 3, 8, True),
+    (128, 256, 64, 8, 4, 8, False),
+    (128, 256, 64, 16, 3, 8, False),
+    (128, 256, 64, 4, 3, 8, False),
+    (128, 256, 128, 8, 2, 8, False),
+    (128, 256, 64, 8, 4, 8, True),
 )
 
 
@@ -92,6 +92,7 @@ def sweep(label, hidden, vocab, trl_head, tilings) -> None:
             continue
         err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
                   for a, b in zip(got, want, strict=True))
+        got = None  # (not counted in the peaks)
         timed(f"tiles {tiling} [max rel diff {err:.1e}]",
               lambda a, b, c, config=config: fused_linear_logprobs(a, b, c, entropy=True, config=config))
 

@@ -302,10 +302,16 @@ def test_extras_match_trl_definitions(options, config):
     assert stats.is_top1[5] and not stats.is_top1[6] and not stats.is_top1[3]
     for extra in stats[2:]:
         assert not extra.requires_grad
-    # the extras change nothing in the differentiable outputs or their gradients
+    # the extras change nothing in the differentiable outputs: bit for bit in the row kernels; the tile
+    # kernel with and without them is two compilations of its epilogue, whose fp32 arithmetic the
+    # compiler may contract into FMAs differently (measured on the H100: differences of an ulp or so)
     plain = fused_linear_token_stats(x, w, target, linear_bias=b, entropy=True, config=config, **options)
     assert plain.log_sum_sq_probs is None and plain.mean_logits is None and plain.is_top1 is None
-    assert torch.equal(plain.logprobs, stats.logprobs) and torch.equal(plain.entropy, stats.entropy)
+    if config is TILES:
+        for a, e in ((plain.logprobs, stats.logprobs), (plain.entropy, stats.entropy)):
+            torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(plain.logprobs, stats.logprobs) and torch.equal(plain.entropy, stats.entropy)
 
 
 def test_extras_match_trl_kernel():

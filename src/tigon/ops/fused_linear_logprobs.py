@@ -128,7 +128,7 @@ class FusedLinearLogprobsConfig:
     tile_group: int = 8
     tile_stages: int = 3
     tile_warps: int = 8
-    tile_warp_specialize: bool = True
+    tile_warp_specialize: bool = False
 
     def workspace(self, weight_bytes: int) -> int:
         return min(self.max_workspace_bytes, max(self.workspace_bytes, int(self.weight_fraction * weight_bytes)))
