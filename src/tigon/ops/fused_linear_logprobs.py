@@ -58,10 +58,20 @@ again and writes and reads N·V·e of dl. At N = 8192, H = 4096, V = 151936 (bf1
 matmul (≈ 14 ms each on an H100 at ~700 Tflop/s) against ≈ 25 GB of chunk traffic (≈ 8 ms at
 3.3 TB/s) in forward + backward.
 
+The tile path (``_logprob_tiles.py``, the default for bf16/fp16 heads on an sm_90+ GPU in eager mode)
+removes the fp32 traffic: a Triton matmul does the statistics (forward) or dl (backward) in its
+epilogue on the fp32 accumulator, so the forward writes only per-tile partials (a few bytes per
+256 logits) and the backward writes dl alone (N·V·e) for cuBLAS's dX and dW matmuls. Its chunks hold
+only dl, so they are about three times as wide in the same workspace. Measured on the H100 (N = 8192,
+V = 151936, entropy; ``benchmarks/results/2026-11-27/logprobs-tiles.md``): forward + backward 55.8 ms at
+H = 4096 against 56.3 for the four cuBLAS matmuls alone and 59.3 for TRL 1.16's head (the row kernels
+above: 61–62 ms); forward alone 13.7 against one matmul's 13.5 and TRL's 15.3.
+
 Memory beyond the inputs and the returned gradients: one fp32 chunk (plus its dl twin in the input
-dtype), per-token fp32 statistics, and by classes an fp32 dX accumulator (N·H·4). TRL 1.16 holds a
-(4096, 32768) bf16 tile (256 MiB) and fp32 accumulators for dX and dW (V·H·4: 2.5 GB at the
-benchmark's head, twice the bf16 weight: the workspace here is at most that).
+dtype), per-token fp32 statistics, and by classes an fp32 dX accumulator (N·H·4); on the tile path
+the dl chunk, the accumulator and the forward's partials. TRL 1.16 holds a (4096, 32768) bf16 tile
+(256 MiB) and fp32 accumulators for dX and dW (V·H·4: 2.5 GB at the benchmark's head, twice the bf16
+weight: the workspace here is at most that).
 
 Reference: :func:`fused_linear_logprobs_reference` (plain torch: F.linear in fp32, log_softmax).
 """
