@@ -141,6 +141,8 @@ def test_tiles_taken_where_the_operands_allow():
         x, w, _ = make_inputs((3,), 40, 100, dtype)
         assert tiles_available(x.detach(), w.detach(), True)
         assert not tiles_available(x.detach(), w.detach(), False)
+        hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] >= 9
+        assert tiles_available(x.detach(), w.detach(), None) == hopper  # the default: GPUs with TMA
         x, w, _ = make_inputs((3,), 33, 100, dtype)
         assert not tiles_available(x.detach(), w.detach(), True)
     x, w, _ = make_inputs((3,), 40, 100, torch.float32)

@@ -41,7 +41,14 @@ import triton.language as tl
 
 from tigon._interpreter import interpreter_active
 from tigon.ops._common import as_fp32, fast_exp, wrap_triton
-from tigon.ops._launch import INTERPRETER_PROGRAMS, TigonOp, cdiv, persistent_programs, tracing_active
+from tigon.ops._launch import (
+    INTERPRETER_PROGRAMS,
+    PLAIN_TENSORS,
+    TigonOp,
+    cdiv,
+    persistent_programs,
+    tracing_active,
+)
 from tigon.ops._softmax_rows import local_column, scaled_logits, scaled_with_slope
 
 try:
@@ -250,6 +257,8 @@ def tiles_available(x: torch.Tensor, w: torch.Tensor, wanted: bool | None) -> bo
     the operands allow (the interpreter included), False never. The operands: bf16 or fp16 (module
     docs), unit stride along H, rows and addresses 16-byte aligned (TMA's rule)."""
     if wanted is False or TensorDescriptor is None or tracing_active():
+        return False
+    if type(x) not in PLAIN_TENSORS or type(w) not in PLAIN_TENSORS:  # a DTensor, a subclass: no address
         return False
     if wanted is None and not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
         return False
