@@ -547,8 +547,8 @@ def _forward_pass(x, w, b, t, opts: _Options, chunk: int, launch: tuple[int, int
 
 def _tile_operand(x, w, wanted):
     """x as the tile kernel reads it (unit stride along H), or None where the tiles do not run."""
-    if wanted is False:
-        return None
+    if wanted is False or x.dtype == torch.float32 or (wanted is None and not x.is_cuda):
+        return None  # (before the copy that a strided x would cost)
     x = x.contiguous()
     return x if tiles_available(x, w, wanted) else None
 
