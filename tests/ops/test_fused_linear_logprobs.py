@@ -227,6 +227,16 @@ def test_tiles_logits_not_rounded_and_ignored_rows():
     assert not dx.any() and not dw.any()
 
 
+def test_tiles_chunked_by_the_workspace():
+    """A workspace small enough that the planner itself (no class_chunk) cuts the forward's partials into
+    4 chunks and the backward's gradient into 32, every width an integer multiple of class_align."""
+    config = FusedLinearLogprobsConfig(tiles=True, workspace_bytes=4096, max_workspace_bytes=4096, class_align=32,
+                                       tile_m=16, tile_n=32, tile_k=16)
+    assert config.tile_chunks(37, 1000, 2, 0, 3) == (256, 32)
+    x, w, b = make_inputs((37,), 40, 1000, torch.bfloat16, bias=True)
+    check(x, w, make_target((37,), 1000, ignored=3), b, config=config, **ALL_OPTIONS)
+
+
 def test_tiles_out_of_range_target_is_nan_before_the_error():
     """The kernels leave a target outside [0, V) NaN (z_t never written); eager mode then raises."""
     x, w, _ = make_inputs((4,), 16, 100, torch.bfloat16)
@@ -245,6 +255,10 @@ def test_tile_chunks():
     assert backward % 512 == 0 and backward * 8192 * 2 <= config.max_workspace_bytes
     assert -(-151936 // backward) == 3 and 3 * backward - 151936 < 3 * 512
     assert config.tile_chunks(6, 300, 2, 1000, 2) == (300, 300)
+    # a long sequence: several forward chunks too (integers: they are range() steps)
+    forward, backward = config.tile_chunks(10**6, 151936, 2, weight, 6)
+    assert (forward, backward) == (11264, 512) and all(type(c) is int for c in (forward, backward))
+    assert 6 * 4 * -(-forward // 256) * 10**6 <= config.max_workspace_bytes
     assert FusedLinearLogprobsConfig(class_chunk=128).tile_chunks(8192, 151936, 2, weight, 6) == (128, 128)
 
 

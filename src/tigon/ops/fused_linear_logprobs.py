@@ -160,14 +160,15 @@ class FusedLinearLogprobsConfig:
             return chunk, chunk
         workspace = self.workspace(weight_bytes)
 
-        def equal(per_class):
-            fit = max(self.class_align, workspace // max(1, num_tokens * per_class) // self.class_align
-                      * self.class_align)
+        def equal(bytes_a_class, classes=1):
+            """Chunk width where N tokens take ``bytes_a_class`` bytes per ``classes`` classes (integers)."""
+            fit = workspace * classes // max(1, num_tokens * bytes_a_class)
+            fit = max(self.class_align, fit // self.class_align * self.class_align)
             count = -(-vocab // fit)
             width = -(-vocab // count)
             return min(vocab, -(-width // self.class_align) * self.class_align)
 
-        return equal(part_rows * 4 / self.tile_n), equal(grad_elem)
+        return equal(part_rows * 4, self.tile_n), equal(grad_elem)
 
     def tiling(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_k, self.tile_group, self.tile_stages, self.tile_warps,
