@@ -84,7 +84,7 @@ def _tile_position(tile, num_m, num_n, GROUP: tl.constexpr):
 
 
 @triton.jit
-def logprob_tiles_kernel(
+def logprobs_tiles_kernel(
     x_desc, w_desc,                         # TMA: X (N, H) in (BM, BK) blocks; W_c (Vc, H) in (BN, BK) blocks
     bias_ptr,                               # (Vc,) the chunk's bias   [HAS_BIAS]
     target_ptr, target_stride,              # (N,) class indices
@@ -169,7 +169,7 @@ def logprob_tiles_kernel(
 
 
 @triton.jit
-def logprob_tiles_combine_kernel(
+def logprobs_tiles_combine_kernel(
     part_ptr, num_tiles,                    # (k, P, N) fp32 partials of one chunk
     z_t_ptr,                                # (N,) fp32 z of the target (NaN where no chunk held it)
     target_ptr, target_stride,              # (N,) class indices
@@ -287,7 +287,7 @@ def _launch_tiles(mode, x, w_c, b_c, target, col0, transform, tiling, *, part=No
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(w_c, [bn, bk])
     any_ptr = part if part is not None else grad
-    wrap_triton(logprob_tiles_kernel)[(programs,)](
+    wrap_triton(logprobs_tiles_kernel)[(programs,)](
         x_desc, w_desc,
         b_c if b_c is not None else any_ptr,
         target, target.stride(0),
@@ -397,7 +397,7 @@ def _tiles_combine_impl(
     if num_rows == 0:
         return state_out, logprobs, lse, ent, log_sum_sq, mean, top1
     placeholder = logprobs if is_last else state_out
-    wrap_triton(logprob_tiles_combine_kernel)[(cdiv(num_rows, COMBINE_BLOCK_R),)](
+    wrap_triton(logprobs_tiles_combine_kernel)[(cdiv(num_rows, COMBINE_BLOCK_R),)](
         part, part.shape[1], z_t, target, target.stride(0),
         state if not is_first else placeholder, state_out if not is_last else placeholder,
         logprobs if is_last else placeholder, lse if is_last else placeholder,
