@@ -1,6 +1,6 @@
 r"""The log-probability head's matmul with its row math in the epilogue: no logits in memory.
 
-fused_linear_logprobs.py, by default, makes each class chunk of fp32 logits L_c = X·W_cᵀ with cuBLAS,
+fused_linear_logprobs.py's row-kernel path makes each class chunk of fp32 logits L_c = X·W_cᵀ with cuBLAS,
 writes it (N·Vc·4 bytes), and reads it back in a row kernel: at N = 8192 and V = 151936 that is 5 GB
 written and 5 GB read in the forward, and again in the backward before dl is written. Here a
 persistent Triton matmul computes a (BM, BN) tile of l = X·W_cᵀ (+ b) in its fp32 accumulator and does
@@ -13,7 +13,7 @@ the row math on the tile where it lies, in registers (``MODE``):
       Σz_i = Σ z              b_i = max {z_j : j < t}
 
   written as partials (k, P, N), P = the chunk's column tiles; z_t goes to its own (N,) vector from the
-  one tile that holds the target. :func:`combine_tiles` then folds the P partials of every row into its
+  one tile that holds the target. ``logprobs_tiles_combine_kernel`` then folds the P partials of every row into its
   running state exactly as the row kernel folds blocks of classes (m' = max(m, m_i), r = e^(m − m'),
   r_i = e^(m_i − m')):
 
@@ -226,6 +226,8 @@ def logprobs_tiles_combine_kernel(
         t = tl.load(target_ptr + rows.to(tl.int64) * target_stride, mask=row_in, other=ignore_index)
         valid = t != ignore_index
         z_t = tl.load(z_t_ptr + rows, mask=row_in, other=0.0)  # NaN for a target outside [0, V)
+        s = tl.where(row_in, s, 1.0)  # (rows past the end: nothing to take the log of; not stored)
+        sq = tl.where(row_in, sq, 1.0)
         log_s = tl.log(s)
         lse = tl.where(m == float("-inf"), 0.0, m) + log_s
         lse = tl.where(z_t == z_t, lse, float("nan"))
@@ -270,9 +272,12 @@ def tiles_available(x: torch.Tensor, w: torch.Tensor, wanted: bool | None) -> bo
     ) and (x.shape[-1] * size) % 16 == 0
 
 
-def _programs(tiles: int, device: torch.device) -> int:
-    """One program per multiprocessor on a GPU (each loops over tiles), a handful under the interpreter."""
-    return max(1, min(tiles, INTERPRETER_PROGRAMS if device.type != "cuda" else persistent_programs(device, 1)))
+def _programs(device: torch.device) -> int:
+    """The persistent loop's stride: one program per multiprocessor on a GPU (each loops over tiles), a
+    handful under the interpreter. A constexpr of the kernel, fixed per device: a problem of fewer tiles
+    launches one program a tile, each running one iteration of the same compiled loop (no compilation
+    per small size)."""
+    return INTERPRETER_PROGRAMS if device.type != "cuda" else persistent_programs(device, 1)
 
 
 def _launch_tiles(mode, x, w_c, b_c, target, col0, transform, tiling, *, part=None, z_t=None, lse=None,
@@ -283,11 +288,11 @@ def _launch_tiles(mode, x, w_c, b_c, target, col0, transform, tiling, *, part=No
     tiles = cdiv(num_rows, bm) * cdiv(width, bn)
     if tiles == 0:
         return
-    programs = _programs(tiles, x.device)
+    programs = _programs(x.device)
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(w_c, [bn, bk])
     any_ptr = part if part is not None else grad
-    wrap_triton(logprobs_tiles_kernel)[(programs,)](
+    wrap_triton(logprobs_tiles_kernel)[(min(programs, tiles),)](
         x_desc, w_desc,
         b_c if b_c is not None else any_ptr,
         target, target.stride(0),
