@@ -1,7 +1,7 @@
 """The log-prob head's tile kernel (matmul + row math in its epilogue) against its row-kernel path,
 TRL's head and the matmul floor, for several tilings, on a GPU.
 
-    PYTHONPATH=src python3 dev/tune_logprob_tiles.py [tiling ...]      # a tiling: BM,BN,BK,GROUP,STAGES,WARPS,WS
+    PYTHONPATH=src python3 dev/tune_logprob_tiles.py [tiling ...]      # a tiling: BM,BN,BK,GROUP,STAGES,WARPS,WS,SPLIT
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the ``tile_*`` defaults
 of FusedLinearLogprobsConfig (src/tigon/ops/fused_linear_logprobs.py). At the benchmark's two heads
@@ -24,13 +24,11 @@ from tigon.bench.specs import logprobs as spec
 from tigon.ops.fused_linear_logprobs import DEFAULT_CONFIG, fused_linear_logprobs
 
 MIB = 1 << 20
-TILINGS = (  # BM, BN, BK, GROUP, STAGES, WARPS, WARP_SPECIALIZE
-    (128, 256, 64, 8, 3, 8, False),
-    (128, 256, 64, 8, 4, 8, False),
-    (128, 256, 64, 16, 3, 8, False),
-    (128, 256, 64, 4, 3, 8, False),
-    (128, 256, 128, 8, 2, 8, False),
-    (128, 256, 64, 8, 4, 8, True),
+TILINGS = (  # BM, BN, BK, GROUP, STAGES, WARPS, WARP_SPECIALIZE, EPILOGUE_SPLIT
+    (128, 256, 64, 8, 3, 8, False, 1),
+    (128, 256, 64, 8, 3, 8, False, 2),
+    (128, 256, 64, 8, 4, 8, True, 2),
+    (128, 256, 64, 16, 3, 8, False, 2),
 )
 
 
@@ -82,9 +80,10 @@ def sweep(label, hidden, vocab, trl_head, tilings) -> None:
     timed("tigon, row kernels (cuBLAS fp32 logits)",
           lambda a, b, c: fused_linear_logprobs(a, b, c, entropy=True, config=rows))
     for tiling in tilings:
-        bm, bn, bk, group, stages, warps, ws = tiling
+        bm, bn, bk, group, stages, warps, ws, split = tiling
         config = dataclasses.replace(DEFAULT_CONFIG, tiles=True, tile_m=bm, tile_n=bn, tile_k=bk, tile_group=group,
-                                     tile_stages=stages, tile_warps=warps, tile_warp_specialize=ws)
+                                     tile_stages=stages, tile_warps=warps, tile_warp_specialize=ws,
+                                     tile_epilogue_split=split)
         try:
             got = outputs(config)
         except Exception as e:  # noqa: BLE001  (a tiling this Triton cannot compile: say so, go on)

@@ -44,6 +44,9 @@ TILES = FusedLinearLogprobsConfig(tiles=True, class_chunk=128, tile_m=16, tile_n
 # one chunk of 63 class tiles: the combine folds its partials 16 tiles at a time, the last block short
 TILES_ONE_CHUNK = FusedLinearLogprobsConfig(tiles=True, tile_m=16, tile_n=16, tile_k=16)
 TILE_DTYPES = (torch.bfloat16, torch.float16)
+# the epilogue on two halves of each tile (16 classes each), merged before the partials are stored
+TILES_SPLIT = FusedLinearLogprobsConfig(tiles=True, class_chunk=128, tile_m=16, tile_n=32, tile_k=16,
+                                        tile_epilogue_split=2)
 
 
 def make_inputs(tokens_shape, hidden, vocab, dtype, *, bias=False, scale=2.0):
@@ -151,7 +154,7 @@ def test_tiles_taken_where_the_operands_allow():
     check(x, w, make_target((9,), 257, ignored=2), b, config=TILES, **ALL_OPTIONS)
 
 
-@pytest.mark.parametrize("config", ("chunks", "one_chunk"))
+@pytest.mark.parametrize("config", ("chunks", "one_chunk", "split"))
 @pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
 @pytest.mark.parametrize(
     "options",
@@ -160,7 +163,7 @@ def test_tiles_taken_where_the_operands_allow():
 )
 def test_tiles_every_option(options, dtype, config):
     """37 tokens (three row tiles, the last one short), V = 1000 (odd chunks and tiles), bias."""
-    config = TILES if config == "chunks" else TILES_ONE_CHUNK
+    config = {"chunks": TILES, "one_chunk": TILES_ONE_CHUNK, "split": TILES_SPLIT}[config]
     x, w, b = make_inputs((37,), 40, 1000, dtype, bias=True, scale=4.0)
     check(x, w, make_target((37,), 1000, ignored=3), b, config=config, **dict(options))
 
@@ -282,15 +285,15 @@ def trl_token_stats_fp64(x, w, b, target, *, temperature=1.0, softcap=None, logi
     return lp, ent, log_sum_sq, mean, top1
 
 
-@pytest.mark.parametrize("config", (*CONFIGS, "tiles"), ids=str)
+@pytest.mark.parametrize("config", (*CONFIGS, "tiles", "tiles_split"), ids=str)
 @pytest.mark.parametrize("options", (dict(), ALL_OPTIONS), ids=("plain", "all"))
 def test_extras_match_trl_definitions(options, config):
     """log Σ p², the mean scaled logit and argmax == target, with ties: a class duplicated after the
     target's is still top-1 (torch.argmax takes the first maximum), one duplicated before is not.
     The tile kernel in bf16 (its operands; the references from the same bf16 values)."""
     tokens, hidden, vocab = 10, 24, 300
-    dtype = torch.bfloat16 if config == "tiles" else torch.float32
-    config = TILES if config == "tiles" else CONFIGS[config]
+    dtype = torch.bfloat16 if config.startswith("tiles") else torch.float32
+    config = {"tiles": TILES, "tiles_split": TILES_SPLIT}.get(config) or CONFIGS[config]
     x, w, b = make_inputs((tokens,), hidden, vocab, dtype, bias=True, scale=4.0)
     with torch.no_grad():
         logits = x.float() @ w.float().t() + b.float()
@@ -323,7 +326,7 @@ def test_extras_match_trl_definitions(options, config):
     # compiler may contract into FMAs differently (measured on the H100: differences of an ulp or so)
     plain = fused_linear_token_stats(x, w, target, linear_bias=b, entropy=True, config=config, **options)
     assert plain.log_sum_sq_probs is None and plain.mean_logits is None and plain.is_top1 is None
-    if config is TILES:
+    if config.tiles:
         for a, e in ((plain.logprobs, stats.logprobs), (plain.entropy, stats.entropy)):
             torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
     else:

@@ -98,9 +98,10 @@ def logprobs_tiles_kernel(
     MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_EXTRAS: tl.constexpr,
-    HAS_LOGPROB_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    HAS_LOGPROB_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """l = X·W_cᵀ (+ b) one (BM, BN) tile at a time, and per tile the STATS or GRAD epilogue (module docs)."""
+    """l = X·W_cᵀ (+ b) one (BM, BN) tile at a time, and per tile the STATS or GRAD epilogue (module docs),
+    on the whole tile or (``SPLIT`` 2) on its two halves of BN/2 classes."""
     logit_scale, softcap, softcap_scale = as_fp32(logit_scale), as_fp32(softcap), as_fp32(softcap_scale)
     num_m = tl.cdiv(num_rows, BM)
     num_n = tl.cdiv(width, BN)
@@ -117,55 +118,123 @@ def logprobs_tiles_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)                      # (BM, BN) fp32
         rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
         row_in = rows < num_rows
-        col_in = cols < width
-        l = acc
-        if HAS_BIAS:
-            l += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
         t = tl.load(target_ptr + rows.to(tl.int64) * target_stride, mask=row_in, other=ignore_index).to(tl.int64)
         t_local = local_column(t, col0, width)             # (BM,) −1 where the target is elsewhere
-        is_target = cols[None, :] == t_local[:, None]      # (BM, BN)
+        if SPLIT == 2:
+            # the epilogue on two (BM, BN/2) halves: half the registers for its temporaries
+            l0, l1 = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
+            cols0 = pid_n * BN + tl.arange(0, BN // 2)
+            cols1 = cols0 + BN // 2
+        else:
+            l0 = acc
+            cols0 = pid_n * BN + tl.arange(0, BN)
         if MODE == STATS:
-            z = scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
-            z_in = tl.where(col_in[None, :], z, float("-inf"))
-            m = tl.max(z_in, axis=1)
-            # a row that is −inf throughout keeps shift 0, so exp never sees −inf − −inf
-            shift = tl.where(m == float("-inf"), 0.0, m)
-            e = fast_exp(z_in - shift[:, None])            # 0 past the chunk's edge
+            m, s, ent, sq, z_sum, before, z_t = _stats_slab(
+                l0, cols0, width, bias_ptr, t, t_local, col0, logit_scale, softcap, softcap_scale,
+                HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_EXTRAS)
+            if SPLIT == 2:
+                m1, s1, ent1, sq1, z_sum1, before1, z_t1 = _stats_slab(
+                    l1, cols1, width, bias_ptr, t, t_local, col0, logit_scale, softcap, softcap_scale,
+                    HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_EXTRAS)
+                # the two halves merged as the combine kernel merges tiles (module docs)
+                m_new = tl.maximum(m, m1)
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                moved = tl.where(m == float("-inf"), 0.0, m - shift)
+                moved1 = tl.where(m1 == float("-inf"), 0.0, m1 - shift)
+                r = tl.where(m == float("-inf"), 0.0, fast_exp(moved))
+                r1 = tl.where(m1 == float("-inf"), 0.0, fast_exp(moved1))
+                ent = r * (ent + moved * s) + r1 * (ent1 + moved1 * s1)
+                sq = r * r * sq + r1 * r1 * sq1
+                s = r * s + r1 * s1
+                m = m_new
+                z_sum += z_sum1
+                before = tl.maximum(before, before1)
+                z_t += z_t1  # (0 in the half without the target)
             part = part_ptr + pid_n.to(tl.int64) * num_rows + rows
             plane = (tl.zeros((), tl.int64) + tl.cdiv(width, BN)) * num_rows  # one row of partials: P × N
             tl.store(part + PART_M * plane, m, mask=row_in)
-            tl.store(part + PART_S * plane, tl.sum(e, axis=1), mask=row_in)
+            tl.store(part + PART_S * plane, s, mask=row_in)
             if HAS_ENTROPY:
-                ent = tl.sum(e * tl.where(col_in[None, :], z - shift[:, None], 0.0), axis=1)
                 tl.store(part + PART_ENT * plane, ent, mask=row_in)
             if HAS_EXTRAS:
-                tl.store(part + PART_SQ * plane, tl.sum(e * e, axis=1), mask=row_in)
-                tl.store(part + PART_SUM * plane, tl.sum(tl.where(col_in[None, :], z, 0.0), axis=1), mask=row_in)
-                before = tl.where(col_in[None, :] & (col0 + cols[None, :] < t[:, None]), z, float("-inf"))
-                tl.store(part + PART_BEFORE * plane, tl.max(before, axis=1), mask=row_in)
-            # z_t from the same z as the maximum: is_top1 compares bit-identical values
-            z_t = tl.sum(tl.where(is_target, z, 0.0), axis=1)
+                tl.store(part + PART_SQ * plane, sq, mask=row_in)
+                tl.store(part + PART_SUM * plane, z_sum, mask=row_in)
+                tl.store(part + PART_BEFORE * plane, before, mask=row_in)
             holds = row_in & (t_local >= pid_n * BN) & (t_local < pid_n * BN + BN)
             tl.store(z_t_ptr + rows, z_t, mask=holds)
         else:
-            z, slope = scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
             lse = tl.load(lse_ptr + rows, mask=row_in, other=0.0)
-            log_p = z - lse[:, None]
-            p = fast_exp(log_p)
-            dz = tl.zeros([BM, BN], tl.float32)
+            g_lp = tl.zeros([BM], tl.float32)
             if HAS_LOGPROB_GRAD:
                 g_lp = tl.load(grad_lp_ptr + rows.to(tl.int64) * grad_lp_stride, mask=row_in, other=0.0)
-                dz = g_lp.to(tl.float32)[:, None] * (tl.where(is_target, 1.0, 0.0) - p)
+                g_lp = g_lp.to(tl.float32)
+            g_ent = tl.zeros([BM], tl.float32)
+            ent = tl.zeros([BM], tl.float32)
             if HAS_ENTROPY_GRAD:
                 g_ent = tl.load(grad_ent_ptr + rows.to(tl.int64) * grad_ent_stride, mask=row_in, other=0.0)
+                g_ent = g_ent.to(tl.float32)
                 ent = tl.load(entropy_ptr + rows, mask=row_in, other=0.0)
-                dz -= g_ent.to(tl.float32)[:, None] * p * (log_p + ent[:, None])
-            # ignored rows pass no gradient (their lse is 0: p may overflow there, and is not used)
-            dl = tl.where((t != ignore_index)[:, None], dz * slope, 0.0)
-            out = grad_ptr + rows.to(tl.int64)[:, None] * grad_row_stride + cols[None, :]
-            tl.store(out, dl.to(grad_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+            _grad_slab(l0, cols0, rows, row_in, width, bias_ptr, t, t_local, ignore_index, lse, g_lp, g_ent, ent,
+                       grad_ptr, grad_row_stride, logit_scale, softcap, softcap_scale, HAS_BIAS, HAS_SOFTCAP,
+                       HAS_LOGPROB_GRAD, HAS_ENTROPY_GRAD)
+            if SPLIT == 2:
+                _grad_slab(l1, cols1, rows, row_in, width, bias_ptr, t, t_local, ignore_index, lse, g_lp, g_ent,
+                           ent, grad_ptr, grad_row_stride, logit_scale, softcap, softcap_scale, HAS_BIAS,
+                           HAS_SOFTCAP, HAS_LOGPROB_GRAD, HAS_ENTROPY_GRAD)
+
+
+@triton.jit
+def _stats_slab(l, cols, width, bias_ptr, t, t_local, col0, logit_scale, softcap, softcap_scale,
+                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                HAS_EXTRAS: tl.constexpr):
+    """Per row of a slab of l (rows × the columns ``cols`` of the chunk): the STATS partials (module docs)
+    and z_t where the slab holds the target (0 elsewhere)."""
+    col_in = cols < width
+    if HAS_BIAS:
+        l += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+    z = scaled_logits(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+    z_in = tl.where(col_in[None, :], z, float("-inf"))
+    m = tl.max(z_in, axis=1)
+    # a row that is −inf throughout keeps shift 0, so exp never sees −inf − −inf
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    e = fast_exp(z_in - shift[:, None])                    # 0 past the chunk's edge
+    s = tl.sum(e, axis=1)
+    ent = tl.zeros_like(s)
+    sq = tl.zeros_like(s)
+    z_sum = tl.zeros_like(s)
+    before = tl.full(s.shape, float("-inf"), tl.float32)
+    if HAS_ENTROPY:
+        ent = tl.sum(e * tl.where(col_in[None, :], z - shift[:, None], 0.0), axis=1)
+    if HAS_EXTRAS:
+        sq = tl.sum(e * e, axis=1)
+        z_sum = tl.sum(tl.where(col_in[None, :], z, 0.0), axis=1)
+        before = tl.max(tl.where(col_in[None, :] & (col0 + cols[None, :] < t[:, None]), z, float("-inf")), axis=1)
+    # z_t from the same z as the maximum: is_top1 compares bit-identical values
+    z_t = tl.sum(tl.where(cols[None, :] == t_local[:, None], z, 0.0), axis=1)
+    return m, s, ent, sq, z_sum, before, z_t
+
+
+@triton.jit
+def _grad_slab(l, cols, rows, row_in, width, bias_ptr, t, t_local, ignore_index, lse, g_lp, g_ent, ent, grad_ptr,
+               grad_row_stride, logit_scale, softcap, softcap_scale, HAS_BIAS: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_LOGPROB_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+    """dl of a slab of l (rows × the columns ``cols`` of the chunk), stored in the gradient's dtype."""
+    col_in = cols < width
+    if HAS_BIAS:
+        l += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+    z, slope = scaled_with_slope(l, logit_scale, softcap, softcap_scale, HAS_SOFTCAP)
+    log_p = z - lse[:, None]
+    p = fast_exp(log_p)
+    dz = tl.zeros(l.shape, tl.float32)
+    if HAS_LOGPROB_GRAD:
+        dz = g_lp[:, None] * (tl.where(cols[None, :] == t_local[:, None], 1.0, 0.0) - p)
+    if HAS_ENTROPY_GRAD:
+        dz -= g_ent[:, None] * p * (log_p + ent[:, None])
+    # ignored rows pass no gradient (their lse is 0: p may overflow there, and is not used)
+    dl = tl.where((t != ignore_index)[:, None], dz * slope, 0.0)
+    out = grad_ptr + rows.to(tl.int64)[:, None] * grad_row_stride + cols[None, :]
+    tl.store(out, dl.to(grad_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
 @triton.jit
@@ -283,7 +352,7 @@ def _programs(device: torch.device) -> int:
 def _launch_tiles(mode, x, w_c, b_c, target, col0, transform, tiling, *, part=None, z_t=None, lse=None,
                   entropy=None, grad_lp=None, grad_ent=None, grad=None, has_entropy=False, has_extras=False):
     ignore_index, logit_scale, softcap, softcap_scale = transform
-    bm, bn, bk, group, stages, warps, specialize = tiling
+    bm, bn, bk, group, stages, warps, specialize, split = tiling
     num_rows, width = x.shape[0], w_c.shape[0]
     tiles = cdiv(num_rows, bm) * cdiv(width, bn)
     if tiles == 0:
@@ -306,7 +375,7 @@ def _launch_tiles(mode, x, w_c, b_c, target, col0, transform, tiling, *, part=No
         MODE=mode, BM=bm, BN=bn, BK=bk, GROUP=group, NUM_PROGRAMS=programs, STAGES=stages,
         WARP_SPECIALIZE=specialize and x.is_cuda, HAS_BIAS=b_c is not None, HAS_SOFTCAP=softcap is not None,
         HAS_ENTROPY=has_entropy, HAS_EXTRAS=has_extras, HAS_LOGPROB_GRAD=grad_lp is not None,
-        HAS_ENTROPY_GRAD=grad_ent is not None, num_warps=warps,
+        HAS_ENTROPY_GRAD=grad_ent is not None, SPLIT=split, num_warps=warps,
     )
 
 
@@ -330,13 +399,14 @@ def _tiles_stats_impl(
     stages: int,
     num_warps: int,
     warp_specialize: bool,
+    epilogue_split: int,
 ) -> torch.Tensor:
     """The chunk's partials (k, P, N); z_t written where the chunk holds the target."""
     num_rows, width = x.shape[0], w_c.shape[0]
     part = torch.empty((part_rows(entropy, extras), cdiv(width, block_n), num_rows), dtype=torch.float32,
                        device=x.device)
     _launch_tiles(STATS.value, x, w_c, b_c, target, col0, (ignore_index, logit_scale, softcap, softcap_scale),
-                  (block_m, block_n, block_k, group, stages, num_warps, warp_specialize),
+                  (block_m, block_n, block_k, group, stages, num_warps, warp_specialize, epilogue_split),
                   part=part, z_t=z_t, has_entropy=entropy, has_extras=extras)
     return part
 
@@ -363,10 +433,11 @@ def _tiles_grad_impl(
     stages: int,
     num_warps: int,
     warp_specialize: bool,
+    epilogue_split: int,
 ) -> None:
     """dl of the chunk into ``grad`` (N, Vc)."""
     _launch_tiles(GRAD.value, x, w_c, b_c, target, col0, (ignore_index, logit_scale, softcap, softcap_scale),
-                  (block_m, block_n, block_k, group, stages, num_warps, warp_specialize),
+                  (block_m, block_n, block_k, group, stages, num_warps, warp_specialize, epilogue_split),
                   lse=lse, entropy=entropy, grad_lp=grad_logprobs, grad_ent=grad_entropy, grad=grad)
 
 

@@ -120,8 +120,8 @@ class FusedLinearLogprobsConfig:
     memory) where it can run: None on a GPU of sm_90 or newer in eager mode, True wherever the
     operands allow (the interpreter too: tests), False never. Its workspace is the gradient twin
     alone, in the same budget, cut into equal chunks. ``tile_*``: its tiling (rows, classes and hidden
-    units a tile step, row blocks a group, pipeline stages, warps, warp specialisation), measured on
-    the H100 (``dev/tune_logprob_tiles.py``).
+    units a tile step, row blocks a group, pipeline stages, warps, warp specialisation, the epilogue on
+    the whole tile or on its two halves), measured on the H100 (``dev/tune_logprob_tiles.py``).
     """
 
     workspace_bytes: int = 256 << 20
@@ -139,6 +139,7 @@ class FusedLinearLogprobsConfig:
     tile_stages: int = 3
     tile_warps: int = 8
     tile_warp_specialize: bool = False
+    tile_epilogue_split: int = 1
 
     def workspace(self, weight_bytes: int) -> int:
         return min(self.max_workspace_bytes, max(self.workspace_bytes, int(self.weight_fraction * weight_bytes)))
@@ -172,7 +173,7 @@ class FusedLinearLogprobsConfig:
 
     def tiling(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_k, self.tile_group, self.tile_stages, self.tile_warps,
-                self.tile_warp_specialize)
+                self.tile_warp_specialize, self.tile_epilogue_split)
 
 
 DEFAULT_CONFIG = FusedLinearLogprobsConfig()
