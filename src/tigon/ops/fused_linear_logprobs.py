@@ -136,10 +136,10 @@ class FusedLinearLogprobsConfig:
     tile_n: int = 256
     tile_k: int = 64
     tile_group: int = 8
-    tile_stages: int = 3
+    tile_stages: int = 4
     tile_warps: int = 8
-    tile_warp_specialize: bool = False
-    tile_epilogue_split: int = 1
+    tile_warp_specialize: bool = True
+    tile_epilogue_split: int = 2
 
     def workspace(self, weight_bytes: int) -> int:
         return min(self.max_workspace_bytes, max(self.workspace_bytes, int(self.weight_fraction * weight_bytes)))
