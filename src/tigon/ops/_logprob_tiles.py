@@ -27,7 +27,12 @@ the row math on the tile where it lies, in registers (``MODE``):
 The tiles are loaded by TMA (host-made tensor descriptors, zero-filled past the edges) in a persistent
 loop over output tiles in grouped order (``GROUP`` row blocks sweep the column blocks together, so each
 W tile is read from L2 by the row blocks that share it), software-pipelined over ``STAGES`` buffers and,
-with ``WARP_SPECIALIZE``, with loads and MMAs in their own warps. The products are exact in fp32 and
+with ``WARP_SPECIALIZE``, with loads and MMAs in their own warps. With ``SPLIT`` 2 the epilogue runs on
+the tile's two halves of BN/2 classes one after the other (the STATS partials of the halves merged as
+below before they are stored): its fp32 temporaries take half the registers beside the accumulator,
+which made the forward 9% faster at H = 4096 on the H100 (15.24 → 13.89 ms; dev/tune_logprob_tiles.py,
+docs/tuning.md).
+The products are exact in fp32 and
 summed in an fp32 accumulator, as cuBLAS's are (in another order). Used where TMA can read the operands
 (bf16 or fp16, rows 16-byte aligned; :func:`tiles_available`); fp32 operands keep cuBLAS, whose fp32
 matmul is IEEE (``tl.dot`` of fp32 is TF32 unless told otherwise, and IEEE there is slow).

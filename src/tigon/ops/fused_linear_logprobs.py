@@ -63,9 +63,9 @@ removes the fp32 traffic: a Triton matmul does the statistics (forward) or dl (b
 epilogue on the fp32 accumulator, so the forward writes only per-tile partials (a few bytes per
 256 logits) and the backward writes dl alone (N·V·e) for cuBLAS's dX and dW matmuls. Its chunks hold
 only dl, so they are about three times as wide in the same workspace. Measured on the H100 (N = 8192,
-V = 151936, entropy; ``benchmarks/results/2026-11-27/logprobs-tiles.md``): forward + backward 55.8 ms at
-H = 4096 against 56.3 for the four cuBLAS matmuls alone and 59.3 for TRL 1.16's head (the row kernels
-above: 61–62 ms); forward alone 13.7 against one matmul's 13.5 and TRL's 15.3.
+V = 151936, entropy; ``benchmarks/results/2026-11-27/logprobs-tiles-split.md``): forward + backward
+56.2 ms at H = 4096 against 58.8 for the four cuBLAS matmuls alone and 59.8 for TRL 1.16's head (the
+row kernels above: 61–62 ms); forward alone 13.2 against one matmul's 13.7 and TRL's 14.8.
 
 Memory beyond the inputs and the returned gradients: one fp32 chunk (plus its dl twin in the input
 dtype), per-token fp32 statistics, and by classes an fp32 dX accumulator (N·H·4); on the tile path
