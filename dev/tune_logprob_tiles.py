@@ -18,12 +18,11 @@ import dataclasses
 import sys
 
 import torch
+from tune_logprobs_chunks import HeadBench  # (dev/ is the script's folder: first on sys.path)
 
-from tigon.bench.harness import gpu_time
 from tigon.bench.specs import logprobs as spec
 from tigon.ops.fused_linear_logprobs import DEFAULT_CONFIG, fused_linear_logprobs
 
-MIB = 1 << 20
 TILINGS = (  # BM, BN, BK, GROUP, STAGES, WARPS, WARP_SPECIALIZE, EPILOGUE_SPLIT
     (128, 256, 64, 8, 3, 8, False, 1),
     (128, 256, 64, 8, 3, 8, False, 2),
@@ -32,45 +31,9 @@ TILINGS = (  # BM, BN, BK, GROUP, STAGES, WARPS, WARP_SPECIALIZE, EPILOGUE_SPLIT
 )
 
 
-def _peak_mb(step, base):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / MIB
-
-
 def sweep(label, hidden, vocab, trl_head, tilings) -> None:
-    inputs = spec._make(spec.TOKENS, hidden, vocab)("cuda", torch.bfloat16)
-    x, w, t = inputs["input"], inputs["linear_weight"], inputs["target"]
-    g_lp = torch.randn(spec.TOKENS, device="cuda")
-    g_ent = torch.randn(spec.TOKENS, device="cuda")
-    base = torch.cuda.memory_allocated()
-    print(f"\n{label}: N={spec.TOKENS} H={hidden} V={vocab}", flush=True)
-
-    def timed(name, head):
-        def fwd():
-            with torch.no_grad():
-                head(x, w, t)
-
-        def full():
-            out = head(x, w, t)
-            out = out if isinstance(out, tuple) else (out,)
-            grads = (g_lp, g_ent)[: len(out)]
-            torch.autograd.backward(out, tuple(g[: o.numel()] for o, g in zip(out, grads, strict=True)))
-            x.grad = w.grad = None
-
-        fwd(), full()
-        f_ms, full_ms = gpu_time(fwd, 20.0), gpu_time(full, 70.0)
-        print(f"  {name:<58} fwd {f_ms:7.3f} ms  full {full_ms:7.3f} ms  peak fwd {_peak_mb(fwd, base):6.0f} MB"
-              f"  full {_peak_mb(full, base):6.0f} MB", flush=True)
-
-    def outputs(config):
-        lp, ent = fused_linear_logprobs(x, w, t, entropy=True, config=config)
-        torch.autograd.backward((lp, ent), (g_lp, g_ent))
-        out = (lp.detach(), ent.detach(), x.grad, w.grad)
-        x.grad = w.grad = None
-        return out
+    bench = HeadBench(label, hidden, vocab, width=58)
+    timed, outputs = bench.timed, bench.outputs
 
     rows = dataclasses.replace(DEFAULT_CONFIG, tiles=False)
     want = outputs(rows)

@@ -41,16 +41,23 @@ def _peak_mb(step, base):
     return (torch.cuda.max_memory_allocated() - base) / MIB
 
 
-def sweep(label, hidden, vocab, trl_head) -> None:
-    """Every setting at one head, with TRL's head and the matmul floor."""
-    inputs = spec._make(spec.TOKENS, hidden, vocab)("cuda", torch.bfloat16)
-    x, w, t = inputs["input"], inputs["linear_weight"], inputs["target"]
-    g_lp = torch.randn(spec.TOKENS, device="cuda")
-    g_ent = torch.randn(spec.TOKENS, device="cuda")
-    base = torch.cuda.memory_allocated()
-    print(f"\n{label}: N={spec.TOKENS} H={hidden} V={vocab}")
+class HeadBench:
+    """One benchmark head (N = spec.TOKENS, bf16, random upstream gradients for both outputs) and the two
+    measurements every sweep makes of it: ``timed`` (forward alone and forward + backward, GPU ms and peaks
+    beyond the inputs) and ``outputs`` (log-probs, entropy and their gradients, to compare settings)."""
 
-    def timed(name, head):
+    def __init__(self, label, hidden, vocab, width=44):
+        inputs = spec._make(spec.TOKENS, hidden, vocab)("cuda", torch.bfloat16)
+        self.x, self.w, self.t = inputs["input"], inputs["linear_weight"], inputs["target"]
+        self.g_lp = torch.randn(spec.TOKENS, device="cuda")
+        self.g_ent = torch.randn(spec.TOKENS, device="cuda")
+        self.base = torch.cuda.memory_allocated()
+        self.width = width
+        print(f"\n{label}: N={spec.TOKENS} H={hidden} V={vocab}", flush=True)
+
+    def timed(self, name, head):
+        x, w, t = self.x, self.w, self.t
+
         def fwd():
             with torch.no_grad():
                 head(x, w, t)
@@ -58,22 +65,28 @@ def sweep(label, hidden, vocab, trl_head) -> None:
         def full():
             out = head(x, w, t)
             out = out if isinstance(out, tuple) else (out,)  # the floor: one output
-            grads = (g_lp, g_ent)[: len(out)]
+            grads = (self.g_lp, self.g_ent)[: len(out)]
             torch.autograd.backward(out, tuple(g[: o.numel()] for o, g in zip(out, grads, strict=True)))
             x.grad = w.grad = None
 
         fwd(), full()  # compiles, cuBLAS set-up
         f_ms, full_ms = gpu_time(fwd, 20.0), gpu_time(full, 70.0)
-        print(f"  {name:<44} fwd {f_ms:7.3f} ms  full {full_ms:7.3f} ms  peak fwd {_peak_mb(fwd, base):7.0f} MB"
-              f"  full {_peak_mb(full, base):7.0f} MB", flush=True)
+        print(f"  {name:<{self.width}} fwd {f_ms:7.3f} ms  full {full_ms:7.3f} ms  peak fwd "
+              f"{_peak_mb(fwd, self.base):7.0f} MB  full {_peak_mb(full, self.base):7.0f} MB", flush=True)
 
-    def outputs(config):
-        lp, ent = fused_linear_logprobs(x, w, t, entropy=True, config=config)
-        torch.autograd.backward((lp, ent), (g_lp, g_ent))
+    def outputs(self, config):
+        x, w = self.x, self.w
+        lp, ent = fused_linear_logprobs(x, w, self.t, entropy=True, config=config)
+        torch.autograd.backward((lp, ent), (self.g_lp, self.g_ent))
         out = (lp.detach(), ent.detach(), x.grad, w.grad)
         x.grad = w.grad = None
         return out
 
+
+def sweep(label, hidden, vocab, trl_head) -> None:
+    """Every setting at one head, with TRL's head and the matmul floor."""
+    bench = HeadBench(label, hidden, vocab)
+    timed, outputs = bench.timed, bench.outputs
     want = outputs(DEFAULT_CONFIG)
     timed("matmul floor", spec._matmul_floor)
     if trl_head is not None:
