@@ -19,6 +19,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn, rel_err
 from tigon.ops import _vocab_chunks
 from tigon.ops._matmul import matmul_accumulate
+from tigon.ops._sum_round_tiles import sum_round
 from tigon.ops.fused_linear_cross_entropy import (
     CONFIG,
     ChunkPlan,
@@ -39,6 +40,8 @@ ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=0.
 PLANS = {
     "tokens": (ChunkPlan(True, 4), {}, {}),
     "tokens_fp32_dw": (ChunkPlan(True, 4, fp32_dw=True), {}, {}),
+    # chunks of 4, 3 and 3 tokens, the last one's buffer made anew
+    "tokens_fp32_dw_last": (ChunkPlan(True, 4, fp32_dw=True, last=3, sum_round=True), {}, {}),
     "classes": (ChunkPlan(False, 128), {}, {}),
     "classes_blocks": (ChunkPlan(False, 128), dict(block_v=32, prefetch=2), {}),
     "classes_persistent": (ChunkPlan(False, 128), dict(row_max_width=0), dict(
@@ -168,6 +171,43 @@ def test_flce_fp32_dw_autocast_bf16_weight(plan):
         assert_close(grad, grads[name], torch.bfloat16, f"d{name}")
 
 
+@pytest.mark.parametrize("plan", ("tokens_fp32_dw_last",), indirect=True)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+def test_flce_fp32_dw_sum_round(plan, dtype, reduction, monkeypatch):
+    """The last chunk's dW by the add-and-round matmul (_sum_round_tiles.py), forced here (on a GPU the
+    default): the first two chunks summed in the fp32 accumulator, the last one added and the sum rounded
+    to dW's dtype by one kernel; every gradient against fp64. V = 296: rows of dL 16-byte aligned, as
+    TMA needs (V = 300 in the other tests keeps cuBLAS's sum and the cast)."""
+    monkeypatch.setattr(flce_module, "CONFIG", dataclasses.replace(CONFIG, sum_round=True))
+    calls = []
+
+    def recording_sum(out, a, b, *, first):
+        calls.append(("accumulate", out.dtype, a.shape[1]))
+        return matmul_accumulate(out, a, b, first=first)
+
+    def recording_round(a, b, c, out):
+        calls.append(("sum_round", out.dtype, a.shape[0]))
+        return sum_round(a, b, c, out)
+
+    monkeypatch.setattr(flce_module, "matmul_accumulate", recording_sum)
+    monkeypatch.setattr(flce_module, "sum_round", recording_round)
+    x, w, b = make_inputs((10,), 24, 296, dtype, bias=True)
+    target = make_target((10,), 296, ignored=2)
+    target[-1] = 295
+    check_flce(x, w, target, b, reduction=reduction, **ALL_OPTIONS)
+    assert calls == [("accumulate", torch.float32, 4), ("accumulate", torch.float32, 3), ("sum_round", dtype, 3)]
+
+
+def test_token_chunks():
+    assert ChunkPlan(True, 4).token_chunks(10) == [(0, 4), (4, 8), (8, 10)]
+    assert ChunkPlan(True, 4, fp32_dw=True, last=3).token_chunks(10) == [(0, 4), (4, 7), (7, 10)]
+    assert ChunkPlan(True, 3072, fp32_dw=True, last=2048).token_chunks(8192) == [
+        (0, 3072), (3072, 6144), (6144, 8192)]
+    assert ChunkPlan(True, 4, last=6).token_chunks(5) == [(0, 4), (4, 5)]  # last ≥ the tokens: ignored
+    assert ChunkPlan(True, 4).token_chunks(0) == []
+
+
 def test_flce_fp32_dw_sums_more_exactly(monkeypatch):
     """128 tokens in 64 chunks of 2, bf16: dW summed in fp32 and rounded once is nearer the fp64 dW
     than the sum of bf16 partials (each addition rounded). Both share the rounding of dL to bf16
@@ -188,7 +228,8 @@ def test_flce_fp32_dw_sums_more_exactly(monkeypatch):
     assert errors[True] < 0.75 * errors[False], errors
 
 
-@pytest.mark.parametrize("plan", ("default", "tokens", "classes", "tokens_fp32_dw"), indirect=True)
+@pytest.mark.parametrize("plan", ("default", "tokens", "classes", "tokens_fp32_dw", "tokens_fp32_dw_last"),
+                         indirect=True)
 def test_flce_3d_input(plan):
     x, w, _ = make_inputs((2, 3), 16, 260, torch.bfloat16)
     loss = check_flce(x, w, make_target((2, 3), 260), reduction="none")
@@ -366,14 +407,17 @@ def test_chunk_plan_at_benchmark_shapes(hidden, vocab):
     assert kind == BENCHMARK_PLANS[hidden, vocab]
     if kind == "fp32_dw":
         assert plan.size % CONFIG.token_align == 0 and plan.size >= 1024
+        last = plan.token_chunks(tokens)[-1]
+        last = last[1] - last[0]
         dx_bytes, accumulator = tokens * hidden * elem, vocab * hidden * 4
         making = dx_bytes + accumulator + plan.size * vocab * elem + tokens * 8
-        rounding = dx_bytes + accumulator + vocab * hidden * elem
+        rounding = dx_bytes + accumulator + last * vocab * elem + tokens * 8 + vocab * hidden * elem
         peak = max(making, rounding)
-        assert peak == fp32_dw_peak_bytes(tokens, vocab, hidden, elem, plan.size, dx_size=2, dw_size=2)
+        assert peak == fp32_dw_peak_bytes(tokens, vocab, hidden, elem, plan.size, dx_size=2, dw_size=2, last=last)
         assert peak <= logits_budget
         if hidden == 896:
-            assert plan.size == 2816 and peak <= 1.42e9
+            # even chunks of 2816 would leave 2560 tokens, 1.61 GB with dW rounded beside them
+            assert (plan.size, plan.last) == (3072, 2048) and peak <= 1.494e9
         return
     # No room for the fp32 accumulator: dX, it and dW rounded from it pass the logits budget.
     assert (tokens * hidden * elem + vocab * hidden * (4 + elem)) > logits_budget
@@ -417,15 +461,29 @@ def test_chunk_plan_fp32_dw_within_budget():
                     assert plan.by_tokens and CONFIG.fp32_dw_min_token_chunk <= plan.size < tokens
                     assert plan.size % CONFIG.token_align == 0
                     budget = fp32_dw_budget(tokens, vocab)
-                    peak = fp32_dw_peak_bytes(tokens, vocab, hidden, 2, plan.size, dx_size=dx_size, dw_size=2)
-                    assert peak <= budget
-                    # one chunk fewer would not fit: its chunks would be larger, aligned
-                    chunks = -(-tokens // plan.size)
-                    if chunks > 1:
-                        per_chunk = -(-tokens // (chunks - 1))
-                        larger = -(-per_chunk // CONFIG.token_align) * CONFIG.token_align
-                        assert fp32_dw_peak_bytes(tokens, vocab, hidden, 2, larger, dx_size=dx_size,
-                                                  dw_size=2) > budget
+                    chunks = plan.token_chunks(tokens)
+                    assert chunks[0] == (0, plan.size) and chunks[-1][1] == tokens
+                    last = chunks[-1][1] - chunks[-1][0]
+                    assert 0 < last <= plan.size and all(c1 - c0 <= plan.size for c0, c1 in chunks)
+
+                    def peak(chunk, last, dx_size=dx_size, tokens=tokens, hidden=hidden, vocab=vocab):
+                        return fp32_dw_peak_bytes(tokens, vocab, hidden, 2, chunk, dx_size=dx_size, dw_size=2,
+                                                  last=last)
+
+                    assert peak(plan.size, last if plan.sum_round else None) <= budget
+                    # one chunk fewer would not fit: the largest aligned chunks (and, with sum_round,
+                    # last chunk) that fit, each alone, cover fewer tokens
+                    align = CONFIG.token_align
+                    sizes = range(align, tokens + align, align)
+                    most = max(c for c in sizes if peak(c, None) <= budget)
+                    if plan.sum_round:
+                        most_last = max(c for c in sizes if peak(align, c) <= budget)
+                        assert (len(chunks) - 2) * most + most_last < tokens
+                    else:  # the cast: no last chunk fits beside dW, or only with a chunk more
+                        assert (len(chunks) - 1) * most < tokens
+                        if peak(align, align) <= budget:
+                            most_last = max(c for c in sizes if peak(align, c) <= budget)
+                            assert (len(chunks) - 1) * most + most_last < tokens
     assert seen > 5
 
 
@@ -446,6 +504,29 @@ def test_chunk_plan_fp32_master_weight(hidden, vocab):
 
 
 # ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_flce_sum_round_matches_cublas_sum_and_cast(dtype, monkeypatch):
+    """On the GPU the fp32 dW plan's last chunk is added and rounded by one Triton matmul (the default):
+    its dW is cuBLAS's fp32 sum and cast but for the order of fp32 sums, so at most one unit in the
+    last place apart where that order moves a value across a rounding boundary, and rarely; dX and
+    the loss are the same computation."""
+    x, w, _ = make_inputs((1000,), 256, 4104, dtype)
+    target = make_target((1000,), 4104, ignored=7)
+    monkeypatch.setattr(flce_module, "chunk_plan", lambda *a, **k: ChunkPlan(True, 384, fp32_dw=True, last=232,
+                                                                                 sum_round=True))
+    results = {}
+    for sum_round_on in (True, False):
+        monkeypatch.setattr(flce_module, "CONFIG", dataclasses.replace(CONFIG, sum_round=sum_round_on))
+        loss = fused_linear_cross_entropy(x, w, target)
+        results[sum_round_on] = (loss, *torch.autograd.grad(loss, (x, w)))
+    (loss, dx, dw), (loss0, dx0, dw0) = results[True], results[False]
+    assert torch.equal(loss, loss0) and torch.equal(dx, dx0)
+    ulp = torch.finfo(dtype).eps * dw0.float().abs().clamp_min(torch.finfo(dtype).smallest_normal)
+    assert ((dw.float() - dw0.float()).abs() <= ulp).all()
+    assert (dw != dw0).float().mean() < 1e-2
 
 
 @pytest.mark.gpu

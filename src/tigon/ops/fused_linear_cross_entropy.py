@@ -86,6 +86,7 @@ from tigon.ops._common import check_tensor
 from tigon.ops._loss_grad import RangeCheck, apply_grad_output
 from tigon.ops._matmul import matmul_accumulate
 from tigon.ops._softmax_rows import REDUCTION_SCALES
+from tigon.ops._sum_round_tiles import sum_round, sum_round_available
 from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 from tigon.ops.cross_entropy import (
     CROSS_ENTROPY_FWD,
@@ -136,6 +137,11 @@ class FusedLinearCrossEntropyConfig:
     # cuBLAS's tiles (and the chunk kernels' column blocks).
     token_align: int = 256
     class_align: int = 512
+    # With the fp32 dW accumulator, the last chunk's dW matmul adds its product to the accumulator and
+    # rounds the sum to dW's dtype itself (_sum_round_tiles.py) instead of cuBLAS's sum and a cast
+    # kernel: None where the device decides (a GPU with TMA, eager mode), True wherever the operands
+    # allow (the interpreter too), False never.
+    sum_round: bool | None = None
 
 
 CONFIG = FusedLinearCrossEntropyConfig()
@@ -150,11 +156,22 @@ LOSS_ROW_BYTES = 8
 @dataclass(frozen=True)
 class ChunkPlan:
     """How the logits are cut: ``size`` tokens per chunk (by_tokens) or ``size`` classes per chunk;
-    ``fp32_dw``: by tokens, dW is summed over the chunks in fp32 and rounded to its dtype once."""
+    ``fp32_dw``: by tokens, dW is summed over the chunks in fp32 and rounded to its dtype once;
+    ``last``: by tokens, the final chunk takes this many tokens (at most ``size``; 0: what remains);
+    ``sum_round``: with fp32_dw, the last chunk, the accumulator and dW rounded from it fit the budget
+    together (the add-and-round matmul may write dW while it reads the other two)."""
 
     by_tokens: bool
     size: int
     fp32_dw: bool = False
+    last: int = 0
+    sum_round: bool = False
+
+    def token_chunks(self, num_tokens: int) -> list[tuple[int, int]]:
+        """(start, end) of each token chunk: ``size`` tokens each, then ``last`` (or what remains)."""
+        body = max(num_tokens - self.last, 0) if 0 < self.last < num_tokens else num_tokens
+        chunks = [(c0, min(body, c0 + self.size)) for c0 in range(0, body, self.size)]
+        return chunks + ([(body, num_tokens)] if body < num_tokens else [])
 
 
 def chunk_plan(
@@ -206,16 +223,22 @@ def _balanced(num_tokens, tokens_fit, align):
 
 
 def fp32_dw_peak_bytes(
-    num_tokens: int, vocab: int, hidden: int, elem_size: int, chunk: int, *, dx_size: int, dw_size: int
+    num_tokens: int, vocab: int, hidden: int, elem_size: int, chunk: int, *, dx_size: int, dw_size: int,
+    last: int | None = None,
 ) -> int:
     """Peak bytes beyond the inputs, by tokens with an fp32 dW accumulator and ``chunk`` tokens of
-    logits: while the chunks are made, dX + the accumulator + one chunk + the loss rows; after the
-    chunk buffer is freed, dX + the accumulator + dW rounded to its dtype. A bias adds its fp32 sum
-    and its gradient, (4 + its size)·V bytes (under 0.1% at the benchmark heads)."""
+    logits: while the chunks are made, dX + the accumulator + one chunk + the loss rows; then dX + the
+    accumulator + dW rounded to its dtype, after the chunk buffer is freed (``last`` None: cuBLAS's sum,
+    then a cast) or beside the ``last`` tokens of the final chunk, whose buffer is made anew at its size
+    (the add-and-round matmul writes dW while it reads them and the accumulator). A bias adds its fp32
+    sum and its gradient, (4 + its size)·V bytes (under 0.1% at the benchmark heads)."""
     dx = num_tokens * hidden * dx_size
     accumulator = vocab * hidden * DW_ACCUMULATOR_BYTES
-    making = dx + accumulator + chunk * vocab * elem_size + num_tokens * LOSS_ROW_BYTES
+    loss_rows = num_tokens * LOSS_ROW_BYTES
+    making = dx + accumulator + chunk * vocab * elem_size + loss_rows
     rounding = dx + accumulator + vocab * hidden * dw_size
+    if last is not None:
+        rounding += last * vocab * elem_size + loss_rows
     return max(making, rounding)
 
 
@@ -226,19 +249,49 @@ def fp32_dw_plan(
     """By tokens with an fp32 dW accumulator, in chunks as large as logits_fraction of the whole
     logits' bytes (at most fp32_dw_max_bytes) allows once dX and the accumulator are counted
     (fp32_dw_peak_bytes); None when chunks of fp32_dw_min_token_chunk tokens do not fit. One chunk
-    of all the tokens needs no accumulator: dW is then one matmul, rounded once in its own dtype."""
+    of all the tokens needs no accumulator: dW is then one matmul, rounded once in its own dtype.
+
+    The last chunk may also hold dW rounded from the accumulator (``sum_round``: the add-and-round
+    matmul writes it while it reads the chunk): where even chunks would not leave room for it, the
+    last chunk is cut to what fits and the others share the rest evenly; where no such last chunk of
+    token_align tokens fits, dW is summed by cuBLAS and cast once the chunks are freed. At N = 8192,
+    V = 151936, H = 896 in bf16: 2 chunks of 3072 tokens and a last one of 2048 (1.49 GB, the budget,
+    while the chunks are made; 1.45 GB in the last one), where 3 even chunks of 2816 would take
+    1.61 GB in the last one."""
     config = config or CONFIG
+    align = config.token_align
     budget = min(config.logits_fraction * num_tokens * vocab * elem_size, config.fp32_dw_max_bytes)
     held = num_tokens * hidden * dx_size + vocab * hidden * DW_ACCUMULATOR_BYTES   # dX + accumulator
-    if held + vocab * hidden * dw_size > budget:                                   # the final rounding
+    dw_bytes = vocab * hidden * dw_size
+    if held + dw_bytes > budget:                                                   # the final rounding
         return None
     room = budget - held - num_tokens * LOSS_ROW_BYTES                              # for one chunk
-    tokens_fit = int(room // (vocab * elem_size)) // config.token_align * config.token_align
-    if tokens_fit < max(config.fp32_dw_min_token_chunk, config.token_align):
+    row_bytes = vocab * elem_size
+    tokens_fit = int(room // row_bytes) // align * align
+    if tokens_fit < max(config.fp32_dw_min_token_chunk, align):
         return None
     if tokens_fit >= num_tokens:
         return ChunkPlan(True, num_tokens)
-    return ChunkPlan(True, _balanced(num_tokens, tokens_fit, config.token_align), fp32_dw=True)
+    even = _balanced(num_tokens, tokens_fit, align)
+    last_fit = int((room - dw_bytes) // row_bytes) // align * align                 # beside dW
+    if last_fit >= align:
+        if num_tokens - (-(-num_tokens // even) - 1) * even <= last_fit:             # even chunks fit
+            return ChunkPlan(True, even, fp32_dw=True, sum_round=True)
+        # The fewest chunks, k − 1 of at most tokens_fit and a last one of at most last_fit: the
+        # others share what the last one leaves as evenly as they can (aligned where that leaves
+        # the last token_align tokens at least), the last takes the rest (at most last_fit, and
+        # fewer than the others: they are larger than the even size).
+        chunks = 1 + -(-(num_tokens - last_fit) // tokens_fit)
+        if chunks > -(-num_tokens // even):  # a chunk more (8·V·H bytes of the accumulator) costs more
+            return ChunkPlan(True, even, fp32_dw=True)                    # than the cast (6·V·H)
+        size = -(-(num_tokens - last_fit) // (chunks - 1))
+        aligned = -(-size // align) * align
+        if aligned <= tokens_fit and num_tokens - (chunks - 1) * aligned >= align:
+            size = aligned
+        last = num_tokens - (chunks - 1) * size
+        if last > 0:
+            return ChunkPlan(True, size, fp32_dw=True, last=last, sum_round=True)
+    return ChunkPlan(True, even, fp32_dw=True)
 
 
 # ------------------------------------------------------------------------------------ chunked passes
@@ -288,9 +341,11 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     """Loss rows and (dx, dw, db) with the logits made C = ``plan.size`` tokens at a time.
 
     dW is summed over the chunks in its own dtype, or with ``plan.fp32_dw`` in an fp32 accumulator
-    (by the matmul itself on the GPU), rounded to its dtype once the chunk buffer is freed.
+    (by the matmul itself on the GPU) and rounded to its dtype once: by the last chunk's add-and-round
+    matmul where the plan has room for it (``plan.sum_round``) and it runs (``CONFIG.sum_round``), else
+    by a cast once the chunk buffer is freed. With ``plan.sum_round`` a last chunk smaller than the
+    others gets a buffer of its own size (fp32_dw_peak_bytes).
     """
-    chunk = plan.size
     need_dx, need_dw, need_db = need
     num_tokens, vocab = x.shape[0], w.shape[0]
     any_grad = need_dx or need_dw or need_db
@@ -299,11 +354,17 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     dx = torch.empty(x.shape, dtype=dx_dtype, device=x.device) if need_dx else None
     dw = torch.empty(w.shape, dtype=dw_sum_dtype, device=x.device) if need_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
-    buffer = _chunk_buffer(min(chunk, num_tokens) * vocab, x.dtype, x.device)
+    chunks = plan.token_chunks(num_tokens)
+    buffer_rows = max((c1 - c0 for c0, c1 in chunks), default=0)
+    buffer = _chunk_buffer(buffer_rows * vocab, x.dtype, x.device)
+    logits = dlogits = None
     losses = []
-    for c0 in range(0, num_tokens, chunk):
-        c1 = min(num_tokens, c0 + chunk)
+    for i, (c0, c1) in enumerate(chunks):
         x_c = x[c0:c1]
+        is_last = i == len(chunks) - 1
+        if is_last and plan.sum_round and buffer is not None and c1 - c0 < buffer_rows:
+            logits = dlogits = buffer = None                               # freed before the smaller one is made
+            buffer = _chunk_buffer((c1 - c0) * vocab, x.dtype, x.device)
         logits = _linear(x_c, w, b, _view(buffer, c1 - c0, vocab))       # (C, V)
         if not any_grad:
             loss_c, _ = CROSS_ENTROPY_FWD(logits, target[c0:c1], class_weight, scales, *opts.args(), False)
@@ -316,8 +377,12 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
         dlogits = logits                                                   # (C, V), overwritten in place
         if need_dx:
             _mm_into(dx[c0:c1], dlogits, w)                                # (C, H)
-        if need_dw:
-            matmul_accumulate(dw, dlogits.t(), x_c, first=c0 == 0)         # (V, H)
+        if need_dw and is_last and i > 0 and plan.sum_round and dw.dtype != dw_dtype and dw_dtype == x.dtype \
+                and sum_round_available(dlogits, x_c, CONFIG.sum_round):
+            rounded = torch.empty(w.shape, dtype=dw_dtype, device=x.device)
+            dw = sum_round(dlogits, x_c, dw, rounded)                      # (V, H): round(acc + dlᵀ·X_c)
+        elif need_dw:
+            matmul_accumulate(dw, dlogits.t(), x_c, first=i == 0)          # (V, H)
         if need_db:
             db += dlogits.sum(0, dtype=torch.float32)
     logits = dlogits = buffer = None  # freed before the accumulator is rounded (fp32_dw_peak_bytes)

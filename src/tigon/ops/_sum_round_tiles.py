@@ -1,0 +1,146 @@
+r"""The last product of a chunked fp32 sum, added and rounded in one matmul: D = round(C + Aᵀ·B).
+
+fused_linear_cross_entropy.py sums a 16-bit weight's gradient over token chunks in an fp32 accumulator
+C (V, H), one matmul per chunk (cuBLAS adds its product into C itself), then rounds C to the weight's
+dtype. cuBLAS cannot read an fp32 C and write a 16-bit D in one call, so the rounding is a cast kernel
+of its own: it reads C (4·V·H bytes) and writes D (2·V·H) after the last chunk's matmul has read and
+written C (8·V·H). Here the last chunk's matmul does both: with A = dl_c (K, M) the chunk's logit
+gradients (tokens × classes), B = X_c (K, N) its inputs and C the sum of the earlier chunks' products,
+
+    D[m, n] = round( C[m, n] + Σ_k A[k, m]·B[k, n] )           (M, N) = (V, H), K = the chunk's tokens
+
+the product summed in an fp32 accumulator and added to C in fp32 before the one rounding: the same
+value as cuBLAS's beta = 1 sum followed by the cast, up to the order of the products' sum (both fp32).
+Bytes: A once (the M blocks of A are reused from L2 by the N/BN column tiles that follow each other,
+``_tile_position`` with GROUP 1), B from L2, C read once (4·M·N) and D written once (2·M·N): the
+cast's traffic and the accumulator's write are gone (6·V·H bytes, 0.8 GB at V = 151936, H = 896).
+
+A persistent Triton matmul (TMA loads of A and B, zero-filled past the edges, software-pipelined over
+``STAGES`` buffers, loads and MMAs in their own warps with ``WARP_SPECIALIZE``); the epilogue loads C
+and stores D with plain masked accesses (their rows are unit-stride, 4·BN and 2·BN bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon._interpreter import interpreter_active
+from tigon.ops._common import wrap_triton
+from tigon.ops._launch import PLAIN_TENSORS, TigonOp, cdiv, tracing_active
+from tigon.ops._logprob_tiles import TensorDescriptor, _programs, _tile_position
+
+# The interpreter computes tl.dot of 16-bit tiles in fp32 (numpy has no bf16 matmul): widen them there.
+INTERPRET = tl.constexpr(interpreter_active())
+
+
+@dataclass(frozen=True)
+class SumRoundConfig:
+    """The kernel's tiling (dev/tune_sum_round.py sweeps it on the H100)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    num_warps: int = 8
+    warp_specialize: bool = True
+
+    def tiling(self) -> tuple:
+        return (self.block_m, self.block_n, self.block_k, self.stages, self.num_warps, self.warp_specialize)
+
+
+DEFAULT_CONFIG = SumRoundConfig()
+
+
+@triton.jit
+def sum_round_tiles_kernel(
+    a_desc, b_desc,                         # TMA: A (K, M) in (BK, BM) blocks; B (K, N) in (BK, BN) blocks
+    c_ptr, c_row_stride,                    # (M, N) fp32: the sum so far
+    d_ptr, d_row_stride,                    # (M, N) out, 16-bit: round(C + Aᵀ·B)
+    size_m, size_n, size_k,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """D = round(C + Aᵀ·B) one (BM, BN) tile at a time (module docs)."""
+    num_m = tl.cdiv(size_m, BM)
+    num_n = tl.cdiv(size_n, BN)
+    k_tiles = tl.cdiv(size_k, BK)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE, num_stages=STAGES):
+        pid_m, pid_n = _tile_position(tile, num_m, num_n, 1)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(k_tiles):
+            a = a_desc.load([k * BK, pid_m * BM])          # (BK, BM)
+            b = b_desc.load([k * BK, pid_n * BN])          # (BK, BN)
+            if INTERPRET:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a.T, b, acc)                      # (BM, BN) fp32
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        cols = pid_n * BN + tl.arange(0, BN)
+        inside = (rows[:, None] < size_m) & (cols[None, :] < size_n)
+        c = tl.load(c_ptr + rows[:, None] * c_row_stride + cols[None, :], mask=inside, other=0.0)
+        d = acc + c.to(tl.float32)
+        tl.store(d_ptr + rows[:, None] * d_row_stride + cols[None, :], d.to(d_ptr.dtype.element_ty), mask=inside)
+
+
+def sum_round_available(a: torch.Tensor, b: torch.Tensor, wanted: bool | None) -> bool:
+    """Whether the kernel can add A's product: ``wanted`` None decides by the device (sm_90 or newer,
+    eager mode), True wherever the operands allow (the interpreter too), False never. The operands:
+    plain bf16/fp16 tensors of one dtype, unit stride along their last dim, rows and addresses 16-byte
+    aligned (TMA's rule)."""
+    if wanted is False or TensorDescriptor is None or tracing_active():
+        return False
+    if type(a) not in PLAIN_TENSORS or type(b) not in PLAIN_TENSORS:
+        return False
+    if wanted is None and not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9):
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+        return False
+    size = a.element_size()
+    return all(
+        t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
+    )
+
+
+def _sum_round_impl(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, block_m: int, block_n: int, block_k: int,
+    stages: int, num_warps: int, warp_specialize: bool,
+) -> None:
+    """d = round(c + aᵀ·b): a (K, M), b (K, N), c (M, N) fp32, d (M, N) in a's dtype."""
+    size_k, size_m = a.shape
+    size_n = b.shape[1]
+    tiles = cdiv(size_m, block_m) * cdiv(size_n, block_n)
+    if tiles == 0:
+        return
+    programs = _programs(a.device)
+    wrap_triton(sum_round_tiles_kernel)[(min(programs, tiles),)](
+        TensorDescriptor.from_tensor(a, [block_k, block_m]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
+        c, c.stride(0), d, d.stride(0), size_m, size_n, size_k,
+        BM=block_m, BN=block_n, BK=block_k, NUM_PROGRAMS=programs, STAGES=stages,
+        WARP_SPECIALIZE=warp_specialize and a.is_cuda, num_warps=num_warps,
+    )
+
+
+SUM_ROUND = TigonOp("sum_round_tiles_", _sum_round_impl, mutates_args={"d"})
+
+
+def sum_round(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
+              config: SumRoundConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """``out`` = round(c + aᵀ·b) in out's dtype (a's): a (K, M), b (K, N), c (M, N) fp32 with unit
+    stride along N. Callers check :func:`sum_round_available` first."""
+    if c.dtype != torch.float32 or c.stride(-1) != 1 or out.stride(-1) != 1 or out.dtype != a.dtype:
+        raise ValueError("sum_round: c must be fp32 and c, out unit-stride along their last dim, out in a's dtype")
+    if a.shape[0] != b.shape[0] or c.shape != (a.shape[1], b.shape[1]) or out.shape != c.shape:
+        raise ValueError(f"sum_round: shapes a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}, "
+                         f"out {tuple(out.shape)} do not match (K, M), (K, N), (M, N)")
+    SUM_ROUND(a, b, c, out, *config.tiling())
+    return out
+
+
+def sum_round_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """round(c + aᵀ·b), the product and the sum in fp64."""
+    return (c.double() + a.double().t() @ b.double()).to(a.dtype)
