@@ -355,7 +355,7 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     dw = torch.empty(w.shape, dtype=dw_sum_dtype, device=x.device) if need_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
     chunks = plan.token_chunks(num_tokens)
-    buffer_rows = max((c1 - c0 for c0, c1 in chunks), default=0)
+    buffer_rows = max([0] + [c1 - c0 for c0, c1 in chunks])
     buffer = _chunk_buffer(buffer_rows * vocab, x.dtype, x.device)
     logits = dlogits = None
     losses = []
