@@ -319,7 +319,7 @@ def jobs_for(args) -> list[dict]:
 KERNEL_CATEGORIES = (
     ("inductor fused", r"^triton_(poi|red|per)_"),
     ("attention", r"flash|fmha|sdpa|attention"),
-    ("matmul", r"gemm|gemv|cutlass|cublas|xmma|nvjet|wgmma|splitKreduce|^triton_tem_"
+    ("matmul", r"gemm|gemv|cutlass|cublas|xmma|nvjet|wgmma|splitKreduce|^triton_tem_|^sum_round_tiles_kernel$"
                r"|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
     ("loss", r"cross_?entropy|nll_loss|log_?softmax|logsumexp|(?<![a-z])lse(?![a-z])|fused_linear"
              r"|element_mul_kernel|kl_?div|jsd|tvd|divergence|logprobs|^reduction_scales_kernel$|^scale_rows_kernel$"),
