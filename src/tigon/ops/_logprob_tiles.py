@@ -327,23 +327,27 @@ def logprobs_tiles_combine_kernel(
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def tiles_available(x: torch.Tensor, w: torch.Tensor, wanted: bool | None) -> bool:
-    """Whether the tile kernel can run this head: ``wanted`` None decides by the device (a GPU with TMA,
-    sm_90 or newer; eager mode: Inductor does not take host-made descriptors), True asks for it wherever
-    the operands allow (the interpreter included), False never. The operands: bf16 or fp16 (module
-    docs), unit stride along H, rows and addresses 16-byte aligned (TMA's rule)."""
+def tma_operands(a: torch.Tensor, b: torch.Tensor, wanted: bool | None) -> bool:
+    """Whether a tile kernel fed by host-made TMA descriptors can take these two operands: ``wanted`` None
+    decides by the device (a GPU with TMA, sm_90 or newer; eager mode: Inductor does not take host-made
+    descriptors), True asks for it wherever the operands allow (the interpreter included), False never.
+    The operands: plain bf16 or fp16 tensors of one dtype (module docs), unit stride along their last dim,
+    rows and addresses 16-byte aligned (TMA's rule)."""
     if wanted is False or TensorDescriptor is None or tracing_active():
         return False
-    if type(x) not in PLAIN_TENSORS or type(w) not in PLAIN_TENSORS:  # a DTensor, a subclass: no address
+    if type(a) not in PLAIN_TENSORS or type(b) not in PLAIN_TENSORS:  # a DTensor, a subclass: no address
         return False
-    if wanted is None and not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+    if wanted is None and not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9):
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
         return False
-    size = x.element_size()
-    return all(
-        t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, w)
-    ) and (x.shape[-1] * size) % 16 == 0
+    size = a.element_size()
+    return all(t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+
+
+def tiles_available(x: torch.Tensor, w: torch.Tensor, wanted: bool | None) -> bool:
+    """Whether the tile kernel can run this head (:func:`tma_operands`), its rows of H 16-byte aligned too."""
+    return tma_operands(x, w, wanted) and (x.shape[-1] * x.element_size()) % 16 == 0
 
 
 def _programs(device: torch.device) -> int:

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from tigon._interpreter import interpreter_active
 from tigon.ops._common import wrap_triton
-from tigon.ops._launch import PLAIN_TENSORS, TigonOp, cdiv, tracing_active
-from tigon.ops._logprob_tiles import TensorDescriptor, _programs, _tile_position
+from tigon.ops._launch import TigonOp, cdiv
+from tigon.ops._logprob_tiles import TensorDescriptor, _programs, _tile_position, tma_operands
 
 # The interpreter computes tl.dot of 16-bit tiles in fp32 (numpy has no bf16 matmul): widen them there.
 INTERPRET = tl.constexpr(interpreter_active())
@@ -88,22 +88,11 @@ def sum_round_tiles_kernel(
 
 
 def sum_round_available(a: torch.Tensor, b: torch.Tensor, wanted: bool | None) -> bool:
-    """Whether the kernel can add A's product: ``wanted`` None decides by the device (sm_90 or newer,
-    eager mode), True wherever the operands allow (the interpreter too), False never. The operands:
-    plain bf16/fp16 tensors of one dtype, unit stride along their last dim, rows and addresses 16-byte
-    aligned (TMA's rule)."""
-    if wanted is False or TensorDescriptor is None or tracing_active():
-        return False
-    if type(a) not in PLAIN_TENSORS or type(b) not in PLAIN_TENSORS:
-        return False
-    if wanted is None and not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9):
-        return False
-    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
-        return False
-    size = a.element_size()
-    return all(
-        t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
-    )
+    """Whether the kernel can add A's product: the TMA operand rules of the log-prob head's tile kernel
+    (``_logprob_tiles.tma_operands``: ``wanted`` None decides by the device, sm_90 or newer in eager mode;
+    True wherever plain bf16/fp16 operands of one dtype, unit stride along their last dim, rows and
+    addresses 16-byte aligned, allow it; False never)."""
+    return tma_operands(a, b, wanted)
 
 
 def _sum_round_impl(
