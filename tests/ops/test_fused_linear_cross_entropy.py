@@ -424,6 +424,11 @@ def test_chunk_plan_at_benchmark_shapes(hidden, vocab):
     if plan.by_tokens:
         assert -(-tokens // plan.size) <= CONFIG.max_token_chunks
         workspace = plan.size * vocab * elem
+        if hidden == 2304:  # the budget gives 768 tokens; chunks of min_token_chunk fit 1.45×
+            assert plan.size == CONFIG.min_token_chunk == 1024
+            assert workspace > CONFIG.workspace_fraction * gradient_bytes
+            assert gradient_bytes + workspace <= (1 + CONFIG.max_workspace_fraction) * gradient_bytes
+            return
     else:
         # While chunks are made: dW, one chunk and the fp32 dX accumulator; dX in its own dtype is
         # made after the chunk buffer is freed.
@@ -441,6 +446,33 @@ def test_chunk_plan_small_problems(hidden, vocab):
     for tokens in (1, 100, 256):
         assert chunk_plan(tokens, vocab, hidden, 2) == ChunkPlan(True, tokens)
     assert chunk_plan(100, 1000, 64, 2) == ChunkPlan(True, 100)
+
+
+def test_chunk_plan_min_token_chunk():
+    """By tokens in dW's 16-bit dtype, chunks of fewer than min_token_chunk tokens are raised to it where
+    that fits max_workspace_fraction of the gradients (as many chunks as min_token_chunk tokens take,
+    evened out), else left to the budget; fp32 dW keeps its own rule."""
+    raised = kept = 0
+    align = CONFIG.token_align
+    for tokens in (1500, 4096, 8192, 16384):
+        for hidden in (1024, 2304, 3072, 4096):
+            for vocab in (128256, 256000, 262144):
+                gradient_bytes = (tokens + vocab) * hidden * 2
+                plan = chunk_plan(tokens, vocab, hidden, 2)
+                if not plan.by_tokens or plan.fp32_dw or plan.size >= tokens:
+                    continue
+                budget_tokens = int(CONFIG.workspace_fraction * gradient_bytes // (vocab * 2)) // align * align
+                fits_wider = CONFIG.min_token_chunk * vocab * 2 <= CONFIG.max_workspace_fraction * gradient_bytes
+                chunks = len(plan.token_chunks(tokens))
+                if budget_tokens < CONFIG.min_token_chunk and fits_wider:
+                    raised += 1
+                    assert chunks == -(-tokens // CONFIG.min_token_chunk) <= -(-tokens // budget_tokens)
+                    assert plan.size <= CONFIG.min_token_chunk
+                else:
+                    kept += 1
+                    assert chunks == -(-tokens // budget_tokens) and plan.size <= budget_tokens
+                assert chunk_plan(tokens, vocab, hidden, 2, dx_size=4, dw_size=4).size >= min(tokens, CONFIG.fp32_token_chunk)
+    assert raised and kept
 
 
 def test_chunk_plan_fp32_dw_within_budget():

@@ -6,6 +6,8 @@ zero-fills past the edge), M and N not multiples of the tile (masked epilogue), 
 program of the persistent loop.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,15 +52,18 @@ def test_sum_round_matches_fp64(dtype, size):
 
 
 @pytest.mark.parametrize("dtype", TILE_DTYPES)
-def test_sum_round_strided_operands(dtype):
-    """A and B column slices of wider matrices (row strides > width), C and D rows of wider ones."""
+@pytest.mark.parametrize("d_tma", [True, False])
+@pytest.mark.parametrize("out_extra", [8, 3])
+def test_sum_round_strided_operands(dtype, d_tma, out_extra):
+    """A and B column slices of wider matrices (row strides > width), C and D rows of wider ones; D's
+    rows 16-byte aligned (stored by TMA when asked) or not (masked stores whatever is asked)."""
     k, m, n = 45, 64, 48
     a_wide, b_wide, c_wide = operands(k, m + 24, n + 16, dtype)
     a, b, c = a_wide[:, 8:8 + m], b_wide[:, 8:8 + n], c_wide[:m, 16:16 + n]
-    out_wide = torch.full((m, n + 8), float("nan"), dtype=dtype, device=DEVICE)
+    out_wide = torch.full((m, n + out_extra), float("nan"), dtype=dtype, device=DEVICE)
     out = out_wide[:, :n]
     assert sum_round_available(a, b, True)
-    sum_round(a, b, c, out, SMALL)
+    sum_round(a, b, c, out, dataclasses.replace(SMALL, d_tma=d_tma))
     assert_rounded_once(out, a, b, c)
     assert torch.isnan(out_wide[:, n:]).all()  # nothing written past the output's columns
 

@@ -341,8 +341,13 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, wanted: bool | None) -> bool:
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
         return False
-    size = a.element_size()
-    return all(t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+    return tma_rows(a) and tma_rows(b)
+
+
+def tma_rows(t: torch.Tensor) -> bool:
+    """TMA's rule for a 2-D tensor it reads or writes: unit stride along the last dim, rows and address
+    16-byte aligned."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def tiles_available(x: torch.Tensor, w: torch.Tensor, wanted: bool | None) -> bool:

@@ -58,7 +58,8 @@ Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
 
 Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized to
 ``workspace_fraction`` of the gradient bytes (at least ``min_workspace_bytes``; both in
-:class:`FusedLinearCrossEntropyConfig`), plus fp32 per-token state and, by classes, an fp32 dX
+:class:`FusedLinearCrossEntropyConfig`; by tokens in dW's dtype, up to ``max_workspace_fraction`` where
+that gives chunks of ``min_token_chunk`` tokens, 1024, when the first budget gives fewer), plus fp32 per-token state and, by classes, an fp32 dX
 accumulator (dX in its own dtype is made from it after the chunk buffer is freed, so the
 accumulator takes its place in the budget). With the fp32 dW accumulator (:func:`fp32_dw_peak_bytes`):
 dX + accumulator + one chunk + the loss rows while chunks are made; dX + accumulator + dW + the last
@@ -67,8 +68,9 @@ At N = 8192 in bf16:
 
 * H = 4096, V = 128256 → 7 token chunks of 1280 in bf16, peak ≈ 1.12 GB of gradients + 0.33 GB.
   The accumulator alone (2.10 GB) passes 0.6 of the 2.10 GB of logits (1.26 GB).
-* H = 2304, V = 256000 → 11 token chunks of 768 in bf16, peak ≈ 1.32× the 1.22 GB of gradients.
-  The accumulator (2.36 GB) passes the 1.5 GiB cap (1.61 GB).
+* H = 2304, V = 256000 → 8 token chunks of 1024 in bf16 (the budget alone gives 768: 11 chunks,
+  4% slower), peak ≈ 1.43× the 1.22 GB of gradients. The accumulator (2.36 GB) passes the 1.5 GiB
+  cap (1.61 GB).
 * H = 896, V = 151936 → token chunks of 3072, 3072 and 2048 with the fp32 accumulator: 15 MB of
   dX + 545 MB of accumulator + 934 MB of chunk = 1.49 GB while chunks are made (0.6 of the 2.49 GB
   of logits), 1.45 GB while the last chunk's matmul rounds dW (+ 272 MB; even chunks of 2816 would
@@ -124,6 +126,14 @@ class FusedLinearCrossEntropyConfig:
     min_workspace_bytes: int = 64 << 20
     # By tokens, dW is a sum of this many partials at most in the weight's dtype (accuracy).
     max_token_chunks: int = 12
+    # By tokens in dW's 16-bit dtype, chunks get at least this many tokens where that takes at most
+    # max_workspace_fraction of the gradients' bytes: each chunk's dW matmul (K = its tokens) reads and
+    # writes all of dW, and short ones run below the matmul's rate. At Gemma-2-2B's head (H = 2304,
+    # V = 256000, N = 8192) 11 chunks of 768 took 49.9 ms in 1536 MiB, 8 of 1024 47.7 ms in 1661 MiB
+    # (dev/tune_flce_token_chunks.py); at Llama-3-8B's, where the budget gives 1280, larger chunks
+    # were no faster.
+    min_token_chunk: int = 1024
+    max_workspace_fraction: float = 0.45
     # By tokens with an fp32 dW, each chunk's dW matmul reads and writes all of dW (8·V·H bytes) for
     # 2·C·V·H flops, C/4 flops per byte: at C ≥ 512 tokens that is ≥ 128 flops per byte.
     min_fp32_token_chunk: int = 512
@@ -212,6 +222,10 @@ def chunk_plan(
         if plan is not None:
             return plan
     tokens_fit = tokens_fit // config.token_align * config.token_align
+    if dw_size < 4 and tokens_fit < config.min_token_chunk:
+        wider = config.max_workspace_fraction * gradient_bytes
+        if config.min_token_chunk * vocab * elem_size <= wider:
+            tokens_fit = config.min_token_chunk
     chunks = -(-num_tokens // tokens_fit) if tokens_fit > 0 else None
     fp32_sum = dw_size >= 4 and tokens_fit >= config.min_fp32_token_chunk
     if chunks is not None and (fp32_sum or chunks <= config.max_token_chunks):
