@@ -635,7 +635,7 @@ def _dw_reference_fp64(x, w, target, chunk=1024):
 @pytest.mark.parametrize("hidden,vocab", ((4096, 128256), (896, 151936), (2304, 256000)))
 def test_flce_benchmark_shapes_accuracy_and_memory(hidden, vocab):
     """dW within 5e-3 of fp64 with bf16 inputs (2.5e-3, one rounding, with the fp32 accumulator),
-    and peak memory within the plan's budget."""
+    and peak memory within the plan's budget (at Gemma-2-2B's head the wider one of min_token_chunk)."""
     tokens = 8192
     x = (torch.randn(tokens, hidden, device=DEVICE) * 0.5).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(vocab, hidden, device=DEVICE) * hidden**-0.5).to(torch.bfloat16).requires_grad_()
@@ -660,7 +660,10 @@ def test_flce_benchmark_shapes_accuracy_and_memory(hidden, vocab):
     unfused = rel_err(w.grad, reference)
     if plan.fp32_dw:  # the plan's budget; dW rounded once, as the unfused loss's
         limit, dw_limit = fp32_dw_budget(tokens, vocab), 1.1 * unfused
-    else:
-        limit, dw_limit = (1.5e9 if hidden == 4096 else 1.35 * gradient_bytes), 5e-3
+    else:  # the workspace budget (+2% of the gradients for per-token state), or the wider one where the
+        # plan raised the chunks to min_token_chunk tokens (Gemma-2-2B's head)
+        raised = plan.size * vocab * 2 > CONFIG.workspace_fraction * gradient_bytes
+        fraction = CONFIG.max_workspace_fraction if raised else CONFIG.workspace_fraction
+        limit, dw_limit = (1.5e9 if hidden == 4096 else (1.02 + fraction) * gradient_bytes), 5e-3
     assert peak <= limit, f"peak {peak / 1e9:.3f} GB > {limit / 1e9:.3f} GB"
     assert err <= dw_limit, f"dW relative error {err:.2e} (unfused bf16 loss: {unfused:.2e})"
