@@ -76,10 +76,10 @@ def main() -> None:
         op_host_costs(args.ops, args.top)
         return
 
+    from benchmarks import e2e_vlm
+
     import tigon
     from tigon.bench.models import build_model
-
-    from benchmarks import e2e_vlm
 
     device = torch.device("cuda")
     batch = batch_for(args.model, args.batch)
@@ -205,8 +205,9 @@ def vision_share(model, timed_step) -> None:
         if torch.is_tensor(out) and out.requires_grad:
             out.register_hook(lambda grad: marks.__setitem__("vision backward start", time.perf_counter()))
 
-    handles = [model.model.visual.register_forward_pre_hook(lambda m, a: marks.__setitem__("start", time.perf_counter())),
-               model.model.visual.register_forward_hook(output_hook)]
+    visual = model.model.visual
+    handles = [visual.register_forward_pre_hook(lambda m, a: marks.__setitem__("start", time.perf_counter())),
+               visual.register_forward_hook(output_hook)]
     original = torch.Tensor.backward
 
     def backward(self, *a, **k):

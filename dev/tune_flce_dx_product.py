@@ -37,13 +37,13 @@ def main():
         scratch = torch.empty(chunk, hidden, device="cuda", dtype=torch.float32)
         flops = 2 * chunk * vocab * hidden
 
-        def bf16_out():
+        def bf16_out(g=g, w=w, dx=dx):
             torch.mm(g, w, out=dx)
 
-        def fp32_out():
+        def fp32_out(g=g, w=w, scratch=scratch):
             torch.addmm(scratch, g, w, beta=0.0, out_dtype=torch.float32, out=scratch)
 
-        def fp32_out_cast():
+        def fp32_out_cast(g=g, w=w, dx=dx, scratch=scratch):
             torch.addmm(scratch, g, w, beta=0.0, out_dtype=torch.float32, out=scratch)
             dx.copy_(scratch)
 

@@ -72,7 +72,8 @@ def run(label, hidden, vocab, softcap, plans):
             x.grad = w.grad = None
             if want is None:
                 want = got
-            diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want))
+            diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                       for a, b in zip(got, want, strict=True))
             got = None
 
             def timed():

@@ -59,7 +59,8 @@ Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
 Memory beyond the inputs: the gradients (dX, dW, db) plus one chunk of L, sized to
 ``workspace_fraction`` of the gradient bytes (at least ``min_workspace_bytes``; both in
 :class:`FusedLinearCrossEntropyConfig`; by tokens in dW's dtype, up to ``max_workspace_fraction`` where
-that gives chunks of ``min_token_chunk`` tokens, 1024, when the first budget gives fewer), plus fp32 per-token state and, by classes, an fp32 dX
+that gives chunks of ``min_token_chunk`` tokens, 1024, when the first budget gives fewer), plus fp32
+per-token state and, by classes, an fp32 dX
 accumulator (dX in its own dtype is made from it after the chunk buffer is freed, so the
 accumulator takes its place in the budget). With the fp32 dW accumulator (:func:`fp32_dw_peak_bytes`):
 dX + accumulator + one chunk + the loss rows while chunks are made; dX + accumulator + dW + the last
