@@ -95,14 +95,6 @@ def repeatable_grads(fn, inputs, grad_outputs):
     return first
 
 
-def gpu_kernels(fn) -> list[str]:
-    """The names of the GPU kernels ``fn()`` launches (its results discarded)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (for torchrun and process-group rendezvous)."""
     with socket.socket() as s:

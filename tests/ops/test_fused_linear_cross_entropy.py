@@ -16,16 +16,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from tests.helpers import (
-    DEVICE,
-    DTYPES,
-    LOSS_TOLERANCE,
-    assert_close,
-    fp64_reference,
-    gpu_kernels,
-    randn,
-    rel_err,
-)
+from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn, rel_err
 from tigon.ops import _vocab_chunks
 from tigon.ops._matmul import matmul_accumulate
 from tigon.ops._sum_round_tiles import sum_round
@@ -593,13 +584,10 @@ def test_flce_torch_compile_fullgraph(reduction):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ("mean", "none"))
-@pytest.mark.parametrize("sum_round", (False, True))
-def test_flce_fp32_dw_torch_compile_fullgraph(reduction, sum_round, monkeypatch):
+def test_flce_fp32_dw_torch_compile_fullgraph(reduction, monkeypatch):
     """The fp32 dW accumulator traced by torch.compile (no chunk buffer, plain matmuls) and run eagerly
-    (the matmul adding into fp32 itself): 4 chunks of 256 tokens, against the fp64 reference; with
-    ``sum_round`` the last chunk's add-and-round matmul runs under compile too (an opaque op)."""
-    plan = ChunkPlan(True, 256, fp32_dw=True, sum_round=sum_round)
-    monkeypatch.setattr(flce_module, "chunk_plan", lambda *a, **k: plan)
+    (the matmul adding into fp32 itself): 4 chunks of 256 tokens, against the fp64 reference."""
+    monkeypatch.setattr(flce_module, "chunk_plan", lambda *a, **k: ChunkPlan(True, 256, fp32_dw=True))
     x, w, b = make_inputs((4, 256), 512, 32000, torch.bfloat16, bias=True)
     target = make_target((4, 256), 32000, ignored=9)
 
@@ -617,8 +605,6 @@ def test_flce_fp32_dw_torch_compile_fullgraph(reduction, sum_round, monkeypatch)
         assert grads[1].dtype == torch.bfloat16
         for name, g in zip(("input", "linear_weight", "linear_bias"), grads, strict=True):
             assert_close(g, ref_grads[name], torch.bfloat16, f"d{name}")
-        kernels = gpu_kernels(lambda fn=fn: torch.autograd.grad(fn(x, w, b, target), (x, w, b)))
-        assert sum("sum_round_tiles_kernel" in k for k in kernels) == int(sum_round), sorted(set(kernels))
 
 
 @pytest.mark.gpu

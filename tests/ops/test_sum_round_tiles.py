@@ -12,14 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, randn
-from tigon.ops._logprob_tiles import tma_operands, tma_ready
-from tigon.ops._sum_round_tiles import (
-    SUM_ROUND,
-    SumRoundConfig,
-    sum_round,
-    sum_round_available,
-    sum_round_reference,
-)
+from tigon.ops._sum_round_tiles import SumRoundConfig, sum_round, sum_round_available, sum_round_reference
 
 TILE_DTYPES = (torch.bfloat16, torch.float16)
 SMALL = SumRoundConfig(block_m=32, block_n=32, block_k=16, stages=2, num_warps=4)
@@ -112,35 +105,3 @@ def test_sum_round_bad_inputs():
     with pytest.raises(ValueError, match="do not match"):
         sum_round(a, b, c[:16], out, SMALL)
     assert torch.equal(out, torch.zeros_like(out))  # nothing written
-
-
-def test_sum_round_registered_op():
-    """The registered op (opaque: torch.compile records a call and runs the kernel as it is): schema,
-    fake outputs and the mutation of D, by torch.library.opcheck (on copies of the arguments); then one
-    call through the dispatcher."""
-    a, b, c = operands(45, 64, 48, torch.bfloat16)
-    out = torch.empty(64, 48, dtype=torch.bfloat16, device=DEVICE)
-    torch.library.opcheck(SUM_ROUND.op, (a, b, c, out, *SMALL.tiling()))
-    SUM_ROUND.op(a, b, c, out, *SMALL.tiling())
-    assert_rounded_once(out, a, b, c)
-
-
-def test_tma_operands_traced_by_layout():
-    """Under tracing (fake tensors, no address) the operands are checked by their layout: the offset
-    into the storage, 16-byte aligned or not; at run time a misaligned operand is copied (tma_ready)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    a, b, _ = operands(16, 32, 32, torch.bfloat16)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fa, fb = mode.from_tensor(a), mode.from_tensor(b)
-        assert tma_operands(fa, fb, True)
-        wide = mode.from_tensor(torch.empty(16, 41, dtype=torch.bfloat16, device=DEVICE))
-        assert not tma_operands(wide[:, 1:33], fb, True)                  # rows of 82 bytes
-        flat = mode.from_tensor(torch.empty(16 * 32 + 8, dtype=torch.bfloat16, device=DEVICE))
-        assert tma_operands(flat[8:].view(16, 32), fb, True)               # offset 16 bytes
-        assert not tma_operands(flat[1:513].view(16, 32), fb, True)        # offset 2 bytes
-    flat = torch.randn(16 * 32 + 1, dtype=torch.bfloat16, device=DEVICE)
-    shifted = flat[1:].view(16, 32)
-    ready = tma_ready(shifted)
-    assert ready.data_ptr() % 16 == 0 and torch.equal(ready, shifted)
-    assert tma_ready(a) is a

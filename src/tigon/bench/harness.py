@@ -174,7 +174,7 @@ def providers_of(spec: Spec, only=None) -> dict:
 
 # torch.compile donates the saved buffers of its backward graph, which forbids the repeated
 # ``retain_graph`` backward that the bwd mode times; its backward shows in the full mode.
-SKIP = {("compile", "bwd"), ("tigon_compile", "bwd")}
+SKIP = {("compile", "bwd")}
 
 
 def run_spec(spec: Spec, bandwidth: float, *, quick=False, providers=None, log=print) -> list[dict]:

@@ -270,24 +270,15 @@ class TigonOp:
 
     ``mutates_args`` names the arguments ``impl`` writes in place (e.g. a gradient written into the
     logits' storage); such an op has no ``backward`` of its own.
-
-    ``fake`` (a function of the same arguments returning empty outputs of the right shapes) makes the
-    op opaque instead (``torch.library.custom_op``): torch.compile records a call to it and runs
-    ``impl`` as it is at run time, its kernels launched directly. For kernels fed by host-made TMA
-    descriptors (the tile matmuls), which Inductor does not take inside a traced launch.
     """
 
-    def __init__(self, name, impl, *, setup_context=None, backward=None, mutates_args=(), fake=None):
+    def __init__(self, name, impl, *, setup_context=None, backward=None, mutates_args=()):
         if mutates_args and backward is not None:
             # register_autograd refuses mutating ops: differentiate them through an
             # autograd.Function that calls this op (as cross_entropy does).
             raise ValueError(f"tigon::{name} mutates {mutates_args}: it cannot take a backward")
         self.impl = impl
-        if fake is None:
-            self.op = triton_op(f"tigon::{name}", impl, mutates_args=set(mutates_args))
-        else:
-            self.op = torch.library.custom_op(f"tigon::{name}", impl, mutates_args=tuple(sorted(mutates_args)))
-            self.op.register_fake(fake)
+        self.op = triton_op(f"tigon::{name}", impl, mutates_args=set(mutates_args))
         self.function = self.apply = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)

@@ -329,36 +329,25 @@ def logprobs_tiles_combine_kernel(
 
 def tma_operands(a: torch.Tensor, b: torch.Tensor, wanted: bool | None) -> bool:
     """Whether a tile kernel fed by host-made TMA descriptors can take these two operands: ``wanted`` None
-    decides by the device (a GPU with TMA, sm_90 or newer), True asks for it wherever the operands allow
-    (the interpreter included), False never. The operands: plain bf16 or fp16 tensors of one dtype
-    (module docs), unit stride along their last dim, rows and addresses 16-byte aligned (TMA's rule).
-    Under torch.compile the kernels run inside opaque ops (``TigonOp``'s ``fake``), and the operands
-    are checked by their layout alone (:func:`tma_rows`)."""
-    if wanted is False or TensorDescriptor is None:
+    decides by the device (a GPU with TMA, sm_90 or newer; eager mode: Inductor does not take host-made
+    descriptors), True asks for it wherever the operands allow (the interpreter included), False never.
+    The operands: plain bf16 or fp16 tensors of one dtype (module docs), unit stride along their last dim,
+    rows and addresses 16-byte aligned (TMA's rule)."""
+    if wanted is False or TensorDescriptor is None or tracing_active():
         return False
-    tracing = tracing_active()
-    if not tracing and (type(a) not in PLAIN_TENSORS or type(b) not in PLAIN_TENSORS):
-        return False  # a DTensor, a subclass: no address
-    if wanted is None and not (a.is_cuda and torch.cuda.get_device_properties(a.device).major >= 9):
+    if type(a) not in PLAIN_TENSORS or type(b) not in PLAIN_TENSORS:  # a DTensor, a subclass: no address
+        return False
+    if wanted is None and not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9):
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
         return False
-    return tma_rows(a, tracing) and tma_rows(b, tracing)
+    return tma_rows(a) and tma_rows(b)
 
 
-def tma_rows(t: torch.Tensor, tracing: bool = False) -> bool:
+def tma_rows(t: torch.Tensor) -> bool:
     """TMA's rule for a 2-D tensor it reads or writes: unit stride along the last dim, rows and address
-    16-byte aligned. ``tracing`` (fake tensors, no address): the offset into the storage instead, whose
-    start the caching allocator aligns (:func:`tma_ready` copies an operand that is not, at run time)."""
-    if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 != 0:
-        return False
-    return (t.storage_offset() * t.element_size()) % 16 == 0 if tracing else t.data_ptr() % 16 == 0
-
-
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a copy TMA can read where its rows or address are not 16-byte aligned: an opaque op
-    traced with :func:`tma_rows`' layout check may be handed a tensor the allocator did not place."""
-    return t if tma_rows(t) else t.contiguous() if not t.is_contiguous() else t.clone()
+    16-byte aligned."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def tiles_available(x: torch.Tensor, w: torch.Tensor, wanted: bool | None) -> bool:
@@ -383,7 +372,6 @@ def _launch_tiles(mode, x, w_c, b_c, target, col0, transform, tiling, *, part=No
     if tiles == 0:
         return
     programs = _programs(x.device)
-    x, w_c = tma_ready(x), tma_ready(w_c)
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(w_c, [bn, bk])
     any_ptr = part if part is not None else grad
@@ -516,18 +504,6 @@ def _tiles_combine_impl(
 
 # ------------------------------------------------------------------------------------------ torch ops
 
-def _tiles_stats_fake(x, w_c, b_c, target, z_t, col0, ignore_index, logit_scale, softcap, softcap_scale, entropy,
-                      extras, block_m, block_n, block_k, group, stages, num_warps, warp_specialize, epilogue_split):
-    return x.new_empty((part_rows(entropy, extras), cdiv(w_c.shape[0], block_n), x.shape[0]), dtype=torch.float32)
-
-
-def _tiles_grad_fake(*args):
-    return None
-
-
-# Opaque ops (``fake``): their launches take host-made TMA descriptors, which Inductor does not trace.
-TILES_STATS = TigonOp("fused_linear_logprobs_tiles_stats", _tiles_stats_impl, mutates_args={"z_t"},
-                      fake=_tiles_stats_fake)
-TILES_GRAD = TigonOp("fused_linear_logprobs_tiles_grad_", _tiles_grad_impl, mutates_args={"grad"},
-                     fake=_tiles_grad_fake)
+TILES_STATS = TigonOp("fused_linear_logprobs_tiles_stats", _tiles_stats_impl, mutates_args={"z_t"})
+TILES_GRAD = TigonOp("fused_linear_logprobs_tiles_grad_", _tiles_grad_impl, mutates_args={"grad"})
 TILES_COMBINE = TigonOp("fused_linear_logprobs_tiles_combine", _tiles_combine_impl)

@@ -34,7 +34,7 @@ import triton.language as tl
 from tigon._interpreter import interpreter_active
 from tigon.ops._common import wrap_triton
 from tigon.ops._launch import TigonOp, cdiv
-from tigon.ops._logprob_tiles import TensorDescriptor, _programs, _tile_position, tma_operands, tma_ready, tma_rows
+from tigon.ops._logprob_tiles import TensorDescriptor, _programs, _tile_position, tma_operands, tma_rows
 
 # The interpreter computes tl.dot of 16-bit tiles in fp32 (numpy has no bf16 matmul): widen them there.
 INTERPRET = tl.constexpr(interpreter_active())
@@ -123,7 +123,6 @@ def _sum_round_impl(
     if tiles == 0:
         return
     programs = _programs(a.device)
-    a, b = tma_ready(a), tma_ready(b)
     d_tma = d_tma and tma_rows(d)                   # else masked stores: any row stride
     wrap_triton(sum_round_tiles_kernel)[(min(programs, tiles),)](
         TensorDescriptor.from_tensor(a, [block_k, block_m]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
@@ -133,12 +132,7 @@ def _sum_round_impl(
     )
 
 
-def _sum_round_fake(*args):
-    return None
-
-
-# An opaque op (``fake``): its launch takes host-made TMA descriptors, which Inductor does not trace.
-SUM_ROUND = TigonOp("sum_round_tiles_", _sum_round_impl, mutates_args={"d"}, fake=_sum_round_fake)
+SUM_ROUND = TigonOp("sum_round_tiles_", _sum_round_impl, mutates_args={"d"})
 
 
 def sum_round(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, out: torch.Tensor,

@@ -5,8 +5,7 @@ vocabulary (V = 151936), bf16, entropy on (both outputs differentiated). Compute
 holds the matmuls of each mode (2·N·H·V each: 1 forward, 3 backward — the recompute, dX and dW —
 so 4 in all), no speed-of-light bytes.
 
-Providers: ``tigon``; ``tigon_compile`` (tigon's head inside a static-shape torch.compile, as a
-compiled model calls it); ``eager`` (the reference: full fp32 logits, log_softmax; ``compile`` is added
+Providers: ``tigon``; ``eager`` (the reference: full fp32 logits, log_softmax; ``compile`` is added
 by the harness); ``trl``, TRL's own head (``trl.kernels.ChunkedLogProbFunction``, which
 ``trl.trainer.utils`` imports as ``_ChunkedLogProbFunction``) called as TRL's fused LM head calls it
 (non-ignored rows only, 32768-class tiles), present only where TRL imports; and ``matmul_floor``,
@@ -110,8 +109,7 @@ def _matmul_floor(input, linear_weight, target):
 
 
 def _providers():
-    providers = {"eager": _eager, "tigon": _tigon, "tigon_compile": torch.compile(_tigon, dynamic=False),
-                 "matmul_floor": _matmul_floor}
+    providers = {"eager": _eager, "tigon": _tigon, "matmul_floor": _matmul_floor}
     trl = _trl()
     if trl is not None:
         providers["trl"] = trl
