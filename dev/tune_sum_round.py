@@ -1,7 +1,7 @@
 """The fused linear CE's last dW chunk: cuBLAS's fp32 sum then a cast, against one Triton matmul that adds
 and rounds (src/tigon/ops/_sum_round_tiles.py), for several tilings, on a GPU.
 
-    PYTHONPATH=src python3 dev/tune_sum_round.py [tiling ...]   # a tiling: BM,BN,BK,STAGES,WARPS,WS[,EARLY,DTMA]
+    PYTHONPATH=src python3 dev/tune_sum_round.py [tiling ...]   # a tiling: BM,BN,BK,STAGES,WARPS,WS[,DTMA]
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into SumRoundConfig's defaults.
 For each head (V, H) and chunk of K tokens: A = dl_c (K, V) bf16, B = X_c (K, H) bf16, C (V, H) fp32;
@@ -28,15 +28,14 @@ from tigon.ops._sum_round_tiles import SumRoundConfig, _sum_round_impl, sum_roun
 
 HEADS = (("Qwen2.5-0.5B", 151936, 896, (2048, 3072)), ("Llama-3-8B", 128256, 4096, (1280,)),
          ("Gemma-2-2B", 256000, 2304, (768,)))
-TILINGS = (  # BM, BN, BK, STAGES, WARPS, WARP_SPECIALIZE, C_EARLY, D_TMA
-    (128, 128, 64, 4, 8, True, False, False),
-    (128, 128, 64, 4, 8, True, True, False),
-    (128, 128, 64, 4, 8, True, False, True),
-    (128, 128, 64, 4, 8, True, True, True),
-    (128, 128, 64, 3, 8, True, True, True),
-    (128, 256, 64, 3, 8, True, False, False),
-    (128, 256, 64, 3, 8, True, True, False),
+TILINGS = (  # BM, BN, BK, STAGES, WARPS, WARP_SPECIALIZE, D_TMA
+    (128, 128, 64, 4, 8, True, False),
+    (128, 128, 64, 4, 8, True, True),
+    (128, 128, 64, 3, 8, True, True),
+    (128, 256, 64, 3, 8, True, False),
 )
+# (tune_sum_round-3.log, 2026-11-28, also swept C loaded before the K loop, an option the kernel had then:
+# it spilled, 7-120 ms.)
 
 
 def _ulps(got, want):

@@ -19,8 +19,8 @@ A persistent Triton matmul (TMA loads of A and B, zero-filled past the edges, so
 ``STAGES`` buffers, loads and MMAs in their own warps with ``WARP_SPECIALIZE``); the epilogue loads C
 with plain masked accesses (its rows are unit-stride, 4·BN bytes) after the tile's K loop, and stores D
 by TMA where D's rows allow it (``D_TMA``), else with masked stores. C loaded before the K loop instead
-(``C_EARLY``, its latency behind the MMAs) holds 64 more registers a thread through them: it spilled, 10-45×
-slower on the H100.
+(its latency behind the MMAs) held 64 more registers a thread through them: it spilled, 7–56× slower on the
+H100 (dev/tune_sum_round.py, docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -50,16 +50,13 @@ class SumRoundConfig:
     stages: int = 4
     num_warps: int = 8
     warp_specialize: bool = True
-    # C's tile loaded before the tile's K loop (its latency hidden behind the MMAs, 4·BM·BN bytes of
-    # registers held through them) rather than after it.
-    c_early: bool = False
     # D stored by TMA (one bulk store a tile, from shared memory, where D's rows allow it) rather than by
     # masked stores: 4% faster at Qwen2.5-0.5B's head, 8% at Llama-3-8B's (dev/tune_sum_round.py).
     d_tma: bool = True
 
     def tiling(self) -> tuple:
         return (self.block_m, self.block_n, self.block_k, self.stages, self.num_warps, self.warp_specialize,
-                self.c_early, self.d_tma)
+                self.d_tma)
 
 
 DEFAULT_CONFIG = SumRoundConfig()
@@ -73,7 +70,7 @@ def sum_round_tiles_kernel(
     d_desc,                                 # TMA: D in (BM, BN) blocks   [D_TMA]
     size_m, size_n, size_k,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, C_EARLY: tl.constexpr, D_TMA: tl.constexpr,
+    STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, D_TMA: tl.constexpr,
 ):
     """D = round(C + Aᵀ·B) one (BM, BN) tile at a time (module docs)."""
     num_m = tl.cdiv(size_m, BM)
@@ -85,8 +82,6 @@ def sum_round_tiles_kernel(
         rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         cols = pid_n * BN + tl.arange(0, BN)
         inside = (rows[:, None] < size_m) & (cols[None, :] < size_n)
-        if C_EARLY:
-            c = tl.load(c_ptr + rows[:, None] * c_row_stride + cols[None, :], mask=inside, other=0.0)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k in range(k_tiles):
             a = a_desc.load([k * BK, pid_m * BM])          # (BK, BM)
@@ -95,8 +90,7 @@ def sum_round_tiles_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a.T, b, acc)                      # (BM, BN) fp32
-        if not C_EARLY:
-            c = tl.load(c_ptr + rows[:, None] * c_row_stride + cols[None, :], mask=inside, other=0.0)
+        c = tl.load(c_ptr + rows[:, None] * c_row_stride + cols[None, :], mask=inside, other=0.0)
         d = (acc + c.to(tl.float32)).to(d_ptr.dtype.element_ty)
         if D_TMA:
             d_desc.store([pid_m * BM, pid_n * BN], d)
@@ -114,7 +108,7 @@ def sum_round_available(a: torch.Tensor, b: torch.Tensor, wanted: bool | None) -
 
 def _sum_round_impl(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, block_m: int, block_n: int, block_k: int,
-    stages: int, num_warps: int, warp_specialize: bool, c_early: bool, d_tma: bool,
+    stages: int, num_warps: int, warp_specialize: bool, d_tma: bool,
 ) -> None:
     """d = round(c + aᵀ·b): a (K, M), b (K, N), c (M, N) fp32, d (M, N) in a's dtype or fp32."""
     size_k, size_m = a.shape
@@ -128,7 +122,7 @@ def _sum_round_impl(
         TensorDescriptor.from_tensor(a, [block_k, block_m]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
         c, c.stride(0), d, d.stride(0), TensorDescriptor.from_tensor(d, [block_m, block_n]) if d_tma else None,
         size_m, size_n, size_k, BM=block_m, BN=block_n, BK=block_k, NUM_PROGRAMS=programs, STAGES=stages,
-        WARP_SPECIALIZE=warp_specialize and a.is_cuda, C_EARLY=c_early, D_TMA=d_tma, num_warps=num_warps,
+        WARP_SPECIALIZE=warp_specialize and a.is_cuda, D_TMA=d_tma, num_warps=num_warps,
     )
 
 
