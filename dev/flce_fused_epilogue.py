@@ -12,7 +12,7 @@ logits are rounded to bf16 before the epilogue, as the cuBLAS path rounds them. 
 (N = 8192, H = 896, chunks of 4608 classes) it times cuBLAS + tigon's kernels against pointer-based
 tiles and persistent TMA tiles with warp specialisation, each launch timed by the harness's
 ``gpu_time`` (the logged run used a CUDA-event loop with L2 flushed). Findings:
-benchmarks/results/benchmarks/results/2026-11-23/tune_flce_fused.log (the TMA epilogues would save ~2 ms of 16; not
+benchmarks/results/2026-11-23/tune_flce_fused.log (the TMA epilogues would save ~2 ms of 16; not
 enough to pass torch.compile's 12.9 ms, because by classes needs a fourth matmul).
 """
 
