@@ -94,8 +94,39 @@ def test_options_and_tensors_go_where_they_belong():
     batch = make_batch(4, 6, 16, 29)
     with pytest.raises(TypeError, match="unexpected keyword"):
         DPOLoss()(*positional(batch), beta=0.2)
+
+
+BAD_OPTIONS = [
+    (DPOLoss, {"loss_type": "nope"}, ValueError, "loss_type"),
+    (DPOLoss, {"loss_type": "ipo", "beta": 0.0}, ValueError, "beta"),
+    (DPOLoss, {"label_smoothing": 1.5}, ValueError, "label_smoothing"),
+    (DPOLoss, {"average_log_prob": "yes"}, TypeError, "average_log_prob"),
+    (ORPOLoss, {"beta": "x"}, ValueError, "beta"),
+    (CPOLoss, {"temperature": 0.0}, ValueError, "temperature"),
+    (CPOLoss, {"alpha": float("nan")}, ValueError, "alpha"),
+    (SimPOLoss, {"gamma": None}, ValueError, "gamma"),
+    (SimPOLoss, {"softcap": -1.0}, ValueError, "softcap"),
+    (KTOLoss, {"desirable_weight": -1.0}, ValueError, "desirable_weight"),
+    (KTOLoss, {"ignore_index": 1.5}, TypeError, "ignore_index"),
+    (GRPOLoss, {"loss_type": "nope"}, ValueError, "loss_type"),
+    (GRPOLoss, {"beta": -1.0}, ValueError, "beta"),
+    (GRPOLoss, {"max_completion_length": 0}, ValueError, "max_completion_length"),
+    (GRPOLoss, {"logit_scale": float("inf")}, ValueError, "logit_scale"),
+]
+
+
+@pytest.mark.parametrize(("cls", "options", "error", "name"), BAD_OPTIONS,
+                         ids=[f"{c.__name__}-{next(iter(o))}" for c, o, _, _ in BAD_OPTIONS])
+def test_bad_options_raise_when_built(cls, options, error, name):
+    """The function's own option checks run in the constructor: the error names the option."""
+    with pytest.raises(error, match=name):
+        cls(**options)
+
+
+def test_bad_options_raise_in_the_call_too():
+    batch = make_batch(4, 6, 16, 29)
     with pytest.raises(ValueError, match="loss_type"):
-        DPOLoss(loss_type="nope")(*positional(batch))
+        dpo_loss(*positional(batch), loss_type="nope")
 
 
 def test_package_shows_every_loss():

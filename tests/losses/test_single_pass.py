@@ -180,3 +180,16 @@ def test_dpo_benchmark_shape_memory():
     expected = torch.autograd.grad(two.loss, [batch["input"], batch["linear_weight"]])
     for name, g, e in zip(("input", "linear_weight"), grads, expected, strict=True):
         assert_close(g, e, torch.bfloat16, f"d{name}")
+
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_rows_without_tokens(name):
+    """T = 0 with gradients on: the formula on empty log-probs (as the two passes give it), zero gradients."""
+    function, tensors, options = _inputs(name, make_batch(ROWS, 0, HIDDEN, VOCAB))
+    out, grads = _run(function, tensors, options, None)
+    base, _ = _run(function, tensors, options, TWO_PASS)
+    assert out.loss.grad_fn is not None
+    torch.testing.assert_close(out.loss, base.loss, equal_nan=True)  # ORPO's log1p(−e⁰) is −inf by its formula
+    for name_, grad in grads.items():
+        assert torch.equal(grad, torch.zeros_like(grad)), name_

@@ -284,6 +284,21 @@ def test_flce_autocast(plan):
         assert_close(grad, grads[name], torch.bfloat16, f"d{name}")
 
 
+@pytest.mark.parametrize("shape", [(0,), (2, 0)], ids=str)
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_flce_no_tokens(shape, reduction):
+    """No tokens: cross_entropy's empty loss (0 for mean and sum, an empty one for none), zero gradients."""
+    x, w, b = make_inputs(shape, 16, 37, torch.float32, bias=True)
+    target = torch.zeros(shape, dtype=torch.long, device=DEVICE)
+    loss = fused_linear_cross_entropy(x, w, target, linear_bias=b, reduction=reduction)
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    assert torch.equal(loss, torch.zeros_like(loss))
+    grads = torch.autograd.grad(loss.sum(), (x, w, b), allow_unused=True)
+    assert grads[0].shape == x.shape
+    for grad in grads[1:]:
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
 @pytest.mark.parametrize("plan", ("default", "classes", "tokens_fp32_dw"), indirect=True)
 @pytest.mark.parametrize("which", ("input", "weight", "bias"))
 def test_flce_gradient_to_one_argument(plan, which):

@@ -440,6 +440,10 @@ def test_rms_norm_bad_options():
         rms_norm(x, w, casting="mistral")
     with pytest.raises(ValueError, match="eps"):
         rms_norm(x, w, -1.0)
+    with pytest.raises(TypeError, match="eps"):
+        rms_norm(x, w, "1e-6")
+    with pytest.raises(TypeError, match="offset"):
+        add_rms_norm(x, randn(4, 8), w, offset="a")
     with pytest.raises(ValueError, match="residual has shape"):
         add_rms_norm(x, randn(4, 9), w)
     with pytest.raises(TypeError, match="residual has dtype"):

@@ -87,7 +87,7 @@ def test_unknown_switch_and_bad_values():
     with pytest.raises(ValueError, match="fused_linear_cross_entropy"):  # the message lists the switches
         tigon.patch(model, swiglu=True)
     with pytest.raises(ValueError, match="exclusive"):
-        tigon.patch(model, cross_entropy=True)  # fused_linear_cross_entropy is on by default
+        tigon.patch(model, cross_entropy=True, fused_linear_cross_entropy=True)
     with pytest.raises(TypeError, match="rope"):
         tigon.patch(model, rope="yes")
     with pytest.raises(ValueError, match="unknown switch"):

@@ -97,9 +97,14 @@ def test_router_aux_loss(model_type):
     assert no_aux.loss < got.loss
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "granite", "mixtral"])
-def test_cross_entropy_switch(model_type):
-    switches = dict(cross_entropy=True, fused_linear_cross_entropy=False)
+@pytest.mark.parametrize(("model_type", "switches"), [
+    ("llama", dict(cross_entropy=True, fused_linear_cross_entropy=False)),
+    ("gemma2", dict(cross_entropy=True, fused_linear_cross_entropy=False)),
+    ("granite", dict(cross_entropy=True, fused_linear_cross_entropy=False)),
+    ("mixtral", dict(cross_entropy=True, fused_linear_cross_entropy=False)),
+    ("llama", dict(cross_entropy=True)),  # the fused linear loss, on by default, gives way
+])
+def test_cross_entropy_switch(model_type, switches):
     stock, patched, handle = stock_and_patched(model_type, **switches)
     assert "forward" not in vars(patched)
     ids, labels = batch(5)

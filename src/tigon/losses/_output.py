@@ -59,6 +59,12 @@ def check_number(value, name: str, *, minimum=None, positive=False) -> float:
     return value
 
 
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_choice(value, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")

@@ -120,9 +120,12 @@ DEFAULT_CONFIG = SinglePassConfig()
 
 
 def applies(config: SinglePassConfig | None, input, linear_weight, linear_bias) -> bool:
-    """Eager mode, gradients on, and one of the policy's tensors wants one."""
+    """Eager mode, gradients on, one of the policy's tensors wants one, and rows have tokens (rows of
+    none have no logits to pass over: the head's log-probs, all empty, take them)."""
     config = DEFAULT_CONFIG if config is None else config
     if not config.enabled or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    if input.dim() > 1 and input.shape[-2] == 0:
         return False
     return any(t is not None and isinstance(t, torch.Tensor) and t.requires_grad
                for t in (input, linear_weight, linear_bias))

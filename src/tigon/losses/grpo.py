@@ -44,6 +44,21 @@ from tigon.losses._single_pass import evaluate
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
+def grpo_options(beta, epsilon_low, epsilon_high, loss_type, max_completion_length) -> tuple:
+    """grpo_loss's options, checked (also by GRPOLoss when it is built): (β, ε_low, ε_high)."""
+    beta = check_number(beta, "beta", minimum=0.0)
+    epsilon_low = check_number(epsilon_low, "epsilon_low", minimum=0.0)
+    epsilon_high = check_number(epsilon_high, "epsilon_high", minimum=0.0)
+    check_choice(loss_type, "loss_type", GRPO_LOSS_TYPES)
+    if max_completion_length is not None and (
+        isinstance(max_completion_length, bool)
+        or not isinstance(max_completion_length, numbers.Integral)
+        or max_completion_length <= 0
+    ):
+        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
+    return beta, epsilon_low, epsilon_high
+
+
 def _items_divisor(num_items_in_batch, device):
     if isinstance(num_items_in_batch, torch.Tensor):
         if num_items_in_batch.numel() != 1:
@@ -105,16 +120,7 @@ def grpo_loss(
     ``ref_logps`` (R, T): the reference's token log-probs, required when ``beta > 0``.
     Returns ``LossOutput(loss, logps, clip_ratio, kl)``; see the module docstring.
     """
-    beta = check_number(beta, "beta", minimum=0.0)
-    epsilon_low = check_number(epsilon_low, "epsilon_low", minimum=0.0)
-    epsilon_high = check_number(epsilon_high, "epsilon_high", minimum=0.0)
-    check_choice(loss_type, "loss_type", GRPO_LOSS_TYPES)
-    if max_completion_length is not None and (
-        isinstance(max_completion_length, bool)
-        or not isinstance(max_completion_length, numbers.Integral)
-        or max_completion_length <= 0
-    ):
-        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
+    beta, epsilon_low, epsilon_high = grpo_options(beta, epsilon_low, epsilon_high, loss_type, max_completion_length)
     num_rows, num_tokens = check_policy(input, linear_weight, target)
     if num_rows == 0:
         raise ValueError("input has 0 rows")

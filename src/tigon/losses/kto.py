@@ -21,6 +21,7 @@ import torch
 
 from tigon.losses._output import (
     LossOutput,
+    check_flag,
     check_number,
     check_policy,
     head_keywords,
@@ -29,6 +30,13 @@ from tigon.losses._output import (
     sequence_logps,
 )
 from tigon.losses._single_pass import evaluate
+
+
+def kto_options(beta, desirable_weight, undesirable_weight, average_log_prob) -> tuple:
+    """kto_loss's options, checked (also by KTOLoss when it is built): (β, w_d, w_u)."""
+    check_flag(average_log_prob, "average_log_prob")
+    return (check_number(beta, "beta"), check_number(desirable_weight, "desirable_weight", minimum=0.0),
+            check_number(undesirable_weight, "undesirable_weight", minimum=0.0))
 
 
 def _check_kl(kl, device) -> torch.Tensor | float:
@@ -75,9 +83,8 @@ def kto_loss(
     same head options, averaged like the policy), or from per-row ``ref_logps`` (R,) as given; with
     neither it is 0. Returns ``LossOutput(loss, logps, rewards)``: ``logps`` = ℓ (R,), ``rewards`` = β·u (R,).
     """
-    beta = check_number(beta, "beta")
-    desirable_weight = check_number(desirable_weight, "desirable_weight", minimum=0.0)
-    undesirable_weight = check_number(undesirable_weight, "undesirable_weight", minimum=0.0)
+    beta, desirable_weight, undesirable_weight = kto_options(beta, desirable_weight, undesirable_weight,
+                                                             average_log_prob)
     num_rows, _ = check_policy(input, linear_weight, target)
     if num_rows == 0:
         raise ValueError("input has 0 rows")

@@ -14,9 +14,19 @@ import inspect
 
 import torch
 
-from tigon.losses.grpo import grpo_loss
-from tigon.losses.kto import kto_loss
-from tigon.losses.preference import cpo_loss, dpo_loss, orpo_loss, simpo_loss
+from tigon.losses.grpo import grpo_loss, grpo_options
+from tigon.losses.kto import kto_loss, kto_options
+from tigon.losses.preference import (
+    cpo_loss,
+    cpo_options,
+    dpo_loss,
+    dpo_options,
+    orpo_loss,
+    orpo_options,
+    simpo_loss,
+    simpo_options,
+)
+from tigon.ops.fused_linear_logprobs import check_head_options
 
 # Keywords that carry tensors of one batch: taken by the call, never by the constructor.
 TENSOR_KEYWORDS = frozenset({
@@ -30,6 +40,7 @@ class _FusedLinearLoss(torch.nn.Module):
     """Binds a loss function's options; ``forward`` passes the tensors. No parameters, no buffers."""
 
     function = None  # the functional form, set by each class
+    check_options = None  # the function's own option checks, run on the options when the loss is built
     call_order: tuple[str, ...] = ()  # what the call takes, in order
 
     def __init__(self, **options):
@@ -45,6 +56,12 @@ class _FusedLinearLoss(torch.nn.Module):
                 f"{type(self).__name__} got unknown option(s) {', '.join(unknown)}; "
                 f"it takes {', '.join(sorted(allowed))}"
             )
+        # The options as the function will see them (its defaults where not given), checked now
+        # rather than at the first call; per-batch values (kl, num_items_in_batch) at the call.
+        chosen = {name: signature.parameters[name].default for name in allowed} | options
+        check = type(self).check_options
+        check(**{name: chosen[name] for name in inspect.signature(check).parameters})
+        check_head_options(chosen["temperature"], chosen["softcap"], chosen["logit_scale"], chosen["ignore_index"])
         self.options = dict(options)
 
     def forward(self, *tensors, **keywords):
@@ -75,6 +92,7 @@ class DPOLoss(_FusedLinearLoss):
     ref_linear_weight=None, ref_linear_bias=None, ref_logps=None)``."""
 
     function = staticmethod(dpo_loss)
+    check_options = staticmethod(dpo_options)
     call_order = ("input", "linear_weight", "target", "linear_bias", "ref_input", "ref_linear_weight",
                   "ref_linear_bias", "ref_logps")
 
@@ -83,6 +101,7 @@ class ORPOLoss(_FusedLinearLoss):
     """:func:`tigon.losses.orpo_loss`; call ``(input, linear_weight, target, linear_bias=None)``."""
 
     function = staticmethod(orpo_loss)
+    check_options = staticmethod(orpo_options)
     call_order = ("input", "linear_weight", "target", "linear_bias")
 
 
@@ -90,6 +109,7 @@ class CPOLoss(_FusedLinearLoss):
     """:func:`tigon.losses.cpo_loss`; call ``(input, linear_weight, target, linear_bias=None)``."""
 
     function = staticmethod(cpo_loss)
+    check_options = staticmethod(cpo_options)
     call_order = ("input", "linear_weight", "target", "linear_bias")
 
 
@@ -97,6 +117,7 @@ class SimPOLoss(_FusedLinearLoss):
     """:func:`tigon.losses.simpo_loss`; call ``(input, linear_weight, target, linear_bias=None)``."""
 
     function = staticmethod(simpo_loss)
+    check_options = staticmethod(simpo_options)
     call_order = ("input", "linear_weight", "target", "linear_bias")
 
 
@@ -105,6 +126,7 @@ class KTOLoss(_FusedLinearLoss):
     ref_input=None, ref_linear_weight=None, ref_linear_bias=None, ref_logps=None, kl=None)``."""
 
     function = staticmethod(kto_loss)
+    check_options = staticmethod(kto_options)
     call_order = ("input", "linear_weight", "target", "preference_labels", "linear_bias", "ref_input",
                   "ref_linear_weight", "ref_linear_bias", "ref_logps", "kl")
 
@@ -114,5 +136,6 @@ class GRPOLoss(_FusedLinearLoss):
     old_logps=None, ref_logps=None, num_items_in_batch=None)``."""
 
     function = staticmethod(grpo_loss)
+    check_options = staticmethod(grpo_options)
     call_order = ("input", "linear_weight", "target", "advantages", "linear_bias", "old_logps", "ref_logps",
                   "num_items_in_batch")

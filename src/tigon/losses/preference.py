@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from tigon.losses._output import (
     LossOutput,
     check_choice,
+    check_flag,
     check_number,
     check_paired,
     check_policy,
@@ -57,6 +58,32 @@ def _check_smoothing(label_smoothing) -> float:
     if value > 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     return value
+
+
+def dpo_options(beta, loss_type, label_smoothing, nll_weight, average_log_prob) -> tuple:
+    """dpo_loss's options, checked (also by DPOLoss when it is built): (β, ε, nll_weight)."""
+    beta = check_number(beta, "beta")
+    check_choice(loss_type, "loss_type", DPO_LOSS_TYPES)
+    if loss_type == "ipo" and beta == 0.0:
+        raise ValueError("beta must be positive for loss_type='ipo' (its target margin is 1/(2·beta))")
+    check_flag(average_log_prob, "average_log_prob")
+    return beta, _check_smoothing(label_smoothing), check_number(nll_weight, "nll_weight")
+
+
+def orpo_options(beta) -> float:
+    """orpo_loss's options, checked: β."""
+    return check_number(beta, "beta")
+
+
+def cpo_options(beta, label_smoothing, alpha, average_log_prob) -> tuple:
+    """cpo_loss's options, checked: (β, ε, alpha)."""
+    check_flag(average_log_prob, "average_log_prob")
+    return check_number(beta, "beta"), _check_smoothing(label_smoothing), check_number(alpha, "alpha")
+
+
+def simpo_options(beta, gamma, label_smoothing) -> tuple:
+    """simpo_loss's options, checked: (β, γ, ε)."""
+    return check_number(beta, "beta"), check_number(gamma, "gamma"), _check_smoothing(label_smoothing)
 
 
 def _sequences(logps, mask, average, num_pairs):
@@ -134,12 +161,7 @@ def dpo_loss(
 
     Returns ``LossOutput(loss, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, nll)``.
     """
-    beta = check_number(beta, "beta")
-    check_choice(loss_type, "loss_type", DPO_LOSS_TYPES)
-    if loss_type == "ipo" and beta == 0.0:
-        raise ValueError("beta must be positive for loss_type='ipo' (its target margin is 1/(2·beta))")
-    label_smoothing = _check_smoothing(label_smoothing)
-    nll_weight = check_number(nll_weight, "nll_weight")
+    beta, label_smoothing, nll_weight = dpo_options(beta, loss_type, label_smoothing, nll_weight, average_log_prob)
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
     num_pairs = check_paired(check_policy(input, linear_weight, target)[0])  # before the reference's pass
     ref = reference_logps(
@@ -163,7 +185,7 @@ def orpo_loss(
     Returns ``LossOutput(loss, chosen_logps, rejected_logps, nll, log_odds_ratio)`` with
     ``log_odds_ratio`` = mean logσ(log_odds).
     """
-    beta = check_number(beta, "beta")
+    beta = orpo_options(beta)
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
     num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
     formula = partial(_orpo_formula, num_pairs=num_pairs, beta=beta)
@@ -181,9 +203,7 @@ def cpo_loss(
 
     Returns ``LossOutput(loss, chosen_logps, rejected_logps, nll)``.
     """
-    beta = check_number(beta, "beta")
-    label_smoothing = _check_smoothing(label_smoothing)
-    alpha = check_number(alpha, "alpha")
+    beta, label_smoothing, alpha = cpo_options(beta, label_smoothing, alpha, average_log_prob)
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
     num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
     formula = partial(_cpo_formula, num_pairs=num_pairs, beta=beta, label_smoothing=label_smoothing, alpha=alpha,
@@ -202,9 +222,7 @@ def simpo_loss(
 
     Returns ``LossOutput(loss, chosen_logps, rejected_logps)``.
     """
-    beta = check_number(beta, "beta")
-    gamma = check_number(gamma, "gamma")
-    label_smoothing = _check_smoothing(label_smoothing)
+    beta, gamma, label_smoothing = simpo_options(beta, gamma, label_smoothing)
     head = head_keywords(linear_bias, temperature, softcap, logit_scale, ignore_index)
     num_pairs = check_paired(check_policy(input, linear_weight, target)[0])
     formula = partial(_simpo_formula, num_pairs=num_pairs, beta=beta, gamma=gamma, label_smoothing=label_smoothing)

@@ -376,7 +376,8 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     dx_dtype, dw_dtype, db_dtype = grad_dtypes
     dw_sum_dtype = torch.float32 if plan.fp32_dw else dw_dtype
     dx = torch.empty(x.shape, dtype=dx_dtype, device=x.device) if need_dx else None
-    dw = torch.empty(w.shape, dtype=dw_sum_dtype, device=x.device) if need_dw else None
+    # no tokens, no chunks: dW is the empty sum
+    dw = (torch.empty if num_tokens else torch.zeros)(w.shape, dtype=dw_sum_dtype, device=x.device) if need_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
     chunks = plan.token_chunks(num_tokens)
     buffer_rows = max([0] + [c1 - c0 for c0, c1 in chunks])
@@ -412,6 +413,8 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     logits = dlogits = buffer = None  # freed before the accumulator is rounded (fp32_dw_peak_bytes)
     if need_dw and dw.dtype != dw_dtype:
         dw = dw.to(dw_dtype)
+    if not losses:
+        losses = [torch.zeros(0, dtype=torch.float32, device=x.device)]
     loss_rows = torch.cat(losses) if len(losses) > 1 else losses[0]
     return loss_rows, dx, dw, (db.to(db_dtype) if need_db else None)
 

@@ -631,7 +631,7 @@ def check_scale(weight, name, x):
         raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
 
 
-def _check_args(x, weight, eps, casting, *, residual=None):
+def _check_args(x, weight, eps, casting, *, offset, residual=None):
     check_tensor(x, "x")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
@@ -643,6 +643,9 @@ def _check_args(x, weight, eps, casting, *, residual=None):
         check_scale(weight, "weight", x)
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    for name, value in (("eps", eps), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
 
@@ -660,7 +663,7 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None
     linear layers (which cast it to the autocast dtype anyway) gives it already cast:
     ``tigon.nn.RMSNorm.autocast_output``.
     """
-    _check_args(x, weight, eps, casting)
+    _check_args(x, weight, eps, casting, offset=offset)
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
     y, _ = RMS_NORM(x, weight, float(eps), float(offset), casting, out_dtype)
@@ -674,7 +677,7 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama", 
     autocast): s takes torch's promotion of the two, as ``x + residual`` does, and y is
     ``rms_norm(s, ...)`` of it (``out_dtype`` as for :func:`rms_norm`).
     """
-    _check_args(x, weight, eps, casting, residual=residual)
+    _check_args(x, weight, eps, casting, offset=offset, residual=residual)
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
     y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting, out_dtype)

@@ -120,10 +120,13 @@ def _check_switches(switches: dict) -> dict:
         if not isinstance(value, bool):
             raise TypeError(f"switch {name} must be True or False, got {value!r}")
     chosen = {**SWITCHES, **switches}
+    # The two losses are exclusive. Asking for cross_entropy turns off the fused linear loss where that
+    # is only on by default; both asked for is an error.
+    if switches.get("cross_entropy") and "fused_linear_cross_entropy" not in switches:
+        chosen["fused_linear_cross_entropy"] = False
     if chosen["cross_entropy"] and chosen["fused_linear_cross_entropy"]:
         raise ValueError(
-            "cross_entropy and fused_linear_cross_entropy are exclusive: pass "
-            "fused_linear_cross_entropy=False to use cross_entropy (it is on by default)"
+            "cross_entropy and fused_linear_cross_entropy are exclusive: pass one of them True, not both"
         )
     if chosen["recompute_norms"] and not chosen["rms_norm"]:
         raise ValueError("recompute_norms remakes the outputs of tigon's norms: it needs rms_norm=True")
