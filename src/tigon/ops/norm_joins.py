@@ -438,8 +438,8 @@ SANDWICH_NORM_JOIN = TigonOp(
 # ------------------------------------------------------------------------------------ public functions
 
 
-def _check_join(x, residual, weight, eps, casting, next_weight=None, next_eps=None):
-    _check_args(x, weight, eps, casting)
+def _check_join(x, residual, weight, eps, casting, offset, next_weight=None, next_eps=None):
+    _check_args(x, weight, eps, casting, offset=offset)
     check_tensor(residual, "residual", device=x.device)
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
@@ -461,7 +461,7 @@ def post_norm_join(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"
     autocast): the sum takes torch's type promotion, as the eager ``residual + norm(x)`` does. Saves
     x (not the sum) for the backward.
     """
-    _check_join(x, residual, weight, eps, casting)
+    _check_join(x, residual, weight, eps, casting, offset)
     if not _fused(x):
         return residual + rms_norm(x, weight, eps, offset=offset, casting=casting)
     s, _ = POST_NORM_JOIN(x, residual, weight, float(eps), float(offset), casting)
@@ -478,7 +478,7 @@ def sandwich_norm_join(
     y's dtype as :func:`tigon.ops.rms_norm` takes it (None: norm₂'s own). ``weight`` or
     ``next_weight`` None: that norm has no scale. See the module docstring for the math.
     """
-    _check_join(x, residual, weight, eps, casting, next_weight, next_eps)
+    _check_join(x, residual, weight, eps, casting, offset, next_weight, next_eps)
     next_eps = eps if next_eps is None else next_eps
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
