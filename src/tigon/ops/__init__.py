@@ -6,6 +6,7 @@ before the first import, since Triton reads it when the kernels below are define
 
 import sys
 
+from tigon._interpreter import apply_interpreter_fixes as _apply_interpreter_fixes
 from tigon.ops._common import deprecated_function_alias as _deprecated_function_alias
 from tigon.ops._common import deprecated_module_alias as _deprecated_module_alias
 from tigon.ops.cross_entropy import cross_entropy
@@ -41,3 +42,8 @@ __all__ = [
     "swiglu",
     "tvd", "vocab_parallel_cross_entropy",
 ]
+
+# Under TRITON_INTERPRET=1 only (a no-op otherwise, and applied once): the interpreter's fixes that the
+# CLI and the test set-up apply, for a script that turns the interpreter on itself (tigon._interpreter:
+# Triton 3.6's loops with runtime bounds under NumPy >= 2.4, bf16 rounded to nearest-even).
+_apply_interpreter_fixes()
