@@ -713,15 +713,14 @@ def check_head_options(temperature, softcap, logit_scale, ignore_index) -> None:
     if softcap is not None:
         _check_number("softcap", softcap, positive=True)
     _check_number("logit_scale", logit_scale)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    # the loss options shared with cross_entropy (ignore_index's type among them); no class weights here
+    check_loss_options(None, None, None, ignore_index, 0.0, "none", 0.0, softcap, logit_scale)
 
 
 def _check_arguments(input, linear_weight, target, linear_bias, temperature, softcap, logit_scale,
                      ignore_index, entropy, extras):
     vocab = check_linear_head(input, linear_weight, linear_bias)
     check_head_options(temperature, softcap, logit_scale, ignore_index)
-    check_loss_options(None, vocab, input.device, ignore_index, 0.0, "none", 0.0, softcap, logit_scale)
     for name, flag in (("entropy", entropy), ("extras", extras)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")

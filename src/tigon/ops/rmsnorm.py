@@ -53,6 +53,7 @@ Reference: :func:`rms_norm_reference` (transformers' ``LlamaRMSNorm`` / ``GemmaR
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -644,7 +645,7 @@ def _check_args(x, weight, eps, casting, *, offset, residual=None):
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
     for name, value in (("eps", eps), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
