@@ -1,5 +1,9 @@
 """The example scripts (examples/) run end to end with ``--tiny`` on the CPU (two gloo ranks for the torchrun
-ones), and what they save is a stock transformers checkpoint of the tiny model's shape."""
+ones), and what they save is a stock transformers checkpoint of the tiny model's shape.
+
+The scripts run without ``TRITON_INTERPRET`` in their environment (the test set-up's is removed): on a machine
+without a GPU each script turns Triton's interpreter on itself (examples/common.py), as its docstring promises.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ TINY_ARGS = ["--tiny", "--seq", "16", "--steps", "2", "--batch", "2"]
 
 
 def _run(script, out, *, ranks=None, extra=()):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
     launcher = [sys.executable] if ranks is None else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
         "--master_port", str(free_port())]
