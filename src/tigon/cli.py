@@ -130,6 +130,29 @@ def cmd_demo(args) -> int:
                     seed=args.seed, data=args.data, out=args.out, tiny=args.tiny)
 
 
+def cmd_warmup(args) -> int:
+    import os
+
+    from tigon._interpreter import apply_interpreter_fixes
+
+    if args.device == "cpu":  # a test of the pipeline: the kernels run under the interpreter, nothing compiles
+        os.environ["TRITON_INTERPRET"] = "1"
+        apply_interpreter_fixes()
+    elif not _cuda_available():
+        print("tigon warmup compiles tigon's kernels for a GPU and this machine has none (--device cpu runs the "
+              "same steps under Triton's CPU interpreter, which compiles nothing).", file=sys.stderr)
+        return 2
+    from tigon.warmup import WarmupError, parse_switches, report, warmup
+
+    try:
+        result = warmup(args.model, seqs=args.seq, batch=args.batch, dtype=args.dtype, autocast=args.autocast,
+                        switches=parse_switches(args.switch), device=args.device, cache_dir=args.cache_dir)
+    except WarmupError as err:
+        args.parser.error(str(err))
+    report(result)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tigon", description="Exact fused Triton kernels for LLM training.")
     parser.add_argument("--version", action="version", version=f"tigon {__version__}")
@@ -161,6 +184,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="the tiny config even on a GPU")
     p.add_argument("--out", default="tigon-demo", help="folder for demo.png and demo.json")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("warmup", help="compile every kernel a training step of a model launches into Triton's cache",
+                       description="Compile every Triton kernel a training step of MODEL launches (forward and "
+                                   "backward of one decoder layer of each kind, and the loss) into Triton's cache, "
+                                   "and print what was compiled and where.")
+    p.add_argument("model", metavar="MODEL",
+                   help="a local folder or config.json, a built-in shape (Llama-3.2-1B-shaped, Qwen2.5-0.5B-shaped, "
+                        "Gemma-2-2B-shaped, or a model_type tigon.patch supports), or a Hugging Face model id")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights' dtype (default bf16)")
+    p.add_argument("--autocast", action="store_true",
+                   help="fp32 weights under torch.autocast to --dtype, as the example scripts train")
+    p.add_argument("--seq", type=int, nargs="+", default=[2048], metavar="N",
+                   help="sequence lengths to run (default 2048)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--switch", action="append", metavar="NAME=VALUE",
+                   help="a tigon.patch switch, as training passes it (repeatable; e.g. recompute_norms=true)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="publish the compiled kernels into DIR, one atomic rename per kernel (default: write into "
+                        "Triton's cache, TRITON_CACHE_DIR or ~/.triton/cache)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: run the same steps under Triton's interpreter (a test; compiles nothing)")
+    p.set_defaults(func=cmd_warmup, parser=p)
     return parser
 
 
