@@ -177,3 +177,24 @@ def test_a_training_step_after_warmup_compiles_nothing(tiny_llama, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert cache_entries(cache) == warmed
+
+
+def test_benchmark_arguments_and_table():
+    from benchmarks.warmup import markdown, parse_args
+
+    args = parse_args(["--seq", "1024", "--steps", "3", "--out", "x"])
+    assert (args.seq, args.batch, args.steps, args.out, args.worker) == (1024, 1, 3, "x", False)
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "0"])
+    result = {
+        "setup": {"model": "Llama-3.2-1B-shaped", "seq": 2048, "batch": 1, "steps": 5, "device": "NVIDIA H200",
+                  "date": "2026-12-04", "versions": {"torch": "2.13.0", "triton": "3.9.0", "liger-kernel": None}},
+        "cold": {"first_step_s": 61.0, "steady_step_s": 0.2, "compiled_entries": 40},
+        "warmup": {"process_s": 70.0, "compiled_entries": 41},
+        "warm": {"first_step_s": 1.0, "steady_step_s": 0.25, "compiled_entries": 0},
+    }
+    table = markdown(result)
+    assert "| cold: first step (compiles) | 61.00 | 40 |" in table
+    assert "| after warmup: first step | 1.00 | 0 |" in table
+    assert "4.0x a steady step" in table and "saved 60.0 s" in table
+    assert "torch 2.13.0, triton 3.9.0" in table and "liger" not in table
