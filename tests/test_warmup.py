@@ -99,13 +99,17 @@ def test_switches_parse_as_patch_keywords(capsys):
     assert "expected NAME=VALUE" in capsys.readouterr().err
 
 
-def test_warmup_runs_a_patched_training_step_under_the_interpreter(tiny_llama, capsys):
+def test_warmup_runs_a_patched_training_step_under_the_interpreter(tiny_llama, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    cache_before = os.environ.get("TRITON_CACHE_DIR")
     assert main(["warmup", str(tiny_llama), "--device", "cpu", "--autocast", "--seq", "16", "24",
-                 "--switch", "recompute_norms=true"]) == 0
+                 "--switch", "recompute_norms=true", "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "1 of 3 decoder layers" in out and "fp32 weights under bf16 autocast" in out
     assert "patched: " in out and "recompute_norms" in out
     assert "nothing was compiled" in out
+    assert cache.is_dir() and not list(cache.iterdir())  # its staging folder removed
+    assert os.environ.get("TRITON_CACHE_DIR") == cache_before
 
 
 def test_an_unknown_switch_is_a_usage_error(tiny_llama, capsys):
@@ -163,7 +167,7 @@ def test_a_training_step_after_warmup_compiles_nothing(tiny_llama, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "compiled" in done.stdout and str(cache) in done.stdout
     warmed = cache_entries(cache)
-    assert warmed and not list(tmp_path.glob(".triton-cache.warmup-*"))  # the staging folder is gone
+    assert warmed and not list(cache.glob(".tigon-warmup-*"))  # the staging folder is gone
     train = (
         "import sys, torch, transformers, tigon\n"
         "model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(sys.argv[1]))\n"

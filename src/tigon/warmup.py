@@ -18,7 +18,7 @@ The cache. Triton keys every entry by the kernel's source, the Triton version, t
 specialisation, and writes each file atomically (a temporary file renamed into place), so several processes
 may share a cache on one node's local disk. An entry records its files by absolute path, so a cache works
 only at the path it was written at: a copy elsewhere misses. ``--cache-dir DIR`` warms into a fresh folder
-beside ``DIR`` and then publishes each new entry into ``DIR`` with one rename (its recorded paths rewritten to
+inside ``DIR`` and then publishes each new entry into ``DIR`` with one rename (its recorded paths rewritten to
 ``DIR``'s): a reader sees an entry whole or not at all, and several warmups may publish into one ``DIR``.
 """
 
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+STAGING_PREFIX = ".tigon-warmup-"  # a warmup's folder inside the cache it publishes into
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -148,7 +149,8 @@ def cache_entries(cache_dir: Path) -> set[str]:
     """The entries (one folder per compiled kernel or launcher) in a Triton cache."""
     if not cache_dir.is_dir():
         return set()
-    return {entry.name for entry in cache_dir.iterdir() if entry.is_dir() and not entry.name.startswith("tmp.")}
+    return {entry.name for entry in cache_dir.iterdir()
+            if entry.is_dir() and not entry.name.startswith(("tmp.", "."))}
 
 
 def entry_name(entry: Path) -> str:
@@ -276,11 +278,12 @@ def warmup(name: str, *, seqs=(2048,), batch: int = 1, dtype: str = "bf16", auto
     layers = layers_needed(config)
     small = truncated_config(config, layers)
 
-    staging = None
+    staging, previous_dir = None, os.environ.get("TRITON_CACHE_DIR")
     if cache_dir is not None:
         target = Path(cache_dir).expanduser().resolve()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.warmup-", dir=target.parent))
+        target.mkdir(parents=True, exist_ok=True)
+        # staged inside the target: on its filesystem, so that each entry's rename is atomic
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target))
         os.environ["TRITON_CACHE_DIR"] = str(staging)
     compiled_into = triton_cache_dir()
     before = cache_entries(compiled_into)
@@ -303,6 +306,10 @@ def warmup(name: str, *, seqs=(2048,), batch: int = 1, dtype: str = "bf16", auto
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+            if previous_dir is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = previous_dir
     return WarmupResult(label, layers, final_dir, kernels, time.perf_counter() - start, interpreter_active())
 
 
