@@ -90,3 +90,22 @@ def test_written_signature_is_the_code_signature(page, modules, name, params):
     written = parsed(params)
     code = [p for p in actual(obj) if p[0] not in IN_PROSE[page] or p[0] in {w[0] for w in written}]
     assert written == code, f"docs/api/{page}: {name}({params})\n  code: {inspect.signature(obj)}"
+
+
+def test_the_command_page_documents_every_subcommand_and_option():
+    import argparse
+
+    from tigon.bench.specs import load_specs
+    from tigon.cli import build_parser
+
+    text = (DOCS / "api" / "cli.md").read_text()
+    parser = build_parser()
+    assert "--version" in text
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        assert f"## `tigon {name}" in text, name
+        for action in sub._actions:
+            for option in action.option_strings:
+                assert option in ("-h", "--help") or f"`{option}" in text, f"tigon {name} {option}"
+    for op in load_specs():
+        assert f"`{op}`" in text, op  # the op names `tigon bench` and `tigon check` take
