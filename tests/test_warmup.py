@@ -112,6 +112,13 @@ def test_warmup_runs_a_patched_training_step_under_the_interpreter(tiny_llama, t
     assert os.environ.get("TRITON_CACHE_DIR") == cache_before
 
 
+def test_a_model_that_refuses_sdpa_warms_with_eager_attention(tmp_path, capsys):
+    folder = tmp_path / "gemma2"  # Gemma-2 as published: attention-logit softcap on, which sdpa cannot apply
+    transformers.Gemma2Config(**TINY, num_hidden_layers=4).save_pretrained(folder)
+    assert main(["warmup", str(folder), "--device", "cpu", "--seq", "16"]) == 0
+    assert "2 of 4 decoder layers" in capsys.readouterr().out
+
+
 def test_an_unknown_switch_is_a_usage_error(tiny_llama, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["warmup", str(tiny_llama), "--device", "cpu", "--seq", "16", "--switch", "no_such_switch=true"])

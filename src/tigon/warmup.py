@@ -92,11 +92,14 @@ def resolve_config(name: str):
 
 
 def _decoder_layers(model, num_layers: int):
-    """The model's decoder layer list: the ModuleList that holds ``num_layers`` layers."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
-            return module
-    raise WarmupError(f"{type(model).__name__}: no list of {num_layers} decoder layers found")
+    """The language model's decoder layer list: a ModuleList of ``num_layers`` layers, one named
+    ``...layers`` outside a vision tower first."""
+    lists = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers]
+    lists.sort(key=lambda item: not (item[0].endswith("layers") and "vision" not in item[0]))
+    if not lists:
+        raise WarmupError(f"{type(model).__name__}: no list of {num_layers} decoder layers found")
+    return lists[0][1]
 
 
 def _layer_kind(layer, index: int, text_config) -> tuple:
@@ -117,8 +120,11 @@ def layers_needed(config) -> int:
 
     text_config = config.get_text_config()
     num_layers = text_config.num_hidden_layers
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (TypeError, ValueError) as err:
+        raise WarmupError(f"{type(config).__name__}: not a model transformers builds as a causal LM ({err})") from err
     kinds = [_layer_kind(layer, i, text_config) for i, layer in enumerate(_decoder_layers(model, num_layers))]
     last_new = max(kinds.index(kind) for kind in set(kinds))
     return last_new + 1
@@ -245,14 +251,21 @@ def train_steps(model, *, seqs, batch: int, dtype: torch.dtype, autocast: bool, 
 
 def build_warmup_model(config, *, device: torch.device, dtype: torch.dtype, autocast: bool, switches: dict):
     """The model at the layers warmup needs, random weights on ``device`` (fp32 under autocast, else
-    ``dtype``), patched."""
+    ``dtype``), patched. sdpa attention as the benchmarks build it, or eager attention where the model
+    refuses sdpa (Gemma-2 with its attention-logit softcap), as transformers then runs it."""
+    import transformers
+
     import tigon
     from tigon.bench.models import build_model
 
     try:
         model = build_model(config, device=device)
-    except ValueError as err:
-        raise WarmupError(f"{type(config).__name__}: not a model transformers builds as a causal LM ({err})") from err
+    except ValueError:
+        try:
+            with torch.device(device):
+                model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+        except ValueError as err:
+            raise WarmupError(f"{type(config).__name__}: transformers cannot build it ({err})") from err
     if not autocast:
         model = model.to(dtype)
     try:
