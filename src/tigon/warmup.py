@@ -236,14 +236,20 @@ def parse_switches(items) -> dict:
     return switches
 
 
+# Backward passes per sequence length before the gradients are dropped: the second adds into the gradients
+# the first left, as gradient accumulation does, in case a kernel is specialised on that.
+MICRO_BATCHES = 2
+
+
 def train_steps(model, *, seqs, batch: int, dtype: torch.dtype, autocast: bool, device: torch.device) -> None:
-    """One forward (loss through the model's head) and backward per sequence length, gradients dropped."""
+    """Forward (the loss through the model's head) and backward, ``MICRO_BATCHES`` times per sequence length."""
     vocab = model.config.get_text_config().vocab_size
     for seq in seqs:
-        ids = torch.randint(vocab, (batch, seq), device=device)
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for _ in range(MICRO_BATCHES):
+            ids = torch.randint(vocab, (batch, seq), device=device)
+            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
         model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
