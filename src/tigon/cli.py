@@ -7,6 +7,7 @@ Nothing here imports ``tigon.ops`` at module level: ``check`` must decide on Tri
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -131,8 +132,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    import os
-
     from tigon._interpreter import apply_interpreter_fixes
 
     if args.device == "cpu":  # a test of the pipeline: the kernels run under the interpreter, nothing compiles
