@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -27,6 +29,27 @@ from tigon.warmup import (
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
+
+
+def warmup_cpu(*args) -> tuple[int, str, str]:
+    """``tigon warmup ARGS --device cpu``: its exit status, stdout and stderr. In this process where the
+    interpreter is on (a machine without a GPU, tests/conftest.py); on a GPU machine, whose kernels this
+    process defines for the GPU, in a process of its own."""
+    from tigon._interpreter import interpreter_active
+
+    argv = ["warmup", *map(str, args), "--device", "cpu"]
+    if interpreter_active():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exit_info:
+                code = exit_info.code
+        return code, out.getvalue(), err.getvalue()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "tigon.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=600)
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.fixture
@@ -59,19 +82,16 @@ def test_local_folder_and_config_json_resolve(tiny_llama):
         assert label == str(path) and isinstance(config, transformers.LlamaConfig) and config.vocab_size == 300
 
 
-def test_an_unknown_model_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["warmup", "no such model!", "--device", "cpu"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+def test_an_unknown_model_is_a_usage_error():
+    code, _, err = warmup_cpu("no such model!")
+    assert code == 2
     assert "tigon warmup: error: model 'no such model!'" in err and "Llama-3.2-1B-shaped" in err
 
 
-def test_a_folder_without_a_config_is_a_usage_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["warmup", str(tmp_path), "--device", "cpu"])
-    assert exit_info.value.code == 2
-    assert "no transformers config could be read there" in capsys.readouterr().err
+def test_a_folder_without_a_config_is_a_usage_error(tmp_path):
+    code, _, err = warmup_cpu(tmp_path)
+    assert code == 2
+    assert "no transformers config could be read there" in err
 
 
 @pytest.mark.parametrize("config, needed", [
@@ -90,21 +110,20 @@ def test_one_decoder_layer_of_each_kind(config, needed):
     assert layers_needed(small) == needed
 
 
-def test_switches_parse_as_patch_keywords(capsys):
+def test_switches_parse_as_patch_keywords():
     assert parse_switches(["recompute_norms=true", "mlp=off", "tiled_mlp=1", "x=0.5", "y=abc"]) == dict(
         recompute_norms=True, mlp=False, tiled_mlp=1, x=0.5, y="abc")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["warmup", "llama", "--device", "cpu", "--switch", "recompute_norms"])
-    assert exit_info.value.code == 2
-    assert "expected NAME=VALUE" in capsys.readouterr().err
+    code, _, err = warmup_cpu("llama", "--switch", "recompute_norms")
+    assert code == 2
+    assert "expected NAME=VALUE" in err
 
 
-def test_warmup_runs_a_patched_training_step_under_the_interpreter(tiny_llama, tmp_path, capsys):
+def test_warmup_runs_a_patched_training_step_under_the_interpreter(tiny_llama, tmp_path):
     cache = tmp_path / "cache"
     cache_before = os.environ.get("TRITON_CACHE_DIR")
-    assert main(["warmup", str(tiny_llama), "--device", "cpu", "--autocast", "--seq", "16", "24",
-                 "--switch", "recompute_norms=true", "--cache-dir", str(cache)]) == 0
-    out = capsys.readouterr().out
+    code, out, err = warmup_cpu(tiny_llama, "--autocast", "--seq", "16", "24", "--switch", "recompute_norms=true",
+                                "--cache-dir", cache)
+    assert code == 0, err
     assert "1 of 3 decoder layers" in out and "fp32 weights under bf16 autocast" in out
     assert "patched: " in out and "recompute_norms" in out
     assert "nothing was compiled" in out
@@ -112,18 +131,18 @@ def test_warmup_runs_a_patched_training_step_under_the_interpreter(tiny_llama, t
     assert os.environ.get("TRITON_CACHE_DIR") == cache_before
 
 
-def test_a_model_that_refuses_sdpa_warms_with_eager_attention(tmp_path, capsys):
+def test_a_model_that_refuses_sdpa_warms_with_eager_attention(tmp_path):
     folder = tmp_path / "gemma2"  # Gemma-2 as published: attention-logit softcap on, which sdpa cannot apply
     transformers.Gemma2Config(**TINY, num_hidden_layers=4).save_pretrained(folder)
-    assert main(["warmup", str(folder), "--device", "cpu", "--seq", "16"]) == 0
-    assert "2 of 4 decoder layers" in capsys.readouterr().out
+    code, out, err = warmup_cpu(folder, "--seq", "16")
+    assert code == 0, err
+    assert "2 of 4 decoder layers" in out
 
 
-def test_an_unknown_switch_is_a_usage_error(tiny_llama, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["warmup", str(tiny_llama), "--device", "cpu", "--seq", "16", "--switch", "no_such_switch=true"])
-    assert exit_info.value.code == 2
-    assert "no_such_switch" in capsys.readouterr().err
+def test_an_unknown_switch_is_a_usage_error(tiny_llama):
+    code, _, err = warmup_cpu(tiny_llama, "--seq", "16", "--switch", "no_such_switch=true")
+    assert code == 2
+    assert "no_such_switch" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU warmup runs (the GPU test below)")

@@ -132,10 +132,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    from tigon._interpreter import apply_interpreter_fixes
+    from tigon._interpreter import apply_interpreter_fixes, interpreter_active
 
     if args.device == "cpu":  # a test of the pipeline: the kernels run under the interpreter, nothing compiles
-        os.environ["TRITON_INTERPRET"] = "1"
+        if not interpreter_active():
+            if "tigon.ops" in sys.modules:  # its kernels are defined already, for the GPU
+                args.parser.error("--device cpu needs Triton's interpreter on before tigon.ops is imported: "
+                                  "run it in a process of its own")
+            os.environ["TRITON_INTERPRET"] = "1"
         apply_interpreter_fixes()
     elif not _cuda_available():
         print("tigon warmup compiles tigon's kernels for a GPU and this machine has none (--device cpu runs the "
