@@ -1,6 +1,6 @@
 """A training job's first step with a cold Triton cache, and after ``tigon warmup``: on a GPU, fresh processes.
 
-    python benchmarks/warmup.py --out benchmarks/results          # Llama-3.2-1B-shaped, batch 1 x 2048 (~3 min, H200)
+    python benchmarks/warmup.py --out benchmarks/results     # Llama-3.2-1B-shaped, batch 1 x 2048 (aimed at < 4 min)
 
 What is measured. The model is Llama-3.2-1B-shaped (16 layers, V=128256; ``tigon.bench.models``), random
 weights in fp32, ``tigon.patch`` with its default switches, bf16 autocast, fused AdamW, batch 1 x 2048 random
