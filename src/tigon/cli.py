@@ -114,7 +114,9 @@ def cmd_bench(args) -> int:
     check_op_names(args, checkable=False)
     from tigon.bench.harness import markdown, run
 
-    result = run(args.ops or None, out_dir=Path(args.out), quick=args.quick, providers=args.providers, log=print)
+    history = None if args.history == "none" else args.history
+    result = run(args.ops or None, out_dir=Path(args.out), quick=args.quick, providers=args.providers,
+                 history=history, command=" ".join(["tigon", *sys.argv[1:]]), log=print)
     print()
     print(markdown(result))
     print("wrote " + ", ".join(result["files"]))
@@ -170,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmark ops against eager PyTorch, torch.compile and Liger (GPU)")
     p.add_argument("ops", nargs="*", help="only these ops (default: all)")
-    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and plot")
+    p.add_argument("--out", default="tigon-bench", help="folder for the JSON, markdown and plot")
+    p.add_argument("--history", default="auto",
+                   help="JSON-lines file the run is appended to (default: benchmarks/results/history.jsonl of the "
+                        "checkout; 'none': no file)")
     p.add_argument("--quick", action="store_true", help="two cases per op only")
     p.add_argument("--providers", nargs="+", metavar="NAME",
                    help="only these providers (eager, tigon, compile, liger, ...; default: all)")
