@@ -18,8 +18,11 @@
 # fixture stays on one worker, see tests/conftest.py). Tests marked bigmem (>2**31-element tensors, 1B-parameter
 # models) run one at a time in one process: alongside the parallel part where the card has >= 120 GiB (the
 # parallel tests hold a few GiB; the bigmem tests were sized for an 80 GiB card), after it otherwise
-# (BIGMEM=along|after|none overrides). pytest-timeout stops any one test after TEST_TIMEOUT s (120), and every
-# pytest stops BUDGET_S s (540) after the script started, leaving the summary within the call's 600 s.
+# (BIGMEM=along|after|none overrides). Each worker compiles torch.compile's kernels in its own process
+# (TORCHINDUCTOR_COMPILE_THREADS=1: the workers already fill the cores, a compile pool each would oversubscribe
+# them). pytest-timeout stops any one test after TEST_TIMEOUT s (240: the torchrun launches of the distributed
+# tests, under the interpreter, take a minute or two), and every pytest stops BUDGET_S s (540) after the script
+# started, leaving the summary within the call's 600 s.
 #
 # $OUT (./gpu-check-out unless set) gets env.txt, tests-{parallel,bigmem}.log, junit-{parallel,bigmem}.xml,
 # results-{parallel,bigmem}.txt (one "outcome nodeid" line per test, written as each ends, so a run stopped by
@@ -35,7 +38,7 @@ esac
 TESTS=${TESTS:-$DEFAULT_TESTS}
 BENCH=${BENCH:-none}
 BUDGET_S=${BUDGET_S:-540}
-TEST_TIMEOUT=${TEST_TIMEOUT:-120}
+TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 OUT=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT/bench"
@@ -110,7 +113,8 @@ if [ "$TESTS" != none ] && [ $setup_rc -eq 0 ]; then
     bigmem_pid=$!
   fi
   # shellcheck disable=SC2086
-  pytest_part parallel $TESTS -m "not bigmem" $parallel $limits --durations=30
+  TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1} \
+    pytest_part parallel $TESTS -m "not bigmem" $parallel $limits --durations=30
   parallel_rc=$?
   if [ -n "$bigmem_pid" ]; then
     wait "$bigmem_pid"
