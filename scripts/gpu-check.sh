@@ -10,7 +10,7 @@
 #
 # Wheels in .whl/ (git-ignored: trl, datasets, peft, liger-kernel and what they need) go to $SITE (/tmp/site),
 # after src/ on PYTHONPATH, so the image's packages stay untouched. PART=top installs .whl/top/ (transformers and
-# the newer huggingface_hub and regex it requires) to $SITE-top, ahead of $SITE: the suite part always tests the
+# the newer huggingface_hub, regex and accelerate it runs with) to $SITE-top, ahead of $SITE: the suite part tests the
 # machine's own transformers.
 #
 # Time: kernel compilation dominates a fresh machine, so the tests not marked bigmem run on WORKERS xdist
