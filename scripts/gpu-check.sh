@@ -146,6 +146,21 @@ if [ $setup_rc -ne 0 ]; then
   verdict_rc=1
 elif [ "$TESTS" != none ]; then
   cat "$OUT"/results-*.txt 2>/dev/null >"$OUT/results.txt"
+  if [ ! -s "$OUT/results.txt" ]; then  # no record (a tests/conftest.py without the hook): the junit files
+    python3 - "$OUT"/junit-*.xml >"$OUT/results.txt" 2>/dev/null <<'PY'
+import sys
+import xml.etree.ElementTree as ElementTree
+
+for path in sys.argv[1:]:
+    for case in ElementTree.parse(path).iter("testcase"):
+        if case.get("name") is None:  # an interrupted session's entry
+            continue
+        tags = {child.tag for child in case}
+        outcome = ("failed" if "failure" in tags else "error" if "error" in tags
+                   else "skipped" if "skipped" in tags else "passed")
+        print(outcome, f"{case.get('classname')}::{case.get('name')}")
+PY
+  fi
   read -r passed failed skipped <<<"$(awk '
     $1 == "passed" || $1 == "xpassed" { p++ } $1 == "failed" || $1 == "error" { f++ }
     $1 == "skipped" || $1 == "xfailed" { s++ } END { print p + 0, f + 0, s + 0 }' "$OUT/results.txt")"
