@@ -3,8 +3,9 @@
 # ends in one line: VERDICT <part> transformers <version>: PASS|FAIL (N passed, N failed, N skipped).
 #
 #   bash scripts/gpu-check.sh               # PART=suite: every test, on the machine's transformers
-#   bash scripts/gpu-check.sh top           # PART=top: tests/patching, the TRL tests and tests/test_demo.py on
-#                                           #   the release whose wheels are in .whl/top/ (the newest one)
+#   bash scripts/gpu-check.sh top           # PART=top: tests/patching (the TRL head among them), the TRL step
+#                                           #   benchmark's, the demo's and the examples' tests on the release
+#                                           #   whose wheels are in .whl/top/ (the newest one)
 #   TESTS="tests/ops -k rms" bash scripts/gpu-check.sh       # another selection, in either part
 #   TESTS=none BENCH=all bash scripts/gpu-check.sh           # the benchmark harness only (BENCH="rms_norm jsd": some ops)
 #
@@ -32,7 +33,7 @@ cd "$(dirname "$0")/.."
 PART=${1:-${PART:-suite}}
 case $PART in
   suite) DEFAULT_TESTS=tests ;;
-  top) DEFAULT_TESTS="tests/patching tests/bench/test_trl_steps.py tests/test_demo.py" ;;
+  top) DEFAULT_TESTS="tests/patching tests/bench/test_trl_steps.py tests/test_demo.py tests/test_examples.py" ;;
   *) echo "PART is suite or top, not '$PART'" >&2; exit 2 ;;
 esac
 TESTS=${TESTS:-$DEFAULT_TESTS}
