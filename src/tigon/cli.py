@@ -109,7 +109,7 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     if not _cuda_available():
         print("tigon bench needs a CUDA GPU and this machine has none; run it on a GPU machine "
-              "(scripts/gpu-check.sh runs the tests and this benchmark in one go).", file=sys.stderr)
+              "(`TESTS=none BENCH=all bash scripts/gpu-check.sh` runs every benchmark).", file=sys.stderr)
         return 2
     check_op_names(args, checkable=False)
     from tigon.bench.harness import markdown, run
