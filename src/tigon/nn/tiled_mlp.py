@@ -73,15 +73,16 @@ def _autocast_state(device):
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, chunk_tokens, x, *params):
+    def forward(ctx, module, names, chunk_tokens, x, *params):
         rows = x.reshape(-1, x.shape[-1])  # (M, H)
-        ctx.forward, ctx.chunk_tokens, ctx.params = forward, chunk_tokens, params
+        ctx.module, ctx.names, ctx.chunk_tokens = module, names, chunk_tokens
+        ctx.params = params  # the parameter objects themselves, as the module holds them: not saved tensors
         ctx.rng = _rng_state(x.device)
         ctx.autocast = _autocast_state(x.device)
         out = None
         with torch.no_grad():
             for start in range(0, rows.shape[0], chunk_tokens):
-                y = forward(rows[start : start + chunk_tokens])  # (C, H)
+                y = module(rows[start : start + chunk_tokens])  # (C, H)
                 if out is None:
                     out = y.new_empty(rows.shape[0], y.shape[-1])  # (M, H)
                 out[start : start + y.shape[0]] = y
@@ -91,11 +92,12 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        forward, chunk_tokens, params = ctx.forward, ctx.chunk_tokens, ctx.params
+        module, chunk_tokens = ctx.module, ctx.chunk_tokens
         rows = x.detach().reshape(-1, x.shape[-1])
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
-        want_x = ctx.needs_input_grad[2]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:], strict=True) if need]
+        want_x = ctx.needs_input_grad[3]
+        wanted = [(name, p) for name, p, need in zip(ctx.names, ctx.params, ctx.needs_input_grad[4:], strict=True)
+                  if need]
         grad_x = torch.empty_like(rows) if want_x else None
         sums = [None] * len(wanted)  # fp32 sums of the chunks' parameter gradients
         device_type, autocast_on, autocast_dtype = ctx.autocast
@@ -107,9 +109,15 @@ class _TiledMLP(torch.autograd.Function):
                 torch.cuda.set_rng_state(cuda_rng, x.device)
             for start in range(0, rows.shape[0], chunk_tokens):
                 chunk = rows[start : start + chunk_tokens].detach().requires_grad_(want_x)
+                # Each chunk differentiates detached aliases of the parameters: the parameters' own
+                # gradient hooks see only the sum this node returns, once.
+                aliases = {name: p.detach().requires_grad_() for name, p in wanted}
                 with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-                    y = forward(chunk)
-                inputs = ([chunk] if want_x else []) + wanted
+                    # A view, not the leaf itself, goes in: autocast caches the casts of leaves that require
+                    # a gradient, and would then sum the projections' input gradients in bf16 where the
+                    # stock graph (whose MLP input is an activation) casts once per projection.
+                    y = torch.func.functional_call(module, aliases, (chunk.view_as(chunk),), strict=False)
+                inputs = ([chunk] if want_x else []) + list(aliases.values())
                 grads = torch.autograd.grad(y, inputs, grad_rows[start : start + chunk.shape[0]], allow_unused=True)
                 if want_x:
                     grad_x[start : start + chunk.shape[0]] = grads[0]
@@ -117,15 +125,24 @@ class _TiledMLP(torch.autograd.Function):
                 for i, g in enumerate(grads):
                     if g is not None:
                         sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
-        param_grads = iter(None if s is None else s.to(p.dtype) for s, p in zip(sums, wanted, strict=True))
-        out = [next(param_grads) if need else None for need in ctx.needs_input_grad[3:]]
+        param_grads = iter(None if s is None else s.to(p.dtype) for s, (_, p) in zip(sums, wanted, strict=True))
+        out = [next(param_grads) if need else None for need in ctx.needs_input_grad[4:]]
         grad_x = grad_x.view(x.shape) if want_x else None
-        return None, None, grad_x, *out
+        return None, None, None, grad_x, *out
+
+
+def _trained(module):
+    """The names and objects of ``module``'s parameters that take a gradient now."""
+    if not torch.is_grad_enabled():
+        return (), ()
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    return tuple(name for name, _ in named), tuple(p for _, p in named)
 
 
 class TiledForward:
     """``module.forward`` run by :class:`_TiledMLP` over chunks of tokens; ``inner``: the forward it
-    tiles (bound to ``module``: its class's, or one set on the instance)."""
+    tiles (bound to ``module``: its class's, or one set on the instance), which each chunk's call of the
+    module reaches (a chunk is short enough to run whole)."""
 
     _tigon = True
 
@@ -138,17 +155,16 @@ class TiledForward:
         if (args or kwargs or not isinstance(x, torch.Tensor) or x.dim() == 0
                 or x.numel() // max(x.shape[-1], 1) <= self.chunk_tokens or torch.compiler.is_compiling()):
             return self.inner(x, *args, **kwargs)
-        params = [p for p in self.module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-        return _TiledMLP.apply(self.inner, self.chunk_tokens, x, *params)
+        names, params = _trained(self.module)
+        return _TiledMLP.apply(self.module, names, self.chunk_tokens, x, *params)
 
 
 def tiled(module: torch.nn.Module, x: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """``module(x)`` over chunks of ``chunk_tokens`` tokens (the function :class:`TiledForward` runs)."""
+    """``module(x)`` over chunks of ``chunk_tokens`` tokens (what :class:`TiledForward` runs); ``module``
+    maps each token's row on its own (an MLP)."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise TypeError(f"x must be a tensor with a last (hidden) dim, got {type(x).__name__}")
-    forward = module.forward
-    forward = forward.inner if isinstance(forward, TiledForward) else forward
-    params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-    return _TiledMLP.apply(forward, chunk_tokens, x, *params)
+    names, params = _trained(module)
+    return _TiledMLP.apply(module, names, chunk_tokens, x, *params)
