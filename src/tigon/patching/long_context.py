@@ -83,13 +83,13 @@ def plan_offload(plan, model, family, classes, switches, config: OffloadConfig |
 
 
 def offloader_of(model) -> Offloader | None:
-    """The Offloader of a model patched with ``offload_activations=True`` (a PEFT wrapper's base model's),
-    for its host-memory figures (``host_bytes``, ``peak_host_bytes``); None if it is not patched so."""
-    for _ in range(4):
-        offloader = vars(model).get(OFFLOADER_ATTR)
-        if offloader is not None or not hasattr(model, "get_base_model"):
+    """The Offloader of a model patched with ``offload_activations=True`` (held by the module patched: the
+    model, or its base model when a class patch reached that first; found inside PEFT wrappers too), for
+    its host-memory figures (``host_bytes``, ``peak_host_bytes``); None if it is not patched so."""
+    for module in model.modules():
+        offloader = vars(module).get(OFFLOADER_ATTR)
+        if offloader is not None:
             return offloader
-        model = model.get_base_model()
     return None
 
 
