@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tigon.nn.activation_offload import LayerOffload, LayerScope, Offloader, OffloadConfig
+from tigon.nn.activation_offload import LayerOffload, LayerScope, OffloadConfig, Offloader
 
 ON_CPU = OffloadConfig(device_types=("cpu",), min_bytes=0, bucket_bytes=1)
 

@@ -12,7 +12,7 @@ import torch
 import tigon
 from tests.helpers import LOSS_TOLERANCE, TOLERANCE
 from tests.patching.tiny import DEVICE, assert_grads_close, batch, grads, rel, tiny_model
-from tigon.nn.activation_offload import LayerOffload, Offloader, OffloadConfig
+from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 from tigon.nn.tiled_mlp import TiledForward
 from tigon.patching import long_context
 
@@ -57,7 +57,10 @@ def _assert_matches(got, want, dtype=torch.float32):
     assert_grads_close(g, want_g, TOLERANCE[dtype])
 
 
-def _forced_offload(model, config=OffloadConfig(device_types=("cpu", "cuda"), min_bytes=0, bucket_bytes=1)):
+EVERYTHING = OffloadConfig(device_types=("cpu", "cuda"), min_bytes=0, bucket_bytes=1)
+
+
+def _forced_offload(model, config=EVERYTHING):
     """Offload every saved tensor of every decoder layer, CPU tensors included (the hooks the switch
     installs on CUDA models, told to treat CPU tensors as offloadable)."""
     offloader = Offloader(config)

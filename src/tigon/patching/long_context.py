@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import types
 
-from tigon.nn.activation_offload import LayerOffload, Offloader, OffloadConfig
+from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 from tigon.nn.tiled_mlp import TiledForward, TiledMLPConfig
 from tigon.patching.changes import _SetAttr
 
