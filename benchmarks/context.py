@@ -325,9 +325,10 @@ def plot(result: dict, path: Path) -> None:
             colour = COLOURS[row["provider"]]
             ax.plot([x / 1024 for x in xs], ys, marker="o", ms=3, color=colour, label=PROVIDER_TITLES[row["provider"]])
             if row["tokens_per_s_at_longest"]:
-                ax.plot(row["longest_seq"] / 1024, row["tokens_per_s_at_longest"], marker="*", ms=14, color=colour)
-                ax.annotate(f"{row['longest_seq'] // 1024}K", (row["longest_seq"] / 1024, row["tokens_per_s_at_longest"]),
-                            textcoords="offset points", xytext=(4, 6), fontsize=8, color=colour)
+                longest = (row["longest_seq"] / 1024, row["tokens_per_s_at_longest"])
+                ax.plot(*longest, marker="*", ms=14, color=colour)
+                ax.annotate(f"{row['longest_seq'] // 1024}K", longest, textcoords="offset points", xytext=(4, 6),
+                            fontsize=8, color=colour)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (K tokens), batch 1")
         ax.set_ylabel("tokens/s")
