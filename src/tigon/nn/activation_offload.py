@@ -35,7 +35,10 @@ reentrant checkpoint's recompute); torch.compile; another ``saved_tensors_hooks`
 the layer (a checkpoint wrapper around the whole layer, ``save_on_cpu``: theirs apply); a layer input
 on a device type not in ``device_types`` (a CPU model: nothing to gain). Tensors that stay: those
 under ``min_bytes`` (a norm's per-row statistics: their copies would cost more launches than memory),
-parameters and views of them, tensor subclasses (DTensor), non-strided layouts.
+parameters and views of them, tensor subclasses (DTensor), non-strided layouts. A weight's autocast copy
+that a stock ``nn.Linear`` saves (bf16 of an fp32 weight) is a tensor of its own and goes like an
+activation; tigon's patched projections and MLPs cast their weights again in the backward instead of
+saving such copies.
 
 Host buffers are pinned (page-locked, so that the copies are asynchronous DMA) and pooled by size,
 rounded up to ``bucket_bytes``: pinning is slow (``cudaHostAlloc`` maps pages), and the sizes repeat
