@@ -160,6 +160,28 @@ def test_revert_restores_the_stock_modules_and_patching_twice_is_a_no_op():
     assert long_context.OFFLOAD_ATTR not in vars(layer) and long_context.offloader_of(model) is None
 
 
+def test_copies_pickles_and_saved_models_train_as_the_original():
+    import io
+    import pickle
+
+    model = _small_chunks(_model())
+    tigon.patch(model, tiled_mlp=True, offload_activations=True, **PLAIN)
+    want = _step(copy.deepcopy(model))
+
+    def saved_and_loaded(m):
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    for clone in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), saved_and_loaded):
+        copied = clone(model)
+        assert len(_mlps(copied)) == 2 and all(m.forward.module is m for m in _mlps(copied))
+        assert long_context.offloader_of(copied) is not long_context.offloader_of(model)
+        got = _step(copied)
+        assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], g) for n, g in want[1].items())
+
+
 def test_cuda_graphs_and_offload_are_exclusive():
     model = _model()
     with pytest.raises(ValueError, match="exclusive"):

@@ -203,6 +203,12 @@ class Offloader:
         self.live: dict[int, tuple[weakref.ref, int, int, int, weakref.ref]] = {}  # see LayerScope.pack
         self.lock = threading.Lock()
 
+    def __getstate__(self):  # a copied or pickled model starts with its own empty pool and streams
+        return {"config": self.config}
+
+    def __setstate__(self, state):
+        self.__init__(state["config"])
+
     @property
     def host_bytes(self) -> int:
         """Host memory held by the pool (in use or free), in bytes."""
@@ -343,6 +349,13 @@ class LayerOffload:
 
     def __init__(self, layer: torch.nn.Module, offloader: Offloader):
         self.layer, self.offloader, self.handles = layer, offloader, []
+        self.scopes = threading.local()
+
+    def __getstate__(self):  # the per-thread scope stacks are not copied (between forwards they are empty)
+        return {k: v for k, v in vars(self).items() if k != "scopes"}
+
+    def __setstate__(self, state):
+        vars(self).update(state)
         self.scopes = threading.local()
 
     def apply(self):

@@ -38,6 +38,7 @@ the tiled forward, then the backward recomputes each chunk again).
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,19 @@ class TiledForward:
         self.module, self.inner = module, inner
         self.config = config or TiledMLPConfig()
         self.chunk_tokens = self.config.chunk_tokens(hidden_size)
+
+    def __getstate__(self):
+        # The inner forward as its function: pickling the bound method would look ``forward`` up on the
+        # module again when it is loaded, and find this object there.
+        inner = self.inner
+        bound = isinstance(inner, types.MethodType) and inner.__self__ is self.module
+        return {**vars(self), "inner": inner.__func__ if bound else inner, "bound": bound}
+
+    def __setstate__(self, state):
+        bound = state.pop("bound")
+        vars(self).update(state)
+        if bound:
+            self.inner = types.MethodType(self.inner, self.module)
 
     def __call__(self, x, *args, **kwargs):
         if (args or kwargs or not isinstance(x, torch.Tensor) or x.dim() == 0
