@@ -327,7 +327,7 @@ def plot(result: dict, path: Path) -> None:
             if row["tokens_per_s_at_longest"]:
                 longest = (row["longest_seq"] / 1024, row["tokens_per_s_at_longest"])
                 ax.plot(*longest, marker="*", ms=14, color=colour)
-                ax.annotate(f"{row['longest_seq'] // 1024}K", longest, textcoords="offset points", xytext=(4, 6),
+                ax.annotate(f"{row['longest_seq'] / 1024:g}K", longest, textcoords="offset points", xytext=(4, 6),
                             fontsize=8, color=colour)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (K tokens), batch 1")
