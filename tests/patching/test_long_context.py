@@ -69,6 +69,16 @@ def _forced_offload(model, config=EVERYTHING):
     return offloader
 
 
+def test_both_switches_are_off_by_default():
+    from tigon.patching.engine import SWITCHES
+
+    assert SWITCHES["offload_activations"] is False and SWITCHES["tiled_mlp"] is False
+    model = _model()
+    handle = tigon.patch(model)
+    assert not any("offload" in line or "tiled" in line for line in handle.replaced)
+    assert _mlps(model) == [] and long_context.offloader_of(model) is None
+
+
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING, ids=CHECKPOINT_IDS)
 def test_tiled_mlp_matches_stock_at_the_default_chunks(checkpointing):
     """320 tokens in chunks of 256 (the default policy at hidden 32): two chunks, the second short."""
