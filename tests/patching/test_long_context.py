@@ -106,6 +106,19 @@ def test_both_switches_compose_with_tigons_mlp_recompute_norms_and_checkpointing
     assert offloader.host_bytes > 0 and offloader.pool.in_use_bytes == 0
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_with_checkpointing_each_layers_input_is_what_goes(reentrant):
+    model = _model()
+    offloader = _forced_offload(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids, labels = batch(0)
+    loss = model(input_ids=ids, labels=labels).loss
+    hidden = ids.numel() * model.config.hidden_size * 4  # fp32 hidden states, one a layer
+    assert offloader.pool.in_use_bytes == len(model.model.layers) * hidden
+    loss.backward()
+    assert offloader.pool.in_use_bytes == 0
+
+
 def test_lora_on_the_mlp_projections_trains_as_stock_peft():
     from peft import LoraConfig, get_peft_model
 
