@@ -285,10 +285,13 @@ class LayerScope(torch.autograd.graph.saved_tensors_hooks):
         if (type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in config.device_types
                 or t.numel() == 0 or t.untyped_storage().nbytes() < config.min_bytes):
             return False
-        if self.parameter_storages is None:  # read at the first pack: FSDP2 unshards in a pre-forward hook
+        pointer = t.untyped_storage().data_ptr()
+        if self.parameter_storages is None or pointer not in self.parameter_storages:
+            # Read again before a tensor is offloaded: FSDP2 unshards the layer's parameters in a pre-forward
+            # hook, DeepSpeed ZeRO-3 gathers each submodule's just before that submodule runs.
             self.parameter_storages = {p.untyped_storage().data_ptr() for p in self.layer.parameters()
                                        if type(p) is torch.nn.Parameter}
-        return t.untyped_storage().data_ptr() not in self.parameter_storages
+        return pointer not in self.parameter_storages
 
     def pack(self, t):
         if not self.offloadable(t):
