@@ -202,7 +202,9 @@ def test_copies_pickles_and_saved_models_train_as_the_original():
         assert len(_mlps(copied)) == 2 and all(m.forward.module is m for m in _mlps(copied))
         assert long_context.offloader_of(copied) is not long_context.offloader_of(model)
         got = _step(copied)
-        assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], g) for n, g in want[1].items())
+        if DEVICE.type == "cpu":  # bitwise (on the GPU the embedding's backward sums in any order)
+            assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], g) for n, g in want[1].items())
+        _assert_matches(got, want)
 
 
 def test_cuda_graphs_and_offload_are_exclusive():
