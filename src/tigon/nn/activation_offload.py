@@ -41,10 +41,12 @@ activation; tigon's patched projections and MLPs cast their weights again in the
 saving such copies.
 
 Host buffers are pinned (page-locked, so that the copies are asynchronous DMA) and pooled by size,
-rounded up to ``bucket_bytes``: pinning is slow (``cudaHostAlloc`` maps pages), and the sizes repeat
-from step to step. A buffer returns to the pool when the last handle on its bytes is freed (the graph
-node that saved it ran its backward, or the graph was dropped); its next writer is a copy on the same
-side stream, so it is stream-ordered after every read of it. :attr:`Offloader.host_bytes` is the
+rounded up to a power of two (at least ``bucket_bytes``): pinning is slow (``cudaHostAlloc`` maps
+pages), the sizes repeat from step to step, and torch's pinned allocator rounds every block up to a
+power of two anyway, so the pool's sizes are the memory pinned. A buffer returns to the pool when the
+last handle on its bytes is freed (the graph node that saved it ran its backward, or the graph was
+dropped); its next writer is a copy on the same side stream, so it is stream-ordered after every read
+of it. :attr:`Offloader.host_bytes` is the
 pinned memory held; :meth:`Offloader.release` frees what the pool holds unused.
 
 Bandwidth: each offloaded byte crosses PCIe twice (a PCIe 5 x16 link moves about 50 GB/s each way).
@@ -70,7 +72,7 @@ class OffloadConfig:
 
     device_types: tuple[str, ...] = ("cuda",)  # tensors on these device types are offloaded
     min_bytes: int = 1 << 20  # smaller saved tensors stay where they are
-    bucket_bytes: int = 1 << 21  # host buffers are rounded up to a multiple of this, and pooled by size
+    bucket_bytes: int = 1 << 21  # the smallest host buffer (sizes round up to powers of two, pooled by size)
     pin_memory: bool = True  # page-locked host buffers (where CUDA is available; plain ones otherwise)
 
     def __post_init__(self):
@@ -108,8 +110,7 @@ class HostPool:
         self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
-        bucket = self.config.bucket_bytes
-        size = max(bucket, -(-nbytes // bucket) * bucket)
+        size = max(self.config.bucket_bytes, 1 << max(nbytes - 1, 0).bit_length())
         with self.lock:
             buffer = self.free[size].pop() if self.free[size] else None
             if buffer is None:
