@@ -63,6 +63,7 @@ from tigon.patching import (
     fused_attention,
     graphs,
     joins,
+    long_context,
     recompute,
     sliding_window,
     vision_attention,
@@ -91,6 +92,8 @@ SWITCHES = {
     "sliding_window": True,
     "vision_attention": True,
     "fused_attention": True,
+    "offload_activations": False,
+    "tiled_mlp": False,
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -778,6 +781,9 @@ PARTS = (
     # after rms_norm's: the hooks go on the tigon norms that part swaps in
     _Part("recompute_norms", lambda f, c: f.joined_layer == "pre_norm" and c.decoder_layer is not None,
           lambda plan, m, f, c, s: _plan_recompute(plan, m, c), lambda f, c, s: [_recompute_line(c)]),
+    _Part("offload_activations", lambda f, c: c.decoder_layer is not None,
+          long_context.plan_offload, long_context.offload_lines),
+    _Part("tiled_mlp", lambda f, c: c.mlp is not None, long_context.plan_tiled_mlp, long_context.tiled_mlp_lines),
 )
 
 
