@@ -843,7 +843,8 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
 # The switches of the parts a decoder has (the loss is the ForConditionalGeneration's). cuda_graphs
 # replays the language model's decoder layers; the vision tower stays eager (its attention reads
 # cu_seqlens on the host, which a captured graph cannot).
-DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs", "fused_attention")
+DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs", "fused_attention",
+                    "offload_activations", "tiled_mlp")
 VISION_PREFIX = "vision: "
 
 
