@@ -56,8 +56,36 @@ host's launches). :func:`_stacked_backward` derives it. Elsewhere (the CPU, whos
 bitwise the stock ones; weights already in the compute dtype, which stacking would copy) gate and up
 are separate products as above.
 
+LoRA (:func:`lora_gated_mlp`, the module's forward where its projections are PEFT LoRA linears that
+:func:`tigon.nn.lora.lora_projection` reads): each projection p adds its adapter's low-rank product,
+``o_p = z W_pᵀ + b_p + s_p·(z A_pᵀ) B_pᵀ`` (z = x for gate and up, h for down; A_p ``[r_p, in]``,
+B_p ``[out, r_p]``; a projection without one has no term). With Ũ_p = s_p·z A_pᵀ (M, r_p)::
+
+    Ũgu = x [Ag; Au]ᵀ               (M, rg+ru)  one product, each block scaled; saved
+    gate += Ũg Bgᵀ,  up += Ũu Buᵀ               into the base outputs (stacked G or split), addmm
+    h = act(gate)·up;  Ũd = s_d·h Adᵀ (M, rd)   saved;  y = h Wdᵀ + bd + Ũd Bdᵀ
+
+Backward, from dy (chain rule through o_p: dz += do_p W_p + s_p·(do_p B_p) A_p, dA_p = s_p·(do_p B_p)ᵀ z,
+dB_p = do_pᵀ Ũ_p), with P_p = s_p·do_p B_p::
+
+    Pd = s_d·dy Bd;  dh = dy Wd + Pd Ad;  dgate, dup, h = glu_backward(dh, gate, up)   (one pass, as above)
+    dWd = dyᵀ h,  dAd = Pdᵀ h,  dBd = dyᵀ Ũd,  dbd = Σ dy                             h freed
+    P = [s_g·dgate Bg | s_u·dup Bu]             (M, rg+ru)
+    dx = dgate Wg + dup Wu + P [Ag; Au]         (stacked: dG [Wg; Wu] + P [Ag; Au])
+    [dAg; dAu] = Pᵀ x,  dBg = dgateᵀ Ũg,  dBu = dupᵀ Ũu
+    dWg, dWu, dbg, dbu as above, where the base is trainable (PEFT freezes it: skipped)
+
+Saved per token: x, gate, up as above, and Ũ (rg+ru+rd values: 48 at r = 16). Stock PEFT on a bf16
+model (fp32 adapters, its default) keeps, besides the LlamaMLP's tensors, an fp32 copy of x for each of
+gate's and up's lora_A and one of h for down's (4·(2·H + I) bytes a token: 90 KB at Llama-3.1-8B), and
+adds the deltas by separate kernels. The products run in the compute dtype with the adapter weights
+cast to it (:mod:`tigon.nn.lora`, "Precision"). What :func:`~tigon.nn.lora.lora_projection` cannot read
+exactly (dropout, DoRA, several active adapters) leaves the projections' own forwards to run
+(:meth:`_GatedMLP.unfused_reason` says why).
+
 Reference: :func:`gated_mlp_reference` (``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers'
-``LlamaMLP`` / ``GemmaMLP``).
+``LlamaMLP`` / ``GemmaMLP``); with adapters, :func:`lora_gated_mlp_reference` (PEFT's LoRA forward for
+each projection).
 """
 
 from __future__ import annotations
@@ -66,7 +94,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.ops._common import FLOAT_DTYPES, check_tensor
 from tigon.nn.lora import (
     Adapters,
     LoraProjection,
@@ -79,6 +106,7 @@ from tigon.nn.lora import (
     lora_projections,
     plain_linear,
 )
+from tigon.ops._common import FLOAT_DTYPES, check_tensor
 from tigon.ops._launch import function_apply
 from tigon.ops._matmul import cast_all, cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.glu import (
@@ -623,3 +651,17 @@ def gated_mlp_reference(
     up = r(F.linear(x, up_weight, up_bias))
     h = r(r(activation_reference(gate, activation)) * up)
     return r(F.linear(h, down_weight, down_bias))
+
+
+def lora_gated_mlp_reference(x, gate: LoraProjection, up: LoraProjection, down: LoraProjection, *,
+                             activation="silu", io_dtype=None):
+    """The eager MLP over PEFT LoRA linears (:func:`tigon.nn.lora.lora_linear_reference` for each
+    projection); ``io_dtype`` rounds gate, up, h and y as :func:`gated_mlp_reference` does."""
+
+    def r(t):
+        return t if io_dtype is None else t.to(io_dtype).to(t.dtype)
+
+    gate_out = r(lora_linear_reference(x, *gate))
+    up_out = r(lora_linear_reference(x, *up))
+    h = r(r(activation_reference(gate_out, activation)) * up_out)
+    return r(lora_linear_reference(h, *down))
