@@ -31,11 +31,11 @@ class Holder(nn.Module):
         return self.mlp(x)
 
 
-def stock_mlp(act="silu", bias=False, dtype=torch.float32):
+def stock_mlp(act="silu", bias=False, dtype=torch.float32, hidden=HIDDEN, inter=INTER):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=4, num_key_value_heads=2,
                          hidden_act=act, mlp_bias=bias)
     module = LlamaMLP(config).to(DEVICE)
     with torch.no_grad():  # unit-scale outputs: nn.Linear's init is tiny at these sizes
@@ -54,17 +54,18 @@ def adopt(model, act="silu"):
     holder = model.get_base_model() if hasattr(model, "get_base_model") else model
     old = holder.mlp
     cls, kwargs = ACTIVATIONS[act]
-    new = cls(HIDDEN, INTER, device="meta", **kwargs)
+    new = cls(old.gate_proj.in_features, old.gate_proj.out_features, device="meta", **kwargs)
     for name in PROJECTIONS:
         setattr(new, name, getattr(old, name))
     holder.mlp = new
     return new
 
 
-def pair(targets=PROJECTIONS, *, act="silu", bias=False, dtype=torch.float32, trainable_base=(), **kwargs):
+def pair(targets=PROJECTIONS, *, act="silu", bias=False, dtype=torch.float32, trainable_base=(), hidden=HIDDEN,
+         inter=INTER, **kwargs):
     """Stock PEFT over a LlamaMLP, and a deep copy whose MLP is tigon's (same parameters' values)."""
     torch.manual_seed(0)
-    stock = peft.get_peft_model(stock_mlp(act, bias, dtype), lora_config(targets, **kwargs))
+    stock = peft.get_peft_model(stock_mlp(act, bias, dtype, hidden, inter), lora_config(targets, **kwargs))
     for name in trainable_base:
         for p in getattr(stock.get_base_model().mlp, name).get_base_layer().parameters():
             p.requires_grad_(True)
@@ -353,3 +354,46 @@ def test_lora_mlp_bad_adapter_shapes():
         lora_gated_mlp(x, gate, up, down._replace(lora_a=down.lora_a[:, :5]))
     with pytest.raises(TypeError, match="gate_proj.lora_A.weight has dtype"):
         lora_gated_mlp(x, gate._replace(lora_a=gate.lora_a.to(torch.int32)), up, down)
+
+
+def saved_bytes(model, x):
+    """Bytes of the tensors autograd saves for the backward of ``model(x)``, parameters (and views of one
+    storage counted once) left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values())
+
+
+def test_lora_mlp_saves_less_than_peft():
+    """A bf16 model with PEFT's fp32 adapters: stock keeps the LlamaMLP's intermediates and an fp32 copy of
+    x for gate's and up's lora_A and of h for down's; the node keeps x, gate, up and the (M, r) products."""
+    stock, ours, _ = pair(dtype=torch.bfloat16, r=4)
+    x = randn(64, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    got, stock_bytes = saved_bytes(ours, x), saved_bytes(stock, x)
+    adapters = 2 * 4 * (HIDDEN + INTER) * 2 + 4 * (INTER + HIDDEN) * 2  # the cast A and B (bf16)
+    assert got == 64 * 2 * (HIDDEN + 2 * INTER + 3 * 4) + adapters
+    assert stock_bytes >= 64 * 4 * (2 * HIDDEN + INTER) + 64 * 2 * 3 * INTER
+    assert got < 0.5 * stock_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", (False, True))
+def test_lora_mlp_gpu_bf16_training_shape(autocast):
+    """At a training shape on the GPU (r = 16, 4096 tokens): a bf16 model with fp32 adapters, and fp32
+    weights under bf16 autocast (the stacked gate/up product), within bf16 rounding of stock PEFT."""
+    hidden = 512
+    dtype = torch.float32 if autocast else torch.bfloat16
+    stock, ours, _ = pair(dtype=dtype, r=16, lora_alpha=32, hidden=hidden, inter=1536)
+    x = randn(2, 2048, hidden, dtype=dtype, requires_grad=True)
+    dy = randn(2, 2048, hidden, dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        assert_matches_stock(stock, ours, x, dy, torch.bfloat16)
