@@ -101,30 +101,41 @@ def _peft_lora_linear():
 def _plain_part(module) -> bool:
     """An ``nn.Linear`` the LoRA forward calls: plain (:func:`plain_linear`), without hooks, its
     tensors plain (not ZeRO-3 parameters)."""
-    if not plain_linear(module) or _hooked(module) or hasattr(module.weight, "ds_id"):
+    if type(module) is not nn.Linear or "forward" in module.__dict__ or _hooked(module):
         return False
-    return module.bias is None or type(module.bias) in PLAIN_TENSORS
+    params = module._parameters
+    weight, bias = params["weight"], params.get("bias")
+    return (type(weight) in PLAIN_TENSORS and not hasattr(weight, "ds_id")
+            and (bias is None or type(bias) in PLAIN_TENSORS))
 
 
 def lora_projection(module) -> LoraProjection | str:
     """What ``module`` computes as a :class:`LoraProjection`, or why a fused node cannot compute it
-    exactly (module docs). ``module``: a plain ``nn.Linear`` or a PEFT LoRA ``Linear``."""
-    if plain_linear(module):
-        return LoraProjection(module.weight, module.bias, None, None, 0.0)
+    exactly (module docs). ``module``: a plain ``nn.Linear`` or a PEFT LoRA ``Linear``.
+
+    This runs at every forward of every projection, so the modules' dicts are read directly (an
+    ``nn.Module`` attribute costs a ``__getattr__`` call each)."""
+    if type(module) is nn.Linear and plain_linear(module):
+        params = module._parameters
+        return LoraProjection(params["weight"], params.get("bias"), None, None, 0.0)
     lora_cls = _peft_lora_linear()
     if lora_cls is None or type(module) is not lora_cls:
         return f"{type(module).__name__} is neither nn.Linear nor PEFT's LoRA Linear"
-    if "forward" in vars(module) or _hooked(module) or _global_hooks():
+    if "forward" in module.__dict__ or _hooked(module) or _global_hooks():
         return "hooks or a forward set on the layer"
-    base = module.base_layer
+    modules = module._modules
+    base = modules["base_layer"]
     if not _plain_part(base):
         return f"base layer is {type(base).__name__}, not a plain nn.Linear"
-    disabled, merged = module.disable_adapters, module.merged
+    base_params = base._parameters
+    disabled, merged = module._disable_adapters, bool(module.merged_adapters)
     if disabled and merged:
         return "adapters merged and disabled"
-    active = [name for name in module.active_adapters if name in module.lora_A]
+    lora_a_layers = modules["lora_A"]._modules
+    active = module.active_adapter
+    active = [name for name in ((active,) if isinstance(active, str) else active) if name in lora_a_layers]
     if disabled or merged or not active:  # PEFT's forward is the base layer's
-        return LoraProjection(base.weight, base.bias, None, None, 0.0)
+        return LoraProjection(base_params["weight"], base_params.get("bias"), None, None, 0.0)
     if len(active) > 1:
         return f"{len(active)} active adapters"
     (name,) = active
@@ -133,16 +144,18 @@ def lora_projection(module) -> LoraProjection | str:
         return "DoRA" if module.use_dora.get(name) else f"LoRA variant {type(variant).__name__}"
     if module.lora_bias.get(name):
         return "lora_bias"
-    dropout = module.lora_dropout[name]
+    dropout = modules["lora_dropout"]._modules[name]
     if type(dropout) is nn.Dropout:
         if dropout.training and dropout.p > 0:
             return f"dropout {dropout.p:g}"
     elif type(dropout) is not nn.Identity:
         return f"dropout {type(dropout).__name__}"
-    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-    if not (_plain_part(lora_a) and _plain_part(lora_b)) or lora_a.bias is not None or lora_b.bias is not None:
+    lora_a, lora_b = lora_a_layers[name], modules["lora_B"]._modules[name]
+    if not (_plain_part(lora_a) and _plain_part(lora_b)) or lora_a._parameters.get("bias") is not None \
+            or lora_b._parameters.get("bias") is not None:
         return "lora_A / lora_B are not plain bias-free nn.Linear"
-    return LoraProjection(base.weight, base.bias, lora_a.weight, lora_b.weight, float(module.scaling[name]))
+    return LoraProjection(base_params["weight"], base_params.get("bias"), lora_a._parameters["weight"],
+                          lora_b._parameters["weight"], float(module.scaling[name]))
 
 
 def lora_projections(modules) -> tuple | str:
