@@ -397,3 +397,24 @@ def test_lora_mlp_gpu_bf16_training_shape(autocast):
     dy = randn(2, 2048, hidden, dtype=torch.bfloat16)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         assert_matches_stock(stock, ours, x, dy, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_lora_mlp_torch_compile_fullgraph_autocast():
+    """torch.compile(fullgraph=True) traces the reading of the PEFT layers and the node."""
+    stock, ours, _ = pair(r=8, hidden=256, inter=704)
+    x, dy = randn(4, 64, 256, requires_grad=True), randn(4, 64, 256)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_stock, want = run(stock, x, dy)
+
+    def forward(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return ours(x)
+
+    params = trained(ours)
+    y = torch.compile(forward, fullgraph=True)(x)
+    got = dict(zip(["x", *params], torch.autograd.grad(y, [x, *params.values()], dy), strict=True))
+    assert_close(y, y_stock, torch.bfloat16, "y")
+    for name, g in want.items():
+        assert_close(got[name], g, torch.bfloat16, f"d{name}")
