@@ -70,7 +70,8 @@ def test_lora_training_matches_peft(order):
 
 def test_merge_and_unload_of_patched_trained_model():
     """``merge_and_unload()`` of the patched, trained PeftModel is the transformers model (LlamaForCausalLM)
-    with the adapters merged into its base weights and forward equal to the PEFT model's. It still holds
+    with the adapters merged into its base weights, a stock checkpoint's state_dict keys, and forward equal
+    to the PEFT model's. It still holds
     tigon's modules (the patch's swaps stand) until the patch's handle is reverted, which hands the merged
     projections back to transformers' modules: then nothing of tigon or PEFT is left, and the forward is
     the same."""
@@ -87,6 +88,7 @@ def test_merge_and_unload_of_patched_trained_model():
     merged = patched.merge_and_unload()
     assert type(merged) is LlamaForCausalLM
     assert all(type(m.gate_proj) is nn.Linear for m in mlps(merged))
+    assert merged.state_dict().keys() == tiny_model("llama").state_dict().keys()  # a stock checkpoint's keys
     with torch.no_grad():
         assert rel(merged(input_ids=ids).logits, want) <= 1e-5
     handle.revert()
