@@ -418,3 +418,19 @@ def test_lora_mlp_torch_compile_fullgraph_autocast():
     assert_close(y, y_stock, torch.bfloat16, "y")
     for name, g in want.items():
         assert_close(got[name], g, torch.bfloat16, f"d{name}")
+
+
+def test_lora_mlp_stacked_noncontiguous_stride0(monkeypatch):
+    """The stacked gate/up product (fp32 weights under autocast) on a non-contiguous x and the stride-0
+    gradient of ``.sum()``."""
+    monkeypatch.setattr(mlp, "STACKED_DEVICES", ("cuda", "cpu"))
+    stock, ours, _ = pair(("gate_proj", "down_proj"), r=2, bias=True)
+    x = noncontiguous(randn(3, 5, HIDDEN)).requires_grad_(True)
+    grads = []
+    for model in (stock, ours):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            out = model(x).float().sum()
+        params = trained(model)
+        grads.append(dict(zip(["x", *params], torch.autograd.grad(out, [x, *params.values()]), strict=True)))
+    for name, g in grads[0].items():
+        assert_close(grads[1][name], g, torch.bfloat16, f"d{name}")

@@ -429,15 +429,17 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         if down_a is not None:  # y += Ũd Bdᵀ
             u_down = adapters_forward(h, Adapters(down_a, (down_b,), (down_a.shape[0],), (scalings[2],)), [y])
         h = None
-        gate_up_a, gate_up_bs = (None, ()) if gate_up_adapters is None else gate_up_adapters[:2]
-        gate_up_bs = (*gate_up_bs, None, None)[:2]
-        ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight, gate_up_a, *gate_up_bs,
+        gate_up_a = gate_b = up_b = None
+        if gate_up_adapters is not None:  # (the cast B of gate and up, None where one has no adapter)
+            gate_up_a, lora_bs = gate_up_adapters.lora_a, list(gate_up_adapters.lora_bs)
+            gate_b, up_b = (lora_bs.pop(0) if has else None for has in (has_gate, has_up))
+        ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight, gate_up_a, gate_b, up_b,
                               down_a, down_b, u_gate_up, u_down)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        (x, gate, up, gate_weight, up_weight, down_weight, gate_up_a, gate_up_b0, gate_up_b1, down_a, down_b,
+        (x, gate, up, gate_weight, up_weight, down_weight, gate_up_a, gate_b, up_b, down_a, down_b,
          u_gate_up, u_down) = ctx.saved_tensors
         (need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b,
          need_gate_la, need_gate_lb, need_up_la, need_up_lb, need_down_la, need_down_lb) = ctx.needs_input_grad[:13]
@@ -450,7 +452,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         down = None if down_a is None else Adapters(down_a, (down_b,), (down_a.shape[0],), (ctx.scalings[2],))
         gate_up = None
         if gate_up_a is not None:
-            lora_bs = tuple(b for b in (gate_up_b0, gate_up_b1) if b is not None)
+            lora_bs = tuple(b for b in (gate_b, up_b) if b is not None)
             ranks = tuple(b.shape[1] for b in lora_bs)
             scalings = tuple(s for s, has in zip(ctx.scalings[:2], ctx.gate_up_lora, strict=True) if has)
             gate_up = Adapters(gate_up_a, lora_bs, ranks, scalings)
