@@ -444,10 +444,10 @@ def markdown(result: dict) -> str:
             lines.append(f"| {_title(row['provider'])} | — | — | — | — | — | — | — | — | {row['error']} |")
             continue
         ref = speeds.get(REFERENCE + ("+ckpt" if row["provider"].endswith("+ckpt") else ""))
+        speed = f"{row['tokens_per_s'] / ref:.2f}x" if ref else "—"
         note = "" if row.get("agrees", True) else "**disagrees**"
         lines.append(
-            f"| {_title(row['provider'])} | {row['tokens_per_s']:.0f} | "
-            f"{_fmt(row['tokens_per_s'] / ref if ref else None, '.2f')}x | {row['tflops']:.0f} | "
+            f"| {_title(row['provider'])} | {row['tokens_per_s']:.0f} | {speed} | {row['tflops']:.0f} | "
             f"{row['matmul_share']:.0%} | {row['median_step_s'] * 1e3:.0f} | {e2e._gib(row.get('peak_bytes'))} | "
             f"{_fmt(row.get('loss_rel'), '.1e')} | {_fmt(row.get('grad_rel'), '.1e')} | {note} |")
     flops = next((r["flops"] for r in rows if "flops" in r), None)
