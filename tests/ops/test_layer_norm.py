@@ -260,7 +260,9 @@ def test_layer_norm_empty_rows():
     "make,error,match",
     [
         (lambda: (torch.ones(4, 8, dtype=torch.int32, device=DEVICE), None, None), TypeError, "x has dtype"),
-        (lambda: (randn(4, 8), randn(7), None), ValueError, "weight has shape"),
+        (lambda: (randn(4, 8), randn(7), None), ValueError, "x's last dim 8 .* does not match weight's size 7"),
+        (lambda: (randn(4, 9), randn(8), randn(8)), ValueError, "x's last dim 9 .* does not match weight's size 8"),
+        (lambda: (randn(4, 9), None, randn(8)), ValueError, "x's last dim 9 .* does not match bias's size 8"),
         (lambda: (randn(4, 8), None, randn(8, 1)), ValueError, "bias has shape"),
         (lambda: (randn(4, 8), randn(8, dtype=torch.float64), None), TypeError, "weight has dtype"),
         (lambda: (randn(4, 8), None, torch.arange(8, device=DEVICE)), TypeError, "bias has dtype"),

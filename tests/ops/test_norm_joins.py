@@ -192,13 +192,16 @@ def test_empty_rows():
     [
         (dict(residual=lambda: randn(4, 9)), ValueError, "residual has shape"),
         (dict(residual=lambda: torch.ones(4, 8, dtype=torch.int64, device=DEVICE)), TypeError, "residual has dtype"),
-        (dict(weight=lambda: randn(9)), ValueError, "weight has shape"),
-        (dict(next_weight=lambda: randn(9)), ValueError, "next_weight has shape"),
+        (dict(weight=lambda: randn(9)), ValueError, "does not match weight's size 9"),
+        (dict(next_weight=lambda: randn(9)), ValueError, "does not match next_weight's size 9"),
         (dict(next_weight=lambda: torch.ones(8, dtype=torch.int32, device=DEVICE)), TypeError, "next_weight has dtype"),
         (dict(x=lambda: torch.ones(4, 8, dtype=torch.int64, device=DEVICE)), TypeError, "x has dtype"),
         (dict(casting="mistral"), ValueError, "casting"),
         (dict(eps=-1.0), ValueError, "eps"),
         (dict(next_eps=-1.0), ValueError, "next_eps"),
+        (dict(next_eps="1e-6"), TypeError, "next_eps"),
+        (dict(eps=None), TypeError, "eps"),
+        (dict(offset=float("inf")), ValueError, "offset"),
         (dict(out_dtype=torch.int32), TypeError, "out_dtype"),
     ],
 )

@@ -341,6 +341,11 @@ class _GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"x has last dim {x.shape[-1]} (shape {tuple(x.shape)}), which does not match hidden_size "
+                f"{self.hidden_size}"
+            )
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
         if plain_linear(gate_proj) and plain_linear(up_proj) and plain_linear(down_proj):
             return gated_mlp(

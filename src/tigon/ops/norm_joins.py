@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_tensor
+from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_real, check_tensor
 from tigon.ops._launch import TigonOp, cdiv, wrap_triton
 from tigon.ops._norm_rows import sum_partial_rows
 from tigon.ops._tiles import load_tile
@@ -445,8 +445,8 @@ def _check_join(x, residual, weight, eps, casting, offset, next_weight=None, nex
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
     if next_weight is not None:
         check_scale(next_weight, "next_weight", x)
-    if next_eps is not None and not next_eps >= 0:
-        raise ValueError(f"next_eps must be >= 0, got {next_eps}")
+    if next_eps is not None:
+        check_real(next_eps, "next_eps", minimum=0.0)
 
 
 def _fused(x) -> bool:
