@@ -678,3 +678,16 @@ def test_cross_entropy_gpu_variants(name, monkeypatch):
         (dx,) = torch.autograd.grad(loss, x)
         _, grads = fp64_reference(cross_entropy_reference, {"logits": x}, None, target=target, softcap=softcap)
         assert_close(dx, grads["logits"], torch.bfloat16, "dlogits in place")
+
+
+@pytest.mark.parametrize("layout", ("stride 2", "stride 0"))
+def test_strided_class_weight_reads_its_strides(layout):
+    """Class weights with stride 2 or 0 give what their contiguous copy gives."""
+    logits, target = randn(6, 11, requires_grad=True), make_target((6,), 11)
+    w = torch.rand(11, device=DEVICE) + 0.5
+    weight = noncontiguous(w) if layout == "stride 2" else w[:1].expand(11)
+    for options in ({"reduction": "mean"}, {"reduction": "none", "label_smoothing": 0.1}):
+        got = cross_entropy(logits, target, weight=weight, **options)
+        want = cross_entropy(logits, target, weight=weight.contiguous(), **options)
+        assert torch.equal(got, want)
+        assert torch.equal(*(torch.autograd.grad(out.sum(), (logits,))[0] for out in (got, want)))

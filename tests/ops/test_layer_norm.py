@@ -459,3 +459,17 @@ def test_layer_norm_fused_knobs_gpu(monkeypatch, knobs, hidden):
     """Compiled for real (pipelined loads, paired sums, 2-D accumulators): right, and bitwise the same twice."""
     use_fused_tuning(monkeypatch, **knobs)
     check_right_and_deterministic(2**23 // hidden + 3, hidden)
+
+
+def test_strided_weight_and_bias_read_their_strides():
+    """weight and bias with stride 2 or 0 give what their contiguous copies give, gradients included."""
+    x, w, b = randn(5, 24, requires_grad=True), randn(24, requires_grad=True), randn(24, requires_grad=True)
+
+    def run(weight, bias):
+        out = layer_norm(x, weight, bias)
+        return (out, *torch.autograd.grad(out, (x, weight, bias), torch.full((), 0.7, device=DEVICE).expand_as(out)))
+
+    for weight, bias in ((noncontiguous(w), noncontiguous(b)), (w[:1].expand(24), b[:1].expand(24))):
+        got = run(weight, bias)
+        want = run(weight.detach().contiguous().requires_grad_(), bias.detach().contiguous().requires_grad_())
+        assert all(torch.equal(g, h) for g, h in zip(got, want, strict=True))

@@ -289,3 +289,19 @@ def test_former_names_warn_and_compute_the_same():
         old_y, old_s = tigon.ops.rms_norm_add_rms_norm(x, residual, weight, next_weight)
     y, s = tigon.ops.sandwich_norm_join(x, residual, weight, next_weight)
     assert torch.equal(old_y, y) and torch.equal(old_s, s)
+
+
+def test_strided_weights_read_their_strides():
+    """weight and next_weight with stride 2 or 0 give what their contiguous copies give."""
+    x, r = randn(5, 24, requires_grad=True), randn(5, 24)
+    w, w2 = randn(24, requires_grad=True), randn(24, requires_grad=True)
+
+    def run(weight, next_weight):
+        y, s = sandwich_norm_join(x, r, weight, next_weight)
+        s_post = post_norm_join(x, r, weight)
+        return (y, s, s_post, *torch.autograd.grad((y.sum() + s.sum() + s_post.sum()), (x, weight, next_weight)))
+
+    for weight, next_weight in ((noncontiguous(w), noncontiguous(w2)), (w[:1].expand(24), w2[:1].expand(24))):
+        got = run(weight, next_weight)
+        want = run(weight.detach().contiguous().requires_grad_(), next_weight.detach().contiguous().requires_grad_())
+        assert all(torch.equal(g, h) for g, h in zip(got, want, strict=True))

@@ -691,3 +691,23 @@ def test_stand_in_scratch_never_crosses_fake_and_real():
     x = randn(3, 40, requires_grad=True)
     (dx,) = torch.autograd.grad(rms_norm(x, None, eps=1e-6).sum(), x)  # eager, after the traces
     assert torch.isfinite(dx).all()
+
+
+def _strided_scales(t):
+    """``t``'s values with stride 2, and with stride 0 (its first value broadcast)."""
+    return noncontiguous(t), t[:1].expand_as(t)
+
+
+@pytest.mark.parametrize("op", ("rms_norm", "add_rms_norm"))
+def test_strided_weight_reads_its_strides(op):
+    """A weight with stride 2 or 0 gives what its contiguous copy gives, gradients included."""
+    x, w = randn(5, 24, requires_grad=True), randn(24, requires_grad=True)
+    residual = randn(5, 24)
+
+    def run(weight):
+        out = rms_norm(x, weight) if op == "rms_norm" else add_rms_norm(x, residual, weight)[0]
+        return (out, *torch.autograd.grad(out, (x, weight), torch.full((), 0.7, device=DEVICE).expand_as(out)))
+
+    for weight in _strided_scales(w):
+        got, want = run(weight), run(weight.detach().contiguous().requires_grad_())
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -657,6 +657,9 @@ def layer_norm(x, weight, bias, eps=1e-5):
     autocast). See the module docstring for the math.
     """
     _check_args(x, weight, bias, eps)
+    # the kernels read weight and bias with unit stride
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y, _, _ = LAYER_NORM(x, weight, bias, float(eps))
     return y
 

@@ -462,6 +462,7 @@ def post_norm_join(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"
     x (not the sum) for the backward.
     """
     _check_join(x, residual, weight, eps, casting, offset)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if not _fused(x):
         return residual + rms_norm(x, weight, eps, offset=offset, casting=casting)
     s, _ = POST_NORM_JOIN(x, residual, weight, float(eps), float(offset), casting)
@@ -479,6 +480,8 @@ def sandwich_norm_join(
     ``next_weight`` None: that norm has no scale. See the module docstring for the math.
     """
     _check_join(x, residual, weight, eps, casting, offset, next_weight, next_eps)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
+    next_weight = None if next_weight is None else next_weight.contiguous()
     next_eps = eps if next_eps is None else next_eps
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")

@@ -665,6 +665,7 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None
     ``tigon.nn.RMSNorm.autocast_output``.
     """
     _check_args(x, weight, eps, casting, offset=offset)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
     y, _ = RMS_NORM(x, weight, float(eps), float(offset), casting, out_dtype)
@@ -679,6 +680,7 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama", 
     ``rms_norm(s, ...)`` of it (``out_dtype`` as for :func:`rms_norm`).
     """
     _check_args(x, weight, eps, casting, offset=offset, residual=residual)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
     y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting, out_dtype)

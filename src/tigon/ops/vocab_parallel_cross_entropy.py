@@ -201,6 +201,7 @@ def vocab_parallel_cross_entropy(
         weight, vocab_size, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
     check_target(target, input.shape[:-1], input.device)
+    weight = None if weight is None else weight.contiguous()  # the class weights are read with unit stride
     scales, bad = REDUCTION_SCALES(target.reshape(-1), weight, int(ignore_index), reduction, vocab_size)
     check = RangeCheck(bad)
     opts = LossOptions(int(ignore_index), float(label_smoothing), float(z_loss),
