@@ -11,8 +11,9 @@ draws; the draws are derandomized, so CI runs the same cases every time.
 
 from __future__ import annotations
 
+import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 import tigon.ops
@@ -57,6 +58,23 @@ MAX_EXAMPLES = {
     "fused_linear_cross_entropy": 14, "kl_div": 16, "jsd": 14, "tvd": 12, "fused_linear_jsd": 12,
     "fused_linear_logprobs": 14,
 }
+# Option values each op must refuse, naming the option (beyond the shared norm and loss lists below).
+INVALID = {
+    "layer_norm": {"eps": (*NOT_NUMBERS, -1.0, INF)},
+    "sandwich_norm_join": {"next_eps": ("1e-6", True, NAN, -1.0)},
+    "geglu": {"approximate": ("exact", None, "sigmoid")},
+    "moe_glu": {"layout": ("split", None), "activation": ("relu", None), "alpha": (*NOT_NUMBERS, INF),
+                "limit": (*NOT_NUMBERS, -1.0)},
+    "rope": {"unsqueeze_dim": (3, True, "1", 1.0)},
+    "mrope": {"unsqueeze_dim": (0, True), "interleaved": ("yes", None, 1)},
+    "kl_div": {"reduction": ("elementwise_mean", None), "log_target": ("yes", 1, None)},
+    "jsd": {"beta": (*NOT_NUMBERS, 1.5, -0.1), "ignore_index": (1.5, "x", None)},
+    "tvd": {"ignore_index": (1.5, "x", None)},
+    "fused_linear_jsd": {"beta": (*NOT_NUMBERS, 2.0), "temperature": (*NOT_NUMBERS, 0.0, -1.0, INF),
+                         "ignore_index": (1.5, None)},
+    "fused_linear_logprobs": {"temperature": (*NOT_NUMBERS, 0.0, INF), "softcap": ("2", True, NAN, -1.0),
+                              "logit_scale": (*NOT_NUMBERS, -INF), "ignore_index": (1.5, None)},
+}
 # The faults a case may carry, mostly none.
 FAULTS = ("none",) * 5 + ("dtype", "option", "shape")
 
@@ -69,6 +87,7 @@ def draw_case(data, valid: dict, invalid: dict):
     """
     torch.manual_seed(data.draw(st.integers(0, 2**16), label="seed"))  # the tensors' values, per example
     fault = data.draw(st.sampled_from(FAULTS), label="fault")
+    event(f"fault: {fault}")  # --hypothesis-show-statistics lists how many cases each fault got
     dtype = data.draw(bad_dtypes if fault == "dtype" else good_dtypes, label="dtype")
     options = {name: data.draw(st.sampled_from(values), label=name) for name, values in valid.items()}
     bad = None
@@ -171,13 +190,13 @@ def test_post_norm_join(data):
 def test_sandwich_norm_join(data):
     _norm_test(data, tigon.ops.sandwich_norm_join, sandwich_norm_join_reference, _dtypes, residual=True,
                next_weight=True, out_names=("y", "s"), extra_valid={"next_eps": (None, 1e-5)},
-               extra_invalid={"next_eps": ("1e-6", True, NAN, -1.0)})
+               extra_invalid=INVALID["sandwich_norm_join"])
 
 
 @property_settings(MAX_EXAMPLES["layer_norm"])
 @given(st.data())
 def test_layer_norm(data):
-    fault, dtype, options, bad = draw_case(data, {"eps": (1e-5, 1e-3, 0.0)}, {"eps": (*NOT_NUMBERS, -1.0, INF)})
+    fault, dtype, options, bad = draw_case(data, {"eps": (1e-5, 1e-3, 0.0)}, INVALID["layer_norm"])
     n, h = data.draw(rows), data.draw(NORM_WIDTHS)
     first, other = first_dtype(fault, dtype)
     width = h + 1 if fault == "shape" else h
@@ -219,8 +238,7 @@ def test_swiglu(data):
 @property_settings(MAX_EXAMPLES["geglu"])
 @given(st.data())
 def test_geglu(data):
-    _glu_test(data, tigon.ops.geglu, {"approximate": ("tanh", "none")},
-              {"approximate": ("exact", None, "sigmoid")},
+    _glu_test(data, tigon.ops.geglu, {"approximate": ("tanh", "none")}, INVALID["geglu"],
               lambda options: {"tanh": "gelu_tanh", "none": "gelu"}[options["approximate"]])
 
 
@@ -231,8 +249,7 @@ def test_moe_glu(data):
         data,
         {"layout": ("halves", "interleaved"), "activation": ("silu", "gelu_tanh", "gelu", "clamped_swiglu"),
          "alpha": (1.702, 0.5), "limit": (7.0, 0.5, INF)},
-        {"layout": ("split", None), "activation": ("relu", None), "alpha": (*NOT_NUMBERS, INF),
-         "limit": (*NOT_NUMBERS, -1.0)},
+        INVALID["moe_glu"],
     )
     n, h = data.draw(rows), data.draw(widths)
     tensors = {"gate_up": make_tensor((n, 2 * h + (fault == "shape")), dtype, data.draw(layouts),
@@ -271,7 +288,7 @@ def _rotary_inputs(data, fault, dtype, unsqueeze_dim, streams=None):
 @property_settings(MAX_EXAMPLES["rope"])
 @given(st.data())
 def test_rope(data):
-    fault, dtype, options, bad = draw_case(data, {"unsqueeze_dim": (1, 2)}, {"unsqueeze_dim": (3, True, "1", 1.0)})
+    fault, dtype, options, bad = draw_case(data, {"unsqueeze_dim": (1, 2)}, INVALID["rope"])
     unsqueeze_dim = options["unsqueeze_dim"] if bad is None else 1
     tensors = _rotary_inputs(data, fault, dtype, unsqueeze_dim)
     call = lambda: tigon.ops.rope(**tensors, **options)  # noqa: E731
@@ -287,7 +304,7 @@ def test_rope(data):
 def test_mrope(data):
     fault, dtype, options, bad = draw_case(
         data, {"unsqueeze_dim": (1, 2), "interleaved": (False, True)},
-        {"unsqueeze_dim": (0, True), "interleaved": ("yes", None, 1), "mrope_section": ("sum", "type")},
+        {**INVALID["mrope"], "mrope_section": ("sum", "type")},
     )
     unsqueeze_dim = options["unsqueeze_dim"] if bad != "unsqueeze_dim" else 1
     tensors = _rotary_inputs(data, fault, dtype, unsqueeze_dim, streams=True)
@@ -377,7 +394,7 @@ def _log_probs(data, shape, dtype, *, requires_grad, layout=None):
 def test_kl_div(data):
     fault, dtype, options, bad = draw_case(
         data, {"reduction": ("batchmean", "sum", "mean", "none"), "log_target": (False, True)},
-        {"reduction": ("elementwise_mean", None), "log_target": ("yes", 1, None)},
+        INVALID["kl_div"],
     )
     lead = data.draw(st.sampled_from(((0,), (1,), (5,), (2, 3))), label="leading shape")
     vocab = data.draw(widths, label="V")
@@ -396,7 +413,7 @@ def test_kl_div(data):
 
 
 def _divergence_test(data, op, reference, valid, invalid):
-    fault, dtype, options, bad = draw_case(data, valid, {**invalid, "ignore_index": (1.5, "x", None)})
+    fault, dtype, options, bad = draw_case(data, valid, invalid)
     lead = data.draw(st.sampled_from(((0,), (1,), (5,), (2, 3))), label="leading shape")
     vocab = data.draw(widths, label="V")
     first, other = first_dtype(fault, dtype)
@@ -415,14 +432,13 @@ def _divergence_test(data, op, reference, valid, invalid):
 @property_settings(MAX_EXAMPLES["jsd"])
 @given(st.data())
 def test_jsd(data):
-    _divergence_test(data, tigon.ops.jsd, jsd_reference, {"beta": (0.5, 0.0, 1.0, 0.2)},
-                     {"beta": (*NOT_NUMBERS, 1.5, -0.1)})
+    _divergence_test(data, tigon.ops.jsd, jsd_reference, {"beta": (0.5, 0.0, 1.0, 0.2)}, INVALID["jsd"])
 
 
 @property_settings(MAX_EXAMPLES["tvd"])
 @given(st.data())
 def test_tvd(data):
-    _divergence_test(data, tigon.ops.tvd, tvd_reference, {}, {})
+    _divergence_test(data, tigon.ops.tvd, tvd_reference, {}, INVALID["tvd"])
 
 
 @property_settings(MAX_EXAMPLES["fused_linear_jsd"])
@@ -430,7 +446,7 @@ def test_tvd(data):
 def test_fused_linear_jsd(data):
     fault, dtype, options, bad = draw_case(
         data, {"beta": (0.5, 0.0, 1.0), "temperature": (1.0, 0.7)},
-        {"beta": (*NOT_NUMBERS, 2.0), "temperature": (*NOT_NUMBERS, 0.0, -1.0, INF), "ignore_index": (1.5, None)},
+        INVALID["fused_linear_jsd"],
     )
     n, hidden, teacher_hidden = data.draw(rows), data.draw(widths), data.draw(widths)
     vocab = data.draw(st.sampled_from((1, 3, 13, 37)), label="V")
@@ -459,8 +475,7 @@ def test_fused_linear_logprobs(data):
     fault, dtype, options, bad = draw_case(
         data, {"temperature": (1.0, 0.7), "softcap": (None, 2.0), "logit_scale": (1.0, 0.5),
                "entropy": (False, True)},
-        {"temperature": (*NOT_NUMBERS, 0.0, INF), "softcap": ("2", True, NAN, -1.0),
-         "logit_scale": (*NOT_NUMBERS, -INF), "ignore_index": (1.5, None)},
+        INVALID["fused_linear_logprobs"],
     )
     lead = data.draw(st.sampled_from(((0,), (1,), (5,), (2, 3))), label="leading shape")
     hidden = data.draw(widths)
@@ -492,3 +507,50 @@ def test_every_public_op_has_a_property_test():
     tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_")}
     assert set(tigon.ops.__all__) - set(without) <= tested
     assert set(MAX_EXAMPLES) <= tested
+
+
+def _small_call(name):
+    """A valid fp32 call of op ``name`` on tiny inputs, taking the options as keywords."""
+    x, r, w = torch.randn(3, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    lp = torch.log_softmax(torch.randn(3, 5, device=DEVICE), dim=-1)
+    target = torch.tensor([0, 4, -100], device=DEVICE)
+    head_w = torch.randn(5, 8, device=DEVICE)
+    q, cos, streams = (torch.randn(1, 2, 3, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE),
+                       torch.randn(3, 1, 3, 8, device=DEVICE))
+    ops = tigon.ops
+    return {
+        "rms_norm": lambda **o: ops.rms_norm(x, w, **o),
+        "add_rms_norm": lambda **o: ops.add_rms_norm(x, r, w, **o),
+        "post_norm_join": lambda **o: ops.post_norm_join(x, r, w, **o),
+        "sandwich_norm_join": lambda **o: ops.sandwich_norm_join(x, r, w, w, **o),
+        "layer_norm": lambda **o: ops.layer_norm(x, w, w, **o),
+        "geglu": lambda **o: ops.geglu(x, r, **o),
+        "moe_glu": lambda **o: ops.moe_glu(x, **o),
+        "rope": lambda **o: ops.rope(q, q, cos, cos, **o),
+        "mrope": lambda **o: ops.mrope(q, q, streams, streams, [2, 1, 1], **o),
+        "cross_entropy": lambda **o: ops.cross_entropy(lp, target, **o),
+        "fused_linear_cross_entropy": lambda **o: ops.fused_linear_cross_entropy(x, head_w, target, **o),
+        "kl_div": lambda **o: ops.kl_div(lp, lp.exp(), **o),
+        "jsd": lambda **o: ops.jsd(lp, lp.flip(0), **o),
+        "tvd": lambda **o: ops.tvd(lp, lp.flip(0), **o),
+        "fused_linear_jsd": lambda **o: ops.fused_linear_jsd(x, head_w, r, head_w, **o),
+        "fused_linear_logprobs": lambda **o: ops.fused_linear_logprobs(x, head_w, target, **o),
+    }[name]
+
+
+EVERY_INVALID = {
+    **{name: {**NORM_INVALID, **INVALID.get(name, {})}
+       for name in ("rms_norm", "add_rms_norm", "post_norm_join", "sandwich_norm_join")},
+    "cross_entropy": CE_INVALID, "fused_linear_cross_entropy": CE_INVALID,
+    **{name: invalid for name, invalid in INVALID.items() if name != "sandwich_norm_join"},
+}
+INVALID_CASES = [(op, option, value) for op, invalid in EVERY_INVALID.items()
+                 for option, values in invalid.items() for value in values]
+
+
+@pytest.mark.parametrize(("op", "option", "value"), INVALID_CASES,
+                         ids=[f"{op}-{option}={value!r}" for op, option, value in INVALID_CASES])
+def test_every_invalid_option_is_named(op, option, value):
+    """Each refused value of each option, one at a time on a valid call: TypeError (not a number, not
+    an int, not a bool) or ValueError (out of range, unknown choice), naming the option."""
+    expect_error(lambda: _small_call(op)(**{option: value}), option)
