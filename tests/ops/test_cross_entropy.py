@@ -379,6 +379,7 @@ def test_cross_entropy_deterministic():
         (lambda: (randn(4, 8), make_target((4,), 8), {"logit_scale": float("inf")}), ValueError, "scale"),
         (lambda: (randn(4, 8), make_target((4,), 8), {"ignore_index": 1.5}), TypeError, "ignore_index"),
         (lambda: (randn(4, 8), make_target((4,), 8), {"label_smoothing": "0.1"}), TypeError, "label_smoothing"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"inplace_backward": "yes"}), TypeError, "inplace_backward"),
         (lambda: (randn(4, 8), make_target((4,), 8), {"label_smoothing": None}), TypeError, "label_smoothing"),
         (lambda: (randn(4, 8), make_target((4,), 8), {"z_loss": "1e-4"}), TypeError, "z_loss"),
         (lambda: (randn(4, 8), make_target((4,), 8), {"softcap": "30"}), TypeError, "softcap"),

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.ops._common import FLOAT_DTYPES, check_tensor
+from tigon.ops._common import FLOAT_DTYPES, check_int, check_tensor
 from tigon.ops._launch import PLAIN_TENSORS, function_apply
 from tigon.ops._matmul import cast_all, cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.glu import (
@@ -333,6 +333,11 @@ class _GatedMLP(nn.Module):
 
     def __init__(self, hidden_size, intermediate_size, activation, bias, device, dtype):
         super().__init__()
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if check_int(size, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {size}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation

@@ -525,6 +525,8 @@ def cross_entropy(
         weight, vocab, logits.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
     check_target(target, logits.shape[:-1], logits.device)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be True or False, got {inplace_backward!r}")
     weight = None if weight is None else weight.contiguous()  # the class weights are read with unit stride
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     inplace = bool(inplace_backward) and compute_grad
