@@ -535,6 +535,9 @@ def _small_call(name):
         "tvd": lambda **o: ops.tvd(lp, lp.flip(0), **o),
         "fused_linear_jsd": lambda **o: ops.fused_linear_jsd(x, head_w, r, head_w, **o),
         "fused_linear_logprobs": lambda **o: ops.fused_linear_logprobs(x, head_w, target, **o),
+        # every check runs before the first collective: no process group is needed to be refused
+        "vocab_parallel_cross_entropy": lambda **o: ops.vocab_parallel_cross_entropy(
+            x, head_w, target, **{"vocab_start": 0, "vocab_size": 5, **o}),
     }[name]
 
 
@@ -542,6 +545,7 @@ EVERY_INVALID = {
     **{name: {**NORM_INVALID, **INVALID.get(name, {})}
        for name in ("rms_norm", "add_rms_norm", "post_norm_join", "sandwich_norm_join")},
     "cross_entropy": CE_INVALID, "fused_linear_cross_entropy": CE_INVALID,
+    "vocab_parallel_cross_entropy": {**CE_INVALID, "vocab_start": ("0", 1.0, None), "vocab_size": (5.0, True)},
     **{name: invalid for name, invalid in INVALID.items() if name != "sandwich_norm_join"},
 }
 INVALID_CASES = [(op, option, value) for op, invalid in EVERY_INVALID.items()
