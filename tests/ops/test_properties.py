@@ -127,6 +127,8 @@ NORM_INVALID = {"eps": (*NOT_NUMBERS, -1.0, INF), "offset": (*NOT_NUMBERS, INF),
 # A norm over one element normalises it to ±1, so a weight gradient (a sum over rows of ±g) cancels to
 # rounding noise; width 1 is in the norms' own tests (test_rms_norm.py's HIDDEN_SIZES).
 NORM_WIDTHS = st.sampled_from((2, 3, 8, 13))
+# LayerNorm's two centred values of a width-2 row are ±1 likewise: its input gradient cancels.
+LAYER_NORM_WIDTHS = st.sampled_from((3, 8, 13))
 
 
 def _norm_inputs(data, fault, dtype, *, residual=False, next_weight=False):
@@ -197,7 +199,7 @@ def test_sandwich_norm_join(data):
 @given(st.data())
 def test_layer_norm(data):
     fault, dtype, options, bad = draw_case(data, {"eps": (1e-5, 1e-3, 0.0)}, INVALID["layer_norm"])
-    n, h = data.draw(rows), data.draw(NORM_WIDTHS)
+    n, h = data.draw(rows), data.draw(LAYER_NORM_WIDTHS)
     first, other = first_dtype(fault, dtype)
     width = h + 1 if fault == "shape" else h
     tensors = {"x": make_tensor((n, h), first, data.draw(layouts), requires_grad=True)}
@@ -208,8 +210,12 @@ def test_layer_norm(data):
     if fault != "none":
         expect_error(call, {"dtype": "x", "shape": "weight", "option": bad}[fault])
         return
+    # A constant upstream gradient through a norm whose scale is constant (none, or broadcast) has an
+    # input gradient of exactly 0 (the centring removes it), which fp32 gives as rounding noise.
+    weight = tensors["weight"]
+    varied_scale = weight is not None and weight.stride(-1) != 0
     run(tigon.ops.layer_norm, layer_norm_reference, tensors, options, options, dtype, out_names=("y",),
-        stride0=data.draw(st.booleans()))
+        stride0=varied_scale and data.draw(st.booleans()))
 
 
 # --------------------------------------------------------------------------------------- activations
@@ -412,10 +418,15 @@ def test_kl_div(data):
         stride0=data.draw(st.booleans()))
 
 
+# One class makes every log-probability 0 and the JSD exactly 0, which its fp64 reference computes as
+# rounding noise through logaddexp(log β, log(1 − β)): no relative tolerance measures that.
+DIVERGENCE_VOCABS = st.sampled_from((2, 3, 8, 13))
+
+
 def _divergence_test(data, op, reference, valid, invalid):
     fault, dtype, options, bad = draw_case(data, valid, invalid)
     lead = data.draw(st.sampled_from(((0,), (1,), (5,), (2, 3))), label="leading shape")
-    vocab = data.draw(widths, label="V")
+    vocab = data.draw(DIVERGENCE_VOCABS, label="V")
     first, other = first_dtype(fault, dtype)
     tensors = {"student_logprobs": _log_probs(data, (*lead, vocab), first, requires_grad=True),
                "teacher_logprobs": _log_probs(data, (*lead, vocab + (fault == "shape")), other,
@@ -449,7 +460,7 @@ def test_fused_linear_jsd(data):
         INVALID["fused_linear_jsd"],
     )
     n, hidden, teacher_hidden = data.draw(rows), data.draw(widths), data.draw(widths)
-    vocab = data.draw(st.sampled_from((1, 3, 13, 37)), label="V")
+    vocab = data.draw(DIVERGENCE_VOCABS, label="V")
     first, other = first_dtype(fault, dtype)
     tensors = {
         "student_input": make_tensor((n, hidden), first, data.draw(layouts), requires_grad=True),
