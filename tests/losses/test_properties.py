@@ -267,7 +267,9 @@ INVALID_CASES = [(loss, form, option, value) for loss, invalid in INVALID.items(
 def test_every_invalid_option_is_named(loss, form, option, value):
     """Each refused value of each option, one at a time on a valid batch, in either form: TypeError
     or ValueError naming the option (the class raises when built, or at the call for kl)."""
-    batch = {"input": torch.randn(2, 3, 8, device=DEVICE), "linear_weight": torch.randn(5, 8, device=DEVICE),
+    # input wants a gradient: the single pass (eager, with gradients) checks the head's options itself
+    batch = {"input": torch.randn(2, 3, 8, device=DEVICE, requires_grad=True),
+             "linear_weight": torch.randn(5, 8, device=DEVICE),
              "target": torch.tensor([[-100, 1, 4], [2, 0, -100]], device=DEVICE)}
     if loss == "kto":
         batch["preference_labels"] = torch.tensor([True, False], device=DEVICE)
