@@ -141,10 +141,12 @@ def _norm_inputs(data, fault, dtype, *, residual=False, next_weight=False):
         tensors["residual"] = make_tensor(shape, other, data.draw(layouts), requires_grad=True)
     with_weight = data.draw(st.booleans(), label="weight") or fault == "shape"
     width = h + 1 if fault == "shape" else h
-    tensors["weight"] = (make_tensor((width,), other, data.draw(layouts), requires_grad=True)
+    # fp32 scales with half-precision activations, as under autocast (the output dtype then promotes)
+    scale_dtype = data.draw(st.sampled_from((other, torch.float32)), label="weight dtype")
+    tensors["weight"] = (make_tensor((width,), scale_dtype, data.draw(layouts), requires_grad=True)
                          if with_weight else None)
     if next_weight:
-        tensors["next_weight"] = make_tensor((h,), other, data.draw(layouts), requires_grad=True)
+        tensors["next_weight"] = make_tensor((h,), scale_dtype, data.draw(layouts), requires_grad=True)
     return tensors
 
 
@@ -178,7 +180,7 @@ def test_add_rms_norm(data):
 
 
 def _dtypes(dtype, tensors):
-    return {"dtypes": {n: (None if t is None else dtype) for n, t in tensors.items() if n != "x"} | {"x": dtype}}
+    return {"dtypes": {n: (None if t is None else t.dtype) for n, t in tensors.items()}}
 
 
 @property_settings(MAX_EXAMPLES["post_norm_join"])
