@@ -146,3 +146,14 @@ def test_grpo_torch_compile_fullgraph(loss_type):
     g = torch.autograd.grad(out.loss, batch["input"])[0]
     e = torch.autograd.grad(eager.loss, batch["input"])[0]
     torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_grpo_torch_compile_fullgraph_with_an_item_count_tensor():
+    """The eager check of a num_items_in_batch tensor (a device-to-host read) stays out of a compiled
+    graph: fullgraph compiles, and the loss is the eager one."""
+    batch = make_batch(16, 64, 256, 1000, dtype=torch.bfloat16)
+    extra = {"advantages": randn(16), "num_items_in_batch": torch.tensor(700.0, device=DEVICE)}
+    out = torch.compile(grpo_loss, fullgraph=True)(**batch, **extra, loss_type="dapo")
+    eager = grpo_loss(**batch, **extra, loss_type="dapo")
+    torch.testing.assert_close(out.loss, eager.loss, rtol=1e-5, atol=1e-5)
