@@ -47,7 +47,7 @@ PER_BATCH = ("kl", "num_items_in_batch")
 NOT_NUMBERS = ("0.1", None, True, NAN)
 
 # Cases drawn per test (hypothesis max_examples); their sum is what one CI run executes.
-MAX_EXAMPLES = {"dpo": 12, "orpo": 8, "cpo": 8, "simpo": 8, "kto": 12, "grpo": 14}
+MAX_EXAMPLES = {"dpo": 25, "orpo": 15, "cpo": 15, "simpo": 15, "kto": 25, "grpo": 25}
 FAULTS = ("none",) * 4 + ("dtype", "option", "shape")
 # Option values each loss must refuse, naming the option (the head's keywords are HEAD_INVALID).
 INVALID = {
