@@ -56,7 +56,7 @@ MAX_EXAMPLES = {
     "rms_norm": 25, "add_rms_norm": 25, "post_norm_join": 20, "sandwich_norm_join": 20, "layer_norm": 25,
     "swiglu": 20, "geglu": 20, "moe_glu": 25, "rope": 25, "mrope": 25, "cross_entropy": 25,
     "fused_linear_cross_entropy": 25, "kl_div": 25, "jsd": 25, "tvd": 20, "fused_linear_jsd": 25,
-    "fused_linear_logprobs": 25,
+    "fused_linear_logprobs": 25, "fused_linear_token_stats": 15,
 }
 # Option values each op must refuse, naming the option (beyond the shared norm and loss lists below).
 INVALID = {
@@ -511,10 +511,56 @@ def test_fused_linear_logprobs(data):
         out_names=("logprobs", "entropy"), stride0=data.draw(st.booleans()))
 
 
+def _token_stats_reference(input, linear_weight, target, *, linear_bias=None, temperature=1.0, softcap=None,
+                           logit_scale=1.0, ignore_index=-100, entropy=False):
+    """fused_linear_token_stats' docstring in float64: the head's reference, then log Σ p², the mean of
+    the scaled logits z and whether the target is argmax z (detached; 0 / False where ignored)."""
+    logprobs, ent = fused_linear_logprobs_reference(
+        input, linear_weight, target, linear_bias=linear_bias, temperature=temperature, softcap=softcap,
+        logit_scale=logit_scale, ignore_index=ignore_index, entropy=entropy)
+    with torch.no_grad():
+        z = torch.nn.functional.linear(input, linear_weight, linear_bias) * logit_scale
+        z = (z if softcap is None else softcap * torch.tanh(z / softcap)) / temperature
+        valid = target != ignore_index
+        log_sum_sq = torch.logsumexp(2 * torch.log_softmax(z, dim=-1), dim=-1) * valid
+        top1 = (z.argmax(-1) == target) & valid
+    return logprobs, ent, log_sum_sq, z.mean(-1) * valid, top1
+
+
+@property_settings(MAX_EXAMPLES["fused_linear_token_stats"])
+@given(st.data())
+def test_fused_linear_token_stats(data):
+    fault, dtype, options, bad = draw_case(
+        data, {"temperature": (1.0, 0.7), "softcap": (None, 2.0), "logit_scale": (1.0, 0.5),
+               "entropy": (False, True)},
+        {**INVALID["fused_linear_logprobs"], "entropy": ("yes", None), "extras": (1, None)},
+    )
+    lead = data.draw(st.sampled_from(((0,), (1,), (5,), (2, 3))), label="leading shape")
+    hidden = data.draw(widths)
+    vocab = data.draw(st.sampled_from((2, 3, 13, 37)), label="V")
+    first, other = first_dtype(fault, dtype)
+    tensors = {
+        # fp32 operands: is_top1 compares an fp32 argmax with the fp64 one, which near-ties of rounded
+        # half-precision products could flip (test_fused_linear_logprobs.py covers those dtypes)
+        "input": make_tensor((*lead, hidden), first if fault == "dtype" else torch.float32, data.draw(layouts),
+                             requires_grad=True),
+        "linear_weight": make_tensor((vocab, hidden), torch.float32, data.draw(head_layouts), requires_grad=True,
+                                     scale=hidden**-0.5),
+    }
+    target = _targets(data, lead, vocab, fault)
+    extras = options.pop("extras", True)
+    call = lambda: tigon.ops.fused_linear_token_stats(**tensors, target=target, extras=extras, **options)  # noqa: E731
+    if fault != "none":
+        expect_error(call, {"dtype": "input", "shape": "target", "option": bad}[fault])
+        return
+    run(lambda **t: tuple(tigon.ops.fused_linear_token_stats(**t, target=target, extras=True, **options)),
+        _token_stats_reference, tensors, {}, {**options, "target": target}, torch.float32,
+        out_names=("logprobs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
+
+
 def test_every_public_op_has_a_property_test():
     """A new op in ``tigon.ops.__all__`` needs its property test (or a reason here not to have one)."""
     without = {
-        "fused_linear_token_stats": "fused_linear_logprobs with TRL's extra outputs; the same head and checks",
         "vocab_parallel_cross_entropy": "needs a process group; tests/patching/test_tensor_parallel.py",
     }
     tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_")}
