@@ -106,7 +106,7 @@ from tigon.nn.lora import (
     lora_projections,
     plain_linear,
 )
-from tigon.ops._common import FLOAT_DTYPES, check_tensor
+from tigon.ops._common import FLOAT_DTYPES, check_int, check_tensor
 from tigon.ops._launch import function_apply
 from tigon.ops._matmul import cast_all, cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.glu import (
@@ -575,6 +575,11 @@ class _GatedMLP(nn.Module):
 
     def __init__(self, hidden_size, intermediate_size, activation, bias, device, dtype):
         super().__init__()
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if check_int(size, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {size}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
@@ -583,6 +588,11 @@ class _GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"x has last dim {x.shape[-1]} (shape {tuple(x.shape)}), which does not match hidden_size "
+                f"{self.hidden_size}"
+            )
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
         if plain_linear(gate_proj) and plain_linear(up_proj) and plain_linear(down_proj):
             return gated_mlp(

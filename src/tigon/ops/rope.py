@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tigon.ops._common import check_int
 from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
 from tigon.ops._rotary import (
     bhtd_strides,
@@ -477,6 +478,7 @@ def rope(q, k, cos, sin, *, unsqueeze_dim=1, output_dtype=None):
     (attention under autocast; ``tigon.patch`` passes the autocast dtype, see
     ``tigon.patching.engine.apply_rotary_pos_emb``), without writing and re-reading fp32 copies.
     """
+    check_int(unsqueeze_dim, "unsqueeze_dim")
     _check_args(q, k, cos, sin, unsqueeze_dim)
     pair = output_dtype if isinstance(output_dtype, tuple) else (output_dtype, output_dtype)
     if len(pair) != 2 or not (_output_dtype_ok(pair[0]) and _output_dtype_ok(pair[1])):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from tigon.ops._common import check_int
 from tigon.ops._divergence_rows import TVD as TVD_MODE
 from tigon.ops._divergence_rows import check_pair, divergence_backward, divergence_forward
 from tigon.ops._launch import TigonOp
@@ -86,6 +87,7 @@ def tvd(student_logprobs, teacher_logprobs, *, labels=None, ignore_index=-100):
     docstring for the backward.
     """
     check_pair(student_logprobs, teacher_logprobs, labels)
+    check_int(ignore_index, "ignore_index")
     loss, _ = TVD(student_logprobs, teacher_logprobs, labels, int(ignore_index))
     return loss
 

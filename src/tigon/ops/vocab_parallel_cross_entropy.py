@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tigon.ops._common import check_tensor
+from tigon.ops._common import check_int, check_tensor
 from tigon.ops._loss_grad import RangeCheck, SavedGradientsFunction
 from tigon.ops._matmul import matmul_accumulate
 from tigon.ops._softmax_rows import REDUCTION_SCALES
@@ -179,6 +179,8 @@ def vocab_parallel_cross_entropy(
         )
     if vocab_start is None or vocab_size is None:
         raise ValueError("vocab_start and vocab_size are needed with a plain weight_shard (this rank's rows)")
+    check_int(vocab_start, "vocab_start")
+    check_int(vocab_size, "vocab_size")
     check_tensor(input, "input")
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (the hidden dimension is the last)")
@@ -201,6 +203,7 @@ def vocab_parallel_cross_entropy(
         weight, vocab_size, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
     check_target(target, input.shape[:-1], input.device)
+    weight = None if weight is None else weight.contiguous()  # the class weights are read with unit stride
     scales, bad = REDUCTION_SCALES(target.reshape(-1), weight, int(ignore_index), reduction, vocab_size)
     check = RangeCheck(bad)
     opts = LossOptions(int(ignore_index), float(label_smoothing), float(z_loss),
