@@ -75,13 +75,23 @@ def _reduction(num_items_in_batch):
     return "mean" if num_items_in_batch is None else "sum"
 
 
-def _per_item(loss, num_items_in_batch):
-    """Divide a summed loss by the items of the whole (accumulated) batch, as transformers does."""
+def _per_item(loss, num_items_in_batch, target, ignore_index):
+    """The loss as transformers' ``ForCausalLMLoss`` gives it: the summed loss divided by the items of the
+    whole (accumulated) batch, or the mean over this batch's items.
+
+    Where there is nothing to divide by, stock's loss is torch's division by zero: the mean over no items
+    (every label ignored) is 0/0, NaN, where tigon's ops document 0; a sum divided by ``num_items_in_batch``
+    = 0 is NaN (or ±inf). The patched model gives those values too. Its gradients stay zeros, as stock's do:
+    torch's cross-entropy gives an ignored position no gradient whatever the loss, while tigon's ops would
+    multiply their zeros by an infinite output gradient, so the division by zero is kept off the graph.
+    """
     if num_items_in_batch is None:
-        return loss
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+        return torch.where((target != ignore_index).any(), loss, torch.nan)
+    if not torch.is_tensor(num_items_in_batch):
+        return loss / num_items_in_batch if num_items_in_batch != 0 else loss * 0 + loss.detach() / 0
+    items = num_items_in_batch.to(loss.device)
+    counted = items != 0
+    return torch.where(counted, loss / torch.where(counted, items, 1), loss.detach() / items)
 
 
 def causal_lm_cross_entropy(
@@ -90,14 +100,14 @@ def causal_lm_cross_entropy(
     """``ForCausalLMLoss`` with ``tigon.ops.cross_entropy`` (fp32 math on the logits as they are)."""
     from tigon.ops.cross_entropy import cross_entropy
 
-    target = shifted_targets(labels, shift_labels, ignore_index)
+    target = shifted_targets(labels, shift_labels, ignore_index).to(logits.device)
     loss = cross_entropy(
         logits.reshape(-1, vocab_size),  # (N, V)
-        target.reshape(-1).to(logits.device),  # (N,)
+        target.reshape(-1),  # (N,)
         ignore_index=ignore_index,
         reduction=_reduction(num_items_in_batch),
     )
-    return _per_item(loss, num_items_in_batch)
+    return _per_item(loss, num_items_in_batch, target, ignore_index)
 
 
 causal_lm_cross_entropy._tigon = True
@@ -254,20 +264,20 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
 
         ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
         num_items_in_batch = arguments.get("num_items_in_batch")
-        target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
+        target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index).to(hidden_states.device)  # (B, T')
         softcap = getattr(self.config.get_text_config(), "final_logit_softcapping", None) if softcaps else None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         if family.logit_multiplier is not None:
             logit_scale = logit_scale * logit_multiplier(self, family.logit_multiplier)
         loss = _loss_call(self.lm_head)(
             hidden_states,
-            target=target.to(hidden_states.device),
+            target=target,
             ignore_index=ignore_index,
             reduction=_reduction(num_items_in_batch),
             softcap=softcap,
             logit_scale=logit_scale,
         )
-        loss = _per_item(loss, num_items_in_batch)
+        loss = _per_item(loss, num_items_in_batch, target, ignore_index)
 
         # An MoE backbone's output class has a router_logits field (MoeModelOutputWithPast), which the
         # stock forward hands on in a MoeCausalLMOutputWithPast, with or without a router loss. (Not the
