@@ -110,7 +110,7 @@ def _wrap(original):
 
 
 _WRAPPER = InterfaceWrapper("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface",
-                            "sdpa", _wrap, _ORIGINAL_KEY, groups=(COMPILED, BY_ROWS))
+                            "sdpa", _wrap, _ORIGINAL_KEY, groups=(COMPILED, BY_ROWS), home=(__name__, "_WRAPPER"))
 _MARKED = _WRAPPER.groups[COMPILED]
 
 

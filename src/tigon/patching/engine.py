@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tigon._interpreter import interpreter_active
 from tigon.patching import (
     causal_mask,
     fused_attention,
@@ -74,6 +75,8 @@ from tigon.patching import forwards as replacement_forwards
 from tigon.patching import loss as loss_path
 from tigon.patching.changes import Patch, _apply, _Plan, _SetAttr, _SwapModule
 from tigon.patching.families import FAMILIES, Family
+from tigon.patching.instance_methods import InstanceMethod, Recipe, class_forward
+from tigon.patching.interface_marks import carried
 from tigon.patching.layer_forward import LayerForward, checkpoint_wrappers, checkpoints_in_class_forward
 from tigon.patching.shared_cast import CACHE_ATTR, CastCache, shared_cast_linear
 
@@ -310,11 +313,7 @@ def _plan_joined_layers(plan, root, family, classes):
             stacklevel=4,
         )
         return
-    # tigon's body under the class forward's own decorators (5.24's @deprecate_kwarg), except the
-    # checkpointing wrapper, which LayerForward stands for on the instance.
-    forward = wrappers.rewrapped(
-        layer_cls.forward, layout.forward_for(layer_cls.forward), skip_outer=checkpoint_wrappers(layer_cls.forward)
-    )
+    forward = Recipe(joined_layer_forward, (layer_cls, family.joined_layer))
     line = _joins_line(family, classes)
     for layer, _, path in _sites(root, layer_cls):
         if _is_tigon(_own_forward(layer)):
@@ -323,10 +322,18 @@ def _plan_joined_layers(plan, root, family, classes):
         norms = [layer._modules.get(name) for name in layout.norms]
         if not all(isinstance(norm, (classes.norm, RMSNorm)) for norm in norms):
             raise ValueError(f"{path}'s {'/'.join(layout.norms)} are not all {classes.norm.__name__} modules")
-        instance_forward = LayerForward(
-            layer, types.MethodType(forward, layer), checkpoint=checkpoints_in_class_forward()
-        )
+        inner = InstanceMethod(layer, forward)
+        instance_forward = LayerForward(layer, inner, checkpoint=checkpoints_in_class_forward())
         plan.add(_SetAttr(layer, "forward", instance_forward), line)
+
+
+def joined_layer_forward(layer_cls, layout_name):
+    """tigon's body of the ``layout_name`` layer (joins.LAYOUTS) under the class forward's own decorators (5.24's
+    @deprecate_kwarg), except the checkpointing wrapper, which LayerForward stands for on the instance."""
+    layout = joins.LAYOUTS[layout_name]
+    return wrappers.rewrapped(
+        layer_cls.forward, layout.forward_for(layer_cls.forward), skip_outer=checkpoint_wrappers(layer_cls.forward)
+    )
 
 
 class _GraphLayer:
@@ -338,10 +345,13 @@ class _GraphLayer:
 
     def apply(self):
         layer = self.layer
-        inner = _own_forward(layer) or types.MethodType(type(layer).forward, layer)
+        inner = _own_forward(layer) or InstanceMethod(layer, Recipe(class_forward, (type(layer),)))
         runner = graphs.LayerGraphs(layer, self.state)
         self.set = _SetAttr(layer, "forward", LayerForward(layer, inner, checkpoint=False, graphs=runner))
         self.set.apply()
+
+    def blocked(self, state):
+        return self.set.blocked(state)
 
     def undo(self):
         self.set.undo()
@@ -501,7 +511,6 @@ def _plan_split_mlps_with_extras(plan, root, family, classes):
     extras = {"gate_multiplier": spec.gate_multiplier, "down_multiplier": spec.down_multiplier,
               "dropout": spec.dropout}
     named = ", ".join(attr for attr in extras.values() if attr is not None)
-    forwards = {}
     for old, _, path in _sites(root, classes.mlp):
         if _is_tigon(_own_forward(old)):
             continue
@@ -513,10 +522,9 @@ def _plan_split_mlps_with_extras(plan, root, family, classes):
             if attr is not None:
                 _mlp_number(old, attr, path)
         activation = "silu" if kind == "swiglu" else gelu_activation_name(kwargs["approximate"])
-        if activation not in forwards:
-            forwards[activation] = replacement_forwards.split_glu_forward(activation, **extras)
+        forward = Recipe(replacement_forwards.split_glu_forward, (activation, *extras.values()))
         line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} with stock {named} (instance forward)"
-        plan.add(_SetAttr(old, "forward", types.MethodType(forwards[activation], old)), line)
+        plan.add(_SetAttr(old, "forward", InstanceMethod(old, forward)), line)
 
 
 def _plan_split_mlps(plan, root, family, classes):
@@ -547,10 +555,9 @@ def _plan_split_mlps(plan, root, family, classes):
 
 
 def _plan_fused_mlps(plan, root, family, classes):
-    from tigon.ops.glu import geglu, swiglu
+    from tigon.ops.glu import gelu_activation_name
 
     spec = family.mlp
-    forwards = {}
     for old, _, path in _sites(root, classes.mlp):
         if _is_tigon(_own_forward(old)):
             continue
@@ -558,12 +565,10 @@ def _plan_fused_mlps(plan, root, family, classes):
         kind, kwargs = _mlp_activation(old, spec, path)
         if old._modules.get("gate_up_proj") is None or old._modules.get("down_proj") is None:
             raise ValueError(f"{path} ({type(old).__name__}) lacks gate_up_proj / down_proj")
-        key = (kind, tuple(kwargs.items()))
-        if key not in forwards:
-            op = swiglu if kind == "swiglu" else functools.partial(geglu, **kwargs)
-            forwards[key] = replacement_forwards.fused_gate_up_forward(op)
+        activation = "silu" if kind == "swiglu" else gelu_activation_name(kwargs["approximate"])
+        forward = Recipe(replacement_forwards.fused_gate_up_forward, (activation,))
         line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} on gate_up_proj (instance forward)"
-        plan.add(_SetAttr(old, "forward", types.MethodType(forwards[key], old)), line)
+        plan.add(_SetAttr(old, "forward", InstanceMethod(old, forward)), line)
 
 
 def _check_rotary(family, classes):
@@ -581,22 +586,26 @@ def _plan_rope(plan, root, family, classes, *, fused=None):
     the whole attention as one node where it can run, fused_attention.py; ``fused``: the class forward's
     fused_attention.variant)."""
     _check_rotary(family, classes)
-    forward = None
+    # a decoder's rotate-half rotary (a vision tower's: _plan_vision_attention)
+    forward = Recipe(rope_attention_forward, (classes.attention, family.rotary, family.rotary_half_angles,
+                                              family.rope_autocast_output, fused))
     line = _rope_line(classes, family)
     for old, _, path in _sites(root, classes.attention):
         if _is_tigon(_own_forward(old)):
             continue
         _check_plain(old, classes.attention, path)
-        if forward is None:  # a decoder's rotate-half rotary (a vision tower's: _plan_vision_attention)
-            rotary = replacement_forwards.tigon_rotary(
-                half_angles=family.rotary_half_angles, autocast_output=family.rope_autocast_output
-            )
-            forward = wrappers.with_globals(classes.attention.forward, **{family.rotary: rotary})
-            if fused is not None:
-                forward = fused_attention.fused_forward(forward, fused)
-        plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), line)
+        plan.add(_SetAttr(old, "forward", InstanceMethod(old, forward)), line)
         if fused is not None:
             plan.note(_fused_attention_line(classes))
+
+
+def rope_attention_forward(attention_cls, rotary_name, half_angles, autocast_output, fused):
+    """The attention class's forward calling tigon's rotary in place of ``rotary_name`` (wrappers.with_globals),
+    and with ``fused`` (the class forward's fused_attention.variant) the whole attention as one node where it
+    can run."""
+    rotary = replacement_forwards.tigon_rotary(half_angles=half_angles, autocast_output=autocast_output)
+    forward = wrappers.with_globals(attention_cls.forward, **{rotary_name: rotary})
+    return forward if fused is None else fused_attention.fused_forward(forward, fused)
 
 
 def _plan_shared_cast(plan, root, family, classes):
@@ -621,7 +630,7 @@ def _plan_shared_cast(plan, root, family, classes):
 def _plan_shared_cast_linear(plan, projection, cache):
     """``projection`` (a plain nn.Linear) runs as shared_cast.py's autocast linear, with ``cache``."""
     plan.add(_SetAttr(projection, CACHE_ATTR, cache))
-    plan.add(_SetAttr(projection, "forward", types.MethodType(shared_cast_linear, projection)))
+    plan.add(_SetAttr(projection, "forward", InstanceMethod(projection, shared_cast_linear)))
 
 
 def _plan_loss(plan, model, family, classes, switches):
@@ -660,11 +669,9 @@ def _plan_loss(plan, model, family, classes, switches):
                     f"{family.model_type}: loss: the model's {family.logit_multiplier} is "
                     f"{type(multiplier).__name__}, not the number the family's row expects"
                 )
-        forward = loss_path.causal_lm_forward(
-            family, classes.module, classes.causal_lm.forward, classes.model.forward
-        )
-        plan.add(_SetAttr(model, "forward", types.MethodType(forward, model)), lines[0])
-        head_forward = types.MethodType(loss_path.linear_or_fused_loss, lm_head)
+        forward = Recipe(loss_path.causal_lm_forward, (family, classes.causal_lm, classes.model))
+        plan.add(_SetAttr(model, "forward", InstanceMethod(model, forward)), lines[0])
+        head_forward = InstanceMethod(lm_head, loss_path.linear_or_fused_loss)
         if parallel_head and _own_forward(lm_head) is not None:
             plan.add(_SetAttr(lm_head, loss_path.LOGITS_FORWARD, _own_forward(lm_head)))
         plan.add(_SetAttr(lm_head, "forward", head_forward), lines[1])
@@ -725,7 +732,8 @@ def _plan_attention(plan, model, family, classes, switches):
     _plan_rope(plan, model, family, classes, fused=fused)
     _plan_shared_cast(plan, model, family, classes)
     if not causal_mask.marked(model.config):
-        plan.add(causal_mask.MarkConfig(model.config))
+        for change in carried(model, causal_mask.MarkConfig(model.config)):
+            plan.add(change)
 
 
 def _fuses_attention(family, classes, switches) -> bool:
@@ -738,10 +746,11 @@ def _fuses_attention(family, classes, switches) -> bool:
 
 def _plan_sliding_window(plan, model):
     if sliding_window.has_sliding_layers(model.config) and not sliding_window.marked(model.config):
-        plan.add(sliding_window.MarkConfig(model.config),
-                 "sdpa attention of sliding-window layers -> row blocks of the band, their masks built by row "
-                 "blocks (sliding_window.py)")
-        plan.add(causal_mask.by_rows_mark(model.config))
+        band, by_rows = carried(model, sliding_window.MarkConfig(model.config))
+        plan.add(band, "sdpa attention of sliding-window layers -> row blocks of the band, their masks built by row "
+                       "blocks (sliding_window.py)")
+        for change in (by_rows, *carried(model, causal_mask.by_rows_mark(model.config))):
+            plan.add(change)
 
 
 @dataclass(frozen=True)
@@ -829,7 +838,23 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
     target = f"{type(model).__name__} instance"
     if not plan.changes:
         logger.log(log_level, "tigon: %s: nothing to replace (already patched?)", target)
+    else:
+        _warn_off_the_gpu(model, target)
     return _apply(plan, target, log_level)
+
+
+def _warn_off_the_gpu(model, target):
+    """A model patched on the CPU (or on the meta device) trains only once it is on a GPU, or through Triton's
+    interpreter. Patching first and moving the model after is a common order, so this is a warning, not an
+    error; the kernels themselves refuse CPU tensors at the first forward."""
+    parameter = next(model.parameters(), None)
+    if parameter is not None and parameter.device.type in ("cpu", "meta") and not interpreter_active():
+        warnings.warn(
+            f"tigon: the patched {target} is on the {parameter.device.type} device and Triton's interpreter is off: "
+            "tigon's kernels need a CUDA device. Move the model to the GPU before training (model.to('cuda')), or "
+            "set TRITON_INTERPRET=1 before importing tigon to run them on the CPU through Triton's interpreter",
+            stacklevel=4,
+        )
 
 
 # ------------------------------------------------------------------------------ vision-language plan
@@ -906,27 +931,33 @@ def _plan_vision_attention(plan, root, family, classes, switches):
         )
     if rope:
         _check_rotary(vision, classes)
-        rotary = replacement_forwards.ROTARIES[vision.rotary]
-        forward = wrappers.with_globals(classes.attention.forward, **{vision.rotary: rotary})
-    else:
-        forward = classes.attention.forward
-        module = classes.module
-
-        def rotary(q, k, cos, sin):  # the module's own, looked up at the call as the class's forward does
-            return getattr(module, vision.rotary)(q, k, cos, sin)
-
-    if packed:
-        forward = vision_attention.packed_forward(forward, rotary)
+    forward = Recipe(vision_attention_forward, (classes.attention, vision.rotary, rope, packed))
     lines = [_vision_rope_line(classes)] * rope + [_vision_packed_line(classes)] * packed
     for old, _, path in _sites(root, classes.attention):
         if _is_tigon(_own_forward(old)):
             continue
         _check_plain(old, classes.attention, path)
-        plan.add(_SetAttr(old, "forward", types.MethodType(forward, old)), lines[0])
+        plan.add(_SetAttr(old, "forward", InstanceMethod(old, forward)), lines[0])
         for line in lines[1:]:
             plan.counts[line] += 1
         if packed:
             _plan_vision_projections(plan, old)
+
+
+def vision_attention_forward(attention_cls, rotary_name, rope, packed):
+    """The vision attention class's forward with tigon's rotary in place of ``rotary_name`` (``rope``) and with
+    all its segments in one sdpa call (``packed``)."""
+    if rope:
+        rotary = replacement_forwards.ROTARIES[rotary_name]
+        forward = wrappers.with_globals(attention_cls.forward, **{rotary_name: rotary})
+    else:
+        forward = attention_cls.forward
+        module = importlib.import_module(attention_cls.__module__)
+
+        def rotary(q, k, cos, sin):  # the module's own, looked up at the call as the class's forward does
+            return getattr(module, rotary_name)(q, k, cos, sin)
+
+    return vision_attention.packed_forward(forward, rotary) if packed else forward
 
 
 def _plan_vision_projections(plan, attention):

@@ -42,7 +42,6 @@ import ast
 import functools
 import inspect
 import textwrap
-import types
 import warnings
 
 import torch
@@ -51,6 +50,7 @@ from torch import nn
 
 from tigon.patching import wrappers
 from tigon.patching.changes import _SetAttr
+from tigon.patching.instance_methods import InstanceMethod, Recipe
 
 GATE_ATTR = "_apply_gate"
 ACT_FN = "act_fn"
@@ -308,7 +308,7 @@ def plan(plan_, sites, family, cls, *, glu_of, check_plain, is_tigon):
             stacklevel=5,
         )
     text = line(family, cls, kind)
-    gates, forward = {}, None
+    forward = Recipe(experts_forward, (cls, kind == "inline"))
     for module, _, path in sites:
         if is_tigon(vars(module).get(GATE_ATTR)):
             continue
@@ -321,10 +321,12 @@ def plan(plan_, sites, family, cls, *, glu_of, check_plain, is_tigon):
             raise ValueError(f"{path}.is_concatenated does not match the {spec.layout} layout of tigon's table")
         activation, alpha, limit = _activation(module, spec, path, glu_of)
         _probe_gate(module, spec, path, activation, alpha, limit)
-        if activation not in gates:
-            gates[activation] = fused_gate(spec.layout, activation)
-        plan_.add(_SetAttr(module, GATE_ATTR, types.MethodType(gates[activation], module)), text)
-        if forward is None:
-            inner = wrappers.rewrapped(cls.forward, eager_experts_forward) if kind == "inline" else cls.forward
-            forward = autocast_weights(inner)
-        plan_.add(_SetAttr(module, "forward", types.MethodType(forward, module)))
+        gate = InstanceMethod(module, Recipe(fused_gate, (spec.layout, activation)))
+        plan_.add(_SetAttr(module, GATE_ATTR, gate), text)
+        plan_.add(_SetAttr(module, "forward", InstanceMethod(module, forward)))
+
+
+def experts_forward(cls, inline_loop: bool):
+    """The forward tigon sets on an experts module of class ``cls``: the class's dispatch (around
+    :func:`eager_experts_forward` where the class's eager loop gates inline) under :func:`autocast_weights`."""
+    return autocast_weights(wrappers.rewrapped(cls.forward, eager_experts_forward) if inline_loop else cls.forward)

@@ -18,18 +18,20 @@ from __future__ import annotations
 import torch
 
 
-def fused_gate_up_forward(glu):
-    """Forward for a ``gate_up_proj`` MLP (Phi-3): the first half of the projection is the gate."""
+def fused_gate_up_forward(activation):
+    """Forward for a ``gate_up_proj`` MLP (Phi-3): the first half of the projection is the gate, ``activation``
+    the GLU's ("silu", "gelu_tanh", "gelu")."""
+    from tigon.ops.glu import glu
 
     def forward(self, hidden_states):
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (..., I) each
-        return self.down_proj(glu(gate, up))
+        return self.down_proj(glu(gate, up, activation))
 
     forward._tigon = True
     return forward
 
 
-def split_glu_forward(activation, *, gate_multiplier=None, down_multiplier=None, dropout=None):
+def split_glu_forward(activation, gate_multiplier=None, down_multiplier=None, dropout=None):
     """Forward for a split MLP with extras (families.Mlp): transformers' ::
 
         y = down_proj(act(gate_proj(x) * g) * up_proj(x)) * d;  y = dropout(y, p, training)

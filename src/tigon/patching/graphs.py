@@ -156,6 +156,10 @@ class GraphState:
         self.mixed = False  # a layer ran twice in this pass (see LayerGraphs.__call__)
         self.warned: set = set()
 
+    def __reduce__(self):
+        """A copy of the model (pickle, deepcopy) shares nothing captured: its layers capture their own graphs."""
+        return type(self), (self.root_ref(),)
+
     def warn_once(self, key, message):
         if key not in self.warned:
             self.warned.add(key)
@@ -416,6 +420,10 @@ class LayerGraphs:
         self.disabled = None
         self.replays = 0
         self.param_grads = None  # the layer's parameter gradients as its graphs hand them to autograd
+
+    def __reduce__(self):
+        """A copy of the layer (pickle, deepcopy) starts without graphs, as the layer did when patched."""
+        return type(self), (self.layer_ref(), self.state)
 
     def _eligible(self, layer) -> bool:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not layer.training:

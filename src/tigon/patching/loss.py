@@ -207,17 +207,21 @@ def _mentions(fn, name: str) -> bool:
     return name in code.co_names or name in code.co_consts
 
 
-def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None):
-    """The generic CausalLM forward for one family row (see the module docstring).
+def causal_lm_forward(family, causal_lm_cls, model_cls):
+    """The generic CausalLM forward for one family row (see the module docstring): ``causal_lm_cls``'s, over
+    ``model_cls``'s forward.
 
     It takes its arguments as the stock forward's body names them (``cache`` from transformers 5.24,
     ``past_key_values`` before), reports the stock signature to ``inspect.signature``, and the engine
     wraps it in the stock forward's own decorators (``@can_return_tuple``, 5.24's ``@deprecate_kwarg``).
     """
     import dataclasses
+    import importlib
 
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    stock_forward, model_forward = causal_lm_cls.forward, model_cls.forward
+    modeling_module = importlib.import_module(family.module_name)
     load_balancing_loss = getattr(modeling_module, family.router_aux_loss) if family.router_aux_loss else None
     stock_body = wrappers.body(stock_forward)
     positional, defaults = wrappers.named_parameters(stock_body, skip=1)  # after self
@@ -264,7 +268,8 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
 
         ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
         num_items_in_batch = arguments.get("num_items_in_batch")
-        target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index).to(hidden_states.device)  # (B, T')
+        target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
+        target = target.to(hidden_states.device)
         softcap = getattr(self.config.get_text_config(), "final_logit_softcapping", None) if softcaps else None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         if family.logit_multiplier is not None:
