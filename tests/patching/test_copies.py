@@ -17,7 +17,8 @@ import torch
 
 from tests.patching.tiny import assert_grads_close, rel, stock_and_patched, train
 from tests.patching.tiny_vlm import assert_vlm_grads_close, stock_and_patched_vlm, vlm_batch
-from tigon.patching import causal_mask, sliding_window
+from tigon.patching import band_attention as sliding_window
+from tigon.patching import causal_mask
 from tigon.patching.instance_methods import InstanceMethod
 from tigon.patching.layer_forward import LayerForward
 

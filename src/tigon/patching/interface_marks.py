@@ -2,7 +2,7 @@
 
 Two patch parts stand in for a function transformers looks up by name at every call: the sdpa mask
 builder (``masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]``, causal_mask.py) and the sdpa
-attention function (``modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]``, sliding_window.py). Each
+attention function (``modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]``, band_attention.py). Each
 wrapper acts only for the models a patch marked, and must not outlive them. :class:`InterfaceWrapper`
 holds that bookkeeping once for both:
 
@@ -26,7 +26,7 @@ import importlib
 import sys
 import weakref
 
-from tigon.patching.changes import _SetAttr
+from tigon.patching.patch_handle import SetAttr
 
 
 class InterfaceWrapper:
@@ -128,4 +128,4 @@ def carried(root, mark: Mark) -> list:
     """The changes that apply ``mark`` and keep it with ``root`` (the model whose config it marks): the mark,
     and the mark as an attribute of ``root``, which copies of ``root`` carry."""
     group = mark.group or "on"
-    return [mark, _SetAttr(root, f"_tigon_mark_{mark.owner.home[0].rsplit('.', 1)[-1]}_{group}", mark)]
+    return [mark, SetAttr(root, f"_tigon_mark_{mark.owner.home[0].rsplit('.', 1)[-1]}_{group}", mark)]

@@ -6,7 +6,7 @@ issue its ~1000 launches (benchmarks/results/host_profile-*). A CUDA graph issue
 forward, or its whole backward, as one launch: the host then costs one replay a layer and direction,
 whatever the layer holds.
 
-What. With the switch on, each decoder layer's forward (tigon's, from joins.py, or the class's) runs,
+What. With the switch on, each decoder layer's forward (tigon's, from residual_joins.py, or the class's) runs,
 in a training-mode forward that builds a graph for autograd on CUDA tensors, as an autograd node
 (:class:`_Replay`) whose forward replays a captured forward graph and whose backward replays a
 captured backward graph. Everything else (embeddings, final norm, loss, optimizer) stays eager.

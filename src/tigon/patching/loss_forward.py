@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import wrappers
+from tigon.patching import decorator_chains
 
 try:  # a tensor-parallel head's weight, and FSDP2's wrapped modules (whose shards are DTensors too)
     from torch.distributed.fsdp import FSDPModule
@@ -223,8 +223,8 @@ def causal_lm_forward(family, causal_lm_cls, model_cls):
     stock_forward, model_forward = causal_lm_cls.forward, model_cls.forward
     modeling_module = importlib.import_module(family.module_name)
     load_balancing_loss = getattr(modeling_module, family.router_aux_loss) if family.router_aux_loss else None
-    stock_body = wrappers.body(stock_forward)
-    positional, defaults = wrappers.named_parameters(stock_body, skip=1)  # after self
+    stock_body = decorator_chains.body(stock_forward)
+    positional, defaults = decorator_chains.named_parameters(stock_body, skip=1)  # after self
     vision_output_class = None  # a VLM row: the class its stock forward returns
     model_takes_labels = False
     if family.is_vision_language:
@@ -238,7 +238,7 @@ def causal_lm_forward(family, causal_lm_cls, model_cls):
                 f"{family.model_type}: loss: {stock_body.__qualname__} does not return one output class; "
                 "this transformers version does not match tigon's table"
             )
-        model_takes_labels = "labels" in inspect.signature(wrappers.body(model_forward)).parameters
+        model_takes_labels = "labels" in inspect.signature(decorator_chains.body(model_forward)).parameters
     # Whether the stock forward softcaps its logits: a VLM row's flag says the family may (PaliGemma-2's
     # Gemma-2 text config); the installed forward says whether it does (PaliGemma's does from 5.2x, not 5.17).
     softcaps = family.final_logit_softcapping and (
@@ -250,7 +250,7 @@ def causal_lm_forward(family, causal_lm_cls, model_cls):
                  for cls in (CausalLMOutputWithPast, MoeCausalLMOutputWithPast, vision_output_class) if cls}
 
     def forward(self, *args, **kwargs):
-        arguments = wrappers.bind(positional, defaults, args, kwargs)
+        arguments = decorator_chains.bind(positional, defaults, args, kwargs)
         labels = arguments.pop("labels", None)
         if not (self.training and labels is not None) or not _takes_target(self.lm_head):
             return stock_body(self, *args, **kwargs)
@@ -316,6 +316,6 @@ def causal_lm_forward(family, causal_lm_cls, model_cls):
     forward.__name__, forward.__qualname__ = stock_body.__name__, stock_body.__qualname__
     forward.__doc__ = f"tigon's generic CausalLM forward ({family.model_type}); see tigon.patching.loss."
     forward._tigon = True
-    wrapped = wrappers.rewrapped(stock_forward, forward)
+    wrapped = decorator_chains.rewrapped(stock_forward, forward)
     wrapped._tigon = True
     return wrapped

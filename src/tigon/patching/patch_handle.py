@@ -1,8 +1,8 @@
-"""What a patch changes, and the handle that undoes it.
+"""What a patch changes, and the handle that undoes it (``tigon.Patch``).
 
 A plan is a list of changes, each with ``apply`` and ``undo``: setting an attribute on an instance or a
-class (:class:`_SetAttr`), or putting one module in the places of another (:class:`_SwapModule`).
-:func:`_apply` applies them in order, undoing what it applied if one fails, logs each replaced part
+class (:class:`SetAttr`), or putting one module in the places of another (:class:`SwapModule`).
+:func:`apply_plan` applies them in order, undoing what it applied if one fails, logs each replaced part
 once, and returns the :class:`Patch` whose ``revert()`` undoes them, last first.
 
 What others install after the patch stays. An attribute tigon set that something else replaced since (a
@@ -76,7 +76,7 @@ def _describe(obj) -> str:
     return f"a {type(obj).__qualname__}"
 
 
-class _SetAttr:
+class SetAttr:
     """Set ``obj.name`` (an instance or a class attribute); undo restores it or deletes it again, if the
     attribute still holds what the patch set (see the module docs)."""
 
@@ -120,7 +120,7 @@ HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_al
               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-class _SwapModule:
+class SwapModule:
     """Put ``new`` wherever ``old`` sits in the tree (every (parent, name) site).
 
     ``new`` also gets the plain attributes of ``old`` that it lacks (an MLP's ``config``), the same
@@ -167,7 +167,7 @@ class _SwapModule:
 
 
 @dataclass
-class _Plan:
+class Plan:
     """Changes to apply, and the readable line (with a count) each one is reported under."""
 
     changes: list = field(default_factory=list)
@@ -229,7 +229,7 @@ class Patch:
         return f"Patch({self.target}, {state}){body}"
 
 
-def _apply(plan: _Plan, target: str, log_level: int) -> Patch:
+def apply_plan(plan: Plan, target: str, log_level: int) -> Patch:
     applied = []
     try:
         for change in plan.changes:
