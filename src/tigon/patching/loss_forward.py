@@ -1,6 +1,6 @@
 """The loss path every patched CausalLM shares: one generic ``forward`` and one loss function.
 
-``causal_lm_forward(family, stock_forward)`` builds the forward bound to a patched model when
+``causal_lm_forward(family, causal_lm_cls, model_cls)`` builds the forward bound to a patched model when
 ``fused_linear_cross_entropy`` is on. In training mode with labels it runs the decoder, keeps the
 last hidden states (``logits_to_keep`` applied as stock does) and computes
 
@@ -212,8 +212,8 @@ def causal_lm_forward(family, causal_lm_cls, model_cls):
     ``model_cls``'s forward.
 
     It takes its arguments as the stock forward's body names them (``cache`` from transformers 5.24,
-    ``past_key_values`` before), reports the stock signature to ``inspect.signature``, and the engine
-    wraps it in the stock forward's own decorators (``@can_return_tuple``, 5.24's ``@deprecate_kwarg``).
+    ``past_key_values`` before), reports the stock signature to ``inspect.signature``, and runs under
+    the stock forward's own decorators (``@can_return_tuple``, 5.24's ``@deprecate_kwarg``).
     """
     import dataclasses
     import importlib

@@ -39,11 +39,11 @@ autograd's sum of the residual stream's two gradients (sandwich, pre_norm) and i
 gradient to the norm's dtype (Gemma-2-2B, 4096 tokens under autocast: ~0.3 GB moved and five launches
 a layer). Fused, the norm's backward adds the stream's own gradient in the kernel.
 
-The engine installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
+The norms part (parts/norms.py) installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
 class's forward, seen through its decorators, is statement for statement transformers' own in one of
 the known releases (:func:`matched_variant`, on the AST, so comments and annotations do not matter;
 the releases differ in the name of the cache argument, :data:`CACHE_NAMES`; a docstring does not
-count). The decorators of the class forward stay around tigon's (the engine rewraps it), so 5.24's
+count). The decorators of the class forward stay around tigon's (parts/norms.py rewraps it), so 5.24's
 ``@deprecate_kwarg`` still takes the old name. A transformers version that changed the layer keeps its
 own forward, joins unfused, and ``patch`` warns: it never runs another version's layer.
 """

@@ -97,7 +97,7 @@ def tigon_rotary(*, half_angles: bool = False, autocast_output: bool = True):
 
 # transformers' ``apply_rotary_pos_emb_vision`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL vision towers), 5.17 to 5.24:
 # q, k ``[S, H, D]`` and cos, sin ``[S, D]`` upcast to fp32, rotated (rotate_half), each rounded once to
-# q's / k's dtype. The engine patches a vision attention only where its module's function is this one.
+# q's / k's dtype. parts/vision.py patches a vision attention only where its module's function is this one.
 VISION_ROTARY_SOURCE = '''
 def apply_rotary_pos_emb_vision(q, k, cos, sin):
     orig_q_dtype = q.dtype
@@ -127,5 +127,5 @@ def apply_rotary_pos_emb_vision(q, k, cos, sin):
 
 # The module-level rotary functions an attention forward may call, and tigon's stand-in for each.
 ROTARIES = {"apply_rotary_pos_emb": apply_rotary_pos_emb, "apply_rotary_pos_emb_vision": apply_rotary_pos_emb_vision}
-# Those whose transformers source the engine checks first (the text one is transformers' canonical rotate-half).
+# Those whose transformers source is checked first (parts/attention.py's check_rotary) (the text one is transformers' canonical rotate-half).
 ROTARY_SOURCES = {"apply_rotary_pos_emb_vision": VISION_ROTARY_SOURCE}

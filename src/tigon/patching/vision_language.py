@@ -39,7 +39,7 @@ VISION_ROTARY = "apply_rotary_pos_emb_vision"
 
 def vision_family(family: Family) -> Family:
     """The row's vision side as a row of its own (no loss; its block as the decoder layer, for the
-    projection norms and the residual joins): what the engine's norm, MLP and rope planners read."""
+    projection norms and the residual joins): what the parts' norm, MLP and rope planners read."""
     vision = family.vision
     return Family(
         model_type=f"{family.model_type} (vision)", package=family.package, causal_lm=None, model=None,

@@ -14,9 +14,9 @@ LINE = ("sdpa attention of sliding-window layers -> row blocks of the band, thei
 
 def plan_sliding_window(plan, model, family=None, classes=None, switches=None):
     if band_attention.has_sliding_layers(model.config) and not band_attention.marked(model.config):
-        band, kept = carried(model, band_attention.MarkConfig(model.config))
-        plan.add(band, LINE)
-        for change in (kept, *carried(model, causal_mask.by_rows_mark(model.config))):
+        mark, *carry = carried(model, band_attention.MarkConfig(model.config))
+        plan.add(mark, LINE)
+        for change in (*carry, *carried(model, causal_mask.by_rows_mark(model.config))):
             plan.add(change)
 
 
