@@ -127,5 +127,6 @@ def apply_rotary_pos_emb_vision(q, k, cos, sin):
 
 # The module-level rotary functions an attention forward may call, and tigon's stand-in for each.
 ROTARIES = {"apply_rotary_pos_emb": apply_rotary_pos_emb, "apply_rotary_pos_emb_vision": apply_rotary_pos_emb_vision}
-# Those whose transformers source is checked first (parts/attention.py's check_rotary) (the text one is transformers' canonical rotate-half).
+# Those whose transformers source is checked first (parts/attention.py's check_rotary); the text one is
+# transformers' canonical rotate-half.
 ROTARY_SOURCES = {"apply_rotary_pos_emb_vision": VISION_ROTARY_SOURCE}
