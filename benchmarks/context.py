@@ -165,7 +165,7 @@ def run_job(job: dict) -> dict:
     """Train ``job["steps"]`` steps of batch 1 x ``job["seq"]`` tokens; inside a fresh process."""
     import torch
 
-    from tigon.patching.long_context import offloader_of
+    from tigon.patching.parts.long_context import offloader_of
 
     device = torch.device(job["device"])
     cuda = device.type == "cuda"

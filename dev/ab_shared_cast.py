@@ -22,7 +22,7 @@ from benchmarks.e2e import LR, OPTIMIZER_BYTES_PER_PARAM, SEED, batch_for, model
 import tigon
 from tigon.bench.models import build_model, parameter_count
 from tigon.patching.engine import OUTPUT_PROJECTION, QKV_PROJECTIONS
-from tigon.patching.shared_cast import CACHE_ATTR
+from tigon.nn.shared_cast_linear import CACHE_ATTR
 
 WARMUP, STEPS, SEQ = 3, 8, 2048
 

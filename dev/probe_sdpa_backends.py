@@ -1,4 +1,4 @@
-"""tigon.patching.sdpa_backends against F.scaled_dot_product_attention on the GPU: for each backend (forced with
+"""tigon.nn.attention against F.scaled_dot_product_attention on the GPU: for each backend (forced with
 sdpa_kernel, and sdpa's own choice), a decoder's two calls (causal without a mask, grouped heads native; a boolean
 padding mask with k and v repeated), whether attend / attend_backward give sdpa's output and gradients bit for bit,
 and which backend sdpa picks by default.
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tigon.patching.sdpa_backends import attend, attend_backward, repeat_heads
+from tigon.nn.attention import attend, attend_backward, repeat_heads
 
 torch.manual_seed(0)
 BACKENDS = (None, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)

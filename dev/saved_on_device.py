@@ -32,7 +32,7 @@ def measure(provider: str, seq: int, layers: int, device_name: str, tiny: bool, 
 
     import tigon
     from tigon.bench.models import build_model, model_config
-    from tigon.patching import recompute
+    from tigon.patching import norm_recompute as recompute
 
     device = torch.device(device_name)
     cuda = device.type == "cuda"

@@ -80,7 +80,7 @@ def fresh_model(cuda_graphs=False):
 
 def ungroup_projections(model) -> None:
     """Each attention's q/k/v projections as separate nodes (what ZeRO-3 parameters get)."""
-    from tigon.patching.shared_cast import CACHE_ATTR
+    from tigon.nn.shared_cast_linear import CACHE_ATTR
 
     for module in model.modules():
         cache = getattr(module, CACHE_ATTR, None)
@@ -239,7 +239,7 @@ def main(out_path: str) -> None:
 
     # Under autocast, each rank's bf16 products of half a batch differ from one product of the whole
     # batch by bf16 rounding; DDP on the same halves is the exact reference for ZeRO-3 there, with
-    # the q/k/v projections ungrouped as ZeRO-3 has them (shared_cast.py): a grouped node sums the
+    # the q/k/v projections ungrouped as ZeRO-3 has them (tigon.nn.shared_cast_linear): a grouped node sums the
     # three input gradients into one bf16 buffer, ungrouped autograd adds three bf16 tensors.
     model = fresh_model()
     ungroup_projections(model)

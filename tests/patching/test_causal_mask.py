@@ -157,7 +157,7 @@ def test_compiled_marked_model_runs_causal_sdpa(monkeypatch, model_type):
     change = causal_mask.MarkConfig(model.config)
     change.apply()
     try:
-        assert causal_mask._install() and causal_mask.marked(model.config)
+        assert causal_mask.marked(model.config)
         loss, calls = _compiled_attention_calls(monkeypatch, model, ids, "eager")
     finally:
         change.undo()

@@ -107,7 +107,7 @@ def test_autocast_on_two_gpus_matches_ddp(gpu_runs, mode, reference):
 
 def test_zero3_under_autocast_matches_ddp(runs):
     """bf16 autocast: the projections share their input's cast and cast their weights again in the
-    backward (ungrouped under ZeRO-3, see shared_cast.py), the norms hand bf16 to them, under
+    backward (ungrouped under ZeRO-3, see tigon.nn.shared_cast_linear), the norms hand bf16 to them, under
     ZeRO-3's gather-on-use. The reference is DDP on the same half batches with the projections
     ungrouped too (one process on the whole batch differs by bf16 rounding of the weight gradients'
     products: 2.6e-4 in the loss, 1.9e-3 in the weights, measured)."""

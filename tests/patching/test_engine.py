@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import re
 
 import pytest
 import torch
@@ -434,3 +435,14 @@ def test_patch_while_parameters_are_partitioned(model_type):
     loss.backward()
     want.backward()
     assert_same_grads(model, stock)
+
+
+def test_patch_docstring_names_every_switch_with_its_default_and_no_other():
+    doc = tigon.patching.patch.__doc__
+    defaults = doc.split("Switches (defaults): ", 1)[1].split(". ", 1)[0]
+    listed = dict(re.findall(r"(\w+)=(True|False)", defaults))
+    assert listed == {name: str(value) for name, value in SWITCHES.items()}
+    described = set()
+    for bullet in re.findall(r"^\s*- (.*)$", doc, flags=re.MULTILINE):
+        described |= set(re.findall(r"``(\w+)``", bullet.split(":", 1)[0]))
+    assert described == set(SWITCHES)

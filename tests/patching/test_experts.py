@@ -1,4 +1,5 @@
-"""MoE experts (patching/experts.py): the fused gate in every experts implementation transformers has.
+"""MoE experts (patching/parts/experts.py, patching/experts_forwards.py): the fused gate in every experts
+implementation transformers has.
 
 Patched against stock in fp32 (loss and every gradient within 1e-4) for Mixtral and Qwen3-MoE whole
 (tiny.py's configs), under each of transformers' experts implementations: the eager loop (replaced by
@@ -22,9 +23,10 @@ import tigon
 import tigon.ops  # noqa: F401  (the op module, by its sys.modules name below)
 from tests.helpers import DEVICE
 from tests.patching.tiny import assert_same_grads, batch, grads, rel, stock_and_patched, tiny_model
-from tigon.patching import engine, experts, wrappers
-from tigon.patching.changes import _apply, _Plan
+from tigon.patching import decorator_chains, engine, experts_forwards
 from tigon.patching.families import Experts, Family
+from tigon.patching.parts.experts import plan_experts
+from tigon.patching.patch_handle import Plan, apply_plan
 
 moe = pytest.importorskip("transformers.integrations.moe")
 
@@ -171,18 +173,18 @@ def test_a_class_gate_other_than_transformers_default_is_refused(monkeypatch):
 
 def test_a_forward_that_is_not_the_dispatch_is_refused(monkeypatch):
     cls = type(_experts_modules(tiny_model("mixtral"))[0])
-    monkeypatch.setattr(cls, "forward", wrappers.body(cls.forward))  # the eager loop, no dispatch
+    monkeypatch.setattr(cls, "forward", decorator_chains.body(cls.forward))  # the eager loop, no dispatch
     _refused(tiny_model("mixtral"), "not transformers' experts dispatch")
 
 
 def test_an_unknown_eager_loop_stays_stock_with_a_warning(monkeypatch, kernel_calls):
     cls = type(_experts_modules(tiny_model("mixtral"))[0])
-    stock_loop = wrappers.body(cls.forward)
+    stock_loop = decorator_chains.body(cls.forward)
 
     def other_loop(self, hidden_states, top_k_index, top_k_weights):
         return stock_loop(self, hidden_states, top_k_index, top_k_weights)
 
-    monkeypatch.setattr(cls, "forward", wrappers.rewrapped(cls.forward, other_loop))
+    monkeypatch.setattr(cls, "forward", decorator_chains.rewrapped(cls.forward, other_loop))
     torch.manual_seed(0)
     stock = tiny_model("mixtral", experts_implementation="eager").to(DEVICE)
     patched = copy.deepcopy(stock)
@@ -216,7 +218,7 @@ def test_experts_classes_of_other_moe_families_check_out(package):
             else Experts(cls_name))
     family = Family(model_type=package, package=package, causal_lm="", model="", norm=None, mlp=None,
                     attention=None, experts=spec)
-    assert experts.check_class(family, getattr(module, cls_name)) == eager
+    assert experts_forwards.check_class(family, getattr(module, cls_name)) == eager
 
 
 # ------------------------------------------------------------------------------------------ GPT-OSS
@@ -252,10 +254,9 @@ def _gpt_oss_experts(implementation, *, limit=1.5):
 
 
 def _plan_experts(root, family):
-    plan = _Plan()
-    engine_classes = engine._resolve(family)
-    engine._plan_experts(plan, root, family, engine_classes, {})
-    return _apply(plan, "experts", 10)
+    plan = Plan()
+    plan_experts(plan, root, family, engine.resolve(family), {})
+    return apply_plan(plan, "experts", 10)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -24,8 +24,8 @@ import torch
 
 import tigon
 from tests.patching.tiny import COMMON, CONFIGS, assert_grads_close, batch, grads, rel, stock_and_patched, train
-from tigon.patching import forwards
-from tigon.patching.experts import WEIGHT_ATTRS
+from tigon.patching import rotary
+from tigon.patching.experts_forwards import WEIGHT_ATTRS
 from tigon.patching.families import FAMILIES
 
 FAMILY_TYPES = sorted(CONFIGS)
@@ -157,7 +157,7 @@ def test_projection_norms_give_autocast_output(model_type):
 def _experts_in_autocast_dtype(stock, family, dtype=torch.bfloat16):
     """The stock reference of a bf16-autocast step. For an MoE row: a copy whose experts hold their
     weights in bf16, so that stock computes its experts in bf16 as tigon's patch has them computed
-    under autocast (patching/experts.py: transformers' grouped_mm has no autocast rule, so stock with
+    under autocast (patching/experts_forwards.py: transformers' grouped_mm has no autocast rule, so stock with
     fp32 weights runs the experts' matmuls in fp32, which no nn.Linear under autocast does)."""
     if family.experts is None:
         return stock
@@ -195,16 +195,16 @@ def test_rope_gives_autocast_output(model_type, monkeypatch):
         _, patched, _ = stock_and_patched(model_type)
     fp32_rope = copy.deepcopy(patched)
     chosen = []
-    autocast_dtypes = forwards.rope_output_dtype
+    autocast_dtypes = rotary.rope_output_dtype
 
     def spy(q, k, unsqueeze_dim):
         chosen.append(autocast_dtypes(q, k, unsqueeze_dim))
         return chosen[-1]
 
-    monkeypatch.setattr(forwards, "rope_output_dtype", spy)
+    monkeypatch.setattr(rotary, "rope_output_dtype", spy)
     loss, got = _autocast_step(patched)
     assert chosen and set(chosen) == {ROPE_AUTOCAST_FAMILIES[model_type]}
-    monkeypatch.setattr(forwards, "rope_output_dtype", lambda q, k, unsqueeze_dim: None)
+    monkeypatch.setattr(rotary, "rope_output_dtype", lambda q, k, unsqueeze_dim: None)
     want_loss, want = _autocast_step(fp32_rope)
     assert torch.equal(loss, want_loss)
     assert got.keys() == want.keys()

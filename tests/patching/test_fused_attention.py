@@ -51,14 +51,14 @@ def _node_on_this_device(monkeypatch):
 @pytest.fixture
 def node_calls(monkeypatch):
     calls = []
-    apply = fused_attention._APPLY
+    apply = fused_attention.APPLY_NODE
 
     def counting(*args):  # the nodes made (not those given up for sdpa's backend, _NotCalledHere)
         result = apply(*args)
         calls.append(args)
         return result
 
-    monkeypatch.setattr(fused_attention, "_APPLY", counting)
+    monkeypatch.setattr(fused_attention, "APPLY_NODE", counting)
     return calls
 
 
@@ -210,7 +210,7 @@ def _padding_mask(ids):
 @pytest.mark.parametrize("name,mode", (("qwen2", "autocast-bf16"), ("llama-mha", "bf16"), ("qwen2", "fp16")))
 def test_padding_mask_matches_the_unfused_patch_and_fp64_stock(name, mode, node_calls):
     """A batch with padding: transformers hands sdpa a boolean mask and k, v repeated to the query heads; the
-    node makes the same call (sdpa_backends.attend) and sums the repeated heads' gradients."""
+    node makes the same call (tigon.nn.attention.attend) and sums the repeated heads' gradients."""
     weights, autocast = MODES[mode]
     dtype = _compute_dtype(mode)
     base, fused, unfused = _pair(name, weights, head_dim=16)  # 16: a head size every GPU backend takes
@@ -225,7 +225,7 @@ def test_padding_mask_matches_the_unfused_patch_and_fp64_stock(name, mode, node_
             out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         out.loss.backward()
         results.append((out.loss, {n: p.grad for n, p in model.named_parameters()}))
-        if model is fused:  # every layer's node saved one bias, the same tensor (sdpa_backends.MaskBiases)
+        if model is fused:  # every layer's node saved one bias, the same tensor (tigon.nn.attention.MaskBiases)
             seq = ids.shape[1]
             biases = [t for t in saved if t.dim() == 4 and t.shape[1:] == (1, seq, seq) and t.dtype == dtype]
             assert len(biases) == fused.config.num_hidden_layers

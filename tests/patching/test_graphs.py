@@ -18,7 +18,7 @@ import torch
 import tigon
 from tests.helpers import ON_GPU, one_rank_group
 from tests.patching.tiny import DEVICE, batch, grads, rel, sdpa_config_overrides, tiny_model, train
-from tigon.patching import graphs
+from tigon.patching import layer_graphs
 from tigon.patching.layer_forward import LayerForward
 
 GPU_SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -116,13 +116,13 @@ def test_fsdp2_sharded_model_keeps_its_layers_eager():
         model = tiny_model("llama")
         tigon.patch(model, cuda_graphs=True)
         gathered = tuple(model.model.layers[0].parameters())  # plain tensors, as in the forward
-        assert graphs._foreign_parameters(gathered, model) is None
+        assert layer_graphs._foreign_parameters(gathered, model) is None
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        assert graphs._foreign_parameters(gathered, model) == "FSDP2 (fully_shard) parameters"
+        assert layer_graphs._foreign_parameters(gathered, model) == "FSDP2 (fully_shard) parameters"
         sharded = tuple(model.model.layers[0].parameters())  # DTensors outside the forward
-        assert graphs._foreign_parameters(sharded, None) == "FSDP2 (DTensor) parameters"
+        assert layer_graphs._foreign_parameters(sharded, None) == "FSDP2 (DTensor) parameters"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "olmo2"])
@@ -279,7 +279,7 @@ def test_new_shapes_are_captured_then_run_eagerly(recwarn):
     _assert_trains_alike(plain, graphed, batches)
     n = len(graphed.model.layers)
     assert _replays(graphed) == 4 * n
-    assert all(len(layer.forward.graphs.entries) == graphs.MAX_SIGNATURES for layer in graphed.model.layers)
+    assert all(len(layer.forward.graphs.entries) == layer_graphs.MAX_SIGNATURES for layer in graphed.model.layers)
     assert any("input signatures" in str(w.message) for w in recwarn)
 
 
@@ -349,7 +349,7 @@ def test_graphed_training_under_ddp():
 def test_graphed_vision_language_decoder_trains_as_eager():
     """A Qwen2.5-VL (M-RoPE positions, image features merged into the embeddings): its language model's
     decoder layers replay as graphs, the vision tower stays eager, and training matches the patch
-    without graphs."""
+    without layer_graphs."""
     from tests.patching import tiny_vlm
 
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from tests.helpers import LOSS_TOLERANCE, TOLERANCE
 from tests.patching.tiny import DEVICE, assert_grads_close, batch, grads, rel, tiny_model
 from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 from tigon.nn.tiled_mlp import TiledForward
-from tigon.patching import long_context
+from tigon.patching.parts import long_context
 
 # Only the new switch: the stock parts stay (no kernels under the interpreter: fast, and bitwise stock
 # wherever the switch changes nothing).

@@ -180,3 +180,30 @@ def test_gradient_checkpointing():
         model.gradient_checkpointing_enable()
     ids, labels = batch(9)
     _both(stock, patched, input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize(("model_type", "switches"), [
+    ("llama", {}), ("llama", {"cross_entropy": True}),  # both loss paths
+    ("gemma2", {}), ("granite", {}),  # softcapped, scaled logits
+])
+def test_every_label_ignored_gives_the_stock_loss_and_gradients(model_type, switches):
+    """A batch whose labels are all -100: stock's mean over no items is NaN (0/0), and so is a sum divided by
+    a zero ``num_items_in_batch`` (as a tensor, as the Trainer passes it, or an int); a non-zero count gives
+    0. The gradients are stock's zeros in every case (torch gives an ignored position no gradient)."""
+    stock, patched, _ = stock_and_patched(model_type, **switches)
+    ids, labels = batch(0)
+    labels[:] = -100
+    for extra in ({}, {"num_items_in_batch": torch.tensor(0)}, {"num_items_in_batch": 0},
+                  {"num_items_in_batch": torch.tensor(5)}):
+        stock.zero_grad(set_to_none=True)
+        patched.zero_grad(set_to_none=True)
+        want = stock(input_ids=ids, labels=labels, **extra).loss
+        got = patched(input_ids=ids, labels=labels, **extra).loss
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{extra}: {got} != {want}")
+        want.backward()
+        got.backward()
+        stock_grads = {name: p.grad for name, p in stock.named_parameters() if p.grad is not None}
+        patched_grads = {name: p.grad for name, p in patched.named_parameters() if p.grad is not None}
+        assert stock_grads.keys() == patched_grads.keys()
+        for name, grad in stock_grads.items():
+            assert torch.equal(patched_grads[name], grad), (extra, name)

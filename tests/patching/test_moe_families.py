@@ -18,7 +18,7 @@ import torch
 import tigon
 from tests.helpers import DEVICE
 from tests.patching.tiny import assert_same_grads, batch, rel, stock_and_patched
-from tigon.patching import forwards
+from tigon.patching import rotary
 from tigon.patching.engine import SWITCHES
 
 LOSS_TOLERANCE = 1e-4
@@ -64,7 +64,7 @@ def test_gpt_oss_half_angle_rotary_is_its_rotary(unsqueeze_dim):
     angles = torch.randn(B, T, D // 2, generator=gen).to(DEVICE)
     cos, sin = angles.cos(), angles.sin()
     want = modeling.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    got = forwards.apply_rotary_pos_emb_half_angles(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    got = rotary.apply_rotary_pos_emb_half_angles(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and rel(g, w) <= 1e-5
     grads = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in want]

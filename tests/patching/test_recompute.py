@@ -11,7 +11,7 @@ import torch
 import tigon
 from tests.patching.tiny import DEVICE, batch, stock_and_patched, tiny_model
 from tigon.bench.saved import measure_model, saved_bytes
-from tigon.patching.recompute import _Recipe
+from tigon.patching.norm_recompute import _Recipe
 
 PRE_NORM = ["llama", "qwen3", "gemma", "qwen3_moe"]  # plain, q/k norms, offset norms, a MoE with a dense layer
 
@@ -136,16 +136,16 @@ def test_nothing_outlives_the_step_without_the_garbage_collector(monkeypatch):
     import gc
     import weakref
 
-    from tigon.patching import recompute
+    from tigon.patching import norm_recompute
 
     scopes = []
-    init = recompute._LayerScope.__init__
+    init = norm_recompute._LayerScope.__init__
 
     def tracking(self, layer_input):
         init(self, layer_input)
         scopes.append(weakref.ref(self))
 
-    monkeypatch.setattr(recompute._LayerScope, "__init__", tracking)
+    monkeypatch.setattr(norm_recompute._LayerScope, "__init__", tracking)
     _, patched, _ = stock_and_patched("llama", recompute_norms=True)
     ids, labels = batch()
     gc.collect()

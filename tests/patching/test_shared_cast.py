@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tigon
 from tests.helpers import DEVICE, assert_close
 from tests.patching.tiny import VOCAB, tiny_model
-from tigon.patching import shared_cast
-from tigon.patching.engine import OUTPUT_PROJECTION, QKV_PROJECTIONS
+from tigon.nn import shared_cast_linear
+from tigon.patching.parts.attention import OUTPUT_PROJECTION, QKV_PROJECTIONS
 
 PROJECTIONS = (*QKV_PROJECTIONS, OUTPUT_PROJECTION)
 
@@ -86,7 +86,7 @@ def _assert_same_gradients(got, want, *, autocast=True):
 
 
 def _assert_same_loss(got, want):
-    """Bitwise on the CPU; on the GPU q, k and v are one stacked matmul (shared_cast.STACKED_DEVICES),
+    """Bitwise on the CPU; on the GPU q, k and v are one stacked matmul (shared_cast_linear.STACKED_DEVICES),
     which cuBLAS may sum in another order than the separate ones: within bf16 rounding."""
     if DEVICE.type == "cuda":
         assert_close(got, want, torch.bfloat16, "loss")
@@ -322,7 +322,7 @@ def test_zero3_parameters_are_not_grouped(monkeypatch):
     model = tiny_model("llama").to(DEVICE)
     tigon.patch(model, fused_attention=False)
     grouped = []
-    monkeypatch.setattr(shared_cast._AutocastQKV, "apply", lambda *a: grouped.append(1))
+    monkeypatch.setattr(shared_cast_linear._AutocastQKV, "apply", lambda *a: grouped.append(1))
     for p in model.parameters():
         p.ds_id = 0
     loss, nodes = _grouped_nodes(model, _ids())
@@ -356,7 +356,7 @@ def test_stacked_projection_matches_the_separate_ones(monkeypatch, models, norm_
     """q, k and v as one stacked matmul (the GPU's path, run here on any device): the outputs are
     column blocks of one product, and the loss and every gradient match the stock projections'
     within bf16 rounding (the products are summed in other orders)."""
-    monkeypatch.setattr(shared_cast, "STACKED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(shared_cast_linear, "STACKED_DEVICES", ("cuda", "cpu"))
     shared, separate = models
     if norm_output == "bf16":  # the default patch: the norm gives its output in bf16
         for model in (shared, separate):
@@ -377,7 +377,7 @@ def test_stacked_projection_matches_the_separate_ones(monkeypatch, models, norm_
 def test_stacked_projection_with_an_unused_output(monkeypatch):
     """An output that gets no gradient (v here) sends the stacked node down the per-projection
     backward; the gradients are those of the used outputs."""
-    monkeypatch.setattr(shared_cast, "STACKED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(shared_cast_linear, "STACKED_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
     model = tiny_model("qwen2").to(DEVICE)
     tigon.patch(model, fused_attention=False)

@@ -1,4 +1,4 @@
-"""Sliding-window layers attend over their band in row blocks (src/tigon/patching/sliding_window.py):
+"""Sliding-window layers attend over their band in row blocks (src/tigon/patching/band_attention.py):
 the same outputs and gradients as the dense sdpa call, the guards that keep the dense call, and the
 mark that patch and revert set and remove.
 
@@ -20,14 +20,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import tigon
 from tests.helpers import DEVICE
 from tests.patching.tiny import VOCAB, assert_same_grads, rel, tiny_config
-from tigon.patching import sliding_window
+from tigon.patching import band_attention
 
 BLOCK = 8
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(sliding_window, "CONFIG", sliding_window.BandConfig(block_rows=BLOCK, min_blocks=2))
+    monkeypatch.setattr(band_attention, "CONFIG", band_attention.BandConfig(block_rows=BLOCK, min_blocks=2))
 
 
 class _Attention(torch.nn.Module):
@@ -68,7 +68,7 @@ def _mask(batch, length, window, padding=None, or_function=None):
 @pytest.fixture
 def marked():
     config = _Config()
-    change = sliding_window.MarkConfig(config)
+    change = band_attention.MarkConfig(config)
     change.apply()
     yield config
     change.undo()
@@ -86,7 +86,7 @@ def test_band_matches_the_dense_call(small_blocks, marked, length, window, dtype
     left padding in one row of the batch, GQA (4 query heads on 2 key/value heads), odd lengths."""
     wrapper = ALL_ATTENTION_FUNCTIONS["sdpa"]
     assert getattr(wrapper, "_tigon", False)
-    original = _Counting(getattr(wrapper, sliding_window._ORIGINAL_KEY))
+    original = _Counting(getattr(wrapper, band_attention._ORIGINAL_KEY))
     module = _Attention(marked, groups=2)
     padding = torch.ones(2, length, dtype=torch.bool, device=DEVICE)
     padding[1, :3] = False
@@ -96,7 +96,7 @@ def test_band_matches_the_dense_call(small_blocks, marked, length, window, dtype
     grad = torch.randn(dense.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dense)
     want = torch.autograd.grad(dense, (q, k, v), grad)
     original.calls = 0
-    sliding_window_wrapper = sliding_window._wrap(original)
+    sliding_window_wrapper = band_attention._wrap(original)
     band = _run(sliding_window_wrapper, module, q, k, v, mask, window)
     got = torch.autograd.grad(band, (q, k, v), grad)
     assert original.calls == -(-length // BLOCK)  # one sdpa call a row block
@@ -113,9 +113,9 @@ def test_a_pattern_beyond_the_band_keeps_the_dense_call(small_blocks, marked):
     length, window = 40, 4
     reach = lambda b, h, q, kv: (q < 20) & (kv < 20)  # noqa: E731
     mask = _mask(1, length, window, or_function=reach)
-    original = _Counting(getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], sliding_window._ORIGINAL_KEY))
+    original = _Counting(getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], band_attention._ORIGINAL_KEY))
     q, k, v = _qkv(1, 4, 2, length, 8, torch.float64)
-    out = _run(sliding_window._wrap(original), _Attention(marked, 2), q, k, v, mask, window)
+    out = _run(band_attention._wrap(original), _Attention(marked, 2), q, k, v, mask, window)
     assert original.calls == 1
     want = _run(original, _Attention(marked, 2), q, k, v, mask, window)
     assert torch.equal(out, want)
@@ -139,16 +139,16 @@ def test_guards_keep_the_dense_call(small_blocks, marked, case):
     elif case == "decoding":
         q, mask = q[:, :, -1:], mask[:, :, -1:, :]
     calls = []
-    sliding_window._wrap(lambda *a, **kw: calls.append(a) or (None, None))(
+    band_attention._wrap(lambda *a, **kw: calls.append(a) or (None, None))(
         _Attention(config, 2), q, k, v, mask, **kwargs)
     assert len(calls) == 1 and calls[0][1] is q
 
 
 def test_the_band_check_is_made_once_per_mask(small_blocks, marked, monkeypatch):
     checks = []
-    wrapper = sliding_window._wrap(getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], sliding_window._ORIGINAL_KEY))
+    wrapper = band_attention._wrap(getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], band_attention._ORIGINAL_KEY))
     real_stack = torch.stack
-    monkeypatch.setattr(sliding_window.torch, "stack", lambda t: checks.append(len(t)) or real_stack(t))
+    monkeypatch.setattr(band_attention.torch, "stack", lambda t: checks.append(len(t)) or real_stack(t))
     q, k, v = _qkv(1, 4, 2, 40, 8, torch.float64)
     mask = _mask(1, 40, 4)
     with torch.no_grad():
@@ -180,8 +180,8 @@ def test_patched_model_matches_stock(small_blocks, model_type):
     padding[0, :4] = 0
     labels = ids.masked_fill(padding == 0, -100)
     installed = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
-    original = _Counting(getattr(installed, sliding_window._ORIGINAL_KEY))
-    ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = sliding_window._wrap(original)  # the same, counting
+    original = _Counting(getattr(installed, band_attention._ORIGINAL_KEY))
+    ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = band_attention._wrap(original)  # the same, counting
     try:
         loss = patched(input_ids=ids, attention_mask=padding, labels=labels).loss
     finally:
@@ -206,11 +206,11 @@ def test_switch_off_and_models_without_sliding_layers_are_not_marked():
     config._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config)
     handle = tigon.patch(model, sliding_window=False)
-    assert not sliding_window.marked(model.config)
+    assert not band_attention.marked(model.config)
     handle.revert()
     llama = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
     handle = tigon.patch(llama)
-    assert not sliding_window.marked(llama.config)
+    assert not band_attention.marked(llama.config)
     assert not any("band" in line for line in handle.replaced)
     handle.revert()
 

@@ -125,20 +125,20 @@ def test_only_a_head_split_by_tensor_parallelism_takes_the_vocabulary_parallel_l
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from tests.helpers import one_rank_group
-    from tigon.patching import loss
+    from tigon.patching import loss_forward
 
     with one_rank_group("gloo"):
         mesh = init_device_mesh("cpu", (1,))
         head = nn.Linear(8, 10, bias=False)
         head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
-        assert not loss.vocab_parallel_head(head) and loss._loss_call(head) is head
+        assert not loss_forward.vocab_parallel_head(head) and loss_forward._loss_call(head) is head
         # tigon's own forward on the instance (a model patched before FSDP2 wrapped its head): not split
-        head.forward = types.MethodType(loss.linear_or_fused_loss, head)
-        assert not loss.vocab_parallel_head(head) and loss._loss_call(head) is head
+        head.forward = types.MethodType(loss_forward.linear_or_fused_loss, head)
+        assert not loss_forward.vocab_parallel_head(head) and loss_forward._loss_call(head) is head
         head.forward = lambda x: x  # another forward on the instance: transformers' tensor parallelism
-        assert loss.vocab_parallel_head(head) and loss._loss_call(head) is not head
+        assert loss_forward.vocab_parallel_head(head) and loss_forward._loss_call(head) is not head
         head.weight = nn.Parameter(distribute_tensor(torch.randn(10, 8), mesh, [Replicate()]))
-        assert not loss.vocab_parallel_head(head)
+        assert not loss_forward.vocab_parallel_head(head)
 
 
 def test_vocab_parallel_loss_matches_reference(runs):

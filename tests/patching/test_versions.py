@@ -19,7 +19,7 @@ from transformers.models.llama import modeling_llama
 
 import tigon
 from tests.patching.tiny import CONFIGS, assert_same_grads, batch, rel, stock_and_patched, tiny_model
-from tigon.patching import wrappers
+from tigon.patching import decorator_chains
 from tigon.patching.families import FAMILIES
 
 
@@ -69,38 +69,38 @@ def test_wrapper_chain_and_rewrapped():
         return x * scale
 
     outer = renaming("k", "factor")(renaming("factor", "scale")(body))
-    chain = wrappers.wrapper_chain(outer)
+    chain = decorator_chains.wrapper_chain(outer)
     assert chain[-1] is body and len(chain) == 3
-    assert wrappers.body(outer) is body
+    assert decorator_chains.body(outer) is body
 
     def other(x, scale=2):
         return x + scale
 
-    copy = wrappers.rewrapped(outer, other)
-    assert wrappers.body(copy) is other
+    copy = decorator_chains.rewrapped(outer, other)
+    assert decorator_chains.body(copy) is other
     assert copy(1, k=5) == 6 and outer(1, k=5) == 5  # both renamings still apply around the new body
-    assert wrappers.rewrapped(outer, other, skip_outer=1)(1, factor=3) == 4
+    assert decorator_chains.rewrapped(outer, other, skip_outer=1)(1, factor=3) == 4
 
 
 def test_hidden_body_is_a_wrapper_mismatch():
     def body(x):
         return x
 
-    with pytest.raises(wrappers.WrapperMismatch, match="does not call it"):
-        wrappers.wrapper_chain(hiding(body))
+    with pytest.raises(decorator_chains.WrapperMismatch, match="does not call it"):
+        decorator_chains.wrapper_chain(hiding(body))
 
 
 def test_bind_is_signature_bind():
     def forward(self, a, b=2, *, c=3, **kwargs):
         return None
 
-    positional, defaults = wrappers.named_parameters(forward, skip=1)
+    positional, defaults = decorator_chains.named_parameters(forward, skip=1)
     assert positional == ("a", "b") and defaults == {"b": 2, "c": 3}
-    assert wrappers.bind(positional, defaults, (1,), {"d": 4}) == {"a": 1, "b": 2, "c": 3, "d": 4}
+    assert decorator_chains.bind(positional, defaults, (1,), {"d": 4}) == {"a": 1, "b": 2, "c": 3, "d": 4}
     with pytest.raises(TypeError, match="multiple values"):
-        wrappers.bind(positional, defaults, (1,), {"a": 1})
+        decorator_chains.bind(positional, defaults, (1,), {"a": 1})
     with pytest.raises(TypeError, match="positional"):
-        wrappers.bind(positional, defaults, (1, 2, 3), {})
+        decorator_chains.bind(positional, defaults, (1, 2, 3), {})
 
 
 # ------------------------------------------------------------------------------ decorated forwards
@@ -115,7 +115,7 @@ def decorated_llama(monkeypatch):
 
 
 def _cache_name(cls) -> str:
-    params = inspect.signature(wrappers.body(cls.forward)).parameters
+    params = inspect.signature(decorator_chains.body(cls.forward)).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

@@ -1,5 +1,5 @@
-"""The Qwen-VL vision attention over all its segments in one call (patching/vision_attention.py, the
-``vision_attention`` switch).
+"""The Qwen-VL vision attention over all its segments in one call (tigon/nn/vision_attention.py,
+patching/parts/vision.py: the ``vision_attention`` switch).
 
 ``segment_attention`` against an fp64 per-segment reference in every dtype (segments of one length and
 of several, empty ones, non-contiguous q/k/v as the packed qkv projection gives them, a stride-0
@@ -25,8 +25,8 @@ import tigon
 from tests.helpers import DEVICE, DTYPES, TOLERANCE, assert_close, rel_err, stride0_like
 from tests.patching import tiny_vlm
 from tests.patching.tiny import grads, rel
-from tigon.patching import vision_attention
-from tigon.patching.vision_attention import segment_attention
+from tigon.nn import vision_attention
+from tigon.nn.vision_attention import segment_attention
 
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 HEADS, HEAD_DIM = 3, 8
@@ -275,7 +275,7 @@ def test_a_forward_that_differs_is_refused(monkeypatch):
 
 def test_segments_are_read_once_per_tensor():
     """The blocks of a tower share cu_seqlens: the host reads it once; an in-place change reads it again."""
-    from tigon.patching.vision_attention import segments_of
+    from tigon.nn.vision_attention import segments_of
 
     cu_seqlens = torch.tensor([0, 3, 8, 8, 10], device=DEVICE)
     first = segments_of(cu_seqlens, 10, DEVICE)
@@ -294,7 +294,7 @@ def test_segments_are_read_once_per_tensor():
 def test_a_long_segment_beside_short_ones_is_not_padded():
     """Padding 3-position segments to a 21-position one would cost 4x their attention work: one call per
     length instead, their outputs put back in order."""
-    from tigon.patching.vision_attention import CONFIG, segments_of
+    from tigon.nn.vision_attention import CONFIG, segments_of
 
     found = segments_of(torch.tensor([0, 3, 24, 27, 27, 30], device=DEVICE), 30, DEVICE)
     assert [(c.count, c.length, c.valid) for c in found.calls] == [(1, 21, None), (3, 3, None)]
@@ -310,7 +310,7 @@ def test_a_long_segment_beside_short_ones_is_not_padded():
 def test_inference_mode():
     """Under torch.inference_mode (generation, evaluation) nothing is kept on cu_seqlens (an inference
     tensor has no version counter) and the patched model gives stock's logits."""
-    from tigon.patching.vision_attention import CACHE_ATTR
+    from tigon.nn.vision_attention import CACHE_ATTR
 
     with torch.inference_mode():
         cu_seqlens = torch.tensor([0, 2, 7], device=DEVICE)

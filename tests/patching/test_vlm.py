@@ -27,7 +27,7 @@ from tests.patching.tiny_vlm import (
     tiny_vlm,
     vlm_batch,
 )
-from tigon.patching import forwards
+from tigon.patching import rotary
 from tigon.patching.families import FAMILIES
 
 VLM_TYPES = sorted(CONFIGS)
@@ -152,7 +152,7 @@ def test_vision_rotary_matches_transformers_in_fp32_and_bf16():
         angles = torch.randn(20, 4, generator=gen).to(DEVICE)
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
         want = qwen.apply_rotary_pos_emb_vision(q, k, cos, sin)
-        got = forwards.apply_rotary_pos_emb_vision(q, k, cos, sin)
+        got = rotary.apply_rotary_pos_emb_vision(q, k, cos, sin)
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype == dtype and g.shape == w.shape
             assert rel(g, w) <= (1e-6 if dtype == torch.float32 else 8e-3)
@@ -274,7 +274,7 @@ def test_qwen2_5_vl_vision_blocks_join_and_project_as_one_node():
     add_rms_norm (``rms_norm``), and the attention's qkv and proj are one autocast node each, with no
     cast node before their fp32 weights and biases (``vision_attention``). A bf16-autocast step within
     bf16 rounding of stock's; each switch off leaves its part."""
-    from tigon.patching.shared_cast import shared_cast_linear
+    from tigon.nn.shared_cast_linear import shared_cast_linear
 
     stock, patched, handle = stock_and_patched_vlm("qwen2_5_vl")
     assert any(line.startswith("vision: Qwen2_5_VLVisionBlock.forward -> residual joins as tigon.ops.add_rms_norm")

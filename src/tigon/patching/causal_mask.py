@@ -25,7 +25,7 @@ models the ``sliding_window`` switch marks, :func:`mask_by_rows`): transformers 
 function on the whole ``[L, L]`` grid at once, each overlay (causal, window, padding) an ``[L, L]``
 bool tensor of its own and each ``&`` another, about five times the mask's own size at once; at a
 100K-token DPO pair that transient, not the model, is the step's peak. Row blocks of
-``sliding_window.CONFIG.block_rows`` queries are made by transformers' own function (``q_offset``
+``band_attention.CONFIG.block_rows`` queries are made by transformers' own function (``q_offset``
 moved to the block) and copied into one ``[B or 1, 1, L, L]`` mask: the same values, with only a
 block's overlays alive at a time.
 
@@ -90,7 +90,7 @@ def _skip_allowed(q_length, kv_length, q_offset, local_size) -> bool:
 
 def _wrap(original):
     def sdpa_mask(*args, **kwargs):
-        from tigon.patching.sliding_window import CONFIG
+        from tigon.patching.band_attention import CONFIG
 
         if args == () and _by_rows_allowed(kwargs, CONFIG.block_rows):
             return mask_by_rows(original, kwargs, CONFIG.block_rows)
@@ -110,14 +110,8 @@ def _wrap(original):
 
 
 _WRAPPER = InterfaceWrapper("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface",
-                            "sdpa", _wrap, _ORIGINAL_KEY, groups=(COMPILED, BY_ROWS))
+                            "sdpa", _wrap, _ORIGINAL_KEY, groups=(COMPILED, BY_ROWS), home=(__name__, "_WRAPPER"))
 _MARKED = _WRAPPER.groups[COMPILED]
-
-
-def _install() -> bool:
-    """Put :func:`sdpa_mask` in front of transformers' sdpa mask function (once); False if the
-    installed transformers has no mask interface (nothing to do then)."""
-    return _WRAPPER.install()
 
 
 def MarkConfig(config):  # noqa: N802  (a patch change, built like a class)

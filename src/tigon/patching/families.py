@@ -25,9 +25,9 @@ A row names, in the family's transformers modeling module, what the engine may r
   sublayers' outputs (none); MoE layers only ``input_layernorm`` (the MoE block's expert matmuls go
   through transformers' experts dispatch, not checked here to treat a bf16 input as they treat fp32).
 - ``joined_layer``: the decoder layer's residual joins and the norms beside them, in one of
-  patching/joins.py's layouts: "pre_norm" (Llama and the layers written as its: the attention's
+  patching/residual_joins.py's layouts: "pre_norm" (Llama and the layers written as its: the attention's
   join and the MLP's pre-norm), "sandwich" (Gemma-2/3: pre- and post-norms) or "post_norm"
-  (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops (joins.py checks
+  (OLMo-2/3). With the norms patched, its forward runs the joins as fused tigon ops (residual_joins.py checks
   the class's forward first, and leaves another one as it is).
 - the CausalLM and base model classes, and the loss quirks the generic forward must honour:
   final-logit softcapping (Gemma-2/3), logit scaling (Granite divides by ``logits_scaling``; Cohere-2
@@ -43,7 +43,7 @@ version that moved things raises ValueError instead of patching half a model.
   packed gate/up projection ("halves": ``chunk(2)``; "interleaved": GPT-OSS's even/odd columns) and its
   activation ("act_fn": read from the module's ``act_fn``, silu / gelu / gelu-tanh; "clamped_swiglu":
   GPT-OSS's, with the module's ``alpha`` and ``limit``). Part of the ``mlp`` switch: every experts
-  implementation applies the gate through ``tigon.ops.moe_glu`` (patching/experts.py). ``Experts()``
+  implementation applies the gate through ``tigon.ops.moe_glu`` (patching/parts/experts.py). ``Experts()``
   names ``<prefix>Experts``.
 
 Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status). The MoE rows'
@@ -108,13 +108,13 @@ class Vision:
     layer_norm: Norm | None = None
     mlp: Mlp | None = None  # a gated MLP (Qwen2.5-VL's blocks); plain fc1/act/fc2 MLPs have no fused op
     attention: str | None = None  # its forward calls the module-level apply_rotary_pos_emb_vision
-    # its forward attends within cu_seqlens' segments, one sdpa call each (vision_attention.py)
+    # its forward attends within cu_seqlens' segments, one sdpa call each (parts/vision.py)
     packed_attention: bool = False
     # the tower's block, and its norms whose output goes only to a projection (the attention's qkv, the
     # MLP): under autocast they give it in the autocast dtype, the cast the projection would make
     block: str | None = None
     projection_norms: tuple[str, ...] = ()
-    # the block's residual joins and the norms beside them, a layout of patching/joins.py (needs block)
+    # the block's residual joins and the norms beside them, a layout of patching/residual_joins.py (needs block)
     joined_block: str | None = None
 
 
@@ -133,7 +133,7 @@ class Family:
     router_aux_loss: str | None = None  # name of the load-balancing loss function in the module
     decoder_layer: str | None = None
     projection_norms: tuple[str, ...] = ()
-    joined_layer: str | None = None  # "pre_norm" / "sandwich" / "post_norm": a layout of patching/joins.py
+    joined_layer: str | None = None  # "pre_norm" / "sandwich" / "post_norm": a layout of patching/residual_joins.py
     experts: Experts | None = None  # MoE experts behind transformers' experts dispatch
     # The rotary's cos/sin hold one angle per rotated pair, not the rotate-half layout's two copies
     # (GPT-OSS: ``emb = freqs``; its ``_apply_rotary_emb`` rotates the two halves): tigon's rope gets
@@ -149,7 +149,7 @@ class Family:
     # Cohere-2's ``logit_scale``, Falcon-H1's ``model.lm_head_multiplier``.
     logit_multiplier: str | None = None
     # False where the attention feeds rope's q/k to something other than attention (HunYuan's query/key
-    # norms after the rotation): rope then gives transformers' dtypes under autocast (forwards.py).
+    # norms after the rotation): rope then gives transformers' dtypes under autocast (rotary.py).
     rope_autocast_output: bool = True
     # Vision-language rows: ``causal_lm`` is the ``...ForConditionalGeneration`` class and ``model`` its
     # ``.model``; the text parts above are those of ``.model.language_model`` (see vision_language.py).

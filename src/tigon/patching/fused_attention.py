@@ -1,35 +1,6 @@
-"""A decoder's self-attention as one autograd node in eager training: q/k/v, rotary, sdpa and o_proj.
-
-Why: a small model's eager step is bound by the host that launches it, not by the GPU (Qwen2.5-0.5B,
-4 × 2048 tokens on the H100: ~43 ms of host forward and ~57 ms of backward a step against ~85 ms of
-GPU work, ``benchmarks/results/2026-11-26/host_profile-qwen2-stacked-*.log``), and stock attention is
-the densest part of that host work. transformers' attention forward makes ~14 autograd nodes a layer:
-the projections, a ``view`` and a ``transpose`` of each of q, k and v, the rotary, sdpa, and a
-transpose, copy and view of its output before ``o_proj``; each is built in the forward and run by the
-engine in the backward, around a handful of kernels. Here the whole module is one node, whose forward
-and backward launch only the kernels::
-
-    forward    W = [Wq; Wk; Wv] (cast and stacked by one launch, Wo's cast with it)
-               qkv = x Wᵀ + b                      one matmul, (B, T, (Hq + 2 Hk) D)
-               q, k ← rope(q, k)                   in place, inside qkv (rope_into)
-               a = sdpa(q, k, v, causal)           sdpa's chosen backend, on views of qkv
-               y = a Woᵀ + bo
-    backward   da = dy Wo,  dWo = dyᵀ a,  dbo = Σ dy
-               dq, dk, dv = that backend's backward (da)
-               dqkv = [rope⁻¹(dq) | rope⁻¹(dk) | dv]   (the rotation's transpose, into one buffer)
-               dx = dqkv W,  dW = dqkvᵀ x,  db = Σ dqkv  (one product or sum each; row blocks back)
-
-The values are stock's: the projections are the same products (stacked, as the ``rope`` switch's
-shared-cast node already makes them on the GPU), the rotation computes in fp32 and rounds once to the
-compute dtype (what sdpa under autocast reads of stock's fp32 rotary output), and attention is what
-``torch.nn.functional.scaled_dot_product_attention`` computes for transformers' sdpa interface's call:
-without a mask, causal with ``enable_gqa``; with its boolean mask (padding, or a window the mask
-encodes), the mask with k and v repeated to the query heads first. The node makes that call through
-sdpa's chosen backend, whose aten forward and backward it calls itself (``sdpa_backends.attend``), so
-its saved tensors are all ``save_for_backward``'s and saved-tensor hooks see them: checkpointing of
-either kind recomputes the node, ``recompute_norms`` remakes its input, ``cuda_graphs`` captures it.
-Rotating in place also saves the rotated copies of q and k that stock keeps for the backward, and the
-layers share one mask bias where sdpa makes and keeps one a layer (``sdpa_backends.MaskBiases``).
+"""Where a decoder's self-attention runs as one autograd node (``tigon.nn.attention.AttentionNode``: q/k/v,
+rotary, sdpa and o_proj; its docstring says why and how), and the forward that calls it (the
+``fused_attention`` switch, with ``rope``).
 
 The node runs only where that is what stock would compute, checked at each call; everything else takes
 the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps the
@@ -59,17 +30,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._C import _len_torch_dispatch_stack
 from torch.nn.modules import module as _module
 
-from tigon.ops._launch import function_apply
-from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
-from tigon.ops.rope import rope_into
-from tigon.patching import joins, sliding_window
-from tigon.patching.joins import CACHE_NAMES
-from tigon.patching.sdpa_backends import MaskBiases, attend, attend_backward, repeat_heads, sum_heads
+from tigon.nn.attention import ATTENTION_NODE, MaskBiases, NotCalledHere
+from tigon.patching import band_attention, residual_joins
+from tigon.patching.residual_joins import CACHE_NAMES
 
 # transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
 # for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE). The other
@@ -157,110 +124,10 @@ def variant(attention_class):
     """``(cache argument name, whether the cache gets the keyword arguments)`` where
     ``attention_class.forward`` (through its decorators) is one of :data:`SOURCES`, else None."""
     for source, passes_kwargs in SOURCES:
-        name = joins.matched_variant(attention_class.forward, source)
+        name = residual_joins.matched_variant(attention_class.forward, source)
         if name is not None:
             return name, passes_kwargs
     return None
-
-
-class _AttentionNode(torch.autograd.Function):
-    """The attention module as one node (module docs). ``dtype``: the compute dtype (autocast's, or
-    that of the weights and the input); weights and biases come back in their own dtypes, the input's
-    gradient in the input's."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, mask, dtype, shape, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
-                o_weight, o_bias, cache, cache_arguments, biases):
-        heads, kv_heads, head_dim, scale = shape
-        batch, seq = x.shape[0], x.shape[1]
-        cast = x if x.dtype == dtype else x.to(dtype)
-        weight, bias, (o_w, o_b) = cast_stacked(                                # one launch
-            (q_weight, k_weight, v_weight), (q_bias, k_bias, v_bias), dtype, (o_weight, o_bias))
-        qkv = F.linear(cast, weight, bias).view(batch, seq, heads + 2 * kv_heads, head_dim)
-        weight = bias = None
-        q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)     # (B, T, H, D) views
-        if cos is not None:                                                     # a layer with a rotary
-            rope_into(q, k, q, k, cos, sin)                                     # in place
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, H, T, D) views
-        # transformers' two sdpa calls: without a mask, causal, grouped heads as they are; with one, k and v
-        # repeated to the query heads first (repeat_kv; the cache takes them as they were)
-        groups = heads // kv_heads if mask is not None else 1
-        k_attended, v_attended = (k, v) if groups == 1 else (repeat_heads(k, groups), repeat_heads(v, groups))
-        attended = attend(q, k_attended, v_attended, scale, gqa=mask is None and kv_heads != heads, mask=mask,
-                          biases=biases)
-        if attended is None:
-            raise _NotCalledHere  # before any side effect: the caller runs the attention's own forward
-        out, saved, sizes = attended                                            # (B, Hq, T, D)
-        if cache is not None:  # empty before (_node_arguments): it keeps its own copies of k and v
-            _cache_update(cache, k, v, cache_arguments)
-        # (B, T, Hq D): a view, the backends writing out as (B, T, Hq, D); the backward views it back
-        a = out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
-        out = None
-        y = F.linear(a, o_w, o_b)
-        ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k_attended, v_attended,
-                              *saved)
-        ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)), sizes,
-                    groups)
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved = ctx.saved_tensors
-        x_dtype, dtype, (heads, kv_heads, head_dim, scale), (qkv_bias_dtype, o_bias_dtype), sizes, groups = ctx.meta
-        # x, cos, sin, mask, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments, the mask biases
-        needs = ctx.needs_input_grad
-        batch, seq = cast.shape[0], cast.shape[1]
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                             # (M, H)
-        weight, _, (o_w,) = cast_stacked((q_weight, k_weight, v_weight), (None, None, None), dtype, (o_weight,))
-        grads = [None] * len(needs)
-        if needs[12]:
-            grads[12] = matmul_to(dy2.t(), a.view(-1, a.shape[-1]), o_weight.dtype)   # (H, Hq D)
-        if needs[13]:
-            grads[13] = sum_rows_to(dy2, o_bias_dtype)
-        da = (dy2 @ o_w).view(batch, seq, heads, head_dim)                       # (B, T, Hq, D)
-        o_w = None
-        out = a.view(batch, seq, heads, head_dim).transpose(1, 2)                # (B, Hq, T, D)
-        dq, dk, dv = attend_backward(da.transpose(1, 2), q, k, v, out, saved, sizes, scale)  # (B, H, T, D)
-        q = k = v = out = da = saved = None
-        if groups > 1:  # repeat_kv's gradient: each group's heads summed
-            dk, dv = sum_heads(dk, groups), sum_heads(dv, groups)
-        dqkv = torch.empty((batch, seq, heads + 2 * kv_heads, head_dim), dtype=dtype, device=cast.device)
-        dq_out, dk_out, dv_out = dqkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)
-        if cos is not None:
-            rope_into(dq.transpose(1, 2), dk.transpose(1, 2), dq_out, dk_out, cos, sin, backward=True)
-        else:
-            dq_out.copy_(dq.transpose(1, 2))
-            dk_out.copy_(dk.transpose(1, 2))
-        dv_out.copy_(dv.transpose(1, 2))
-        dq = dk = dv = None
-        d2 = dqkv.view(batch * seq, -1)                                           # (M, Oq + Ok + Ov)
-        cast2 = cast.reshape(-1, cast.shape[-1])                                 # (M, H)
-        if needs[0]:
-            grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)  # (B, T, H), dense
-        weight = None
-        widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        if any(needs[6:12:2]):
-            for i, dw in enumerate(matmul_to(d2.t(), cast2, q_weight.dtype).split_with_sizes(widths)):
-                grads[6 + 2 * i] = dw if needs[6 + 2 * i] else None
-        if any(needs[7:12:2]):
-            for i, db in enumerate(sum_rows_to(d2, qkv_bias_dtype).split_with_sizes(widths)):
-                grads[7 + 2 * i] = db if needs[7 + 2 * i] else None
-        return tuple(grads)
-
-
-def _cache_update(cache, k, v, arguments):
-    """``cache.update(k, v, ...)`` as the attention forward calls it, for a layer with nothing cached yet."""
-    layer_idx, kwargs = arguments
-    shape = k.shape
-    k, v = cache.update(k, v, layer_idx, **kwargs)
-    if k.shape != shape or v.shape != shape:
-        raise RuntimeError(f"tigon: the key/value cache's layer {layer_idx} held entries the fused attention did "
-                           "not expect; patch with fused_attention=False")
-
-
-class _NotCalledHere(Exception):
-    """sdpa would choose a backend the node does not call (:func:`sdpa_backends.attend`)."""
 
 
 @functools.cache
@@ -270,7 +137,6 @@ def _ampere_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-_APPLY = function_apply(_AttentionNode)
 
 
 def _compute_dtype(x, weights, biases):
@@ -302,6 +168,10 @@ def _global_hooks() -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
 
+# The node's apply (tests count its calls through this name).
+APPLY_NODE = ATTENTION_NODE
+
+
 @dataclass(frozen=True)
 class _Installed:
     """What the installed forward checks against: transformers' sdpa interface and cache classes, and the
@@ -312,7 +182,7 @@ class _Installed:
     dynamic_layers: tuple  # the cache layers the node fills as the forward would: full and sliding-window
     cache_name: str
     cache_gets_kwargs: bool
-    biases: MaskBiases  # one bias per mask for all the layers (sdpa_backends)
+    biases: MaskBiases  # one bias per mask for all the layers (tigon.nn.attention.MaskBiases)
 
 
 def _node_arguments(attention, kwargs, installed: _Installed):
@@ -352,11 +222,11 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     # sliding layers is patched), which hands it a call without a mask, and a masked one of a model it does
     # not band, as they are
     registered = _attention_functions().get("sdpa")
-    if attention.config._attn_implementation != "sdpa" or sliding_window.unwrapped(registered) is not installed.sdpa:
+    if attention.config._attn_implementation != "sdpa" or band_attention.unwrapped(registered) is not installed.sdpa:
         return None
     mask = kwargs.get("attention_mask")
     if mask is not None and (not _boolean_mask(mask, hidden_states)
-                             or (registered is not installed.sdpa and sliding_window.marked(attention.config))
+                             or (registered is not installed.sdpa and band_attention.marked(attention.config))
                              or os.environ.get(FORCE_GQA) == "1"):
         return None
     cos = sin = None  # a layer without a rotary (SmolLM3's use_rope off) leaves q and k as projected
@@ -399,7 +269,7 @@ def _node_arguments(attention, kwargs, installed: _Installed):
         return None
     if cos is not None and (cos.shape[-1] > head_dim or cos.shape[-1] % 2 or sin.shape[-1] != cos.shape[-1]):
         return None
-    # where sdpa could not choose a backend the node calls (sdpa_backends.attend), the node would be made in vain
+    # where sdpa could not choose a backend the node calls (tigon.nn.attention.attend), the node would be made in vain
     if hidden_states.is_cuda and (head_dim % 8 or not _ampere_or_newer(hidden_states.device.index) or not (
             torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled()
             or torch.backends.cuda.mem_efficient_sdp_enabled())):
@@ -448,8 +318,8 @@ def fused_forward(inner, source_variant):
         arguments = None if args else _node_arguments(self, kwargs, installed)
         if arguments is not None:
             try:
-                return _APPLY(*arguments), None
-            except _NotCalledHere:
+                return APPLY_NODE(*arguments), None
+            except NotCalledHere:
                 pass
         return inner(self, *args, **kwargs)
 

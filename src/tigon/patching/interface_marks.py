@@ -2,7 +2,7 @@
 
 Two patch parts stand in for a function transformers looks up by name at every call: the sdpa mask
 builder (``masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]``, causal_mask.py) and the sdpa
-attention function (``modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]``, sliding_window.py). Each
+attention function (``modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]``, band_attention.py). Each
 wrapper acts only for the models a patch marked, and must not outlive them. :class:`InterfaceWrapper`
 holds that bookkeeping once for both:
 
@@ -14,7 +14,10 @@ holds that bookkeeping once for both:
   ``<original_key>`` and carries ``_tigon = True``;
 * a mark goes with ``undo`` or when its config is garbage-collected (its model with it), and with
   the last mark of every group the original function is registered again, if ours is still the one
-  registered (a function registered after ours stays).
+  registered (a function registered after ours stays);
+* a mark travels with its model (:func:`carried`): the patch also sets it as an attribute of the model it
+  marks, so that a copy of the model (``pickle``, ``torch.save``/``torch.load``, ``copy.deepcopy``) marks its
+  own config when it is made. A copy's mark goes with the copy's config.
 """
 
 from __future__ import annotations
@@ -23,16 +26,22 @@ import importlib
 import sys
 import weakref
 
+from tigon.patching.patch_handle import SetAttr
+
 
 class InterfaceWrapper:
     """``wrap(original)`` registered as ``name`` in ``module.mapping`` (an interface class
     ``interface`` with a ``register`` classmethod) while a config of any group is marked."""
 
     def __init__(self, module: str, mapping: str, interface: str, name: str, wrap, original_key: str,
-                 groups=("",)):
+                 groups=("",), *, home: tuple[str, str]):
         self.module, self.mapping, self.interface, self.name = module, mapping, interface, name
         self.wrap, self.original_key = wrap, original_key
         self.groups: dict[str, dict[int, weakref.ref]] = {group: {} for group in groups}
+        self.home = home  # (module, attribute) where tigon keeps this wrapper: how it pickles
+
+    def __reduce__(self):
+        return _wrapper_at, self.home
 
     def marked(self, config, group: str = "") -> bool:
         ref = self.groups[group].get(id(config))
@@ -82,10 +91,14 @@ class InterfaceWrapper:
 
 
 class Mark:
-    """A patch change: ``apply`` marks the config (and installs the wrapper), ``undo`` unmarks it."""
+    """A patch change: ``apply`` marks the config (and installs the wrapper), ``undo`` unmarks it. A copy of a
+    mark (pickled or deep-copied with its model, :func:`carried`) marks the copy's config."""
 
     def __init__(self, owner: InterfaceWrapper, config, group: str):
         self.owner, self.config, self.group = owner, config, group
+
+    def __reduce__(self):
+        return _marked, (self.owner, self.config, self.group)
 
     def apply(self):
         owner, group = self.owner, self.group
@@ -99,3 +112,20 @@ class Mark:
             del owner.groups[self.group][id(self.config)]
             if not owner.any_marked():
                 owner.uninstall()
+
+
+def _wrapper_at(module: str, attribute: str) -> InterfaceWrapper:
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _marked(owner: InterfaceWrapper, config, group: str) -> Mark:
+    mark = Mark(owner, config, group)
+    mark.apply()
+    return mark
+
+
+def carried(root, mark: Mark) -> list:
+    """The changes that apply ``mark`` and keep it with ``root`` (the model whose config it marks): the mark,
+    and the mark as an attribute of ``root``, which copies of ``root`` carry."""
+    group = mark.group or "on"
+    return [mark, SetAttr(root, f"_tigon_mark_{mark.owner.home[0].rsplit('.', 1)[-1]}_{group}", mark)]

@@ -1,7 +1,7 @@
 """The forward tigon sets on a decoder layer instance, run as transformers would run the class's.
 
 A decoder layer gets a forward of its own from two switches: ``rms_norm`` (the fused residual joins of
-joins.py) and ``cuda_graphs`` (graphs.py). Setting ``layer.forward`` on the instance must not change
+residual_joins.py) and ``cuda_graphs`` (layer_graphs.py). Setting ``layer.forward`` on the instance must not change
 what transformers does around the class's forward, and one thing moved between the versions tigon
 supports: gradient checkpointing.
 
@@ -97,17 +97,21 @@ def _checkpointed(layer, forward, args, kwargs):
 
 
 class LayerForward:
-    """``layer.forward`` set by tigon: ``inner`` (a forward bound to ``layer``), checkpointed where
+    """``layer.forward`` set by tigon: ``inner`` (a forward bound to ``layer``: an
+    instance_methods.InstanceMethod, so that the layer pickles), checkpointed where
     transformers would checkpoint the class's forward (``checkpoint``: the class forward is the
-    checkpointing one and ``inner`` is not it), and run through ``graphs`` (a graphs.LayerGraphs) when
+    checkpointing one and ``inner`` is not it), and run through ``graphs`` (a layer_graphs.LayerGraphs) when
     the cuda_graphs switch is on."""
 
     _tigon = True
 
     def __init__(self, layer, inner, *, checkpoint: bool, graphs=None):
         self.layer, self.inner, self.checkpoint, self.graphs = layer, inner, checkpoint, graphs
-        # What inspect.signature reports for the layer's forward: the class's, as before the patch.
-        self.__signature__ = inspect.signature(types.MethodType(type(layer).forward, layer))
+
+    @property
+    def __signature__(self):
+        """What inspect.signature reports for the layer's forward: the class's, as before the patch."""
+        return inspect.signature(types.MethodType(type(self.layer).forward, self.layer))
 
     def __call__(self, *args, **kwargs):
         layer = self.layer

@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from tigon.patching import engine, experts, joins
+from tigon.patching import engine, experts_forwards, residual_joins
 from tigon.patching.families import FAMILIES
+from tigon.patching.parts.attention import check_rotary, fuses_attention
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def family_status(model_type: str) -> FamilyStatus:
     except ImportError:
         return FamilyStatus(model_type, None, f"not in this transformers ({family.module_name})")
     try:
-        classes = engine._resolve(family)
+        classes = engine.resolve(family)
         parts = []
         if classes.norm is not None:
             parts.append("rms_norm")
@@ -46,14 +47,16 @@ def family_status(model_type: str) -> FamilyStatus:
             parts.append(f"mlp ({family.mlp.layout})")
         if classes.experts is not None:
             eager = {"gate": "its eager loop calls the gate", "inline": "eager loop replaced",
-                     None: "eager loop unknown: stays stock"}[experts.check_class(family, classes.experts)]
+                     None: "eager loop unknown: stays stock"}[experts_forwards.check_class(family, classes.experts)]
             parts.append(f"experts ({family.experts.layout}, {eager})")
         if classes.attention is not None:
             parts.append("rope")
-            if engine._fuses_attention(family, classes, {"fused_attention": True}):
+            if fuses_attention(family, classes, {"fused_attention": True}):
                 parts.append("attention as one node (fused_attention)")
         if family.joined_layer:
-            variant = joins.matched_variant(classes.decoder_layer.forward, joins.LAYOUTS[family.joined_layer].source)
+            variant = residual_joins.matched_variant(
+                classes.decoder_layer.forward, residual_joins.LAYOUTS[family.joined_layer].source
+            )
             if variant is None:
                 return FamilyStatus(
                     model_type, False,
@@ -77,7 +80,7 @@ def _vision_status(family, classes) -> str:
         raise ValueError(f"{family.model_type}: loss: {classes.causal_lm.__name__}.forward returns no one output class")
     vision = classes.vision
     if vision.attention is not None:
-        engine._check_rotary(vision_language.vision_family(family), vision)
+        check_rotary(vision_language.vision_family(family), vision)
     names = [c.__name__ for c in (vision.norm, vision.layer_norm, vision.mlp, vision.attention) if c is not None]
     text = "language model from config.text_config, " if family.text_from_config else ""
     return f"{text}vision ({', '.join(names)})"

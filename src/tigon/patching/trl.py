@@ -74,7 +74,7 @@ import textwrap
 import torch
 
 from tigon.ops.fused_linear_logprobs import fused_linear_token_stats
-from tigon.patching.changes import Patch, _apply, _Plan, _SetAttr
+from tigon.patching.patch_handle import Patch, Plan, SetAttr, apply_plan
 
 logger = logging.getLogger("tigon.patching")
 
@@ -283,8 +283,8 @@ def patch_trl() -> Patch:
         raise ValueError(
             f"tigon.patch_trl: TRL {version}'s fused LM head is not the one tigon recognises (TRL 1.16's); "
             "nothing was patched. Differences:\n  " + "\n  ".join(differences))
-    plan = _Plan()
-    plan.add(_SetAttr(utils, HEAD_GLOBAL, TigonLogProbHead),
+    plan = Plan()
+    plan.add(SetAttr(utils, HEAD_GLOBAL, TigonLogProbHead),
              f"{TRL_UTILS}.{HEAD_GLOBAL} -> tigon.ops.fused_linear_logprobs "
              "(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)")
-    return _apply(plan, target, logging.INFO)
+    return apply_plan(plan, target, logging.INFO)

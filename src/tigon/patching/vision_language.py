@@ -12,7 +12,7 @@ Such a model is ``<vlm>.model.language_model`` (the decoder; SmolVLM's ``text_mo
   (:func:`vision_family`): its norms, its gated MLPs, and the attention whose forward calls the
   module-level ``apply_rotary_pos_emb_vision`` (only where that function is transformers' upcasting
   one, :func:`matches_source`);
-- the loss in the ``ForConditionalGeneration`` forward, through loss.py's generic forward: every VLM
+- the loss in the ``ForConditionalGeneration`` forward, through loss_forward.py's generic forward: every VLM
   forward of 5.17 to 5.24 runs ``self.model``, takes ``outputs[0]``, projects it with ``lm_head`` and
   calls ``self.loss_function`` as the CausalLMs do; the differences are the output class (the one the
   stock forward returns, :func:`returned_class`), ``labels`` handed to ``self.model`` (Gemma-3's
@@ -31,7 +31,7 @@ import textwrap
 
 from torch import nn
 
-from tigon.patching import wrappers
+from tigon.patching import decorator_chains
 from tigon.patching.families import Family
 
 VISION_ROTARY = "apply_rotary_pos_emb_vision"
@@ -39,7 +39,7 @@ VISION_ROTARY = "apply_rotary_pos_emb_vision"
 
 def vision_family(family: Family) -> Family:
     """The row's vision side as a row of its own (no loss; its block as the decoder layer, for the
-    projection norms and the residual joins): what the engine's norm, MLP and rope planners read."""
+    projection norms and the residual joins): what the parts' norm, MLP and rope planners read."""
     vision = family.vision
     return Family(
         model_type=f"{family.model_type} (vision)", package=family.package, causal_lm=None, model=None,
@@ -62,7 +62,7 @@ def matches_source(fn, source: str) -> bool:
     """Whether ``fn``'s body is, statement for statement, the function written in ``source`` (argument
     names and statements; annotations, defaults, docstring and comments aside)."""
     try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(wrappers.body(fn)))).body[0]
+        node = ast.parse(textwrap.dedent(inspect.getsource(decorator_chains.body(fn)))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return False
     return isinstance(node, ast.FunctionDef) and _statements(node) == _statements(ast.parse(source).body[0])
@@ -71,7 +71,7 @@ def matches_source(fn, source: str) -> bool:
 def returned_class(forward):
     """The output class the stock forward's body returns (``return SomeOutput(...)``), looked up in its
     module; None if it returns anything else, or more than one class."""
-    inner = wrappers.body(forward)
+    inner = decorator_chains.body(forward)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
     except (OSError, TypeError, SyntaxError):
@@ -101,7 +101,7 @@ def language_model(model, family: Family, base_cls):
 
 
 class Subtrees:
-    """The part of a module tree outside some subtrees, as ``engine._sites`` walks a root: ``modules()``
+    """The part of a module tree outside some subtrees, as ``sites.sites`` walks a root: ``modules()``
     and ``named_modules()`` of ``root`` without those under ``exclude`` (the vision side of a VLM: its
     ``.model`` without the language model)."""
 

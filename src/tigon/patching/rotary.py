@@ -1,68 +1,18 @@
-"""The forwards tigon puts in place of transformers' own pieces (the engine decides where).
+"""The rotary functions a patched attention calls in place of transformers' module-level ones, over
+``tigon.ops.rope`` (parts/attention.py gives each attention a copy of its class's forward whose globals name one
+of these, decorator_chains.with_globals).
 
-- :func:`apply_rotary_pos_emb`: what a patched attention forward calls instead of transformers'
-  module-level ``apply_rotary_pos_emb`` (the engine gives each attention a copy of its class's forward
-  whose globals name this one, wrappers.with_globals).
-- :func:`fused_gate_up_forward`: the forward of a ``gate_up_proj`` MLP (Phi-3, GLM-4), set on the
-  instance with the family's GLU.
-- :func:`split_glu_forward`: the forward of a split MLP whose module reads more than its projections
-  (Falcon-H1's muP multipliers, Seed-OSS's output dropout), set on the instance.
-- :func:`apply_rotary_pos_emb_stock_dtypes`: the rope of an attention whose rotated q/k feed something
-  other than attention (HunYuan's query/key norms).
-
-The decoder layers' fused-join forwards are in joins.py, the CausalLM forward in loss.py.
+- :func:`apply_rotary_pos_emb`: transformers' rotate-half ``apply_rotary_pos_emb``, its output in the autocast
+  dtype where that is exact;
+- :func:`apply_rotary_pos_emb_stock_dtypes`: the same in transformers' dtypes, for an attention whose rotated
+  q/k feed something other than attention (HunYuan's query/key norms);
+- :func:`apply_rotary_pos_emb_half_angles`: GPT-OSS's, whose cos/sin hold one angle per rotated pair;
+- :func:`apply_rotary_pos_emb_vision`: the Qwen-VL vision towers' (:data:`VISION_ROTARY_SOURCE`).
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def fused_gate_up_forward(glu):
-    """Forward for a ``gate_up_proj`` MLP (Phi-3): the first half of the projection is the gate."""
-
-    def forward(self, hidden_states):
-        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (..., I) each
-        return self.down_proj(glu(gate, up))
-
-    forward._tigon = True
-    return forward
-
-
-def split_glu_forward(activation, *, gate_multiplier=None, down_multiplier=None, dropout=None):
-    """Forward for a split MLP with extras (families.Mlp): transformers' ::
-
-        y = down_proj(act(gate_proj(x) * g) * up_proj(x)) * d;  y = dropout(y, p, training)
-
-    with ``act(·) * up`` as tigon's GLU (``activation``: "silu", "gelu_tanh", "gelu"). g, d and p are
-    read from the module at each call (the attribute names given here; None: no such step). The
-    multiplies and the dropout are the same torch ops as stock's, in the same order, so they round and
-    draw random numbers as stock does. Without a gate multiplier and with plain ``nn.Linear``
-    projections, the MLP runs as tigon's recomputing node (``tigon.nn.mlp.gated_mlp``).
-    """
-    import torch.nn.functional as F
-
-    from tigon.nn.mlp import gated_mlp, plain_linear
-    from tigon.ops.glu import glu
-
-    def forward(self, x):
-        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        if gate_multiplier is None and all(plain_linear(p) for p in (gate_proj, up_proj, down_proj)):
-            y = gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias,
-                          down_proj.bias, activation=activation)  # (..., H)
-        else:
-            gate = gate_proj(x)  # (..., I)
-            if gate_multiplier is not None:
-                gate = gate * getattr(self, gate_multiplier)
-            y = down_proj(glu(gate, up_proj(x), activation))  # (..., H)
-        if down_multiplier is not None:
-            y = y * getattr(self, down_multiplier)
-        if dropout is not None:
-            y = F.dropout(y, p=getattr(self, dropout), training=self.training)
-        return y
-
-    forward._tigon = True
-    return forward
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -145,11 +95,9 @@ def tigon_rotary(*, half_angles: bool = False, autocast_output: bool = True):
     return apply_rotary_pos_emb if autocast_output else apply_rotary_pos_emb_stock_dtypes
 
 
-
-
 # transformers' ``apply_rotary_pos_emb_vision`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL vision towers), 5.17 to 5.24:
 # q, k ``[S, H, D]`` and cos, sin ``[S, D]`` upcast to fp32, rotated (rotate_half), each rounded once to
-# q's / k's dtype. The engine patches a vision attention only where its module's function is this one.
+# q's / k's dtype. parts/vision.py patches a vision attention only where its module's function is this one.
 VISION_ROTARY_SOURCE = '''
 def apply_rotary_pos_emb_vision(q, k, cos, sin):
     orig_q_dtype = q.dtype
@@ -179,5 +127,6 @@ def apply_rotary_pos_emb_vision(q, k, cos, sin):
 
 # The module-level rotary functions an attention forward may call, and tigon's stand-in for each.
 ROTARIES = {"apply_rotary_pos_emb": apply_rotary_pos_emb, "apply_rotary_pos_emb_vision": apply_rotary_pos_emb_vision}
-# Those whose transformers source the engine checks first (the text one is transformers' canonical rotate-half).
+# Those whose transformers source is checked first (parts/attention.py's check_rotary); the text one is
+# transformers' canonical rotate-half.
 ROTARY_SOURCES = {"apply_rotary_pos_emb_vision": VISION_ROTARY_SOURCE}

@@ -6,7 +6,7 @@ issue its ~1000 launches (benchmarks/results/host_profile-*). A CUDA graph issue
 forward, or its whole backward, as one launch: the host then costs one replay a layer and direction,
 whatever the layer holds.
 
-What. With the switch on, each decoder layer's forward (tigon's, from joins.py, or the class's) runs,
+What. With the switch on, each decoder layer's forward (tigon's, from residual_joins.py, or the class's) runs,
 in a training-mode forward that builds a graph for autograd on CUDA tensors, as an autograd node
 (:class:`_Replay`) whose forward replays a captured forward graph and whose backward replays a
 captured backward graph. Everything else (embeddings, final norm, loss, optimizer) stays eager.
@@ -155,6 +155,10 @@ class GraphState:
         self.tokens: list = []  # the replays whose backward has not run
         self.mixed = False  # a layer ran twice in this pass (see LayerGraphs.__call__)
         self.warned: set = set()
+
+    def __reduce__(self):
+        """A copy of the model (pickle, deepcopy) shares nothing captured: its layers capture their own graphs."""
+        return type(self), (self.root_ref(),)
 
     def warn_once(self, key, message):
         if key not in self.warned:
@@ -416,6 +420,10 @@ class LayerGraphs:
         self.disabled = None
         self.replays = 0
         self.param_grads = None  # the layer's parameter gradients as its graphs hand them to autograd
+
+    def __reduce__(self):
+        """A copy of the layer (pickle, deepcopy) starts without graphs, as the layer did when patched."""
+        return type(self), (self.layer_ref(), self.state)
 
     def _eligible(self, layer) -> bool:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not layer.training:

@@ -1,4 +1,4 @@
-"""sdpa as two calls (tigon.patching.sdpa_backends): attend / attend_backward against
+"""sdpa as two calls (tigon.nn.attention): attend / attend_backward against
 torch.nn.functional.scaled_dot_product_attention itself, for the two calls transformers' sdpa interface makes for
 a decoder (causal without a mask, grouped heads native; a boolean mask, k and v repeated), on the CPU (flash) and
 on the GPU (each backend forced with sdpa_kernel). Same kernels on the same arguments: outputs, dk and dv bitwise;
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.helpers import ON_GPU, assert_close
-from tigon.patching.sdpa_backends import MaskBiases, attend, attend_backward, repeat_heads, sum_heads
+from tigon.nn.attention import MaskBiases, attend, attend_backward, repeat_heads, sum_heads
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -1,5 +1,5 @@
 r"""The Qwen-VL vision towers' attention over all their images or windows in one sdpa call (the
-``vision_attention`` switch).
+``vision_attention`` switch): :func:`segment_attention`.
 
 Why. A Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower packs the patches of every image of the batch into
 one sequence of ``S`` positions and attends within the segments that ``cu_seqlens`` marks: each image
@@ -39,9 +39,9 @@ hence ``dK = dS^T Q`` and ``dV = P^T dO`` are zero there. So the gather's backwa
 the positions the padding repeated. The flash call computes the same per-segment softmax directly
 (its tiles never cross a segment's bounds).
 
-Where. Only where the attention's forward is, statement for statement, transformers' (5.17 to 5.24,
-:data:`FORWARD_SOURCE`; the engine checks it), and only under sdpa: for eager, flash and the other
-implementations the module runs the class's forward (with tigon's rotary if ``rope`` is on).
+Where. ``tigon.patching.parts.vision`` gives the vision attention a forward that calls
+:func:`segment_attention` in place of its per-segment loop, only where the attention's forward is, statement for
+statement, transformers' (5.17 to 5.24), and only under sdpa.
 """
 
 from __future__ import annotations
@@ -56,70 +56,6 @@ import torch.nn.functional as F
 
 from tigon.ops._launch import function_apply
 
-# transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision attention forward, 5.17 to 5.24 (the three are
-# one text); tigon's forward below computes what it computes.
-FORWARD_SOURCE = '''
-def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
-    seq_length = hidden_states.shape[0]
-    query_states, key_states, value_states = (
-        self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-    )
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
-
-    query_states = query_states.transpose(0, 1).unsqueeze(0)
-    key_states = key_states.transpose(0, 1).unsqueeze(0)
-    value_states = value_states.transpose(0, 1).unsqueeze(0)
-
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, eager_attention_forward
-    )
-
-    if is_flash_attention_requested(self.config):
-        max_seqlen = get_max_seqlen(cu_seqlens, self.config, kwargs={"max_seqlen": max_seqlen})
-        attn_output, _ = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask=None,
-            scaling=self.scaling,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=max_seqlen,
-            max_length_k=max_seqlen,
-            is_causal=False,
-            **kwargs,
-        )
-    else:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        splits = [
-            torch.split(tensor, lengths.tolist(), dim=2) for tensor in (query_states, key_states, value_states)
-        ]
-
-        attn_outputs = [
-            attention_interface(
-                self,
-                q,
-                k,
-                v,
-                attention_mask=None,
-                scaling=self.scaling,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                is_causal=False,
-                **kwargs,
-            )[0]
-            for q, k, v in zip(*splits)
-        ]
-        attn_output = torch.cat(attn_outputs, dim=1)
-
-    attn_output = attn_output.reshape(seq_length, -1).contiguous()
-    attn_output = self.proj(attn_output)
-    return attn_output
-'''
-
-PACKED_IMPLEMENTATION = "sdpa"  # the implementation whose per-segment loop the packed call replaces
 CACHE_ATTR = "_tigon_segments"  # where segments_of keeps what it read on the cu_seqlens tensor
 
 
@@ -304,23 +240,3 @@ def _flash_suits(q, k, v) -> bool:
 def _flash_built(device_index: int) -> bool:
     return (torch.backends.cuda.is_flash_attention_available()
             and torch.cuda.get_device_capability(device_index) >= (8, 0))
-
-
-def packed_forward(fallback, rotary):
-    """The vision attention's forward (:data:`FORWARD_SOURCE`) with :func:`segment_attention` in place of
-    its per-segment loop under sdpa. ``fallback`` is the forward for every other implementation;
-    ``rotary(q, k, cos, sin)`` is the rotary the forward applies (tigon's, or the module's own)."""
-
-    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
-        if self.config._attn_implementation != PACKED_IMPLEMENTATION:
-            return fallback(self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
-        seq_length = hidden_states.shape[0]
-        q, k, v = self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        cos, sin = position_embeddings
-        q, k = rotary(q, k, cos, sin)
-        out = segment_attention(q, k, v, cu_seqlens, scale=self.scaling,
-                                dropout=self.attention_dropout if self.training else 0.0)
-        return self.proj(out.reshape(seq_length, -1))
-
-    forward._tigon = True
-    return forward

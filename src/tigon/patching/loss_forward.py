@@ -1,6 +1,6 @@
 """The loss path every patched CausalLM shares: one generic ``forward`` and one loss function.
 
-``causal_lm_forward(family, stock_forward)`` builds the forward bound to a patched model when
+``causal_lm_forward(family, causal_lm_cls, model_cls)`` builds the forward bound to a patched model when
 ``fused_linear_cross_entropy`` is on. In training mode with labels it runs the decoder, keeps the
 last hidden states (``logits_to_keep`` applied as stock does) and computes
 
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import wrappers
+from tigon.patching import decorator_chains
 
 try:  # a tensor-parallel head's weight, and FSDP2's wrapped modules (whose shards are DTensors too)
     from torch.distributed.fsdp import FSDPModule
@@ -75,13 +75,23 @@ def _reduction(num_items_in_batch):
     return "mean" if num_items_in_batch is None else "sum"
 
 
-def _per_item(loss, num_items_in_batch):
-    """Divide a summed loss by the items of the whole (accumulated) batch, as transformers does."""
+def _per_item(loss, num_items_in_batch, target, ignore_index):
+    """The loss as transformers' ``ForCausalLMLoss`` gives it: the summed loss divided by the items of the
+    whole (accumulated) batch, or the mean over this batch's items.
+
+    Where there is nothing to divide by, stock's loss is torch's division by zero: the mean over no items
+    (every label ignored) is 0/0, NaN, where tigon's ops document 0; a sum divided by ``num_items_in_batch``
+    = 0 is NaN (or ±inf). The patched model gives those values too. Its gradients stay zeros, as stock's do:
+    torch's cross-entropy gives an ignored position no gradient whatever the loss, while tigon's ops would
+    multiply their zeros by an infinite output gradient, so the division by zero is kept off the graph.
+    """
     if num_items_in_batch is None:
-        return loss
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+        return torch.where((target != ignore_index).any(), loss, torch.nan)
+    if not torch.is_tensor(num_items_in_batch):
+        return loss / num_items_in_batch if num_items_in_batch != 0 else loss * 0 + loss.detach() / 0
+    items = num_items_in_batch.to(loss.device)
+    counted = items != 0
+    return torch.where(counted, loss / torch.where(counted, items, 1), loss.detach() / items)
 
 
 def causal_lm_cross_entropy(
@@ -90,14 +100,14 @@ def causal_lm_cross_entropy(
     """``ForCausalLMLoss`` with ``tigon.ops.cross_entropy`` (fp32 math on the logits as they are)."""
     from tigon.ops.cross_entropy import cross_entropy
 
-    target = shifted_targets(labels, shift_labels, ignore_index)
+    target = shifted_targets(labels, shift_labels, ignore_index).to(logits.device)
     loss = cross_entropy(
         logits.reshape(-1, vocab_size),  # (N, V)
-        target.reshape(-1).to(logits.device),  # (N,)
+        target.reshape(-1),  # (N,)
         ignore_index=ignore_index,
         reduction=_reduction(num_items_in_batch),
     )
-    return _per_item(loss, num_items_in_batch)
+    return _per_item(loss, num_items_in_batch, target, ignore_index)
 
 
 causal_lm_cross_entropy._tigon = True
@@ -197,20 +207,24 @@ def _mentions(fn, name: str) -> bool:
     return name in code.co_names or name in code.co_consts
 
 
-def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None):
-    """The generic CausalLM forward for one family row (see the module docstring).
+def causal_lm_forward(family, causal_lm_cls, model_cls):
+    """The generic CausalLM forward for one family row (see the module docstring): ``causal_lm_cls``'s, over
+    ``model_cls``'s forward.
 
     It takes its arguments as the stock forward's body names them (``cache`` from transformers 5.24,
-    ``past_key_values`` before), reports the stock signature to ``inspect.signature``, and the engine
-    wraps it in the stock forward's own decorators (``@can_return_tuple``, 5.24's ``@deprecate_kwarg``).
+    ``past_key_values`` before), reports the stock signature to ``inspect.signature``, and runs under
+    the stock forward's own decorators (``@can_return_tuple``, 5.24's ``@deprecate_kwarg``).
     """
     import dataclasses
+    import importlib
 
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    stock_forward, model_forward = causal_lm_cls.forward, model_cls.forward
+    modeling_module = importlib.import_module(family.module_name)
     load_balancing_loss = getattr(modeling_module, family.router_aux_loss) if family.router_aux_loss else None
-    stock_body = wrappers.body(stock_forward)
-    positional, defaults = wrappers.named_parameters(stock_body, skip=1)  # after self
+    stock_body = decorator_chains.body(stock_forward)
+    positional, defaults = decorator_chains.named_parameters(stock_body, skip=1)  # after self
     vision_output_class = None  # a VLM row: the class its stock forward returns
     model_takes_labels = False
     if family.is_vision_language:
@@ -224,7 +238,7 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
                 f"{family.model_type}: loss: {stock_body.__qualname__} does not return one output class; "
                 "this transformers version does not match tigon's table"
             )
-        model_takes_labels = "labels" in inspect.signature(wrappers.body(model_forward)).parameters
+        model_takes_labels = "labels" in inspect.signature(decorator_chains.body(model_forward)).parameters
     # Whether the stock forward softcaps its logits: a VLM row's flag says the family may (PaliGemma-2's
     # Gemma-2 text config); the installed forward says whether it does (PaliGemma's does from 5.2x, not 5.17).
     softcaps = family.final_logit_softcapping and (
@@ -236,7 +250,7 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
                  for cls in (CausalLMOutputWithPast, MoeCausalLMOutputWithPast, vision_output_class) if cls}
 
     def forward(self, *args, **kwargs):
-        arguments = wrappers.bind(positional, defaults, args, kwargs)
+        arguments = decorator_chains.bind(positional, defaults, args, kwargs)
         labels = arguments.pop("labels", None)
         if not (self.training and labels is not None) or not _takes_target(self.lm_head):
             return stock_body(self, *args, **kwargs)
@@ -255,19 +269,20 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
         ignore_index = arguments.get("ignore_index", IGNORE_INDEX)
         num_items_in_batch = arguments.get("num_items_in_batch")
         target = shifted_targets(labels, arguments.get("shift_labels"), ignore_index)  # (B, T')
+        target = target.to(hidden_states.device)
         softcap = getattr(self.config.get_text_config(), "final_logit_softcapping", None) if softcaps else None
         logit_scale = 1.0 / self.config.logits_scaling if family.logits_scaling else 1.0
         if family.logit_multiplier is not None:
             logit_scale = logit_scale * logit_multiplier(self, family.logit_multiplier)
         loss = _loss_call(self.lm_head)(
             hidden_states,
-            target=target.to(hidden_states.device),
+            target=target,
             ignore_index=ignore_index,
             reduction=_reduction(num_items_in_batch),
             softcap=softcap,
             logit_scale=logit_scale,
         )
-        loss = _per_item(loss, num_items_in_batch)
+        loss = _per_item(loss, num_items_in_batch, target, ignore_index)
 
         # An MoE backbone's output class has a router_logits field (MoeModelOutputWithPast), which the
         # stock forward hands on in a MoeCausalLMOutputWithPast, with or without a router loss. (Not the
@@ -299,8 +314,8 @@ def causal_lm_forward(family, modeling_module, stock_forward, model_forward=None
 
     forward.__signature__ = inspect.signature(stock_body)
     forward.__name__, forward.__qualname__ = stock_body.__name__, stock_body.__qualname__
-    forward.__doc__ = f"tigon's generic CausalLM forward ({family.model_type}); see tigon.patching.loss."
+    forward.__doc__ = f"tigon's generic CausalLM forward ({family.model_type}); see tigon.patching.loss_forward."
     forward._tigon = True
-    wrapped = wrappers.rewrapped(stock_forward, forward)
+    wrapped = decorator_chains.rewrapped(stock_forward, forward)
     wrapped._tigon = True
     return wrapped

@@ -19,11 +19,12 @@ restored); patching what is patched already is a no-op.
 
 from __future__ import annotations
 
-import types
-
 from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 from tigon.nn.tiled_mlp import TiledForward, TiledMLPConfig
-from tigon.patching.changes import _SetAttr
+from tigon.patching.instance_methods import InstanceMethod, Recipe, class_forward
+from tigon.patching.parts import Part
+from tigon.patching.patch_handle import SetAttr
+from tigon.patching.sites import own_forward
 
 OFFLOAD_ATTR = "_tigon_offload"  # on a decoder layer: its LayerOffload
 OFFLOADER_ATTR = "_tigon_offloader"  # on the model: the Offloader its layers share
@@ -70,12 +71,12 @@ def plan_offload(plan, model, family, classes, switches, config: OffloadConfig |
             continue
         change = LayerOffload(layer, offloader)
         plan.add(change, line)
-        plan.add(_SetAttr(layer, OFFLOAD_ATTR, change))
+        plan.add(SetAttr(layer, OFFLOAD_ATTR, change))
         added = True
     if not added:
         return
     if getattr(model, OFFLOADER_ATTR, None) is None:
-        plan.add(_SetAttr(model, OFFLOADER_ATTR, offloader))
+        plan.add(SetAttr(model, OFFLOADER_ATTR, offloader))
     parameter = next(model.parameters(), None)
     if parameter is not None and parameter.device.type not in offloader.config.device_types:
         plan.note(CPU_LINE if parameter.device.type == "cpu"
@@ -118,9 +119,12 @@ class _TileMLP:
 
     def apply(self):
         module = self.parent._modules[self.name]
-        inner = vars(module).get("forward") or types.MethodType(type(module).forward, module)
-        self.set = _SetAttr(module, "forward", TiledForward(module, inner, self.hidden_size, self.config))
+        inner = own_forward(module) or InstanceMethod(module, Recipe(class_forward, (type(module),)))
+        self.set = SetAttr(module, "forward", TiledForward(module, inner, self.hidden_size, self.config))
         self.set.apply()
+
+    def blocked(self, state):
+        return None if self.set is None else self.set.blocked(state)
 
     def undo(self):
         if self.set is not None:
@@ -138,3 +142,7 @@ def plan_tiled_mlp(plan, model, family, classes, switches, config: TiledMLPConfi
         if isinstance(vars(module).get("forward"), TiledForward):
             continue
         plan.add(_TileMLP(parent, name, hidden_size, config), line)
+
+
+OFFLOAD = Part("offload_activations", lambda f, c: c.decoder_layer is not None, plan_offload, offload_lines)
+TILED_MLP = Part("tiled_mlp", lambda f, c: c.mlp is not None, plan_tiled_mlp, tiled_mlp_lines)

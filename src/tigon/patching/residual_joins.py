@@ -39,11 +39,11 @@ autograd's sum of the residual stream's two gradients (sandwich, pre_norm) and i
 gradient to the norm's dtype (Gemma-2-2B, 4096 tokens under autocast: ~0.3 GB moved and five launches
 a layer). Fused, the norm's backward adds the stream's own gradient in the kernel.
 
-The engine installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
+The norms part (parts/norms.py) installs the forward on a layer instance (with the ``rms_norm`` switch) only when the
 class's forward, seen through its decorators, is statement for statement transformers' own in one of
 the known releases (:func:`matched_variant`, on the AST, so comments and annotations do not matter;
 the releases differ in the name of the cache argument, :data:`CACHE_NAMES`; a docstring does not
-count). The decorators of the class forward stay around tigon's (the engine rewraps it), so 5.24's
+count). The decorators of the class forward stay around tigon's (parts/norms.py rewraps it), so 5.24's
 ``@deprecate_kwarg`` still takes the old name. A transformers version that changed the layer keeps its
 own forward, joins unfused, and ``patch`` warns: it never runs another version's layer.
 """
@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from tigon.ops.norm_joins import post_norm_join, sandwich_norm_join
 from tigon.ops.rmsnorm import add_rms_norm
-from tigon.patching import wrappers
+from tigon.patching import decorator_chains
 
 # The body of transformers' LlamaDecoderLayer.forward, and of Mistral's, Qwen2/3's, Gemma's, SmolLM3's
 # and Qwen3-MoE's (5.17 to 5.24; CACHE stands for the key/value cache's argument).
@@ -167,7 +167,7 @@ def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs)
 CACHE_NAMES = {"past_key_values": "5.17 to 5.23", "cache": "5.24 and later"}
 
 
-def _shape(fn_node: ast.FunctionDef) -> str:
+def statement_shape(fn_node: ast.FunctionDef) -> str:
     """What must match: the argument names and the statements, without annotations or defaults."""
     args = fn_node.args
     names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
@@ -183,19 +183,19 @@ def matched_variant(forward, source) -> str | None:
     decorators) is the forward written in ``source`` (or in one of the sources of a tuple); None when
     it is none of the known variants.
 
-    A decorator whose wrapper does not call the function it names raises (wrappers.WrapperMismatch).
+    A decorator whose wrapper does not call the function it names raises (decorator_chains.WrapperMismatch).
     """
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(wrappers.body(forward))))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(decorator_chains.body(forward))))
     except (OSError, TypeError, SyntaxError):
         return None
     node = tree.body[0] if tree.body else None
     if not isinstance(node, ast.FunctionDef):
         return None
-    shape = _shape(node)
+    shape = statement_shape(node)
     for text in (source,) if isinstance(source, str) else source:
         for name in CACHE_NAMES:
-            if shape == _shape(ast.parse(text.replace("CACHE", name)).body[0]):
+            if shape == statement_shape(ast.parse(text.replace("CACHE", name)).body[0]):
                 return name
     return None
 
@@ -230,10 +230,10 @@ class AttentionArguments:
     tigon forwards below need not name the cache argument, which moved between releases."""
 
     def __init__(self, forward):
-        self.positional, self.defaults = wrappers.named_parameters(forward, skip=2)  # after self, hidden_states
+        self.positional, self.defaults = decorator_chains.named_parameters(forward, skip=2)  # after self, hidden_states
 
     def __call__(self, args, kwargs):
-        return wrappers.bind(self.positional, self.defaults, args, kwargs)
+        return decorator_chains.bind(self.positional, self.defaults, args, kwargs)
 
 
 def pre_norm_layer_forward(arguments: AttentionArguments):
@@ -304,7 +304,7 @@ class JoinedLayer:
 
     def forward_for(self, class_forward):
         """tigon's forward for a layer class whose forward is this layout's (decorators not included)."""
-        forward = self.make_forward(AttentionArguments(wrappers.body(class_forward)))
+        forward = self.make_forward(AttentionArguments(decorator_chains.body(class_forward)))
         forward._tigon = True
         return forward
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch import nn
 
 from tigon.ops.rmsnorm import add_rms_norm, rms_norm
 
@@ -239,11 +238,3 @@ class LayerRecompute:
         weight, keywords = _norm_args(self.layer.post_attention_layernorm, h)
         scope.remake(y, _Recipe(lambda: add_rms_norm(o, h, weight, **keywords)[0], (o, h)))
 
-
-def recomputable(layer, norm_type) -> bool:
-    """Whether ``layer`` has the parts LayerRecompute hooks: tigon norms of type ``norm_type``, an
-    attention, an MLP."""
-    return (isinstance(getattr(layer, "input_layernorm", None), norm_type)
-            and isinstance(getattr(layer, "post_attention_layernorm", None), norm_type)
-            and isinstance(getattr(layer, "self_attn", None), nn.Module)
-            and isinstance(getattr(layer, "mlp", None), nn.Module))

@@ -16,7 +16,7 @@ What tigon sets on each experts module (instance attributes, reverted by the pat
   implementation that calls ``self._apply_gate`` (grouped_mm, batched_mm, a loop that calls it) runs
   the fused kernel; the matmuls, routing and sums around it stay transformers' own.
 - ``forward``, only where the eager loop computes the gate inline: the class's dispatch wrapper
-  (copied, wrappers.rewrapped) around :func:`eager_experts_forward`, the same loop statement for
+  (copied, decorator_chains.rewrapped) around :func:`eager_experts_forward`, the same loop statement for
   statement but with the gate through ``self._apply_gate``. The dispatch itself is transformers':
   whatever implementation the config names at call time is the one that runs.
 - ``forward`` of every experts module, around the class's (or the one above):
@@ -28,12 +28,8 @@ What tigon sets on each experts module (instance attributes, reverted by the pat
   SIMT sgemm: 171 of a 291 ms step for Qwen3-30B-A3B-shaped layers on the H100). Outside autocast,
   and while torch.compile traces, the call is the class's own.
 
-Checked at patch time, the model untouched on a mismatch (ValueError): the class's ``forward`` is
-``use_experts_implementation``'s dispatch; the module gates (``has_gate``), has no post-expert norm,
-and packs gate/up in the row's layout (``is_concatenated``); its ``_apply_gate`` is the decorator's
-default with a silu / gelu / gelu-tanh ``act_fn``, or (GPT-OSS's activation) computes what
-``moe_glu`` computes on a probe. An eager loop that neither calls ``_apply_gate`` nor is the known
-loop keeps running as it is, with a warning (the matmul implementations are still fused).
+Each function is built from a recipe (instance_methods.py) by :func:`fused_gate` and :func:`experts_forward`;
+what is checked before they are set, and where, is the experts part's (parts/experts.py).
 """
 
 from __future__ import annotations
@@ -42,15 +38,12 @@ import ast
 import functools
 import inspect
 import textwrap
-import types
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.patching import wrappers
-from tigon.patching.changes import _SetAttr
+from tigon.patching import decorator_chains
 
 GATE_ATTR = "_apply_gate"
 ACT_FN = "act_fn"
@@ -179,7 +172,7 @@ def _default_gate():
 
 
 def _shape(source_or_fn) -> str | None:
-    from tigon.patching.joins import _shape as statement_shape
+    from tigon.patching.residual_joins import statement_shape
 
     try:
         source = source_or_fn if isinstance(source_or_fn, str) else inspect.getsource(source_or_fn)
@@ -197,7 +190,7 @@ def _known_loop_shapes():
 def eager_kind(cls) -> str | None:
     """How the class's eager loop (the dispatch's body) gates: "gate" (it calls ``self._apply_gate``),
     "inline" (the known loop: :data:`INLINE_LOOP`), or None (neither: tigon leaves it running)."""
-    loop = wrappers.body(cls.forward)
+    loop = decorator_chains.body(cls.forward)
     if GATE_ATTR in loop.__code__.co_names:
         return "gate"
     return "inline" if _shape(loop) in _known_loop_shapes() else None
@@ -215,7 +208,7 @@ def check_class(family, cls) -> str | None:
         )
     try:
         kind = eager_kind(cls)
-    except wrappers.WrapperMismatch as err:
+    except decorator_chains.WrapperMismatch as err:
         raise ValueError(f"{where}.forward: {err}") from err
     gate = getattr(cls, GATE_ATTR, None)
     if spec.activation == ACT_FN and gate is not _default_gate():
@@ -226,46 +219,7 @@ def check_class(family, cls) -> str | None:
     return kind
 
 
-# -------------------------------------------------------------------------------- instance plan
-
-
-def _activation(module, spec, path, glu_of):
-    """(kernel activation name, alpha, limit) of one experts module."""
-    if spec.activation == CLAMPED_SWIGLU:
-        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)):
-            raise ValueError(f"{path} has no numeric alpha / limit for GPT-OSS's clamped swiglu")
-        return CLAMPED_SWIGLU, float(alpha), float(limit)
-    act = getattr(module, ACT_FN, None)
-    glu = glu_of(act)
-    if glu is None:
-        raise ValueError(
-            f"{path}.{ACT_FN} is {type(act).__name__}: tigon fuses silu, gelu and gelu-tanh experts only "
-            "(custom activation); pass mlp=False to patch the rest"
-        )
-    kind, kwargs = glu
-    return KERNEL_ACTIVATIONS[(kind, kwargs.get("approximate"))], 0.0, 0.0
-
-
-def _probe_gate(module, spec, path, activation, alpha, limit):
-    """The class's ``_apply_gate`` must compute what moe_glu computes: fp64 values across the
-    activation's range (past ±limit for the clamps) on the CPU."""
-    from tigon.ops.moe_glu import moe_glu_reference
-
-    span = 1.5 * limit if activation == CLAMPED_SWIGLU else 8.0
-    probe = torch.linspace(-span, span, 2 * 8 * 3, dtype=torch.float64).reshape(8, 6)
-    probe = probe[torch.randperm(8, generator=torch.Generator().manual_seed(0))]
-    try:
-        got = type(module)._apply_gate(module, probe)
-    except Exception as err:  # noqa: BLE001 (any failure means "not what the row says")
-        raise ValueError(f"{path}.{GATE_ATTR} cannot be checked on a probe ({err})") from err
-    want = moe_glu_reference(probe, spec.layout, activation, alpha=alpha, limit=limit)
-    same = isinstance(got, torch.Tensor) and got.shape == want.shape
-    if not (same and torch.allclose(got, want, rtol=1e-9, atol=1e-12)):
-        raise ValueError(
-            f"{path}.{GATE_ATTR} does not compute {activation} on the {spec.layout} layout (custom gate); "
-            "pass mlp=False to patch the rest"
-        )
+# ---------------------------------------------------------------------------------- the forwards
 
 
 def fused_gate(layout, activation, alpha=None, limit=None):
@@ -284,47 +238,8 @@ def fused_gate(layout, activation, alpha=None, limit=None):
     return apply_gate
 
 
-def line(family, cls, kind) -> str:
-    spec = family.experts
-    activation = ("activation read from each module's act_fn" if spec.activation == ACT_FN
-                  else f"{spec.activation} with each module's alpha and limit")
-    text = (f"{cls.__name__}.{GATE_ATTR} -> tigon.ops.moe_glu ({spec.layout} layout, {activation}) in every "
-            "experts implementation")
-    if kind == "inline":
-        text += "; eager loop -> the same loop through it"
-    elif kind is None:
-        text += "; the eager loop (not the one tigon knows) stays stock"
-    return text + "; under autocast the experts' weights in the autocast dtype (instance attributes)"
-
-
-def plan(plan_, sites, family, cls, *, glu_of, check_plain, is_tigon):
-    """Plan the experts of one model: ``sites`` as engine._sites gives them for ``cls``."""
-    spec = family.experts
-    kind = check_class(family, cls)
-    if kind is None:
-        warnings.warn(
-            f"tigon: {cls.__name__}'s eager loop is not the one tigon knows: under the 'eager' experts "
-            "implementation its gate stays unfused; grouped_mm and batched_mm are fused",
-            stacklevel=5,
-        )
-    text = line(family, cls, kind)
-    gates, forward = {}, None
-    for module, _, path in sites:
-        if is_tigon(vars(module).get(GATE_ATTR)):
-            continue
-        check_plain(module, cls, path)
-        if GATE_ATTR in vars(module):
-            raise ValueError(f"{path} has its own {GATE_ATTR} set on the instance; tigon will not replace it")
-        if not getattr(module, "has_gate", False) or getattr(module, "has_post_expert_norm", False):
-            raise ValueError(f"{path} is not a gated experts module without post-expert norm")
-        if bool(getattr(module, "is_concatenated", True)) != (spec.layout == "halves"):
-            raise ValueError(f"{path}.is_concatenated does not match the {spec.layout} layout of tigon's table")
-        activation, alpha, limit = _activation(module, spec, path, glu_of)
-        _probe_gate(module, spec, path, activation, alpha, limit)
-        if activation not in gates:
-            gates[activation] = fused_gate(spec.layout, activation)
-        plan_.add(_SetAttr(module, GATE_ATTR, types.MethodType(gates[activation], module)), text)
-        if forward is None:
-            inner = wrappers.rewrapped(cls.forward, eager_experts_forward) if kind == "inline" else cls.forward
-            forward = autocast_weights(inner)
-        plan_.add(_SetAttr(module, "forward", types.MethodType(forward, module)))
+def experts_forward(cls, inline_loop: bool):
+    """The forward tigon sets on an experts module of class ``cls``: the class's dispatch (around
+    :func:`eager_experts_forward` where the class's eager loop gates inline) under :func:`autocast_weights`."""
+    inner = decorator_chains.rewrapped(cls.forward, eager_experts_forward) if inline_loop else cls.forward
+    return autocast_weights(inner)

@@ -146,7 +146,7 @@ def _wrap(original):
 
 
 _WRAPPER = InterfaceWrapper("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "sdpa",
-                            _wrap, _ORIGINAL_KEY)
+                            _wrap, _ORIGINAL_KEY, home=(__name__, "_WRAPPER"))
 _MARKED = _WRAPPER.groups[""]
 
 
