@@ -33,6 +33,27 @@ either kind recomputes the node, ``recompute_norms`` remakes its input, ``cuda_g
 Rotating in place also saves the rotated copies of q and k that stock keeps for the backward, and the
 layers share one mask bias where sdpa makes and keeps one a layer (:class:`MaskBiases`).
 
+LoRA. Where q, k, v and o are PEFT LoRA linears (:func:`tigon.nn.lora.lora_projection`: one active
+adapter, dropout 0, no variant), each projection p computes ``x Wₚᵀ + bₚ + sₚ·(x Aₚᵀ) Bₚᵀ``, and the node
+adds the low-rank products to the base ones (:mod:`tigon.nn.lora`'s stacked products; a projection
+without an adapter adds none). q, k and v read one input, so their A's stack into one
+``[A_q; A_k; A_v]`` (R, H), R = r_q + r_k + r_v::
+
+    forward    Ũ = x̃ Aᵀ, block p scaled by sₚ        (M, R), one product; x̃ the cast input
+               qkv[:, p] += Ũₚ Bₚᵀ                   into each column block, before the rotary
+               Ũ_o = s_o · a A_oᵀ,  y += Ũ_o B_oᵀ    a the attention output o_proj reads
+    backward   P_o = s_o · dy B_o,   da += P_o A_o
+               dA_o = P_oᵀ a,        dB_o = dyᵀ Ũ_o
+               Pₚ = sₚ · dqkvₚ Bₚ  (P = [P_q | P_k | P_v]),  dx += P A   (before dx's cast)
+               dA = Pᵀ x̃ (split into the A_p),  dBₚ = dqkvₚᵀ Ũₚ
+
+(the chain rule on ``yₚ = sₚ·(x Aₚᵀ) Bₚᵀ``: ``dBₚ = sₚ·dyₚᵀ (x Aₚᵀ)``, ``dAₚ = sₚ·(dyₚ Bₚ)ᵀ x``,
+``dx = sₚ·(dyₚ Bₚ) Aₚ``; the scales ride on Ũ and P). The rotary and sdpa see q, k, v with their deltas,
+so dqkv is the gradient of the projections' sums as before; x̃ and a are saved already, Ũ and Ũ_o
+(R and r_o columns) and the cast adapters are saved besides. The base weights get dW where they are
+trainable, as without adapters. Precision as in :mod:`tigon.nn.lora`: the products in the compute dtype,
+fp32 adapters cast to it, their gradients back in their own dtype.
+
 Where it runs is decided by ``tigon.patching.fused_attention`` (the ``fused_attention`` switch), at each call.
 
 The backends (:func:`attend`, :func:`attend_backward`): ``torch.nn.functional.scaled_dot_product_attention``
@@ -85,6 +106,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from tigon.nn.lora import Adapters, adapters_forward, adapters_input_grads, adapters_weight_grads, cast_adapters
 from tigon.ops._launch import function_apply
 from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.rope import rope_into
@@ -212,11 +234,13 @@ def sum_heads(grad, groups):
 class AttentionNode(torch.autograd.Function):
     """A decoder's self-attention module as one node (module docs, "The node"). ``dtype``: the compute dtype
     (autocast's, or that of the weights and the input); weights and biases come back in their own dtypes, the
-    input's gradient in the input's."""
+    input's gradient in the input's. ``q_lora_a`` ... ``o_lora_b``: each projection's LoRA A and B (None: no
+    adapter), ``scalings`` their s (module docs, "LoRA")."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, mask, dtype, shape, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
-                o_weight, o_bias, cache, cache_arguments, biases):
+                o_weight, o_bias, cache, cache_arguments, biases, q_lora_a=None, q_lora_b=None, k_lora_a=None,
+                k_lora_b=None, v_lora_a=None, v_lora_b=None, o_lora_a=None, o_lora_b=None, scalings=(0.0,) * 4):
         heads, kv_heads, head_dim, scale = shape
         batch, seq = x.shape[0], x.shape[1]
         cast = x if x.dtype == dtype else x.to(dtype)
@@ -224,6 +248,17 @@ class AttentionNode(torch.autograd.Function):
             (q_weight, k_weight, v_weight), (q_bias, k_bias, v_bias), dtype, (o_weight, o_bias))
         qkv = F.linear(cast, weight, bias).view(batch, seq, heads + 2 * kv_heads, head_dim)
         weight = bias = None
+        widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        lora = ((q_lora_a, q_lora_b), (k_lora_a, k_lora_b), (v_lora_a, v_lora_b))
+        which = tuple(i for i, (lora_a, _) in enumerate(lora) if lora_a is not None)  # q, k, v with adapters
+        qkv_adapters = o_adapters = u_qkv = u_o = None
+        if which:  # before the rotary, which reads q and k with their deltas
+            qkv_adapters, _ = cast_adapters([lora[i][0] for i in which], [lora[i][1] for i in which],
+                                            [scalings[i] for i in which], dtype)
+            outs = qkv.view(batch * seq, -1).split_with_sizes(widths, dim=1)   # (M, O_p) column views
+            u_qkv = adapters_forward(cast.reshape(-1, cast.shape[-1]), qkv_adapters, [outs[i] for i in which])
+        if o_lora_a is not None:
+            o_adapters, _ = cast_adapters([o_lora_a], [o_lora_b], [scalings[3]], dtype)
         q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)     # (B, T, H, D) views
         if cos is not None:                                                     # a layer with a rotary
             rope_into(q, k, q, k, cos, sin)                                     # in place
@@ -243,10 +278,17 @@ class AttentionNode(torch.autograd.Function):
         a = out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
         out = None
         y = F.linear(a, o_w, o_b)
+        if o_adapters is not None:
+            u_o = adapters_forward(a.reshape(-1, a.shape[-1]), o_adapters, [y.view(-1, y.shape[-1])])
+        lora_saved = [t for adapters, u in ((qkv_adapters, u_qkv), (o_adapters, u_o)) if adapters is not None
+                      for t in (adapters.lora_a, *adapters.lora_bs, u)]
         ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k_attended, v_attended,
-                              *saved)
+                              *saved, *lora_saved)
         ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)), sizes,
                     groups)
+        ctx.lora = (which, o_adapters is not None, len(saved), tuple(scalings),
+                    tuple(None if t is None else t.dtype for t in (q_lora_a, q_lora_b, k_lora_a, k_lora_b, v_lora_a,
+                                                                   v_lora_b, o_lora_a, o_lora_b)))
         return y
 
     @staticmethod
@@ -254,7 +296,19 @@ class AttentionNode(torch.autograd.Function):
     def backward(ctx, dy):
         cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved = ctx.saved_tensors
         x_dtype, dtype, (heads, kv_heads, head_dim, scale), (qkv_bias_dtype, o_bias_dtype), sizes, groups = ctx.meta
-        # x, cos, sin, mask, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments, the mask biases
+        which, o_lora, n_saved, scalings, lora_dtypes = ctx.lora
+        saved, lora_saved = saved[:n_saved], saved[n_saved:]
+        qkv_adapters = o_adapters = u_qkv = u_o = None
+        if which:
+            lora_a, *lora_bs, u_qkv = lora_saved[:len(which) + 2]
+            lora_saved = lora_saved[len(which) + 2:]
+            qkv_adapters = Adapters(lora_a, tuple(lora_bs), tuple(b.shape[1] for b in lora_bs),
+                                    tuple(scalings[i] for i in which))
+        if o_lora:
+            lora_a, lora_b, u_o = lora_saved
+            o_adapters = Adapters(lora_a, (lora_b,), (lora_b.shape[1],), (scalings[3],))
+        # x, cos, sin, mask, dtype, shape, (weight, bias) of q, k, v, o, cache, its arguments, the mask biases,
+        # (A, B) of q, k, v, o, their scalings
         needs = ctx.needs_input_grad
         batch, seq = cast.shape[0], cast.shape[1]
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                             # (M, H)
@@ -264,8 +318,16 @@ class AttentionNode(torch.autograd.Function):
             grads[12] = matmul_to(dy2.t(), a.view(-1, a.shape[-1]), o_weight.dtype)   # (H, Hq D)
         if needs[13]:
             grads[13] = sum_rows_to(dy2, o_bias_dtype)
-        da = (dy2 @ o_w).view(batch, seq, heads, head_dim)                       # (B, T, Hq, D)
+        da = dy2 @ o_w                                                          # (M, Hq D)
         o_w = None
+        if o_adapters is not None:
+            p_o = adapters_input_grads([dy2], o_adapters)                        # (M, r_o)
+            da.addmm_(p_o, o_adapters.lora_a)
+            (grads[23],), (grads[24],) = adapters_weight_grads(
+                p_o, a.reshape(-1, a.shape[-1]), u_o, [dy2], o_adapters, lora_dtypes[6:7], lora_dtypes[7:8],
+                needs[23:24], needs[24:25])
+            p_o = u_o = None
+        da = da.view(batch, seq, heads, head_dim)                                 # (B, T, Hq, D)
         out = a.view(batch, seq, heads, head_dim).transpose(1, 2)                # (B, Hq, T, D)
         dq, dk, dv = attend_backward(da.transpose(1, 2), q, k, v, out, saved, sizes, scale)  # (B, H, T, D)
         q = k = v = out = da = saved = None
@@ -282,10 +344,28 @@ class AttentionNode(torch.autograd.Function):
         dq = dk = dv = None
         d2 = dqkv.view(batch * seq, -1)                                           # (M, Oq + Ok + Ov)
         cast2 = cast.reshape(-1, cast.shape[-1])                                 # (M, H)
-        if needs[0]:
-            grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)  # (B, T, H), dense
-        weight = None
         widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        p = None
+        if qkv_adapters is not None:
+            douts = d2.split_with_sizes(widths, dim=1)
+            douts = [douts[i] for i in which]                                     # (M, O_p) column views
+            p = adapters_input_grads(douts, qkv_adapters)                         # (M, R)
+            need_a = [needs[17 + 2 * i] for i in which]
+            need_b = [needs[18 + 2 * i] for i in which]
+            grads_a, grads_b = adapters_weight_grads(
+                p, cast2, u_qkv, douts, qkv_adapters, [lora_dtypes[2 * i] for i in which],
+                [lora_dtypes[2 * i + 1] for i in which], need_a, need_b)
+            for i, g_a, g_b in zip(which, grads_a, grads_b, strict=True):
+                grads[17 + 2 * i], grads[18 + 2 * i] = g_a, g_b
+            douts = u_qkv = None
+        if needs[0]:
+            if p is None:
+                grads[0] = matmul_to(d2, weight, x_dtype).view(cast.shape)  # (B, T, H), dense
+            else:  # P A added in the compute dtype, then one cast
+                dx = d2 @ weight
+                dx.addmm_(p, qkv_adapters.lora_a)
+                grads[0] = dx.to(x_dtype).view(cast.shape)
+        weight = p = None
         if any(needs[6:12:2]):
             for i, dw in enumerate(matmul_to(d2.t(), cast2, q_weight.dtype).split_with_sizes(widths)):
                 grads[6 + 2 * i] = dw if needs[6 + 2 * i] else None

@@ -98,10 +98,18 @@ def _peft_lora_linear():
     return None if layer is None else getattr(layer, "Linear", None)
 
 
+def _tigon_forward(module) -> bool:
+    """The instance forward of ``module`` is one of tigon's that computes ``F.linear`` (the shared-cast
+    linear of a patched attention's projections, which PEFT wraps when a patched model gets adapters)."""
+    own = module.__dict__.get("forward")
+    return own is not None and getattr(getattr(own, "__func__", own), "_tigon", False)
+
+
 def _plain_part(module) -> bool:
-    """An ``nn.Linear`` the LoRA forward calls: plain (:func:`plain_linear`), without hooks, its
-    tensors plain (not ZeRO-3 parameters)."""
-    if type(module) is not nn.Linear or "forward" in module.__dict__ or _hooked(module):
+    """An ``nn.Linear`` the LoRA forward calls: plain (:func:`plain_linear`, or running tigon's
+    shared-cast forward: the same product), without hooks, its tensors plain (not ZeRO-3 parameters)."""
+    if type(module) is not nn.Linear or ("forward" in module.__dict__ and not _tigon_forward(module)) \
+            or _hooked(module):
         return False
     params = module._parameters
     weight, bias = params["weight"], params.get("bias")

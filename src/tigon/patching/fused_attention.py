@@ -12,9 +12,11 @@ mask), a key/value cache holding entries (a training forward's empty ``DynamicCa
 or sliding-window, is filled as the attention's forward fills it), dropout, ``output_attentions`` or an
 attention implementation other than transformers' own sdpa (or tigon's sliding-window wrapper of it,
 which hands it maskless calls and the masked calls of models it does not band); with projections that
-are not plain ``nn.Linear`` (LoRA), that carry hooks, or whose weights are not plain tensors (FSDP2's
-DTensors, DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in
-it); with a softcap on the attention logits (Gemma-2's ``attn_logit_softcapping``, which transformers'
+are neither plain ``nn.Linear`` nor PEFT LoRA linears the node computes exactly
+(``tigon.nn.lora.lora_projection``: not with dropout > 0, DoRA, several active adapters, a quantised
+base), that carry hooks, or whose weights are not plain tensors (FSDP2's DTensors, DeepSpeed ZeRO-3's
+gathered parameters); outside fp16/bf16 (autocast, or weights and input in it; LoRA adapters may be fp32,
+the node casts them); with a softcap on the attention logits (Gemma-2's ``attn_logit_softcapping``, which transformers'
 sdpa interface refuses in 5.24 and ignores before: the attention's own forward answers it) or a residual
 dropout with p > 0 in training (Starcoder2, Seed-OSS). It is installed only on attention classes whose
 forward is statement for statement transformers' (the sources below, 5.17 to 5.24: Llama's layout, and
@@ -35,6 +37,7 @@ from torch._C import _len_torch_dispatch_stack
 from torch.nn.modules import module as _module
 
 from tigon.nn.attention import ATTENTION_NODE, MaskBiases, NotCalledHere
+from tigon.nn.lora import LoraProjection, check_adapter, lora_projection
 from tigon.patching import band_attention, residual_joins
 from tigon.patching.residual_joins import CACHE_NAMES
 
@@ -244,14 +247,10 @@ def _node_arguments(attention, kwargs, installed: _Installed):
     projections = [modules.get(name) for name in PROJECTIONS]
     if _global_hooks():
         return None
-    params = []
-    for p in projections:
-        if type(p) is not nn.Linear or _hooked(p) or not _plain_forward(p):
-            return None
-        weight, bias = p.weight, p.bias
-        if type(weight) not in _PLAIN or hasattr(weight, "ds_id") or (bias is not None and type(bias) not in _PLAIN):
-            return None
-        params += (weight, bias)
+    read = [projection(p) for p in projections]
+    if any(isinstance(r, str) for r in read):
+        return None
+    params = [t for r in read for t in (r.weight, r.bias)]
     q_bias, k_bias, v_bias = params[1], params[3], params[5]
     if (q_bias is None) != (k_bias is None) or (q_bias is None) != (v_bias is None):
         return None
@@ -274,13 +273,31 @@ def _node_arguments(attention, kwargs, installed: _Installed):
             torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled()
             or torch.backends.cuda.mem_efficient_sdp_enabled())):
         return None
+    for r, name in zip(read, PROJECTIONS, strict=True):
+        check_adapter(r, name, hidden_states.device)
     dtype = _compute_dtype(hidden_states, params[0::2], params[1::2])
     # Without autocast, the rotary's output takes cos/sin's dtype into its promotion: it must be q's.
     if dtype is None or (cos is not None and not torch.is_autocast_enabled(hidden_states.device.type)
                          and cos.dtype != dtype):
         return None
+    adapters = [t for r in read for t in (r.lora_a, r.lora_b)]
+    for t in adapters:  # fp32 adapters (PEFT's default) or ones in the compute dtype: the node casts them
+        if t is not None and t.dtype not in (torch.float32, dtype):
+            return None
     return (hidden_states, cos, sin, mask, dtype, (heads, kv_heads, head_dim, attention.scaling), *params,
-            cache, cache_arguments, installed.biases)
+            cache, cache_arguments, installed.biases, *adapters, tuple(r.scaling for r in read))
+
+
+def projection(module) -> LoraProjection | str:
+    """What a q/k/v/o projection computes (:func:`tigon.nn.lora.lora_projection`), or why the node cannot
+    compute it: an ``nn.Linear`` running its class's forward or tigon's shared-cast one (the same product,
+    parts/attention.py), or a PEFT LoRA linear over one."""
+    if type(module) is nn.Linear and _plain_forward(module) and not _hooked(module):
+        weight, bias = module._parameters["weight"], module._parameters.get("bias")
+        if type(weight) not in _PLAIN or hasattr(weight, "ds_id") or (bias is not None and type(bias) not in _PLAIN):
+            return "weights that are not plain tensors"
+        return LoraProjection(weight, bias, None, None, 0.0)
+    return lora_projection(module)
 
 
 def _boolean_mask(mask, hidden_states) -> bool:
