@@ -178,6 +178,30 @@ def lora_projections(modules) -> tuple | str:
     return tuple(out)
 
 
+def adapter_lines(modules, node: str) -> list:
+    """For ``Patch.replaced``: which of ``modules`` (a dict: name -> module of one attention or MLP) are
+    PEFT LoRA linears whose adapters run inside the ``node`` node, and for each that cannot, why (its
+    PEFT forward runs, and with it the module's own forward). What holds at patch time: the node reads
+    the layers again at every call."""
+    lora_cls = _peft_lora_linear()
+    if lora_cls is None:
+        return []
+    fused, ranks, lines = [], [], []
+    for name, module in modules.items():
+        if type(module) is not lora_cls:
+            continue
+        projection = lora_projection(module)
+        if isinstance(projection, str):
+            lines.append(f"{name}: PEFT's forward ({projection}); the {node} runs its own forward")
+        elif projection.lora_a is not None:
+            fused.append(name)
+            ranks.append(projection.lora_a.shape[0])
+    if fused:
+        rank = "/".join(str(r) for r in dict.fromkeys(ranks))
+        lines.insert(0, f"LoRA adapters (r={rank}) of {'/'.join(fused)} run inside the {node} node")
+    return lines
+
+
 def check_adapter(projection: LoraProjection, name: str, device) -> None:
     """A and B have the shapes the base weight implies and a float dtype on the base's device (ValueError or
     TypeError naming them)."""

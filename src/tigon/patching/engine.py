@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tigon._interpreter import interpreter_active
-from tigon.patching import decorator_chains, loss_forward, vision_language
+from tigon.patching import decorator_chains, loss_forward, peft_unload, vision_language
 from tigon.patching.families import FAMILIES, Family
 from tigon.patching.parts import vision
 from tigon.patching.parts.attention import ATTENTION
@@ -286,12 +286,17 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
                 part.plan(plan, model, family, classes, switches)
     if plan.changes and _tensor_parallel(model):
         plan.note(TENSOR_PARALLEL_LINE)
+    # a PEFT model's merge_and_unload / unload revert this patch after PEFT's (peft_unload.py)
+    holder = peft_unload.plan_unloads(plan, obj) if plan.changes and obj is not model else None
     target = f"{type(model).__name__} instance"
     if not plan.changes:
         logger.log(log_level, "tigon: %s: nothing to replace (already patched?)", target)
     else:
         _warn_off_the_gpu(model, target)
-    return apply_plan(plan, target, log_level)
+    patch = apply_plan(plan, target, log_level)
+    if holder is not None:
+        holder.patch = patch
+    return patch
 
 
 # --------------------------------------------------------------------------------------------- class patch

@@ -37,6 +37,7 @@ the logits (with its own softcapping and scaling) and tigon's cross-entropy redu
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 import warnings
 
@@ -170,19 +171,42 @@ def _loss_call(lm_head):
     for a tensor-parallel head the fused loss bound to it. Such a head has no hooks to run (its weight stays
     split), and a model built from patched classes and then split has its forward wrapped in one that would
     take the loss for a shard of logits."""
+    if modules_to_save_wrapper(lm_head):  # its forward calls the copy it runs now, with the target
+        return lm_head
     return types.MethodType(linear_or_fused_loss, lm_head) if vocab_parallel_head(lm_head) else lm_head
 
 
-def _takes_target(lm_head) -> bool:
-    """Whether ``lm_head`` is still the module the patch taught to take a target.
+def modules_to_save_wrapper(module) -> bool:
+    """Whether ``module`` is PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``): a trained
+    copy of the head per adapter beside the original, its forward calling the active one with the
+    arguments it is given (a target too)."""
+    other = sys.modules.get("peft.utils.other")
+    return other is not None and type(module) is getattr(other, "ModulesToSaveWrapper", None)
 
-    It may have been replaced since (``resize_token_embeddings``, a PEFT ``modules_to_save`` wrapper);
+
+def active_head(lm_head):
+    """The module ``lm_head``'s call computes with: itself, or for a ``ModulesToSaveWrapper`` the one its
+    forward calls now (the active adapter's copy; the original with adapters disabled, or where the
+    active adapter has no copy), as PEFT's forward decides it, at each call."""
+    if not modules_to_save_wrapper(lm_head):
+        return lm_head
+    active = lm_head.active_adapters
+    if lm_head.disable_adapters or not active or any(name not in lm_head._adapters for name in active):
+        return lm_head.original_module
+    return lm_head.modules_to_save[active[0]]
+
+
+def _takes_target(lm_head) -> bool:
+    """Whether ``lm_head`` is still the module the patch taught to take a target (for a PEFT
+    ``modules_to_save`` wrapper: the copy it runs now, :func:`active_head`; the wrapper hands the target on).
+
+    It may have been replaced since (``resize_token_embeddings``, an adapter added after the patch);
     the stock loss path is right for any head, so that is what runs then, with a warning.
     """
     # A flag the patch sets on the head it rebinds, rather than a comparison of the bound method's
     # __func__: Dynamo does not see that identity, and would take the warning path (a graph break)
     # and the full logits under torch.compile.
-    if vars(lm_head).get(TAKES_TARGET, False):
+    if vars(active_head(lm_head)).get(TAKES_TARGET, False):
         return True
     warnings.warn(
         f"tigon: lm_head is now a {type(lm_head).__name__} that the patch did not set up; computing the "

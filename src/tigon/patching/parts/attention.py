@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tigon.nn.lora import adapter_lines
 from tigon.patching import causal_mask, decorator_chains, fused_attention, rotary, vision_language
 from tigon.patching.instance_methods import InstanceMethod, Recipe
 from tigon.patching.interface_marks import carried
@@ -84,6 +85,9 @@ def _plan_rope(plan, root, family, classes, *, fused=None):
         plan.add(SetAttr(old, "forward", InstanceMethod(old, forward)), line)
         if fused is not None:
             plan.note(fused_attention_line(classes))
+            for lora_line in adapter_lines({name: old._modules.get(name) for name in fused_attention.PROJECTIONS},
+                                           "attention"):
+                plan.note(lora_line)
 
 
 def plan_shared_cast_linear(plan, projection, cache):

@@ -2,7 +2,9 @@
 
 - ``fused_linear_cross_entropy`` (the default): the CausalLM instance gets the generic forward of
   loss_forward.py, and ``lm_head`` learns to take a target (fused linear cross-entropy, no logits in
-  training). The head must be a plain ``nn.Linear`` (or one that tensor parallelism split by classes).
+  training). The head must be a plain ``nn.Linear`` (or one that tensor parallelism split by classes), or
+  PEFT's ``modules_to_save`` wrapper of one: then the original and each adapter's copy take a target, and
+  the fused loss runs over the one the wrapper calls (loss_forward.active_head).
 - ``cross_entropy``: the instance's ``loss_function`` becomes tigon's cross-entropy over the stock logits.
 """
 
@@ -31,7 +33,7 @@ def loss_lines(classes, switches):
     return []
 
 
-def _check_head(model, lm_head, family, classes, parallel_head):
+def _check_head(model, lm_head, family, classes, parallel_head, path="lm_head"):
     if (type(lm_head) is nn.Linear and isinstance(lm_head.weight, loss_forward.DTensor) and not parallel_head
             and own_forward(lm_head) is not None):
         raise ValueError(
@@ -41,7 +43,7 @@ def _check_head(model, lm_head, family, classes, parallel_head):
         )
     if type(lm_head) is not nn.Linear or (own_forward(lm_head) is not None and not parallel_head):
         raise ValueError(
-            f"lm_head is {type(lm_head).__name__}, not a plain nn.Linear (LoRA on lm_head?); "
+            f"{path} is {type(lm_head).__name__}, not a plain nn.Linear (LoRA on lm_head?); "
             "pass fused_linear_cross_entropy=False (and cross_entropy=True) for this model"
         )
     if not isinstance(getattr(model, "model", None), classes.model):
@@ -53,6 +55,12 @@ def _check_head(model, lm_head, family, classes, parallel_head):
                 f"{family.model_type}: loss: the model's {family.logit_multiplier} is "
                 f"{type(multiplier).__name__}, not the number the family's row expects"
             )
+
+
+def _plan_head(plan, lm_head, line):
+    """``lm_head`` (an ``nn.Linear``) takes a target: the fused projection and loss."""
+    plan.add(SetAttr(lm_head, "forward", InstanceMethod(lm_head, loss_forward.linear_or_fused_loss)), line)
+    plan.add(SetAttr(lm_head, loss_forward.TAKES_TARGET, True))
 
 
 def plan_loss(plan, model, family, classes, switches):
@@ -67,16 +75,27 @@ def plan_loss(plan, model, family, classes, switches):
             raise ValueError("the model is already patched with cross_entropy=True; revert that patch first")
         check_plain(model, classes.causal_lm, "the model")
         lm_head = getattr(model, "lm_head", None)
+        forward = Recipe(loss_forward.causal_lm_forward, (family, classes.causal_lm, classes.model))
+        if loss_forward.modules_to_save_wrapper(lm_head):
+            # PEFT's modules_to_save: the original head and each adapter's trained copy take a target; the
+            # wrapper's forward picks one at each call and hands it the target (loss_forward.active_head)
+            heads = {"lm_head.original_module": lm_head.original_module,
+                     **{f"lm_head.modules_to_save.{name}": head for name, head in lm_head.modules_to_save.items()}}
+            for path, head in heads.items():
+                _check_head(model, head, family, classes, False, path)
+            plan.add(SetAttr(model, "forward", InstanceMethod(model, forward)), lines[0])
+            for head in heads.values():
+                if not is_tigon(own_forward(head)):
+                    _plan_head(plan, head, lines[1] + " (PEFT modules_to_save: the active copy's)")
+            return
         # A tensor-parallel head (transformers' colwise plans): its weight a DTensor split by classes,
         # and on the instance the forward that gathers its logits, kept for the logits path.
         parallel_head = type(lm_head) is nn.Linear and loss_forward.vocab_parallel_head(lm_head)
         _check_head(model, lm_head, family, classes, parallel_head)
-        forward = Recipe(loss_forward.causal_lm_forward, (family, classes.causal_lm, classes.model))
         plan.add(SetAttr(model, "forward", InstanceMethod(model, forward)), lines[0])
         if parallel_head and own_forward(lm_head) is not None:
             plan.add(SetAttr(lm_head, loss_forward.LOGITS_FORWARD, own_forward(lm_head)))
-        plan.add(SetAttr(lm_head, "forward", InstanceMethod(lm_head, loss_forward.linear_or_fused_loss)), lines[1])
-        plan.add(SetAttr(lm_head, loss_forward.TAKES_TARGET, True))
+        _plan_head(plan, lm_head, lines[1])
     elif switches["cross_entropy"]:
         if is_tigon(loss_function):
             return

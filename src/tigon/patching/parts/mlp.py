@@ -18,6 +18,7 @@ import functools
 import torch.nn.functional as F
 from torch import nn
 
+from tigon.nn.lora import adapter_lines
 from tigon.patching.instance_methods import InstanceMethod, Recipe
 from tigon.patching.parts import Part
 from tigon.patching.patch_handle import SetAttr, SwapModule
@@ -154,6 +155,8 @@ def _plan_split_mlps(plan, root, family, classes):
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         line = f"{classes.mlp.__name__} -> tigon.nn.{module_cls.__name__}({args})"
         plan.add(SwapModule(old, new, places), line)
+        for lora_line in adapter_lines(dict(zip(PROJECTIONS, projections, strict=True)), "MLP"):
+            plan.note(lora_line)
 
 
 def _plan_fused_mlps(plan, root, family, classes):
