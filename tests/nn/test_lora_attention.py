@@ -1,0 +1,137 @@
+"""LoRA adapters inside the attention node (tigon.nn.attention.AttentionNode, module docs "LoRA"): q, k, v and
+o each ``x Wᵀ + b + s·(x Aᵀ) Bᵀ`` (PEFT's LoRA linear), the rotary, sdpa and o_proj, against the same attention
+in float64 from PEFT's formula (tigon.nn.lora.lora_linear_reference): output, input gradient, every adapter's
+dA and dB and the base weights' gradients. Called directly on the CPU (flash attention, the rotary under the
+interpreter), in fp32 and in bf16; on the GPU in bf16 at a real-ish shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import assert_close, stride0_like
+from tigon.nn.attention import ATTENTION_NODE
+from tigon.nn.lora import lora_linear_reference
+
+NAMES = ("q", "k", "v", "o")
+
+
+def _rotate_half(t):
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+def _tensors(device, dtype, ranks, *, batch=2, seq=11, heads=4, kv_heads=2, head_dim=8, hidden=24, bias=True,
+             seed=0):
+    """Input (non-contiguous), cos/sin, base weights (biases on q, k, v), adapters of the projections whose rank is
+    not None (fp32, as PEFT keeps them), scalings."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dt)
+
+    x = rand(batch, hidden * 2, seq).transpose(1, 2)[..., ::2]                         # (B, T, H), non-contiguous
+    positions = torch.arange(seq, dtype=torch.float64)[:, None]
+    angles = positions / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.cat((angles, angles), dim=-1)[None]                               # (1, T, D)
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    outs = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim, "o": hidden}
+    ins = {"q": hidden, "k": hidden, "v": hidden, "o": heads * head_dim}
+    base, adapters = {}, {}
+    for name in NAMES:
+        base[name] = (rand(outs[name], ins[name], scale=ins[name] ** -0.5),
+                      rand(outs[name], scale=0.1) if bias and name != "o" else None)
+        r = ranks[name]
+        adapters[name] = (None, None) if r is None else (
+            rand(r, ins[name], scale=ins[name] ** -0.5, dt=torch.float32), rand(outs[name], r, scale=0.3,
+                                                                             dt=torch.float32))
+    return x, cos, sin, base, adapters, (heads, kv_heads, head_dim, head_dim ** -0.5)
+
+
+def _reference(x, cos, sin, base, adapters, scalings, shape):
+    """PEFT's LoRA linears around transformers' attention (rotate-half rotary, causal sdpa with grouped heads)."""
+    heads, kv_heads, head_dim, scale = shape
+    batch, seq = x.shape[:2]
+
+    def project(name, z):
+        return lora_linear_reference(z, *base[name], *adapters[name], scalings[NAMES.index(name)])
+
+    q, k, v = (project(n, x).view(batch, seq, -1, head_dim).transpose(1, 2) for n in "qkv")
+    cos, sin = cos[:, None], sin[:, None]
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=kv_heads != heads)
+    return project("o", a.transpose(1, 2).reshape(batch, seq, heads * head_dim))
+
+
+def _node(x, cos, sin, base, adapters, scalings, shape, dtype):
+    params = [t for name in NAMES for t in base[name]]
+    lora = [t for name in NAMES for t in adapters[name]]
+    return ATTENTION_NODE(x, cos, sin, None, dtype, shape, *params, None, None, None, *lora, scalings)
+
+
+def _leaves(tensors):
+    return [t.detach().requires_grad_() if t is not None else None for t in tensors]
+
+
+CASES = {  # ranks of q, k, v, o (None: no adapter), scalings (α/r, or α/√r with rsLoRA)
+    "r1-all": ({"q": 1, "k": 1, "v": 1, "o": 1}, (8.0, 8.0, 8.0, 8.0)),
+    "r5-rslora": ({"q": 5, "k": 5, "v": 5, "o": 5}, (8 / 5 ** 0.5,) * 4),
+    "r16-q-v-only": ({"q": 16, "k": None, "v": 16, "o": None}, (0.5, 0.0, 0.5, 0.0)),
+    "mixed-ranks-k-o": ({"q": None, "k": 3, "v": None, "o": 7}, (0.0, 2.0, 0.0, 1.5)),
+}
+
+
+def _check(device, dtype, ranks, scalings, trainable_base, **sizes):
+    x, cos, sin, base, adapters, shape = _tensors(device, dtype, ranks, **sizes)
+    results = []
+    for precision in (dtype, torch.float64):
+        # the reference reads the adapters as the node does: cast to the compute dtype (its one rounding of them)
+        cast = (lambda t: t) if precision == dtype else (lambda t: None if t is None else t.to(dtype).double())
+        leaf_x = cast(x).detach().requires_grad_()
+        leaf_base = {n: _leaves(map(cast, base[n])) if trainable_base else [cast(t) for t in base[n]] for n in NAMES}
+        leaf_adapters = {n: _leaves(map(cast, adapters[n])) for n in NAMES}
+        c, s = cast(cos), cast(sin)
+        if precision == dtype:
+            y = _node(leaf_x, c, s, leaf_base, leaf_adapters, scalings, shape, dtype)
+            grad = stride0_like(y) if ranks["o"] is None else torch.randn_like(y)
+        else:
+            y = _reference(leaf_x, c, s, leaf_base, leaf_adapters, scalings, shape)
+        y.backward(grad.to(y.dtype))
+        named = {"x": leaf_x, **{f"{n}.lora_{ab}": t for n in NAMES for ab, t in zip("AB", leaf_adapters[n])},
+                 **{f"{n}.{wb}": t for n in NAMES for wb, t in zip(("weight", "bias"), leaf_base[n])}}
+        results.append((y, {k: t.grad for k, t in named.items() if t is not None and t.requires_grad}))
+    (y, got), (y_ref, want) = results
+    assert_close(y, y_ref, dtype, "output")
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        assert got[name].dtype == (torch.float32 if "lora" in name else dtype), name
+        assert_close(got[name], g, dtype, name)
+    assert {n for n in got if "lora" in n} == {f"{n}.lora_{ab}" for n in NAMES if ranks[n] is not None for ab in "AB"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_fp32_adapters_against_fp64_peft_formula(case):
+    ranks, scalings = CASES[case]
+    _check("cpu", torch.float32, ranks, scalings, trainable_base=case == "r5-rslora")
+
+
+def test_cpu_bf16_fp32_adapters_cast_by_the_node():
+    ranks, scalings = CASES["r5-rslora"]
+    _check("cpu", torch.bfloat16, ranks, scalings, trainable_base=True, bias=False)
+
+
+def test_no_adapters_is_the_node_without_lora():
+    """All adapters None: the same values as the node called without the LoRA arguments."""
+    x, cos, sin, base, adapters, shape = _tensors("cpu", torch.float32, dict.fromkeys(NAMES))
+    params = [t for name in NAMES for t in base[name]]
+    y = _node(x, cos, sin, base, adapters, (0.0,) * 4, shape, torch.float32)
+    assert torch.equal(y, ATTENTION_NODE(x, cos, sin, None, torch.float32, shape, *params, None, None, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["r5-rslora", "r16-q-v-only"])
+def test_gpu_bf16_adapters_against_fp64_peft_formula(case):
+    ranks, scalings = CASES[case]
+    _check("cuda", torch.bfloat16, ranks, scalings, trainable_base=True, batch=2, seq=512, heads=16, kv_heads=4,
+           head_dim=64, hidden=1024)
