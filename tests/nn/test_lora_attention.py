@@ -98,8 +98,10 @@ def _check(device, dtype, ranks, scalings, trainable_base, **sizes):
         else:
             y = _reference(leaf_x, c, s, leaf_base, leaf_adapters, scalings, shape)
         y.backward(grad.to(y.dtype))
-        named = {"x": leaf_x, **{f"{n}.lora_{ab}": t for n in NAMES for ab, t in zip("AB", leaf_adapters[n])},
-                 **{f"{n}.{wb}": t for n in NAMES for wb, t in zip(("weight", "bias"), leaf_base[n])}}
+        named = {"x": leaf_x}
+        for n in NAMES:
+            named.update({f"{n}.lora_{ab}": t for ab, t in zip("AB", leaf_adapters[n], strict=True)})
+            named.update({f"{n}.{wb}": t for wb, t in zip(("weight", "bias"), leaf_base[n], strict=True)})
         results.append((y, {k: t.grad for k, t in named.items() if t is not None and t.requires_grad}))
     (y, got), (y_ref, want) = results
     assert_close(y, y_ref, dtype, "output")
