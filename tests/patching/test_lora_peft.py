@@ -98,8 +98,10 @@ def test_attention_adapters_inside_the_node_match_peft(case, order, node_calls):
     assert {n.split("lora_")[-1].split(".")[0] for n in got} == {"A", "B"}
     if order == "patch_after_wrap":
         fused = "/".join(t for t in ATTENTION if t in targets)
-        assert any(line.startswith(f"LoRA adapters (r={r}) of {fused} run inside the attention node")
-                   for line in handle.replaced), handle.replaced
+        assert f"LoRA adapters (r={r}) of {fused} run inside the attention node (2 modules)" in handle.replaced
+        if targets is ALL:
+            assert f"LoRA adapters (r={r}) of gate_proj/up_proj/down_proj run inside the MLP node (2 modules)" \
+                in handle.replaced
 
 
 def test_trainable_base_weights_get_their_gradients(node_calls):
@@ -129,6 +131,7 @@ def test_unfusable_adapters_keep_peft_forward(kind, node_calls):
     patched = lora(base, 4, ATTENTION, **extras)
     handle = tigon.patch(patched)
     assert f"q_proj: PEFT's forward ({reason}); the attention runs its own forward (2 modules)" in handle.replaced
+    assert not any(line.startswith("LoRA adapters") for line in handle.replaced)
     torch.manual_seed(7)
     loss_stock, want = step(stock)
     torch.manual_seed(7)
@@ -206,17 +209,18 @@ def _plain(model):
         assert not any(name == "forward" or name.startswith("_tigon") for name in vars(module)), type(module)
 
 
-@pytest.mark.parametrize("order", ["patch_after_wrap", "patch_before_wrap"])
-def test_merge_and_unload_returns_a_plain_transformers_model(order):
+@pytest.mark.parametrize("order,extras", [("patch_after_wrap", {}), ("patch_before_wrap", {}),
+                                          ("patch_after_wrap", {"modules_to_save": ["lm_head"]})])
+def test_merge_and_unload_returns_a_plain_transformers_model(order, extras):
     from transformers import LlamaForCausalLM
 
     base = base_model()
     if order == "patch_after_wrap":
-        patched = lora(base, 4, ALL)
+        patched = lora(base, 4, ALL, **extras)
         handle = tigon.patch(patched)
     else:
         handle = tigon.patch(base)
-        patched = lora(base, 4, ALL)
+        patched = lora(base, 4, ALL, **extras)
     train(patched, 2)
     patched.eval()
     ids, _ = batch(4)

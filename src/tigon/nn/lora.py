@@ -178,11 +178,11 @@ def lora_projections(modules) -> tuple | str:
     return tuple(out)
 
 
-def adapter_lines(modules, node: str) -> list:
+def adapter_lines(modules, node: str, fallback: str) -> list:
     """For ``Patch.replaced``: which of ``modules`` (a dict: name -> module of one attention or MLP) are
     PEFT LoRA linears whose adapters run inside the ``node`` node, and for each that cannot, why (its
-    PEFT forward runs, and with it the module's own forward). What holds at patch time: the node reads
-    the layers again at every call."""
+    PEFT forward runs; ``fallback`` says what the module does then). What holds at patch time: the node
+    reads the layers again at every call."""
     lora_cls = _peft_lora_linear()
     if lora_cls is None:
         return []
@@ -192,7 +192,7 @@ def adapter_lines(modules, node: str) -> list:
             continue
         projection = lora_projection(module)
         if isinstance(projection, str):
-            lines.append(f"{name}: PEFT's forward ({projection}); the {node} runs its own forward")
+            lines.append(f"{name}: PEFT's forward ({projection}); {fallback}")
         elif projection.lora_a is not None:
             fused.append(name)
             ranks.append(projection.lora_a.shape[0])

@@ -86,7 +86,7 @@ def _plan_rope(plan, root, family, classes, *, fused=None):
         if fused is not None:
             plan.note(fused_attention_line(classes))
             for lora_line in adapter_lines({name: old._modules.get(name) for name in fused_attention.PROJECTIONS},
-                                           "attention"):
+                                           "attention", "the attention runs its own forward"):
                 plan.note(lora_line)
 
 

@@ -155,7 +155,8 @@ def _plan_split_mlps(plan, root, family, classes):
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         line = f"{classes.mlp.__name__} -> tigon.nn.{module_cls.__name__}({args})"
         plan.add(SwapModule(old, new, places), line)
-        for lora_line in adapter_lines(dict(zip(PROJECTIONS, projections, strict=True)), "MLP"):
+        for lora_line in adapter_lines(dict(zip(PROJECTIONS, projections, strict=True)), "MLP",
+                                       "the MLP fuses only its activation"):
             plan.note(lora_line)
 
 
