@@ -253,11 +253,14 @@ class AttentionNode(torch.autograd.Function):
         which = tuple(i for i, (lora_a, _) in enumerate(lora) if lora_a is not None)  # q, k, v with adapters
         qkv_adapters = o_adapters = u_qkv = u_o = None
         if which:  # before the rotary, which reads q and k with their deltas
-            qkv_adapters, _ = cast_adapters([lora[i][0] for i in which], [lora[i][1] for i in which],
-                                            [scalings[i] for i in which], dtype)
+            qkv_adapters, (o_cast_a, o_cast_b) = cast_adapters(                          # one launch, o's with them
+                [lora[i][0] for i in which], [lora[i][1] for i in which], [scalings[i] for i in which], dtype,
+                (o_lora_a, o_lora_b))
             outs = qkv.view(batch * seq, -1).split_with_sizes(widths, dim=1)   # (M, O_p) column views
             u_qkv = adapters_forward(cast.reshape(-1, cast.shape[-1]), qkv_adapters, [outs[i] for i in which])
-        if o_lora_a is not None:
+            if o_cast_a is not None:
+                o_adapters = Adapters(o_cast_a, (o_cast_b,), (o_cast_a.shape[0],), (scalings[3],))
+        elif o_lora_a is not None:
             o_adapters, _ = cast_adapters([o_lora_a], [o_lora_b], [scalings[3]], dtype)
         q, k, v = qkv.split_with_sizes((heads, kv_heads, kv_heads), dim=2)     # (B, T, H, D) views
         if cos is not None:                                                     # a layer with a rotary
