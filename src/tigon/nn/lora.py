@@ -16,7 +16,8 @@ What cannot be exact keeps PEFT's forward (the reason says which): dropout with 
 (PEFT's mask is drawn from the RNG inside its forward); DoRA and the other LoRA variants (their own
 forwards); several active adapters; ``lora_bias``; adapters both merged and disabled (PEFT's forward
 unmerges them then); a base layer that is not a plain ``nn.Linear`` (bitsandbytes 4-bit, a
-quantised or tensor-parallel linear); hooks on the layer or its parts (ZeRO-3's parameter gathering,
+quantised or tensor-parallel linear; tigon's shared-cast forward on it, where PEFT wrapped a patched
+model's projection, is the same product and counts as plain); hooks on the layer or its parts (ZeRO-3's parameter gathering,
 PEFT's mixed-batch ``adapter_names`` hook), which only PEFT's forward runs. Where PEFT's forward is
 the base layer's alone, the projection is the base: adapters disabled (``disable_adapter()``),
 merged into the base weight, or no active adapter on this layer.
