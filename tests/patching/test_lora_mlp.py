@@ -71,10 +71,9 @@ def test_lora_training_matches_peft(order):
 def test_merge_and_unload_of_patched_trained_model():
     """``merge_and_unload()`` of the patched, trained PeftModel is the transformers model (LlamaForCausalLM)
     with the adapters merged into its base weights, a stock checkpoint's state_dict keys, and forward equal
-    to the PEFT model's. It still holds
-    tigon's modules (the patch's swaps stand) until the patch's handle is reverted, which hands the merged
-    projections back to transformers' modules: then nothing of tigon or PEFT is left, and the forward is
-    the same."""
+    to the PEFT model's: nothing of tigon or PEFT is left in it (merging reverts the patch of a patched
+    PeftModel, handing the merged projections back to transformers' modules); reverting the handle after
+    that changes nothing."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -91,8 +90,9 @@ def test_merge_and_unload_of_patched_trained_model():
     assert merged.state_dict().keys() == tiny_model("llama").state_dict().keys()  # a stock checkpoint's keys
     with torch.no_grad():
         assert rel(merged(input_ids=ids).logits, want) <= 1e-5
-    handle.revert()
     modules = {type(m).__module__.split(".")[0] for m in merged.modules()}
+    assert modules == {"transformers", "torch"}
+    handle.revert()
     assert modules == {"transformers", "torch"}
     with torch.no_grad():
         assert rel(merged(input_ids=ids).logits, want) <= 1e-5
