@@ -8,6 +8,8 @@ importable from here for code written against the former layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -61,6 +63,22 @@ def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | No
         f"{name} is on {t_device}: tigon kernels need CUDA tensors "
         "(CPU tensors only under the Triton interpreter, TRITON_INTERPRET=1)"
     )
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts matmul operands to on ``device``, or None where it is off
+    (or where the device has no autocast: meta tensors)."""
+    device_type = device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def autocast_off(device: torch.device):
+    """``torch.autocast(device.type, enabled=False)``; nothing on a device without autocast (meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 # cuBLAS can write a bf16/fp16 product into an fp32 output (and accumulate into it) directly:

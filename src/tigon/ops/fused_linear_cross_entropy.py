@@ -93,7 +93,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon.ops._common import check_tensor
+from tigon.ops._common import autocast_dtype, autocast_off, check_tensor
 from tigon.ops._loss_grad import RangeCheck, apply_grad_output
 from tigon.ops._matmul import matmul_accumulate
 from tigon.ops._softmax_rows import REDUCTION_SCALES
@@ -502,7 +502,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         reduction, z_loss, softcap, logit_scale, compute_dtype, need_input, need_weight, need_bias,
     ):
         opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, logit_scale)
-        with torch.autocast(input.device.type, enabled=False):
+        with autocast_off(input.device):
             return FusedLinearCrossEntropyFunction._forward(
                 ctx, input, linear_weight, linear_bias, target, weight, scales, reduction, opts,
                 compute_dtype, (need_input, need_weight, need_bias),
@@ -547,7 +547,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        with torch.autocast(grad_loss.device.type, enabled=False):
+        with autocast_off(grad_loss.device):
             return FusedLinearCrossEntropyFunction._backward(ctx, grad_loss)
 
     @staticmethod
@@ -576,9 +576,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _compute_dtype(input, linear_weight, linear_bias):
-    device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
+    autocast = autocast_dtype(input.device)
+    if autocast is not None:
+        return autocast
     for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
         if t is not None and t.dtype != input.dtype:
             raise TypeError(

@@ -89,6 +89,7 @@ from tigon.ops._common import (
     HAS_MM_OUT_DTYPE,
     TigonOp,
     as_fp32,
+    autocast_off,
     fast_exp,
     matmul_accumulate,
     persistent_programs,
@@ -638,7 +639,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         opts = _Options.make(ignore_index, temperature, softcap, logit_scale, entropy, extras)
         launch = (block_v, num_warps)
         chunk, tile_forward_chunk, _ = chunks
-        with torch.autocast(input.device.type, enabled=False):
+        with autocast_off(input.device):
             x, w, b = _compute_operands(input, linear_weight, linear_bias, compute_dtype)
             t = target.reshape(-1)
             x_tiles = _tile_operand(x, w, tiles)
@@ -669,7 +670,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         input, linear_weight, linear_bias, target, lse, ent = ctx.saved_tensors
         if not ctx.opts.entropy:
             grad_entropy = None
-        with torch.autocast(input.device.type, enabled=False):
+        with autocast_off(input.device):
             x, w, b = _compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)
             t = target.reshape(-1)
             g_lp = grad_logprobs.reshape(-1) if grad_logprobs is not None else None

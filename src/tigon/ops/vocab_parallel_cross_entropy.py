@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tigon.ops._common import check_tensor
+from tigon.ops._common import autocast_off, check_tensor
 from tigon.ops._loss_grad import RangeCheck, SavedGradientsFunction
 from tigon.ops._matmul import matmul_accumulate
 from tigon.ops._softmax_rows import REDUCTION_SCALES
@@ -209,7 +209,7 @@ def vocab_parallel_cross_entropy(
     need = (grad_on and input.requires_grad, grad_on and weight_shard.requires_grad,
             grad_on and bias_shard is not None and bias_shard.requires_grad)
     # The gradients are made with the loss; the autograd node only brings them to grad_output.
-    with torch.no_grad(), torch.autocast(input.device.type, enabled=False):
+    with torch.no_grad(), autocast_off(input.device):
         x, w, b = _compute_operands(input, weight_shard, bias_shard, compute_dtype)
         grad_dtypes = (input.dtype, weight_shard.dtype, bias_shard.dtype if bias_shard is not None else None)
         loss_rows, dx, dw, db = _sharded_by_tokens(
