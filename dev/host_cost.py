@@ -49,13 +49,13 @@ import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # kernels must be JITFunctions, as on the GPU
 
+import tigon.ops._common as common  # noqa: E402
+import tigon.ops._launch as launch  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import tigon  # noqa: E402
-import tigon.ops._common as common  # noqa: E402
-import tigon.ops._launch as launch  # noqa: E402
 from tigon.patching import fused_attention, shared_cast  # noqa: E402
 
 # Widths small enough that even the CPU's bf16 matmuls cost next to nothing (oneDNN: ~12 µs for
@@ -93,7 +93,7 @@ def stub_gpu() -> None:
     shared_cast.STACKED_DEVICES = ("cuda", "cpu")   # q/k/v stacked, as on the GPU
     fused_attention.DEVICES = ("cuda", "cpu")       # the attention as one node, as on the GPU
     # The loss's target range check reads a flag a (stubbed) kernel wrote: clear the garbage first.
-    from tigon.ops._loss_grad import RangeCheck
+    from tigon._kernels import RangeCheck
 
     raise_if_bad = RangeCheck.raise_if_bad
 

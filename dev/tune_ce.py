@@ -30,11 +30,10 @@ import time
 
 import torch
 
+from tigon._kernels import REDUCTION_SCALES, next_power_of_2, row_launch
 from tigon.bench.harness import copy_bandwidth, gpu_time
 from tigon.bench.specs.cross_entropy import IGNORED_EVERY
-from tigon.ops._launch import next_power_of_2
-from tigon.ops._softmax_rows import REDUCTION_SCALES
-from tigon.ops.cross_entropy import CONFIG, launch_cross_entropy_rows, row_launch
+from tigon.ops.cross_entropy import CONFIG, launch_cross_entropy_rows
 
 DEVICE = "cuda"
 TOKENS = 8192

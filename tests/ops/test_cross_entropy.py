@@ -25,12 +25,14 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops import _softmax_rows, _vocab_chunks
-from tigon.ops._launch import persistent_programs
-from tigon.ops.cross_entropy import CONFIG, cross_entropy, cross_entropy_reference
+from tigon._kernels import persistent_programs
+from tigon._kernels import softmax_rows as _softmax_rows
+from tigon._kernels import vocab_chunks as _vocab_chunks
+from tigon._kernels.cross_entropy_launch import CONFIG
+from tigon.ops.cross_entropy import cross_entropy, cross_entropy_reference
 
 # The module itself (``tigon.ops.cross_entropy`` the attribute is the function): its launch config.
-ce_module = importlib.import_module("tigon.ops.cross_entropy")
+ce_module = importlib.import_module("tigon._kernels.cross_entropy_launch")  # the row kernels' CONFIG
 MAX_SINGLE_BLOCK_V = CONFIG.max_single_block_v
 MAX_SINGLE_BLOCK_V_SOFTCAP = CONFIG.max_single_block_v_softcap
 

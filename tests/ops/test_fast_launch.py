@@ -17,8 +17,9 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton import knobs
 
-from tigon.ops import _launch
-from tigon.ops._launch import FastLaunch, _direct_launch, wrap_triton
+from tigon._kernels import FastLaunch, wrap_triton
+from tigon._kernels import launch as _launch
+from tigon._kernels.launch import _direct_launch
 
 
 def _signature(x_ptr, y_ptr, n, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = "a"):

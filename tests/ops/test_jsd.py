@@ -18,7 +18,7 @@ from tests.helpers import (
     noncontiguous,
     randn,
 )
-from tigon.ops._tiles import CONFIG as TILE_CONFIG
+from tigon._kernels.elementwise_tiles import CONFIG as TILE_CONFIG
 from tigon.ops.jsd import jsd, jsd_reference
 
 pytestmark = [

@@ -19,7 +19,7 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops._tiles import CONFIG as TILE_CONFIG
+from tigon._kernels.elementwise_tiles import CONFIG as TILE_CONFIG
 from tigon.ops.kl_div import REDUCTIONS, kl_div, kl_div_reference
 
 TILE_ELEMENTS = TILE_CONFIG.tile_elements

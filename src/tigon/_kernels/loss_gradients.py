@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import autocast_off
-from tigon.ops._launch import TigonOp, next_power_of_2, wrap_triton
+from tigon._kernels.inputs import autocast_off
+from tigon._kernels.launch import TigonOp, next_power_of_2, wrap_triton
 
 # The row-scaling kernel: one program per row, this many elements per load round.
 SCALE_ROWS_BLOCK = 4096

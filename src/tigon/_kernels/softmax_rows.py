@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import LOG2E, copysign_nonnegative, fast_exp, fast_reciprocal, reciprocal_1_to_2
-from tigon.ops._launch import TigonOp, persistent_programs, wrap_triton
+from tigon._kernels.fp32_math import LOG2E, copysign_nonnegative, fast_exp, fast_reciprocal, reciprocal_1_to_2
+from tigon._kernels.launch import TigonOp, persistent_programs, wrap_triton
 
 # Softcapped rows take κ as their fixed softmax shift up to this κ: 2κ·log2(e) = 115 < 126, so
 # e^(z − κ) never leaves fp32's normal range (the smallest term, e^(−2κ), flushes to 0 past κ ≈ 43.6).

@@ -45,10 +45,20 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32, autocast_dtype, check_tensor
-from tigon.ops._divergence_rows import beta_mode, check_labels, jsd_terms, rows_counted
-from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
-from tigon.ops._loss_grad import apply_grad_output
+from tigon._kernels import (
+    TigonOp,
+    apply_grad_output,
+    as_fp32,
+    autocast_dtype,
+    beta_mode,
+    cdiv,
+    check_labels,
+    check_tensor,
+    jsd_terms,
+    next_power_of_2,
+    rows_counted,
+    wrap_triton,
+)
 from tigon.ops.jsd import check_beta, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel

@@ -37,7 +37,7 @@ reduced over the rows once per band, c1 and c2 may share one reduction, and how 
 loads are kept in flight is a setting (registers, or Triton's pipeliner through shared memory).
 :class:`LayerNormConfig` holds every setting of this regime, forward and backward (dev/tune_norm.py
 ``fused-ln`` sweeps them; docs/tuning.md says why the defaults). Longer rows take RMSNorm's
-geometry (:func:`norm_launch`, :func:`norm_backward_launch`, rmsnorm.py's docstring): in the
+geometry (:func:`norm_launch`, :func:`norm_backward_launch`, rms_norm.py's docstring): in the
 backward, split rows up to 65536 (each program a slice, c1 and c2 swapped between the slices'
 programs), streamed beyond; the forward streams past 32768 with Chan's merge.
 
@@ -67,24 +67,32 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32, as_rows, check_tensor
-from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, persistent_programs, wrap_triton
-from tigon.ops._norm_rows import (
+from tigon._kernels import (
     NormBackwardLaunch,
     NormLaunch,
+    TigonOp,
     accumulate_partial,
     add_parts,
+    as_fp32,
+    as_rows,
+    cache_by_size,
+    cdiv,
+    check_tensor,
     exchange_row_sums,
     grad_tile,
     lacking_part,
     load_grad_rows,
+    next_power_of_2,
+    norm_backward_launch,
+    norm_launch,
     part_chunks,
+    persistent_programs,
     publish_part_sums,
     read_row_sums,
     split_rows_scratch,
     sum_partial_rows,
+    wrap_triton,
 )
-from tigon.ops.rmsnorm import norm_backward_launch, norm_launch
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -426,7 +434,7 @@ class LayerNormConfig:
     docs/tuning.md, "norms").
 
     Where that stops (``max_fused_hidden``) and the split and streamed geometry are RMSNorm's
-    (``rmsnorm.CONFIG``): the regimes are the same for both ops.
+    (``tigon._kernels.RMS_NORM_CONFIG``): the regimes are the same for both ops.
 
     fwd_tile_elements: the forward program's [rows, N] tile aims at this many elements (rows =
       tile / next_power_of_2(N), at least 1): several short rows per program.

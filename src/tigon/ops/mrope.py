@@ -54,9 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import TigonOp, cdiv, wrap_triton
-from tigon.ops._rotary import (
+from tigon._kernels import (
+    TigonOp,
     bhtd_strides,
+    cdiv,
     check_qk,
     check_rot_dim,
     copy_tile,
@@ -67,6 +68,7 @@ from tigon.ops._rotary import (
     q_or_k,
     store_rotation,
     token_tile_rows,
+    wrap_triton,
 )
 from tigon.ops.rope import CONFIG as ROPE_CONFIG
 from tigon.ops.rope import RopeConfig, rope_launch, rope_reference

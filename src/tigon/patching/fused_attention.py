@@ -64,8 +64,7 @@ from torch import nn
 from torch._C import _len_torch_dispatch_stack
 from torch.nn.modules import module as _module
 
-from tigon.ops._launch import function_apply
-from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
+from tigon._kernels import cast_stacked, function_apply, matmul_to, sum_rows_to
 from tigon.ops.rope import rope_into
 from tigon.patching import joins, sliding_window
 from tigon.patching.joins import CACHE_NAMES

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._launch import function_apply
+from tigon._kernels import function_apply
 
 # transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision attention forward, 5.17 to 5.24 (the three are
 # one text); tigon's forward below computes what it computes.
