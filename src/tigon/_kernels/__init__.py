@@ -25,7 +25,6 @@ every other package imports from here. Each module says what it holds:
 """
 
 from tigon._kernels.add_round_matmul import (
-    DEFAULT_CONFIG,
     SUM_ROUND,
     SumRoundConfig,
     sum_round,
@@ -252,7 +251,7 @@ from tigon._kernels.vocab_chunks import (
 )
 
 __all__ = [
-    "COMBINE_BLOCK_P", "COMBINE_BLOCK_R", "CrossEntropyConfig", "DEFAULT_CONFIG", "EVICT_FIRST", "EVICT_LAST",
+    "COMBINE_BLOCK_P", "COMBINE_BLOCK_R", "CrossEntropyConfig", "EVICT_FIRST", "EVICT_LAST",
     "EVICT_NORMAL", "FLOAT_DTYPES", "FORWARD_KL", "FastLaunch", "GRAD", "HAS_MM_OUT_DTYPE", "INDEX_DTYPES",
     "INTERPRETER_PROGRAMS", "LOG2E", "LOGPROB_CHUNK_GRAD", "LOGPROB_CHUNK_GRAD_INPLACE",
     "LOGPROB_CHUNK_STATS", "LogprobOptions", "LossOptions", "MAX_SHIFT_SOFTCAP", "MIXED",

@@ -14,6 +14,8 @@ from tigon._kernels.inputs import autocast_dtype
 
 
 def head_compute_dtype(input, linear_weight, linear_bias):
+    """The dtype the head's matmul runs in: autocast's where it is on (as F.linear casts), else the
+    input's, which the weight and bias must share (TypeError naming the one that does not)."""
     autocast = autocast_dtype(input.device)
     if autocast is not None:
         return autocast
@@ -34,16 +36,19 @@ def compute_operands(input, linear_weight, linear_bias, compute_dtype):
 
 
 def class_chunks(vocab, chunk):
+    """(start, end) of each chunk of ``chunk`` classes (the last one what remains)."""
     return [(c0, min(vocab, c0 + chunk)) for c0 in range(0, vocab, chunk)]
 
 
 def chunk_buffer(numel, dtype, device):
+    """A buffer every chunk reuses in eager mode; None under torch.compile, which plans its own."""
     if torch.compiler.is_compiling():
         return None
     return torch.empty(numel, dtype=dtype, device=device)
 
 
 def chunk_view(buffer, rows, cols):
+    """The first rows·cols elements of ``buffer`` as a (rows, cols) chunk (None without a buffer)."""
     return None if buffer is None else buffer[: rows * cols].view(rows, cols)
 
 
@@ -59,6 +64,8 @@ def linear_into(x, w, b, out):
 
 @dataclass(frozen=True)
 class LossOptions:
+    """cross_entropy's options as the vocabulary-chunk kernels take them (``args()``, in their order)."""
+
     ignore_index: int
     label_smoothing: float
     z_loss: float

@@ -37,7 +37,8 @@ absent). With p = softmax(z)::
 The forward keeps only lse (and Hent when asked) per token; the backward recomputes each chunk of
 logits (arbitrary upstream gradients cannot be folded into the forward), turns it into dl by one
 kernel (written in the matmul dtype: in place for fp32, into a second buffer otherwise) and feeds it
-to the two gradient matmuls before the next chunk is made.
+to the two gradient matmuls before the next chunk is made. The chunk kernels and their torch ops (the
+row path) are in ``tigon._kernels.logprob_rows``, which the single-pass losses run too.
 
 Chunking (by classes, all N tokens × Vc classes): chunk c's fp32 logits L_c = X·W_cᵀ (one matmul),
 folded into each row's running statistics; the backward makes each again, then dW[c] = dl_cᵀ·X in

@@ -26,7 +26,7 @@ the identity::
 Only ``x``, ``mean`` and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` and ``db`` are reduced
 without atomics: the persistent backward grid cuts the rows into fixed bands, each band accumulates
 its own fp32 partial rows (always in the same order), and one small kernel sums the partials in a
-fixed order and rounds them (_norm_rows.py's :func:`partial_rows_sum_kernel`), so the same input
+fixed order and rounds them (``tigon._kernels.norm_rows``'s :func:`partial_rows_sum_kernel`), so the same input
 gives bitwise the same gradients on every run.
 
 Short rows. Where a row is held in registers (N up to RMSNorm's ``CONFIG.backward.max_fused_hidden``)
@@ -447,7 +447,7 @@ class LayerNormConfig:
       one tile prefetched into registers; k >= 1 = Triton's pipeliner, k − 1 tiles in shared memory.
     bwd_paired_sums: c1's and c2's row sums in one reduction (True) or two (_fused_rows).
     reduce_bands, reduce_cols, reduce_warps: the [bands, columns] tile and warps of the kernel that
-      sums the partial rows (_norm_rows.partial_rows_sum_kernel; also after the streamed backward).
+      sums the partial rows (norm_rows.partial_rows_sum_kernel; also after the streamed backward).
     """
 
     fwd_tile_elements: int = 2048

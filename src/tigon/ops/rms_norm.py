@@ -41,7 +41,8 @@ c needs the whole row before any of dx. Two ways, both in :func:`rms_norm_bwd_ke
   ``stream_*`` settings size the groups, the bands and the split of a band's columns between programs.
 
 The machinery shared with layer_norm and post_norm_join (split-row exchange, partial rows, launch
-geometry) is in ``tigon._kernels.norm_rows``; :class:`RMSNormConfig` holds the settings of both directions.
+geometry) is in ``tigon._kernels.norm_rows``; ``RMSNormConfig`` (``tigon._kernels.norm_launch``, whose
+``CONFIG`` the two others read too) holds the settings of both directions.
 
 Bytes (speed of light), M rows, element size b::
 
