@@ -1,7 +1,7 @@
 """Sweep the norm kernels' launch geometry on a GPU and print the kernel time of each choice.
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into
-``RMSNormConfig`` (forward / backward) in src/tigon/ops/rms_norm.py and ``LayerNormConfig`` in
+``RMSNormConfig`` (forward / backward) in src/tigon/_kernels/norm_launch.py and ``LayerNormConfig`` in
 src/tigon/ops/layer_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
 
     PYTHONPATH=src python3 dev/tune_norm.py                 # every section
@@ -17,7 +17,7 @@ fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of
         shape's winner timed on every shape, and the one setting with the best geomean of % of SOL
         printed as LayerNormTuning fields. About 2 minutes on an H100 (most of it compiling).
 fused:  the same for RMSNorm and add_rms_norm at the short-row shapes 16384x896 and 65536x1024
-        (rms_norm.py's RMSNormConfig forward / backward: tile_elements, elements_per_warp, max_warps,
+        (norm_launch.py's RMSNormConfig forward / backward: tile_elements, elements_per_warp, max_warps,
         programs_per_sm; one setting for both ops, which share them). About 1 minute.
 stream: the streamed backward's knobs (the ``stream_*`` fields and ``chunk``, ``elements_per_warp``)
         for rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: per shape a coordinate
@@ -416,7 +416,7 @@ FUSED_SHAPES = {
     "add_rms_norm": ((16384, 896), (65536, 1024)),
 }
 # Each direction's knobs and their values: layer_norm.py's LayerNormTuning fields, and the fused
-# fields of rms_norm.py's RMSNormConfig forward / backward. Settings that launch the same geometry (e.g. every
+# fields of norm_launch.py's RMSNormConfig forward / backward. Settings that launch the same geometry (e.g. every
 # tile of one row at N = 8192) are timed once.
 LN_SPACE = {
     "fwd": {
@@ -701,7 +701,7 @@ def sweep_fused_ops(bandwidth, ops):
     else:
         for direction, name in (("fwd", "forward"), ("bwd", "backward")):
             fields = ", ".join(f"{k}={v!r}" for k, v in recommended[direction].items())
-            print(f"recommended: rms_norm.py RMSNormConfig.{name} fields {fields}")
+            print(f"recommended: norm_launch.py RMSNormConfig.{name} fields {fields}")
 
 
 def sweep_fused_ln(bandwidth):

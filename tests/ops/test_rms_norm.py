@@ -1,6 +1,6 @@
 """tigon.ops.rms_norm / add_rms_norm against the fp64 transformers-equivalent reference.
 
-Sizes sit on the kernel's regime boundaries (rms_norm.py's launch config): hidden 1 and 7 (tiles
+Sizes sit on the kernel's regime boundaries (RMSNorm's launch config, _kernels/norm_launch.py): hidden 1 and 7 (tiles
 far wider than the row, many rows per program), 96 and 1000 (non-powers of two), 4096 (one tile,
 one row per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385
 (forward streamed too).
@@ -29,7 +29,7 @@ from tests.helpers import (
     repeatable_grads,
     stride0_like,
 )
-from tigon._kernels import RMS_NORM_CONFIG
+from tigon._kernels import RMS_NORM_CONFIG, split_rows_scratch
 from tigon.ops import add_rms_norm, rms_norm
 from tigon.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
 
@@ -53,7 +53,7 @@ STREAM_CASES = {
 def set_tuning(monkeypatch, *, forward=None, backward=None):
     """Make the norms launch with these direction settings (RMSNormConfig fields) for the test."""
     config = RMS_MODULE.CONFIG
-    monkeypatch.setattr(RMS_MODULE, "RMS_NORM_CONFIG", dataclasses.replace(
+    monkeypatch.setattr(RMS_MODULE, "CONFIG", dataclasses.replace(
         config, forward=forward or config.forward, backward=backward or config.backward,
     ))
 
@@ -347,7 +347,7 @@ def test_rms_norm_split_rows(monkeypatch, dtype, case):
     use_split_tuning(monkeypatch)
     cfg = RMS_MODULE.norm_backward_launch(rows, hidden, torch.device(DEVICE))
     assert cfg.single_pass and cfg.split == -(-hidden // 16) and cfg.parts_block >= cfg.split
-    assert RMS_MODULE.forward_launch(rows, hidden)[1] == cfg.split
+    assert RMS_MODULE.rms_norm_forward_launch(rows, hidden)[1] == cfg.split
     x = randn(rows, hidden, dtype=dtype, requires_grad=True)
     w = randn(hidden, dtype=dtype, requires_grad=True)
     check_rms_norm(x, w, randn(rows, hidden, dtype=dtype))
@@ -674,13 +674,13 @@ def test_stand_in_scratch_never_crosses_fake_and_real():
 
     device = torch.device(DEVICE)
     with FakeTensorMode():
-        traced, traced2, _, _ = RMS_MODULE.split_rows_scratch(1, 4, 1, device)
+        traced, traced2, _, _ = split_rows_scratch(1, 4, 1, device)
         assert isinstance(traced, FakeTensor) and traced2 is traced
-    real, _, _, _ = RMS_MODULE.split_rows_scratch(1, 4, 1, device)
+    real, _, _, _ = split_rows_scratch(1, 4, 1, device)
     assert not isinstance(real, FakeTensor)
-    assert RMS_MODULE.split_rows_scratch(1, 4, 1, device)[0] is real  # cached
+    assert split_rows_scratch(1, 4, 1, device)[0] is real  # cached
     with FakeTensorMode():
-        assert isinstance(RMS_MODULE.split_rows_scratch(1, 4, 1, device)[0], FakeTensor)
+        assert isinstance(split_rows_scratch(1, 4, 1, device)[0], FakeTensor)
     x = randn(3, 40, requires_grad=True)
     (dx,) = torch.autograd.grad(rms_norm(x, None, eps=1e-6).sum(), x)  # eager, after the traces
     assert torch.isfinite(dx).all()
