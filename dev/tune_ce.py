@@ -4,7 +4,7 @@
     PYTHONPATH=src python3 dev/tune_ce.py 128256     # only the shapes whose V is named
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults of
-CrossEntropyConfig in src/tigon/ops/cross_entropy.py (and their why into docs/tuning.md). Each
+CrossEntropyConfig in src/tigon/_kernels/cross_entropy_launch.py (and their why into docs/tuning.md). Each
 setting is a CrossEntropyConfig passed to the row launcher. Shapes: N = 8192 tokens in bf16 at
 V = 32000, 128256, 151936 and 256000 with softcap 30, targets as the benchmark draws them (every
 IGNORED_EVERY-th token ignored). Each shape runs a coordinate descent from the shipped config:

@@ -29,7 +29,8 @@ Gradient. With α, β the reduction factors (1/Σ w_y and 1/n for mean, 1 otherw
 
 Everything on the right is known once lse is, so the forward computes the gradient too: pass 1
 reads the row for (m, Σ exp, Σ w·z), pass 2 reads it again and writes ∂loss/∂l. Two regimes, chosen
-by :class:`CrossEntropyConfig` (dev/tune_ce.py sweeps it; docs/tuning.md says why its numbers):
+by ``CrossEntropyConfig`` (``tigon._kernels.cross_entropy_launch``, whose geometry the fused linear
+losses' widest vocabulary chunks share; dev/tune_ce.py sweeps it; docs/tuning.md says why its numbers):
 
 - Registers: a row of at most ``max_single_block_v`` classes (``max_single_block_v_softcap`` with
   softcap, which also keeps ∂z/∂l per element) is loaded at once, all its loads in flight together
