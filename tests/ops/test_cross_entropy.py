@@ -1,10 +1,10 @@
 """tigon.ops.cross_entropy against the fp64 reference (torch's F.cross_entropy plus softcap, scale, z-loss).
 
 Regimes (the row kernels' launch config, _kernels/cross_entropy_launch.py): a row of
-V ≤ max_single_block_v classes is held in registers (read once); a longer one is streamed twice, block by block (V = max_single_block_v + 1
-has a one-element second block, V > 65536 several). Options switch kernel branches (HAS_WEIGHT,
-HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers their full product at a small V and
-the size test runs every branch at once in both regimes.
+V ≤ max_single_block_v classes is held in registers (read once); a longer one is streamed twice, block
+by block (V = max_single_block_v + 1 has a one-element second block, V > 65536 several). Options
+switch kernel branches (HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers
+their full product at a small V and the size test runs every branch at once in both regimes.
 """
 
 import dataclasses
