@@ -78,7 +78,8 @@ longest context at which tigon trains without checkpointing.
 
 Results go to ``benchmarks/results/e2e-<device>-<date>.{json,md,png}`` (``e2e-context-...`` for the
 longest-context mode); the markdown is printed last (without the top-kernel lists, which are in
-the files).
+the files). Each run (but a ``--tiny`` or ``--device cpu`` smoke run) is appended as one line to
+``benchmarks/results/history.jsonl`` (``--history PATH``: another file; ``tigon.bench.history``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tigon.bench import history
 from tigon.bench.models import GPU_BATCH_OVERRIDES, model_config
 
 MODELS = ("llama", "qwen2", "gemma2")
@@ -169,6 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help=f"timed steps (default {STEPS}, --memory-buys-speed "
                         f"{MEMORY_SPEED_STEPS})")
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON, markdown and plot")
+    history.add_argument(parser)
     parser.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per (model, provider)")
     parser.add_argument("--longest-context", action="store_true",
                         help="find the longest trainable sequence at batch 1 instead")
@@ -1026,6 +1029,10 @@ def _colour(provider: str) -> str:
             "tigon+recompute+ckpt": "tab:pink"}[provider]
 
 
+# The history file's name of each mode (tigon.bench.history).
+BENCHMARKS = {"throughput": "e2e", "longest_context": "e2e-context", "memory_speed": "e2e-memory-speed"}
+
+
 def save(result: dict, out_dir: Path, log=print) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = {"longest_context": "e2e-context", "memory_speed": "e2e-memory-speed"}.get(result["kind"], "e2e")
@@ -1078,6 +1085,10 @@ def main(argv=None) -> int:
     )
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
+    target = history.script_path(args)
+    if target is not None:
+        history.append(result, benchmark=BENCHMARKS[result["kind"]], path=target)
+        print(f"appended the run to {target}\n")
     print(markdown(result, top_kernels=False))
     return 0
 

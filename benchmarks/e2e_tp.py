@@ -18,7 +18,9 @@ groups), batch × seq tokens a step. Reported: tokens/s from the median step tim
 (each step synchronised by ``loss.item()``), the largest peak allocated memory over the ranks, and the
 per-step losses of tigon against stock's.
 
-Results go to ``benchmarks/results/e2e-tp-<device>-<date>.{json,md}``; the markdown is printed last.
+Results go to ``benchmarks/results/e2e-tp-<device>-<date>.{json,md}``, and one line to
+``benchmarks/results/history.jsonl`` (``--history PATH``; none for a smoke run); the markdown is
+printed last.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from benchmarks.e2e import LR, SEED, batch_for, model_spec  # noqa: E402
+from tigon.bench import history  # noqa: E402
 
 MODELS = ("llama",)
 PROVIDERS = ("stock", "tigon")
@@ -63,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
     parser.add_argument("--out", type=Path, default=OUT)
+    history.add_argument(parser)
     parser.add_argument("--worker", nargs=2, metavar=("JOB_JSON", "MODEL_DIR"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -220,6 +224,10 @@ def main(argv=None) -> int:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     stem.with_suffix(".md").write_text(text)
+    target = history.script_path(args)
+    if target is not None:
+        history.append(result, benchmark="e2e-tp", path=target)
+        print(f"appended the run to {target}")
     print(text)
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -74,7 +74,8 @@ bool tensor (≈ 2·L² bytes: 7 GB at 59K) for both providers alike; ``--attent
 provider per invocation where both would not fit a time limit.
 
 Results: ``--out`` (default benchmarks/results/) gets ``trl-steps-<device>-<date>.{json,md}`` or
-``trl-longest-dpo-<device>-<date>.{json,md}``; the markdown is printed last.
+``trl-longest-dpo-<device>-<date>.{json,md}``, and one line to ``benchmarks/results/history.jsonl``
+(``--history PATH``; none for a smoke run); the markdown is printed last.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, th
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import e2e  # noqa: E402  (worker pool, OOM detection, formatting)
+from tigon.bench import history  # noqa: E402
 
 MODELS = ("qwen2", "llama")
 TRAINERS = ("dpo", "grpo")
@@ -185,6 +187,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_argument("--no-patch-ref", dest="patch_ref", action="store_false",
                         help="tigon: leave DPO's reference model stock (default: tigon.patch it too)")
     common.add_argument("--out", type=Path, default=e2e.OUT, help="folder for the JSON and markdown")
+    history.add_argument(common)
     common.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per job")
 
     steps = sub.add_parser("steps", parents=[common], help="tokens/s, memory and losses on a fixed batch")
@@ -791,6 +794,11 @@ def main(argv=None) -> int:
                   env={k: v for k, v in os.environ.items() if k.startswith("PYTORCH_CUDA")})
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
+    target = history.script_path(args)
+    if target is not None:
+        kind = "trl-longest-dpo" if result["kind"] == "longest_dpo" else "trl-steps"
+        history.append(result, benchmark=kind, path=target)
+        print(f"appended the run to {target}\n")
     print(markdown(result))
     return 0
 

@@ -3,15 +3,21 @@
 Each script trains a causal LM with tigon in one setting (one GPU, FSDP2, tensor parallel, the transformers
 Trainer, TRL). ``--model`` is a Hugging Face model id or a local folder; ``--data`` a UTF-8 text file, tokenized
 with the model's tokenizer and packed into rows of ``--seq`` tokens. ``--tiny`` trains a tiny random Llama on
-random tokens instead: a smoke test of the pipeline that needs no download (on a machine without a GPU, set
-``TRITON_INTERPRET=1`` so that tigon's kernels run on the CPU).
+random tokens instead: a smoke test of the pipeline that needs no download. On a machine without a GPU, importing
+this module turns on Triton's CPU interpreter (as ``tigon demo`` does), so that tigon's kernels run on the CPU:
+every script imports it before anything imports ``tigon.ops``, since Triton reads ``TRITON_INTERPRET`` when a
+kernel is defined.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
+
+if not torch.cuda.is_available():  # no GPU: tigon's kernels run on the CPU, through Triton's interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)

@@ -1,7 +1,7 @@
 """Preference-tune a causal LM with TRL's ``DPOTrainer`` on tigon: the backbone patched, TRL's head tigon's.
 
     python examples/dpo_trl.py --model Qwen/Qwen2.5-0.5B-Instruct --data prefs.jsonl --steps 500 --out dpo/
-    TRITON_INTERPRET=1 python examples/dpo_trl.py --tiny --steps 2              # smoke test, no download
+    python examples/dpo_trl.py --tiny --steps 2              # smoke test, no download
 
 ``--data`` is a JSON-lines file of ``{"prompt": ..., "chosen": ..., "rejected": ...}`` rows. ``tigon.patch``
 patches the policy's decoder (norms, rotary, MLP, attention); ``tigon.patch_trl()`` makes the fused LM head TRL

@@ -1,7 +1,7 @@
 """Train a causal LM on one GPU with tigon: the model loaded patched, bf16 autocast, fused AdamW.
 
     python examples/train.py --model meta-llama/Llama-3.2-1B --data corpus.txt --steps 1000 --out trained/
-    TRITON_INTERPRET=1 python examples/train.py --tiny --seq 64 --steps 3      # smoke test, no GPU needed
+    python examples/train.py --tiny --seq 64 --steps 3      # smoke test, no GPU needed
 
 ``tigon.patch(model)`` replaces the model's norms, rotary, MLP activation, attention and loss with tigon's in
 place and prints what it replaced (``tigon.AutoModelForCausalLM.from_pretrained`` does the same in one call):

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 8 examples/train_fsdp2.py --model meta-llama/Llama-3.1-8B --data corpus.txt \\
         --batch 2 --seq 4096 --steps 1000 --out trained/
-    TRITON_INTERPRET=1 torchrun --nproc_per_node 2 examples/train_fsdp2.py --tiny --seq 64 --steps 2   # smoke test
+    torchrun --nproc_per_node 2 examples/train_fsdp2.py --tiny --seq 64 --steps 2   # smoke test
 
 The model is patched *before* it is wrapped: ``tigon.patch`` swaps modules and forwards, and ``fully_shard``
 then shards the patched modules' parameters (the same ``Parameter`` objects and names as stock). Each decoder

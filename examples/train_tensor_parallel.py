@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 4 examples/train_tensor_parallel.py --model meta-llama/Llama-3.1-8B \\
         --data corpus.txt --seq 4096 --steps 1000 --out trained/
-    TRITON_INTERPRET=1 torchrun --nproc_per_node 2 examples/train_tensor_parallel.py --tiny --seq 64 --steps 2
+    torchrun --nproc_per_node 2 examples/train_tensor_parallel.py --tiny --seq 64 --steps 2
 
 ``from_pretrained(..., tp_plan="auto")`` splits the attention and MLP projections by columns and rows over the
 ranks and the LM head by classes. ``tigon.patch`` then leaves the split projections' own forwards in place and

@@ -2,7 +2,7 @@
 
     python examples/train_trainer.py --model meta-llama/Llama-3.2-1B --data corpus.txt --steps 1000 --out trained/
     torchrun --nproc_per_node 8 examples/train_trainer.py ...      # the Trainer's own DDP
-    TRITON_INTERPRET=1 python examples/train_trainer.py --tiny --seq 64 --steps 2   # smoke test
+    python examples/train_trainer.py --tiny --seq 64 --steps 2   # smoke test
 
 The model comes patched from ``tigon.AutoModelForCausalLM`` (transformers' loader, then ``tigon.patch``) and the
 ``Trainer`` runs it as any model: bf16 mixed precision on a GPU, gradient accumulation (the loss divided by the

@@ -1,46 +1,132 @@
 #!/usr/bin/env bash
-# One command for the GPU: the whole test suite compiled for real, then the benchmark harness.
+# The test suite on a GPU, kernels compiled for real, in two parts; each part fits one 10-minute call and
+# ends in one line: VERDICT <part> transformers <version>: PASS|FAIL (N passed, N failed, N skipped).
 #
-#   bash scripts/gpu-check.sh                 # tests, then every benchmark
-#   TESTS="tests/ops -k rms" BENCH="rms_norm" bash scripts/gpu-check.sh
-#   BENCH=none bash scripts/gpu-check.sh      # tests only;   TESTS=none: benchmarks only
+#   bash scripts/gpu-check.sh               # PART=suite: every test, on the machine's transformers
+#   bash scripts/gpu-check.sh top           # PART=top: tests/patching (the TRL head among them), the TRL step
+#                                           #   benchmark's, the demo's and the examples' tests on the release
+#                                           #   whose wheels are in .whl/top/ (the newest one)
+#   TESTS="tests/ops -k rms" bash scripts/gpu-check.sh       # another selection, in either part
+#   TESTS=none BENCH=all bash scripts/gpu-check.sh           # the benchmark harness only (BENCH="rms_norm jsd": some ops)
 #
-# Everything goes into $OUT (./gpu-check-out unless set): env.txt, tests.log and tests-bigmem.log,
-# junit.xml and junit-bigmem.xml, bench/<device>-<date>.{json,md,png}. A short summary is printed last.
-# Wheels in .whl/ (git-ignored: liger-kernel, pytest, ...) are installed to /tmp/site first, so the
-# image's packages stay untouched.
+# Wheels in .whl/ (git-ignored: trl, datasets, peft, liger-kernel and what they need) go to $SITE (/tmp/site),
+# after src/ on PYTHONPATH, so the image's packages stay untouched. PART=top installs .whl/top/ (transformers and
+# the newer huggingface_hub, regex and accelerate it runs with) to $SITE-top, ahead of $SITE: the suite part tests the
+# machine's own transformers.
+#
+# Time: kernel compilation dominates a fresh machine, so the tests not marked bigmem run on WORKERS xdist
+# workers (3/4 of the cores), spread a test at a time (--dist loadgroup; a file whose tests share a module
+# fixture stays on one worker, see tests/conftest.py). Tests marked bigmem (>2**31-element tensors, 1B-parameter
+# models) run one at a time in one process: alongside the parallel part where the card has >= 120 GiB (the
+# parallel tests hold a few GiB; the bigmem tests were sized for an 80 GiB card), after it otherwise
+# (BIGMEM=along|after|none overrides). Each worker compiles torch.compile's kernels in its own process
+# (TORCHINDUCTOR_COMPILE_THREADS=1: the workers already fill the cores, a compile pool each would oversubscribe
+# them). pytest-timeout stops any one test after TEST_TIMEOUT s (240: the torchrun launches of the distributed
+# tests, under the interpreter, take a minute or two), and every pytest stops BUDGET_S s (540) after the script
+# started, leaving the summary within the call's 600 s.
+#
+# $OUT (./gpu-check-out unless set) gets env.txt, tests-{parallel,bigmem}.log, junit-{parallel,bigmem}.xml,
+# results-{parallel,bigmem}.txt (one "outcome nodeid" line per test, written as each ends, so a run stopped by
+# the budget still counts) and, with BENCH, bench.log and bench/<device>-<date>.{json,md,png}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PART=${1:-${PART:-suite}}
+case $PART in
+  suite) DEFAULT_TESTS=tests ;;
+  top) DEFAULT_TESTS="tests/patching tests/bench/test_trl_steps.py tests/test_demo.py tests/test_examples.py" ;;
+  *) echo "PART is suite or top, not '$PART'" >&2; exit 2 ;;
+esac
+TESTS=${TESTS:-$DEFAULT_TESTS}
+BENCH=${BENCH:-none}
+BUDGET_S=${BUDGET_S:-540}
+TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 OUT=${OUT:-$PWD/gpu-check-out}
+SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT/bench"
+rm -f "$OUT"/results-*.txt "$OUT"/junit-*.xml "$OUT"/tests-*.log
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+
+setup_rc=0
+install() {  # wheel folder, target folder
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
+}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  install .whl "$SITE" || setup_rc=1
+  PYTHONPATH=$PYTHONPATH:$SITE
 fi
-TESTS=${TESTS:-tests}
-BENCH=${BENCH:-all}
+if [ "$PART" = top ]; then
+  if ls .whl/top/*.whl >/dev/null 2>&1; then
+    install .whl/top "$SITE-top" || setup_rc=1
+    PYTHONPATH=$PWD/src:$SITE-top${PYTHONPATH#"$PWD/src"}
+  else
+    echo "PART=top needs the release's wheels in .whl/top/" >&2
+    setup_rc=1
+  fi
+fi
+TRANSFORMERS=$(python3 -c "import transformers; print(transformers.__version__)" 2>/dev/null || echo "(import failed)")
 
 python3 -m tigon.cli env 2>&1 | tee "$OUT/env.txt"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >>"$OUT/env.txt" 2>&1
+python3 - >>"$OUT/env.txt" 2>&1 <<'EOF'
+import importlib.metadata as metadata
 
-test_rc=0
-if [ "$TESTS" != none ]; then
-  # Kernel compilation dominates a fresh machine's run: four workers when pytest-xdist is there (one
-  # test file per worker). Tests marked bigmem (>2**31-element tensors, 1B-parameter models) need most
-  # of the card, so they run afterwards, one at a time: one pass, one verdict, no re-run.
+for name in ("transformers", "huggingface_hub", "tokenizers", "safetensors", "accelerate", "peft", "trl",
+             "datasets", "pyarrow", "deepspeed", "liger_kernel", "pytest", "pytest-xdist", "pytest-timeout"):
+    try:
+        print(f"{name:16} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        print(f"{name:16} not installed")
+EOF
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  >>"$OUT/env.txt" 2>&1
+
+if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  gpu_gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  WORKERS=${WORKERS:-$(( $(nproc) * 3 / 4 ))}
+  [ "$gpu_gib" -ge 120 ] && BIGMEM=${BIGMEM:-along}
+fi
+WORKERS=${WORKERS:-0}  # no GPU: one process (the interpreter's CPU run, as CI's but without its -n 2)
+BIGMEM=${BIGMEM:-after}
+python3 -c "import xdist" 2>/dev/null || WORKERS=0
+# A test past TEST_TIMEOUT: on a worker, a thread dumps the stacks and ends the worker, which pytest-xdist
+# replaces (a hang inside a CUDA call never returns to Python); in the bigmem process, SIGALRM fails the test
+# and the next one runs.
+limits="" bigmem_limits=""
+if python3 -c "import pytest_timeout" 2>/dev/null; then
+  limits="--timeout $TEST_TIMEOUT --timeout-method thread"
+  bigmem_limits="--timeout $TEST_TIMEOUT --timeout-method signal"
+fi
+
+pytest_part() {  # name, then pytest's arguments: stops at the budget's end; the record is kept per test
+  local name=$1 left=$(( BUDGET_S - SECONDS ))
+  shift
+  if [ $left -le 0 ]; then echo "no time left in the ${BUDGET_S} s budget" >"$OUT/tests-$name.log"; return 124; fi
+  TIGON_TEST_RECORD="$OUT/results-$name.txt" timeout -k 15 -s INT "$left" python3 -m pytest "$@" -q \
+    --tb=short --junitxml="$OUT/junit-$name.xml" >"$OUT/tests-$name.log" 2>&1
+}
+
+parallel_rc=0 bigmem_rc=0 bigmem_pid=""
+if [ "$TESTS" != none ] && [ $setup_rc -eq 0 ]; then
   parallel=""
-  python3 -c "import xdist" 2>/dev/null && parallel="-n 4 --dist loadfile"
+  [ "$WORKERS" -gt 0 ] && parallel="-n $WORKERS --dist loadgroup"
+  if [ "$BIGMEM" = along ]; then
+    # shellcheck disable=SC2086
+    pytest_part bigmem $TESTS -m bigmem -p no:xdist $bigmem_limits --durations=10 &
+    bigmem_pid=$!
+  fi
   # shellcheck disable=SC2086
-  python3 -m pytest $TESTS -m "not bigmem" -q $parallel -rf --tb=short --durations=15 \
-    --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1
+  TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1} \
+    pytest_part parallel $TESTS -m "not bigmem" $parallel $limits --durations=30
   parallel_rc=$?
-  # shellcheck disable=SC2086
-  python3 -m pytest $TESTS -m bigmem -q -rf --tb=short --durations=10 --junitxml="$OUT/junit-bigmem.xml" \
-    >"$OUT/tests-bigmem.log" 2>&1
-  bigmem_rc=$?
-  [ $bigmem_rc -eq 5 ] && bigmem_rc=0  # no bigmem test among $TESTS
-  test_rc=$(( parallel_rc != 0 || bigmem_rc != 0 ))
+  if [ -n "$bigmem_pid" ]; then
+    wait "$bigmem_pid"
+    bigmem_rc=$?
+  elif [ "$BIGMEM" = after ]; then
+    # shellcheck disable=SC2086
+    pytest_part bigmem $TESTS -m bigmem -p no:xdist $bigmem_limits --durations=10
+    bigmem_rc=$?
+  fi
+  [ $parallel_rc -eq 5 ] && parallel_rc=0  # 5: no test selected (a selection of bigmem tests only)
+  [ $bigmem_rc -eq 5 ] && bigmem_rc=0      # no bigmem test among $TESTS
 fi
 
 bench_rc=0
@@ -54,15 +140,54 @@ fi
 
 echo
 echo "================================ summary ================================"
-head -n 8 "$OUT/env.txt"
-if [ "$TESTS" != none ]; then
-  echo "tests ($([ $test_rc -eq 0 ] && echo PASS || echo FAIL)):"
-  grep -hE "^(FAILED|ERROR)" "$OUT/tests.log" "$OUT/tests-bigmem.log" | head -30
-  echo "  parallel: $(tail -n 1 "$OUT/tests.log")"
-  echo "  bigmem, one at a time: $(tail -n 1 "$OUT/tests-bigmem.log")"
+head -n 5 "$OUT/env.txt"
+verdict_rc=0
+if [ $setup_rc -ne 0 ]; then
+  echo "VERDICT $PART transformers $TRANSFORMERS: FAIL (the wheels did not install: see above)"
+  verdict_rc=1
+elif [ "$TESTS" != none ]; then
+  cat "$OUT"/results-*.txt 2>/dev/null >"$OUT/results.txt"
+  if [ ! -s "$OUT/results.txt" ]; then  # no record (a tests/conftest.py without the hook): the junit files
+    python3 - "$OUT"/junit-*.xml >"$OUT/results.txt" 2>/dev/null <<'PY'
+import sys
+import xml.etree.ElementTree as ElementTree
+
+for path in sys.argv[1:]:
+    for case in ElementTree.parse(path).iter("testcase"):
+        if case.get("name") is None:  # an interrupted session's entry
+            continue
+        tags = {child.tag for child in case}
+        outcome = ("failed" if "failure" in tags else "error" if "error" in tags
+                   else "skipped" if "skipped" in tags else "passed")
+        print(outcome, f"{case.get('classname')}::{case.get('name')}")
+PY
+  fi
+  read -r passed failed skipped <<<"$(awk '
+    $1 == "passed" || $1 == "xpassed" { p++ } $1 == "failed" || $1 == "error" { f++ }
+    $1 == "skipped" || $1 == "xfailed" { s++ } END { print p + 0, f + 0, s + 0 }' "$OUT/results.txt")"
+  grep -hE "^(FAILED|ERROR) " "$OUT"/tests-*.log | head -40
+  grep -h "^SKIPPED " "$OUT"/tests-*.log | sort | uniq | head -15
+  for name in parallel bigmem; do
+    [ -f "$OUT/tests-$name.log" ] && echo "  $name: $(tail -n 1 "$OUT/tests-$name.log")"
+  done
+  note=""
+  for rc in $parallel_rc $bigmem_rc; do
+    case $rc in
+      0) ;;
+      1) [ "$failed" -eq 0 ] && note="${note:-; a pytest process ended early: see tests-*.log}" ;;
+      124|137) note="; stopped by the ${BUDGET_S} s budget: tests left unrun" ;;
+      *) note="${note:-; pytest exited with $rc}" ;;
+    esac
+  done
+  if [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ] && [ -z "$note" ] && [ $parallel_rc -eq 0 ] && [ $bigmem_rc -eq 0 ]; then
+    result=PASS
+  else
+    result=FAIL; verdict_rc=1
+  fi
+  echo "VERDICT $PART transformers $TRANSFORMERS: $result ($passed passed, $failed failed, $skipped skipped$note)"
 fi
 if [ "$BENCH" != none ]; then
   echo "bench (rc=$bench_rc):"
   cat "$OUT"/bench/*.md 2>/dev/null || tail -n 20 "$OUT/bench.log"
 fi
-exit $(( test_rc != 0 || bench_rc != 0 ))
+exit $(( verdict_rc != 0 || bench_rc != 0 ))

@@ -4,6 +4,11 @@ TRITON_INTERPRET must be set before the first ``@triton.jit`` decorator runs, i.
 imports ``tigon.ops``; pytest imports this file before any test module, so setting it here is early
 enough (``use_interpreter_without_gpu`` also applies tigon's fixes to the interpreter). On a GPU
 machine nothing is set and the same tests compile the kernels for real.
+
+Two hooks serve scripts/gpu-check.sh: under ``--dist loadgroup`` the tests that share a module- or
+class-scoped fixture (a torchrun launch, a trained model) go to one worker, so that the fixture runs once
+while every other test is spread on its own; and with ``TIGON_TEST_RECORD`` set each test's outcome is
+appended to that file as the test ends, so that a run stopped by its time budget still counts what ran.
 """
 
 import os
@@ -23,13 +28,50 @@ if _WORKERS > 0:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
+_SHARED_SCOPES = ("class", "module", "package")
+_RECORD = os.environ.get("TIGON_TEST_RECORD")
+
+
+def _shares_a_fixture(item) -> bool:
+    """Whether the test uses a fixture that outlives it (set up once for its class, module or package)."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    return fixtures is not None and any(
+        definition.scope in _SHARED_SCOPES for definitions in fixtures.name2fixturedefs.values()
+        for definition in definitions)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("loadgroup", False):  # set on pytest-xdist's workers under --dist loadgroup
+        for item in items:
+            if _shares_a_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device: runs in scripts/gpu-check.sh on the H100")
+    skip = pytest.mark.skip(reason="needs a CUDA device: runs in scripts/gpu-check.sh on a GPU")
     for item in items:
         if "gpu" in item.keywords or "bigmem" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With TIGON_TEST_RECORD set, one line per outcome: passed, failed, skipped, error (of a set-up or
+    tear-down), xfailed or xpassed, then the test's id. Written by the process that reports to the user
+    (pytest-xdist's controller receives every worker's reports), so each outcome is written once."""
+    if not _RECORD or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    if report.when == "call":
+        outcome = report.outcome
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed" if report.skipped else "xpassed"
+    elif report.failed:
+        outcome = "error"
+    elif report.skipped:
+        outcome = "skipped"
+    else:
+        return
+    with open(_RECORD, "a") as record:
+        record.write(f"{outcome} {report.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)

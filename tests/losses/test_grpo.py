@@ -110,6 +110,13 @@ def test_grpo_on_policy_gradient_is_the_policy_gradient():
         ({"loss_type": "ppo"}, ValueError, "loss_type"),
         ({"max_completion_length": 0}, ValueError, "max_completion_length"),
         ({"num_items_in_batch": 0}, ValueError, "num_items_in_batch"),
+        ({"num_items_in_batch": torch.tensor(0.0)}, ValueError, "num_items_in_batch"),
+        ({"num_items_in_batch": torch.tensor(0)}, ValueError, "num_items_in_batch"),
+        ({"num_items_in_batch": torch.tensor([-4.0])}, ValueError, "num_items_in_batch"),
+        ({"num_items_in_batch": torch.tensor(float("nan"))}, ValueError, "num_items_in_batch"),
+        ({"num_items_in_batch": torch.tensor(float("inf"))}, ValueError, "num_items_in_batch"),
+        ({"num_items_in_batch": "12"}, TypeError, "num_items_in_batch"),
+        ({"epsilon_high": None}, TypeError, "epsilon_high"),
         ({"epsilon_low": -0.1}, ValueError, "epsilon_low"),
         ({"target": torch.zeros(ROWS, TOKENS - 1, dtype=torch.int64)}, ValueError, "target has shape"),
     ],
@@ -139,3 +146,14 @@ def test_grpo_torch_compile_fullgraph(loss_type):
     g = torch.autograd.grad(out.loss, batch["input"])[0]
     e = torch.autograd.grad(eager.loss, batch["input"])[0]
     torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_grpo_torch_compile_fullgraph_with_an_item_count_tensor():
+    """The eager check of a num_items_in_batch tensor (a device-to-host read) stays out of a compiled
+    graph: fullgraph compiles, and the loss is the eager one."""
+    batch = make_batch(16, 64, 256, 1000, dtype=torch.bfloat16)
+    extra = {"advantages": randn(16), "num_items_in_batch": torch.tensor(700.0, device=DEVICE)}
+    out = torch.compile(grpo_loss, fullgraph=True)(**batch, **extra, loss_type="dapo")
+    eager = grpo_loss(**batch, **extra, loss_type="dapo")
+    torch.testing.assert_close(out.loss, eager.loss, rtol=1e-5, atol=1e-5)

@@ -52,7 +52,15 @@ def test_kto_defaults_all_desirable_and_all_undesirable():
     "options,error,match",
     [
         ({"preference_labels": torch.ones(6, dtype=torch.bool)}, ValueError, "preference_labels has shape"),
-        ({"preference_labels": torch.ones(7)}, TypeError, "preference_labels has dtype"),
+        ({"preference_labels": torch.ones(7)}, ValueError, "preference_labels has dtype"),
+        ({"preference_labels": torch.full((7,), 0.5)}, ValueError, "preference_labels has dtype"),
+        ({"preference_labels": torch.tensor([1, 0, 2, 1, 0, 1, 1])}, ValueError, "preference_labels holds 2"),
+        ({"preference_labels": torch.tensor([1, 0, -1, 1, 0, 1, 1], dtype=torch.int8)}, ValueError,
+         "preference_labels holds -1"),
+        ({"preference_labels": torch.ones(7, 1, dtype=torch.bool)}, ValueError, "preference_labels has shape"),
+        ({"preference_labels": torch.ones(8, dtype=torch.int64)}, ValueError, "preference_labels has shape"),
+        ({"beta": "0.1"}, TypeError, "beta"),
+        ({"kl": None}, TypeError, "kl"),
         ({"preference_labels": [True] * 7}, TypeError, "preference_labels"),
         ({"ref_input": torch.zeros(7, 8, 24)}, ValueError, "ref_linear_weight"),
         ({"ref_logps": torch.zeros(7, 8)}, ValueError, "ref_logps has shape"),
@@ -77,3 +85,12 @@ def test_kto_torch_compile_fullgraph():
     g = torch.autograd.grad(out.loss, batch["input"])[0]
     e = torch.autograd.grad(eager.loss, batch["input"])[0]
     torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_kto_torch_compile_fullgraph_with_integer_labels():
+    """The eager check of 0/1 integer labels (a device-to-host read) stays out of a compiled graph."""
+    batch = make_batch(8, 64, 256, 1000, dtype=torch.bfloat16) | {"preference_labels": labels(8).to(torch.int64)}
+    out = torch.compile(kto_loss, fullgraph=True)(**batch, kl=0.1)
+    eager = kto_loss(**batch, kl=0.1)
+    torch.testing.assert_close(out.loss, eager.loss, rtol=1e-5, atol=1e-5)

@@ -101,10 +101,10 @@ BAD_OPTIONS = [
     (DPOLoss, {"loss_type": "ipo", "beta": 0.0}, ValueError, "beta"),
     (DPOLoss, {"label_smoothing": 1.5}, ValueError, "label_smoothing"),
     (DPOLoss, {"average_log_prob": "yes"}, TypeError, "average_log_prob"),
-    (ORPOLoss, {"beta": "x"}, ValueError, "beta"),
+    (ORPOLoss, {"beta": "x"}, TypeError, "beta"),
     (CPOLoss, {"temperature": 0.0}, ValueError, "temperature"),
     (CPOLoss, {"alpha": float("nan")}, ValueError, "alpha"),
-    (SimPOLoss, {"gamma": None}, ValueError, "gamma"),
+    (SimPOLoss, {"gamma": None}, TypeError, "gamma"),
     (SimPOLoss, {"softcap": -1.0}, ValueError, "softcap"),
     (KTOLoss, {"desirable_weight": -1.0}, ValueError, "desirable_weight"),
     (KTOLoss, {"ignore_index": 1.5}, TypeError, "ignore_index"),
@@ -121,6 +121,18 @@ def test_bad_options_raise_when_built(cls, options, error, name):
     """The function's own option checks run in the constructor: the error names the option."""
     with pytest.raises(error, match=name):
         cls(**options)
+
+
+def test_bad_per_batch_values_raise_in_the_call():
+    """KTO's labels and GRPO's item count are checked whichever form is called."""
+    batch = make_batch(4, 6, 16, 29)
+    with pytest.raises(ValueError, match="preference_labels"):
+        KTOLoss()(*positional(batch), torch.tensor([1, 0, 2, 1], device=DEVICE))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5], device=DEVICE)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        GRPOLoss(loss_type="dapo")(*positional(batch), advantages, num_items_in_batch=torch.tensor(0.0, device=DEVICE))
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        GRPOLoss(loss_type="dapo", num_items_in_batch=torch.tensor(-2))(*positional(batch), advantages)
 
 
 def test_bad_options_raise_in_the_call_too():

@@ -130,7 +130,6 @@ def test_odd_rows_is_an_error(function):
           "ref_linear_bias": torch.zeros(36)}, "ref_linear_bias has shape"),
         ({"linear_weight": torch.zeros(37, 23)}, "linear_weight"),
         ({"label_smoothing": 1.5}, "label_smoothing"),
-        ({"beta": "big"}, "beta"),
         ({"beta": 0.0, "loss_type": "ipo"}, "beta"),
         ({"target": torch.zeros(6, 8, dtype=torch.int64)}, "target has shape"),
         ({"input": torch.zeros(6, 24)}, "input"),
@@ -141,6 +140,13 @@ def test_dpo_bad_inputs(options, match):
     options = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     with pytest.raises(ValueError, match=match):
         dpo_loss(**(batch | options))
+
+
+@pytest.mark.parametrize("option", ("beta", "label_smoothing", "nll_weight"))
+@pytest.mark.parametrize("value", ("big", None))
+def test_dpo_non_number_option_is_a_type_error(option, value):
+    with pytest.raises(TypeError, match=option):
+        dpo_loss(**make_batch(ROWS, TOKENS, HIDDEN, VOCAB), **{option: value})
 
 
 @pytest.mark.gpu

@@ -79,6 +79,12 @@ def test_loss_module_bad_options(cls):
         cls(label_smoothing=-0.1)
     with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
         cls(weight=[1.0, 2.0])
+    for name, value in (("label_smoothing", "0.1"), ("z_loss", None), ("softcap", "30"), ("logit_scale", True)):
+        with pytest.raises(TypeError, match=name):
+            cls(**{name: value})
+    if cls is CrossEntropyLoss:
+        with pytest.raises(TypeError, match="inplace_backward"):
+            cls(inplace_backward="yes")
     module = cls(weight=torch.ones(7, device=DEVICE))
     x = randn(3, 8)
     with pytest.raises(ValueError, match="weight has shape"):

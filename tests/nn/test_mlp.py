@@ -293,9 +293,21 @@ def test_mlp_module_api():
         GEGLUMLP(8, 20, approximate="sigmoid")
 
 
+@pytest.mark.parametrize("cls", [SwiGLUMLP, GEGLUMLP])
+def test_mlp_bad_constructor_arguments(cls):
+    with pytest.raises(TypeError, match="hidden_size"):
+        cls("8", 16)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        cls(8, 0)
+    with pytest.raises(TypeError, match="intermediate_size"):
+        cls(8, 16.0)
+    with pytest.raises(TypeError, match="bias"):
+        cls(8, 16, bias="no")
+
+
 def test_mlp_bad_inputs():
     module = make_mlp(SwiGLUMLP, {}, 16, 40)
-    with pytest.raises(ValueError, match="gate_proj.weight has shape"):
+    with pytest.raises(ValueError, match="x has last dim 12 .*does not match hidden_size 16"):
         module(randn(3, 12))
     with pytest.raises(TypeError, match="gate_proj.weight has dtype"):
         module(randn(3, 16, dtype=torch.bfloat16))

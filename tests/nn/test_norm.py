@@ -55,6 +55,28 @@ def test_rms_norm_bad_casting():
         RMSNorm(8, casting="t5")
 
 
+@pytest.mark.parametrize("module", [RMSNorm, LayerNorm])
+def test_input_width_is_named(module):
+    """An input of the wrong width is the input's fault: the message names it and hidden_size."""
+    with pytest.raises(ValueError, match="hidden_states has last dim 9 .*does not match hidden_size 8"):
+        module(8).to(DEVICE)(randn(2, 3, 9))
+
+
+@pytest.mark.parametrize("module", [RMSNorm, LayerNorm])
+def test_bad_constructor_arguments(module):
+    with pytest.raises(TypeError, match="hidden_size"):
+        module("8")
+    with pytest.raises(ValueError, match="hidden_size"):
+        module(0)
+    with pytest.raises(TypeError, match="eps"):
+        module(8, "1e-6")
+    with pytest.raises(ValueError, match="eps"):
+        module(8, float("nan"))
+    if module is RMSNorm:
+        with pytest.raises(TypeError, match="offset"):
+            module(8, offset="1.0")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_matches_llama(dtype):
     theirs = _random_params(LlamaRMSNorm(160, eps=1e-5)).to(DEVICE, dtype)

@@ -380,6 +380,13 @@ def test_cross_entropy_deterministic():
         (lambda: (randn(4, 8), make_target((4,), 8), {"softcap": 0.0}), ValueError, "softcap"),
         (lambda: (randn(4, 8), make_target((4,), 8), {"logit_scale": float("inf")}), ValueError, "scale"),
         (lambda: (randn(4, 8), make_target((4,), 8), {"ignore_index": 1.5}), TypeError, "ignore_index"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"label_smoothing": "0.1"}), TypeError, "label_smoothing"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"inplace_backward": "yes"}), TypeError, "inplace_backward"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"label_smoothing": None}), TypeError, "label_smoothing"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"z_loss": "1e-4"}), TypeError, "z_loss"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"softcap": "30"}), TypeError, "softcap"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"logit_scale": None}), TypeError, "logit_scale"),
+        (lambda: (randn(4, 8), make_target((4,), 8), {"logit_scale": float("nan")}), ValueError, "logit_scale"),
         (lambda: (torch.tensor(1.0, device=DEVICE), make_target((), 8), {}), ValueError, "class dimension"),
         (lambda: ([1.0, 2.0], make_target((1,), 2), {}), TypeError, "logits must be a torch.Tensor"),
     ],
@@ -674,3 +681,16 @@ def test_cross_entropy_gpu_variants(name, monkeypatch):
         (dx,) = torch.autograd.grad(loss, x)
         _, grads = fp64_reference(cross_entropy_reference, {"logits": x}, None, target=target, softcap=softcap)
         assert_close(dx, grads["logits"], torch.bfloat16, "dlogits in place")
+
+
+@pytest.mark.parametrize("layout", ("stride 2", "stride 0"))
+def test_strided_class_weight_reads_its_strides(layout):
+    """Class weights with stride 2 or 0 give what their contiguous copy gives."""
+    logits, target = randn(6, 11, requires_grad=True), make_target((6,), 11)
+    w = torch.rand(11, device=DEVICE) + 0.5
+    weight = noncontiguous(w) if layout == "stride 2" else w[:1].expand(11)
+    for options in ({"reduction": "mean"}, {"reduction": "none", "label_smoothing": 0.1}):
+        got = cross_entropy(logits, target, weight=weight, **options)
+        want = cross_entropy(logits, target, weight=weight.contiguous(), **options)
+        assert torch.equal(got, want)
+        assert torch.equal(*(torch.autograd.grad(out.sum(), (logits,))[0] for out in (got, want)))

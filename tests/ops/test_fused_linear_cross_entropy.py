@@ -682,3 +682,17 @@ def test_flce_benchmark_shapes_accuracy_and_memory(hidden, vocab):
         limit, dw_limit = (1.5e9 if hidden == 4096 else (1.02 + fraction) * gradient_bytes), 5e-3
     assert peak <= limit, f"peak {peak / 1e9:.3f} GB > {limit / 1e9:.3f} GB"
     assert err <= dw_limit, f"dW relative error {err:.2e} (unfused bf16 loss: {unfused:.2e})"
+
+
+@pytest.mark.parametrize("layout", ("stride 2", "stride 0"))
+def test_strided_class_weight_reads_its_strides(layout):
+    """Class weights with stride 2 or 0 give what their contiguous copy gives (stride 2 gave NaN)."""
+    x, w = randn(6, 16, requires_grad=True), randn(29, 16, scale=0.25)
+    target = torch.randint(0, 29, (6,), device=DEVICE)
+    class_weight = torch.rand(29, device=DEVICE) + 0.5
+    wide = torch.zeros(58, device=DEVICE)
+    weight = wide[::2].copy_(class_weight) if layout == "stride 2" else class_weight[:1].expand(29)
+    got = fused_linear_cross_entropy(x, w, target, weight=weight)
+    want = fused_linear_cross_entropy(x, w, target, weight=weight.contiguous())
+    assert torch.equal(got, want)
+    assert torch.equal(*(torch.autograd.grad(out, (x,))[0] for out in (got, want)))

@@ -178,6 +178,10 @@ def test_fused_linear_jsd_deterministic(small_chunks):
         ({"beta": 2.0}, ValueError, "beta"),
         ({"temperature": 0.0}, ValueError, "temperature"),
         ({"temperature": -1.0}, ValueError, "temperature"),
+        ({"temperature": "1.0"}, TypeError, "temperature"),
+        ({"temperature": float("inf")}, ValueError, "temperature"),
+        ({"beta": None}, TypeError, "beta"),
+        ({"ignore_index": -100.0}, TypeError, "ignore_index"),
     ],
 )
 def test_fused_linear_jsd_bad_inputs(change, error, match):

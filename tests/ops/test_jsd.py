@@ -154,6 +154,10 @@ def test_jsd_deterministic():
         ({"labels": torch.zeros(4, device=DEVICE)}, TypeError, "labels has dtype"),
         ({"beta": 1.5}, ValueError, "beta"),
         ({"beta": -0.1}, ValueError, "beta"),
+        ({"beta": "0.5"}, TypeError, "beta"),
+        ({"beta": True}, TypeError, "beta"),
+        ({"ignore_index": "-100"}, TypeError, "ignore_index"),
+        ({"ignore_index": float("inf")}, TypeError, "ignore_index"),
         ({"student_logprobs": torch.tensor(0.0, device=DEVICE)}, ValueError, "at least one dimension"),
     ],
 )

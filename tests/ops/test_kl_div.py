@@ -131,6 +131,53 @@ def test_kl_div_zero_target_entries():
     assert torch.count_nonzero(dx[:, ::3]) == 0
 
 
+def _special_pair(log_target):
+    """log q and p with the values where torch's definitions decide: p = 0 (with finite, -inf and 0
+    log q), p = 1, p < 0, p NaN, log q = ±inf; with ``log_target`` the log of that p (-inf at p = 0)."""
+    x = torch.log_softmax(randn(3, 9), dim=-1)
+    t = torch.rand(3, 9, device=DEVICE) * 0.9 + 0.05
+    inf = float("inf")
+    t[0, 0] = 0.0
+    t[0, 1], x[0, 1] = 0.0, -inf
+    t[0, 2], x[0, 2] = 0.0, 0.0
+    x[0, 3] = -inf
+    x[0, 4] = inf
+    t[1, 0] = 1.0
+    t[1, 1] = -0.5
+    t[1, 2] = float("nan")
+    t[2, :] = 0.0  # a whole row of p = 0
+    return x, (t.log() if log_target else t)
+
+
+def _same_values(out, ref, what):
+    """Equal NaN and ±inf positions, the finite values within fp32's loss tolerance."""
+    assert torch.equal(out.isnan(), ref.isnan()), f"{what}: NaN at {out.isnan()} vs torch's {ref.isnan()}"
+    assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out[out.isinf()], ref[ref.isinf()]), what
+    finite = ref.isfinite()
+    torch.testing.assert_close(out[finite].double(), ref[finite], rtol=1e-5, atol=1e-6, msg=what)
+
+
+@pytest.mark.parametrize("log_target", (False, True))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_kl_div_matches_torch_at_zero_targets_and_infinities(reduction, log_target):
+    """Where p = 0 (or log p = -inf) and where log q is infinite, the loss and both gradients are
+    torch's, NaN and ±inf included: xlogy(0, 0) = 0 in the loss; torch's derivative of xlogy(p, p)
+    in p is NaN at p = 0, and the input gradient there is −p·γ = 0."""
+    x, t = _special_pair(log_target)
+    grad = randn(3, 9) if reduction == "none" else torch.tensor(1.3, device=DEVICE)
+    if reduction == "none":
+        grad[1, 3] = 0.0
+    results = []
+    for fn in (kl_div, torch.nn.functional.kl_div):
+        xs, ts = x.clone().requires_grad_(), t.clone().requires_grad_()
+        xs64, ts64 = (xs.double(), ts.double()) if fn is not kl_div else (xs, ts)
+        out = fn(xs64, ts64, reduction=reduction, log_target=log_target)
+        dx, dt = torch.autograd.grad(out, (xs, ts), grad.to(out.dtype))
+        results.append((out.detach(), dx, dt))
+    for what, ours, theirs in zip(("loss", "input grad", "target grad"), *results, strict=True):
+        _same_values(ours, theirs.double(), f"{what} ({reduction}, log_target={log_target})")
+
+
 def test_kl_div_default_is_batchmean():
     x, t = make_pair((8, 16), torch.float32, False)
     assert torch.equal(kl_div(x, t), kl_div(x, t, reduction="batchmean"))

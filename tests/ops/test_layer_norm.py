@@ -260,7 +260,9 @@ def test_layer_norm_empty_rows():
     "make,error,match",
     [
         (lambda: (torch.ones(4, 8, dtype=torch.int32, device=DEVICE), None, None), TypeError, "x has dtype"),
-        (lambda: (randn(4, 8), randn(7), None), ValueError, "weight has shape"),
+        (lambda: (randn(4, 8), randn(7), None), ValueError, "x's last dim 8 .* does not match weight's size 7"),
+        (lambda: (randn(4, 9), randn(8), randn(8)), ValueError, "x's last dim 9 .* does not match weight's size 8"),
+        (lambda: (randn(4, 9), None, randn(8)), ValueError, "x's last dim 9 .* does not match bias's size 8"),
         (lambda: (randn(4, 8), None, randn(8, 1)), ValueError, "bias has shape"),
         (lambda: (randn(4, 8), randn(8, dtype=torch.float64), None), TypeError, "weight has dtype"),
         (lambda: (randn(4, 8), None, torch.arange(8, device=DEVICE)), TypeError, "bias has dtype"),
@@ -457,3 +459,17 @@ def test_layer_norm_fused_knobs_gpu(monkeypatch, knobs, hidden):
     """Compiled for real (pipelined loads, paired sums, 2-D accumulators): right, and bitwise the same twice."""
     use_fused_tuning(monkeypatch, **knobs)
     check_right_and_deterministic(2**23 // hidden + 3, hidden)
+
+
+def test_strided_weight_and_bias_read_their_strides():
+    """weight and bias with stride 2 or 0 give what their contiguous copies give, gradients included."""
+    x, w, b = randn(5, 24, requires_grad=True), randn(24, requires_grad=True), randn(24, requires_grad=True)
+
+    def run(weight, bias):
+        out = layer_norm(x, weight, bias)
+        return (out, *torch.autograd.grad(out, (x, weight, bias), torch.full((), 0.7, device=DEVICE).expand_as(out)))
+
+    for weight, bias in ((noncontiguous(w), noncontiguous(b)), (w[:1].expand(24), b[:1].expand(24))):
+        got = run(weight, bias)
+        want = run(weight.detach().contiguous().requires_grad_(), bias.detach().contiguous().requires_grad_())
+        assert all(torch.equal(g, h) for g, h in zip(got, want, strict=True))

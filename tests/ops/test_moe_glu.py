@@ -122,8 +122,12 @@ def test_moe_glu_bad_inputs():
         moe_glu(x, activation="relu")
     with pytest.raises(ValueError, match="last dim must be even"):
         moe_glu(randn(4, 7))
-    with pytest.raises(ValueError, match="limit"):
+    with pytest.raises(TypeError, match="limit"):
         moe_glu(x, activation=CLAMPED_SWIGLU, limit=None)
+    with pytest.raises(TypeError, match="alpha"):
+        moe_glu(x, alpha="1.702")  # checked whatever the activation: a str must not reach float()
+    with pytest.raises(ValueError, match="alpha"):
+        moe_glu(x, activation=CLAMPED_SWIGLU, alpha=float("nan"))
     with pytest.raises(ValueError, match="limit must be"):
         moe_glu(x, activation=CLAMPED_SWIGLU, limit=-1.0)
     with pytest.raises(TypeError, match="gate_up has dtype"):

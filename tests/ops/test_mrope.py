@@ -331,6 +331,10 @@ def test_mrope_bad_types():
         mrope(q, k, cos, sin.double(), (2, 1, 1))
     with pytest.raises(TypeError, match="k must be a torch.Tensor"):
         mrope(q, k.tolist(), cos, sin, (2, 1, 1))
+    with pytest.raises(TypeError, match="unsqueeze_dim"):
+        mrope(q, k, cos, sin, (2, 1, 1), unsqueeze_dim=True)
+    with pytest.raises(TypeError, match="interleaved"):
+        mrope(q, k, cos, sin, (2, 1, 1), interleaved="yes")
 
 
 @pytest.mark.gpu

@@ -191,13 +191,16 @@ def test_empty_rows():
     [
         (dict(residual=lambda: randn(4, 9)), ValueError, "residual has shape"),
         (dict(residual=lambda: torch.ones(4, 8, dtype=torch.int64, device=DEVICE)), TypeError, "residual has dtype"),
-        (dict(weight=lambda: randn(9)), ValueError, "weight has shape"),
-        (dict(next_weight=lambda: randn(9)), ValueError, "next_weight has shape"),
+        (dict(weight=lambda: randn(9)), ValueError, "does not match weight's size 9"),
+        (dict(next_weight=lambda: randn(9)), ValueError, "does not match next_weight's size 9"),
         (dict(next_weight=lambda: torch.ones(8, dtype=torch.int32, device=DEVICE)), TypeError, "next_weight has dtype"),
         (dict(x=lambda: torch.ones(4, 8, dtype=torch.int64, device=DEVICE)), TypeError, "x has dtype"),
         (dict(casting="mistral"), ValueError, "casting"),
         (dict(eps=-1.0), ValueError, "eps"),
         (dict(next_eps=-1.0), ValueError, "next_eps"),
+        (dict(next_eps="1e-6"), TypeError, "next_eps"),
+        (dict(eps=None), TypeError, "eps"),
+        (dict(offset=float("inf")), ValueError, "offset"),
         (dict(out_dtype=torch.int32), TypeError, "out_dtype"),
     ],
 )
@@ -273,3 +276,19 @@ def test_int64_offsets():
     (ref_dx,) = torch.autograd.grad(ref, (xt,), ds[tail].double())
     assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
     assert torch.equal(dr[tail], ds[tail])
+
+
+def test_strided_weights_read_their_strides():
+    """weight and next_weight with stride 2 or 0 give what their contiguous copies give."""
+    x, r = randn(5, 24, requires_grad=True), randn(5, 24)
+    w, w2 = randn(24, requires_grad=True), randn(24, requires_grad=True)
+
+    def run(weight, next_weight):
+        y, s = sandwich_norm_join(x, r, weight, next_weight)
+        s_post = post_norm_join(x, r, weight)
+        return (y, s, s_post, *torch.autograd.grad((y.sum() + s.sum() + s_post.sum()), (x, weight, next_weight)))
+
+    for weight, next_weight in ((noncontiguous(w), noncontiguous(w2)), (w[:1].expand(24), w2[:1].expand(24))):
+        got = run(weight, next_weight)
+        want = run(weight.detach().contiguous().requires_grad_(), next_weight.detach().contiguous().requires_grad_())
+        assert all(torch.equal(g, h) for g, h in zip(got, want, strict=True))

@@ -420,7 +420,9 @@ def test_rms_norm_empty_rows():
     "make,error,match",
     [
         (lambda: (torch.ones(4, 8, dtype=torch.int32, device=DEVICE), randn(8)), TypeError, "x has dtype"),
-        (lambda: (randn(4, 8), randn(7)), ValueError, "weight has shape"),
+        (lambda: (randn(4, 8), randn(7)), ValueError, "x's last dim 8 .* does not match weight's size 7"),
+        (lambda: (randn(4, 9), randn(8)), ValueError, "x's last dim 9 .* does not match weight's size 8"),
+        (lambda: (randn(4, 8), randn(8, 1)), ValueError, r"weight has shape \(8, 1\), expected \(8,\)"),
         (lambda: (randn(4, 8), randn(8, dtype=torch.float64)), TypeError, "weight has dtype"),
         (lambda: (randn(4, 8), torch.ones(8, device="meta")), ValueError, "weight is on meta"),
         (lambda: ([1.0, 2.0], None), TypeError, "x must be a torch.Tensor"),
@@ -445,6 +447,12 @@ def test_rms_norm_bad_options():
         rms_norm(x, w, "1e-6")
     with pytest.raises(TypeError, match="offset"):
         add_rms_norm(x, randn(4, 8), w, offset="a")
+    with pytest.raises(TypeError, match="eps"):
+        rms_norm(x, w, None)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, float("inf"))
+    with pytest.raises(ValueError, match="offset"):
+        rms_norm(x, w, offset=float("nan"))
     with pytest.raises(ValueError, match="residual has shape"):
         add_rms_norm(x, randn(4, 9), w)
     with pytest.raises(TypeError, match="residual has dtype"):
@@ -684,3 +692,23 @@ def test_stand_in_scratch_never_crosses_fake_and_real():
     x = randn(3, 40, requires_grad=True)
     (dx,) = torch.autograd.grad(rms_norm(x, None, eps=1e-6).sum(), x)  # eager, after the traces
     assert torch.isfinite(dx).all()
+
+
+def _strided_scales(t):
+    """``t``'s values with stride 2, and with stride 0 (its first value broadcast)."""
+    return noncontiguous(t), t[:1].expand_as(t)
+
+
+@pytest.mark.parametrize("op", ("rms_norm", "add_rms_norm"))
+def test_strided_weight_reads_its_strides(op):
+    """A weight with stride 2 or 0 gives what its contiguous copy gives, gradients included."""
+    x, w = randn(5, 24, requires_grad=True), randn(24, requires_grad=True)
+    residual = randn(5, 24)
+
+    def run(weight):
+        out = rms_norm(x, weight) if op == "rms_norm" else add_rms_norm(x, residual, weight)[0]
+        return (out, *torch.autograd.grad(out, (x, weight), torch.full((), 0.7, device=DEVICE).expand_as(out)))
+
+    for weight in _strided_scales(w):
+        got, want = run(weight), run(weight.detach().contiguous().requires_grad_())
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

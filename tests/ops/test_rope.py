@@ -375,6 +375,8 @@ def _bad(q_shape=(2, 4, 5, 16), k_shape=(2, 2, 5, 16), cos_shape=(2, 5, 16), sin
         (_bad(k_shape=(1, 2, 5, 16)), ValueError, "k has shape"),
         (_bad(q_shape=(4, 5, 16), k_shape=(2, 5, 16)), ValueError, "q must be 4-D"),
         (_bad(unsqueeze_dim=3), ValueError, "unsqueeze_dim"),
+        (_bad(unsqueeze_dim=True), TypeError, "unsqueeze_dim"),
+        (_bad(unsqueeze_dim="1"), TypeError, "unsqueeze_dim"),
         (_bad(k_shape=(2, 4, 2, 16), unsqueeze_dim=2), ValueError, "cos has shape"),
     ],
 )

@@ -148,6 +148,8 @@ def test_tvd_is_exported_and_deterministic():
         ({"student_logprobs": torch.arange(32, device=DEVICE).view(4, 8)}, TypeError, "student_logprobs"),
         ({"labels": torch.zeros(5, dtype=torch.int64, device=DEVICE)}, ValueError, "labels has shape"),
         ({"labels": torch.zeros(4, device=DEVICE)}, TypeError, "labels has dtype"),
+        ({"ignore_index": None}, TypeError, "ignore_index"),
+        ({"ignore_index": float("nan")}, TypeError, "ignore_index"),
         ({"student_logprobs": torch.tensor(0.0, device=DEVICE)}, ValueError, "at least one dimension"),
     ],
 )

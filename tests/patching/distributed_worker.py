@@ -29,6 +29,9 @@ model patched with ``cuda_graphs=True``, and ZeRO-3 on a model built under ``dee
 and patched while partitioned. Under DDP its decoder layers replay captured graphs (the
 count of replays is saved); FSDP2's and ZeRO-3's sharded parameters make every layer run eagerly
 (no replay).
+
+With ``TIGON_DIST_ZERO3=0`` (the parent's choice where deepspeed is not installed) every ZeRO-3 run is
+left out.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ BATCH = 4  # sequences per step, split evenly over the ranks
 SEQ = 12
 VOCAB = 160
 ON_CUDA = os.environ.get("TIGON_DIST_DEVICE") == "cuda"
+ZERO3 = os.environ.get("TIGON_DIST_ZERO3", "1") == "1"
 
 
 def batches():
@@ -223,11 +227,12 @@ def main(out_path: str) -> None:
         results["fsdp2" + suffix] = {"losses": train(model, my_half, average_over_ranks=True),
                                      "state": full_state(model), "replays": replays(model)}
 
-        model = fresh_model(cuda_graphs)
-        losses, state = train_zero3(model, my_half)
-        results["zero3" + suffix] = {"losses": losses, "state": state, "replays": replays(model)}
+        if ZERO3:
+            model = fresh_model(cuda_graphs)
+            losses, state = train_zero3(model, my_half)
+            results["zero3" + suffix] = {"losses": losses, "state": state, "replays": replays(model)}
 
-    if ON_CUDA:
+    if ON_CUDA and ZERO3:
         model = zero_init_model()
         losses, state = train_zero3(model, my_half)
         results["zero3_init"] = {"losses": losses, "state": state, "replays": replays(model)}
@@ -241,9 +246,10 @@ def main(out_path: str) -> None:
     ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if ON_CUDA else None)
     results["ddp_autocast"] = {"losses": train(ddp, my_half, average_over_ranks=True, autocast=True),
                                "state": full_state(model)}
-    model = fresh_model()
-    losses, state = train_zero3(model, my_half, autocast=True)
-    results["zero3_autocast"] = {"losses": losses, "state": state}
+    if ZERO3:
+        model = fresh_model()
+        losses, state = train_zero3(model, my_half, autocast=True)
+        results["zero3_autocast"] = {"losses": losses, "state": state}
     # FSDP2 gathers a whole decoder layer at once: its projections stay one q/k/v node, as under DDP.
     model = fresh_model()
     ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if ON_CUDA else None)

@@ -66,7 +66,7 @@ def test_switch_defaults_are_the_contract():
     assert SWITCHES == {"rope": True, "rms_norm": True, "layer_norm": True, "mlp": True,
                         "cross_entropy": False, "fused_linear_cross_entropy": True, "cuda_graphs": False,
                         "recompute_norms": False, "sliding_window": True, "vision_attention": True,
-                        "fused_attention": True}
+                        "fused_attention": True, "offload_activations": False, "tiled_mlp": False}
 
 
 def test_unknown_model_type_lists_supported():

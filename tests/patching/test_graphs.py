@@ -17,7 +17,7 @@ import torch
 
 import tigon
 from tests.helpers import ON_GPU, one_rank_group
-from tests.patching.tiny import DEVICE, batch, grads, rel, tiny_model, train
+from tests.patching.tiny import DEVICE, batch, grads, rel, sdpa_config_overrides, tiny_model, train
 from tigon.patching import graphs
 from tigon.patching.layer_forward import LayerForward
 
@@ -27,8 +27,11 @@ TIGHT = 1e-5
 
 
 def _pair(model_type, *, attn="sdpa", **overrides):
-    """A tiny model patched without graphs and a deep copy patched with them (same weights)."""
+    """A tiny model patched without graphs and a deep copy patched with them (same weights); with sdpa,
+    the config as sdpa takes it on every transformers release (Gemma-2 without its attention softcap)."""
     torch.manual_seed(0)
+    if attn == "sdpa":
+        overrides = {**sdpa_config_overrides(model_type), **overrides}
     plain = tiny_model(model_type, **overrides)
     plain.config._attn_implementation = attn
     plain.to(DEVICE)

@@ -136,6 +136,15 @@ def tiny_config(model_type: str, **overrides):
     return config
 
 
+def sdpa_config_overrides(model_type: str) -> dict:
+    """The config overrides under which ``model_type`` runs sdpa alike on every transformers release: an
+    attention-logit softcap (Gemma-2's; its config's default is 50) off. transformers 5.24 and later's sdpa
+    raises on a softcap, earlier releases' sdpa drops it silently; without one both compute the same
+    attention. Eager attention applies the softcap on every release, so eager tests keep it."""
+    config = tiny_config(model_type)
+    return {"attn_logit_softcapping": None} if getattr(config, "attn_logit_softcapping", None) is not None else {}
+
+
 def tiny_model(model_type: str, **overrides):
     """A tiny random model in train mode (fp32, CPU or the test device)."""
     return transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).train()

@@ -5,6 +5,8 @@ row views, and autocast's dtype on a device.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 
 import torch
 
@@ -38,6 +40,34 @@ def check_tensor(t, name: str, *, dtypes=FLOAT_DTYPES, device: torch.device | No
         f"{name} is on {t_device}: tigon kernels need CUDA tensors "
         "(CPU tensors only under the Triton interpreter, TRITON_INTERPRET=1)"
     )
+
+
+def check_real(value, name: str, *, minimum=None, maximum=None, positive=False, finite=True) -> float:
+    """``value`` as a float: TypeError naming ``name`` for anything but a real number (a bool, a str or
+    None included), ValueError for NaN, an infinity (unless ``finite=False``) or a value outside
+    ``[minimum, maximum]`` (``> 0`` with ``positive``). An option that reached a comparison or a
+    kernel unchecked would fail there without naming itself, or run with a meaningless value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    # (abs() == inf rather than math.isinf: under torch.compile with dynamic shapes a float option is
+    # a symbolic float, which math.isinf cannot trace)
+    if value != value or (finite and abs(value) == math.inf):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if positive and not value > 0.0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if minimum is not None and not value >= minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and not value <= maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_int(value, name: str) -> int:
+    """``value`` as an int (a Python or NumPy integer, not a bool): TypeError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:

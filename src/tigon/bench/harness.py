@@ -17,6 +17,10 @@ Two times per step, both from CUDA events around it:
   small shapes measure the host here, for every provider alike.
 
 L2 is flushed (a 256 MB write) before every timed step in both.
+
+Each run writes ``<device>-<date>.{json,md,png}`` into its output folder and appends one line to a
+history file (``tigon.bench.history``: by default ``benchmarks/results/history.jsonl`` of the
+checkout tigon runs from).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from tigon.bench import history as _history
 from tigon.bench.spec import MODES, Case, Spec
 
 COPY_BYTES = 1 << 30  # 1 GiB source: far past L2, so the copy measures device memory
@@ -42,7 +47,7 @@ def versions() -> dict:
     from importlib import metadata
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("triton", "transformers", "liger-kernel"):
+    for name in ("triton", "transformers", "trl", "liger-kernel"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -310,7 +315,49 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(names=None, *, out_dir: Path, quick=False, providers=None, log=print) -> dict:
+AUTO = "auto"  # history=AUTO: the checkout's benchmarks/results/history.jsonl (none outside a checkout)
+
+
+def history_path(history: Path | str | None) -> Path | None:
+    """The file a run appends to: ``history`` itself, the default for ``AUTO``, nothing for None."""
+    if history == AUTO:
+        return _history.default_path()
+    return None if history is None else Path(history)
+
+
+def save(result: dict, out_dir: Path, stem: str) -> list[Path]:
+    """Write the run's JSON and markdown into ``out_dir`` (as often as a spec finishes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=1))
+    paths[1].write_text(markdown(result))
+    return paths
+
+
+def finish(result: dict, out_dir: Path, stem: str, *, history: Path | str | None = AUTO, command: str | None = None,
+           log=print) -> list[Path]:
+    """The run's last writes: its JSON and markdown, its plot, and its line in the history file."""
+    paths = save(result, out_dir, stem)
+    try:
+        plot(result, out_dir / f"{stem}.png")
+        paths.append(out_dir / f"{stem}.png")
+    except ImportError:
+        log("matplotlib not installed: no plot written (pip install 'tigon[demo]')")
+    target = history_path(history)
+    if target is not None:
+        _history.append(result, benchmark="bench", command=command, path=target)
+        log(f"appended the run to {target}")
+    return paths
+
+
+def run(names=None, *, out_dir: Path, quick=False, providers=None, history: Path | str | None = AUTO,
+        command: str | None = None, log=print) -> dict:
+    """Run the specs ``names`` (all when None) and write the results into ``out_dir``.
+
+    ``history``: the JSON-lines file the run is appended to (``AUTO``: the checkout's
+    ``benchmarks/results/history.jsonl``; None: none); ``command``: the command line recorded there
+    (default: this process's, ``tigon bench ...``).
+    """
     from tigon.bench.specs import load_specs
 
     if not torch.cuda.is_available():
@@ -331,16 +378,11 @@ def run(names=None, *, out_dir: Path, quick=False, providers=None, log=print) ->
         "modes": list(MODES),
         "rows": [],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{device_name().replace(' ', '-')}-{date}"
     for spec in specs.values():
         result["rows"] += run_spec(spec, bandwidth, quick=quick, providers=providers, log=log)
         # Written after every spec, so a run cut short still leaves what it measured.
-        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        (out_dir / f"{stem}.md").write_text(markdown(result))
-    try:
-        plot(result, out_dir / f"{stem}.png")
-    except ImportError:
-        log("matplotlib not installed: no plot written (pip install 'tigon[demo]')")
-    result["files"] = [str(out_dir / f"{stem}.{ext}") for ext in ("json", "md", "png")]
+        save(result, out_dir, stem)
+    paths = finish(result, out_dir, stem, history=history, command=command, log=log)
+    result["files"] = [str(p) for p in paths]
     return result

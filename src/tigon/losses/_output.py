@@ -48,7 +48,7 @@ def metric(t: torch.Tensor) -> torch.Tensor:
 
 def check_number(value, name: str, *, minimum=None, positive=False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise TypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")

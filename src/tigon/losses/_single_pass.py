@@ -148,9 +148,11 @@ def single_pass(input, linear_weight, target, head: dict, formula, *, paired: bo
                 config: SinglePassConfig | None = None):
     """``formula(logps, mask)`` (a LossOutput) with its loss's gradients made in this one pass."""
     config = DEFAULT_CONFIG if config is None else config
-    linear_bias, ignore_index = head["linear_bias"], int(head["ignore_index"])
+    linear_bias = head["linear_bias"]
+    # checked as given (int() first would take 1.5 for 1, and fail on None without naming it)
     vocab = check_logprob_arguments(input, linear_weight, target, linear_bias, head["temperature"], head["softcap"],
-                             head["logit_scale"], ignore_index, False, False)
+                             head["logit_scale"], head["ignore_index"], False, False)
+    ignore_index = int(head["ignore_index"])
     num_rows, num_tokens = target.shape
     need_dx, need_dw = input.requires_grad, linear_weight.requires_grad
     need_db = linear_bias is not None and linear_bias.requires_grad

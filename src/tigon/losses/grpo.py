@@ -25,6 +25,7 @@ never read (they may be anything, -inf included). References: Shao et al. 2024 (
 
 from __future__ import annotations
 
+import math
 import numbers
 from functools import partial
 
@@ -60,10 +61,19 @@ def grpo_options(beta, epsilon_low, epsilon_high, loss_type, max_completion_leng
 
 
 def _items_divisor(num_items_in_batch, device):
+    """The "dapo" divisor: a positive finite number, or a one-element tensor holding one (Trainer
+    passes a tensor). Eager mode reads a tensor's value (one device-to-host sync); under
+    torch.compile a data-dependent check cannot raise, and the value is used as given."""
     if isinstance(num_items_in_batch, torch.Tensor):
         if num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, "
                              f"got shape {tuple(num_items_in_batch.shape)}")
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+            raise TypeError(f"num_items_in_batch has dtype {num_items_in_batch.dtype}, expected a real number")
+        if not torch.compiler.is_compiling():
+            value = num_items_in_batch.item()
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"num_items_in_batch must be a finite number > 0, got {value}")
         return num_items_in_batch.detach().reshape(()).to(device=device, dtype=torch.float32)
     return check_number(num_items_in_batch, "num_items_in_batch", positive=True)
 

@@ -48,14 +48,22 @@ def _check_kl(kl, device) -> torch.Tensor | float:
 
 
 def _check_labels(preference_labels, num_rows, device) -> torch.Tensor:
+    """(R,) bool, or 0/1 integers: any other value (a 2, a 0.5) would silently pick a side."""
     if not isinstance(preference_labels, torch.Tensor):
         raise TypeError(f"preference_labels must be a torch.Tensor, got {type(preference_labels).__name__}")
     if preference_labels.is_floating_point() or preference_labels.is_complex():
-        raise TypeError(f"preference_labels has dtype {preference_labels.dtype}, expected torch.bool (or 0/1 ints)")
+        raise ValueError(f"preference_labels has dtype {preference_labels.dtype}, expected torch.bool (or 0/1 ints)")
     if tuple(preference_labels.shape) != (num_rows,):
         raise ValueError(f"preference_labels has shape {tuple(preference_labels.shape)}, expected ({num_rows},)")
     if preference_labels.device != device:
         raise ValueError(f"preference_labels is on {preference_labels.device}, expected {device} (input's device)")
+    # Eager mode reads the values back (one device-to-host sync, as the target check makes); under
+    # torch.compile a data-dependent check cannot raise, and a nonzero label counts as desirable.
+    if preference_labels.dtype != torch.bool and not torch.compiler.is_compiling():
+        outside = (preference_labels != 0) & (preference_labels != 1)
+        if outside.any().item():
+            value = preference_labels[outside][0].item()
+            raise ValueError(f"preference_labels holds {value}: labels are bool, or 0/1 integers")
     return preference_labels.bool()
 
 

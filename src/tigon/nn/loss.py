@@ -55,6 +55,8 @@ class CrossEntropyLoss(_LossOptions):
     def __init__(self, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0,
                  softcap=None, logit_scale=1.0, inplace_backward=False):
         super().__init__(weight, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale)
+        if not isinstance(inplace_backward, bool):
+            raise TypeError(f"inplace_backward must be True or False, got {inplace_backward!r}")
         self.inplace_backward = inplace_backward
 
     def forward(self, logits, target):

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
 from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import CASTINGS, rms_norm
+
+
+def _check_size(hidden_size) -> int:
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral):
+        raise TypeError(f"hidden_size must be an int, got {type(hidden_size).__name__}")
+    if hidden_size <= 0:
+        raise ValueError(f"hidden_size must be > 0, got {hidden_size}")
+    return int(hidden_size)
+
+
+def _check_real(value, name: str):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if value != value or abs(value) == float("inf"):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def _check_input(hidden_states, weight) -> None:
+    """The input's last dim against the module's hidden_size, named as the caller knows them (the
+    op's own check can only say that the weight does not fit the input)."""
+    if (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() > 0 and weight.dim() == 1
+            and hidden_states.shape[-1] != weight.shape[0]):
+        raise ValueError(
+            f"hidden_states has last dim {hidden_states.shape[-1]} (shape {tuple(hidden_states.shape)}), "
+            f"which does not match hidden_size {weight.shape[0]}"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +58,9 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size, eps=1e-6, *, offset=0.0, casting="llama", device=None, dtype=None):
         super().__init__()
+        hidden_size = _check_size(hidden_size)
+        _check_real(eps, "eps")
+        _check_real(offset, "offset")
         if casting not in CASTINGS:
             raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
         init = torch.zeros if offset == 1.0 else torch.ones
@@ -59,6 +90,7 @@ class RMSNorm(nn.Module):
         return None
 
     def forward(self, hidden_states):
+        _check_input(hidden_states, self.weight)
         return rms_norm(
             hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting,
             out_dtype=self.output_dtype(hidden_states),
@@ -79,7 +111,9 @@ class LayerNorm(nn.Module):
 
     def __init__(self, hidden_size, eps=1e-5, *, bias=True, device=None, dtype=None):
         super().__init__()
-        self.normalized_shape = (int(hidden_size),)
+        hidden_size = _check_size(hidden_size)
+        _check_real(eps, "eps")
+        self.normalized_shape = (hidden_size,)
         self.eps = eps
         self.elementwise_affine = True
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
@@ -99,6 +133,7 @@ class LayerNorm(nn.Module):
         self.eps = value
 
     def forward(self, hidden_states):
+        _check_input(hidden_states, self.weight)
         return layer_norm(hidden_states, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:

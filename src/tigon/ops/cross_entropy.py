@@ -94,6 +94,7 @@ from tigon._kernels import (
     apply_grad_output,
     as_fp32,
     as_rows,
+    check_real,
     check_tensor,
     fast_exp,
     grad_block,
@@ -380,14 +381,11 @@ def check_loss_options(
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not (z_loss >= 0.0 and z_loss != float("inf")):
-        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
-    if softcap is not None and not (softcap > 0.0 and softcap != float("inf")):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
-    if not (abs(logit_scale) != float("inf") and logit_scale == logit_scale):
-        raise ValueError(f"logit_scale must be a finite number, got {logit_scale}")
+    check_real(label_smoothing, "label_smoothing", minimum=0.0, maximum=1.0)
+    check_real(z_loss, "z_loss", minimum=0.0)
+    if softcap is not None:
+        check_real(softcap, "softcap", positive=True)
+    check_real(logit_scale, "logit_scale")
 
 
 def check_target(target, expected_shape, device):
@@ -433,6 +431,9 @@ def cross_entropy(
         weight, vocab, logits.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
     check_target(target, logits.shape[:-1], logits.device)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be True or False, got {inplace_backward!r}")
+    weight = None if weight is None else weight.contiguous()  # the class weights are read with unit stride
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     inplace = bool(inplace_backward) and compute_grad
     if inplace and logits.is_leaf:

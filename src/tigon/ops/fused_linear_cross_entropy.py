@@ -602,6 +602,7 @@ def fused_linear_cross_entropy(
         weight, vocab, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
     check_target(target, input.shape[:-1], input.device)
+    weight = None if weight is None else weight.contiguous()  # the class weights are read with unit stride
     scales, bad = REDUCTION_SCALES(target.reshape(-1), weight, int(ignore_index), reduction, vocab)
     check = RangeCheck(bad)
     grad_on = torch.is_grad_enabled()

@@ -52,7 +52,9 @@ from tigon._kernels import (
     autocast_dtype,
     beta_mode,
     cdiv,
+    check_int,
     check_labels,
+    check_real,
     check_tensor,
     jsd_terms,
     next_power_of_2,
@@ -298,8 +300,8 @@ def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weigh
         )
     check_labels(labels, student_input.shape[:-1], device)
     check_beta(beta)
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    check_real(temperature, "temperature", positive=True)
+    check_int(ignore_index, "ignore_index")
     dtype = autocast_dtype(device)
     if dtype is not None:
         student_input, student_weight = student_input.to(dtype), student_weight.to(dtype)

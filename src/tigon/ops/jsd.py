@@ -46,7 +46,15 @@ import math
 
 import torch
 
-from tigon._kernels import TigonOp, beta_mode, check_pair, divergence_backward, divergence_forward
+from tigon._kernels import (
+    TigonOp,
+    beta_mode,
+    check_int,
+    check_pair,
+    check_real,
+    divergence_backward,
+    divergence_forward,
+)
 
 # ------------------------------------------------------------------------------- torch ops + autograd
 
@@ -93,8 +101,7 @@ JSD = TigonOp("jsd", _jsd_impl, setup_context=_setup_jsd, backward=_jsd_grad)
 
 
 def check_beta(beta):
-    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
-        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    check_real(beta, "beta", minimum=0.0, maximum=1.0)
 
 
 def jsd(student_logprobs, teacher_logprobs, *, beta=0.5, labels=None, ignore_index=-100):
@@ -106,6 +113,7 @@ def jsd(student_logprobs, teacher_logprobs, *, beta=0.5, labels=None, ignore_ind
     """
     check_pair(student_logprobs, teacher_logprobs, labels)
     check_beta(beta)
+    check_int(ignore_index, "ignore_index")
     loss, _ = JSD(student_logprobs, teacher_logprobs, labels, float(beta), int(ignore_index))
     return loss
 

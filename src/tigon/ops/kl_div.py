@@ -13,7 +13,8 @@ Backward, with ``γ`` the upstream gradient (elementwise for ``"none"``, else th
 the reduction's divisor)::
 
     ∂ℓ/∂x = −p                       (−exp(t) with log_target)
-    ∂ℓ/∂p = log p + 1 − x            (at p = 0 this is −∞; torch gives NaN there)
+    ∂ℓ/∂p = log p + 1 − x            NaN at p = 0, as torch's: it differentiates xlogy(p, p) as
+                                     log p (masked to 0 at p = 0) plus p/p (NaN at p = 0)
     ∂ℓ/∂t = exp(t)·(t − x + 1)       log_target
 
 Neither gradient needs a reduction, so the backward is one elementwise pass. The target's gradient
@@ -112,7 +113,8 @@ def kl_div_bwd_kernel(
         if LOG_TARGET:
             dtarget = p * (t - x + 1.0) * grad
         else:
-            dtarget = (tl.log(t) + 1.0 - x) * grad
+            # torch differentiates xlogy(p, p) as γ·log p (0 at p = 0) + γ·p/p (NaN at p = 0)
+            dtarget = (tl.where(t == 0.0, float("nan"), tl.log(t)) + 1.0 - x) * grad
         tl.store(dtarget_ptr + out_offsets, dtarget.to(dtarget_ptr.dtype.element_ty), mask=mask)
 
 

@@ -77,6 +77,7 @@ from tigon._kernels import (
     as_rows,
     cache_by_size,
     cdiv,
+    check_real,
     check_tensor,
     exchange_row_sums,
     grad_tile,
@@ -645,13 +646,16 @@ def _check_args(x, weight, bias, eps):
     check_tensor(x, "x")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
+    hidden = x.shape[-1]
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None:
             check_tensor(param, name, device=x.device)
-            if param.shape != (x.shape[-1],):
-                raise ValueError(f"{name} has shape {tuple(param.shape)}, expected ({x.shape[-1]},)")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+            if param.dim() == 1 and param.shape[0] != hidden:
+                raise ValueError(f"x's last dim {hidden} (the hidden size) does not match {name}'s size "
+                                 f"{param.shape[0]}: {name} must have shape ({hidden},)")
+            if param.shape != (hidden,):
+                raise ValueError(f"{name} has shape {tuple(param.shape)}, expected ({hidden},) (x's last dim)")
+    check_real(eps, "eps", minimum=0.0)
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
@@ -662,6 +666,9 @@ def layer_norm(x, weight, bias, eps=1e-5):
     autocast). See the module docstring for the math.
     """
     _check_args(x, weight, bias, eps)
+    # the kernels read weight and bias with unit stride
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y, _, _ = LAYER_NORM(x, weight, bias, float(eps))
     return y
 

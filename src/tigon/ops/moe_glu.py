@@ -45,7 +45,16 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon._kernels import TigonOp, as_fp32, as_rows, check_tensor, gate_activation, stable_sigmoid, wrap_triton
+from tigon._kernels import (
+    TigonOp,
+    as_fp32,
+    as_rows,
+    check_real,
+    check_tensor,
+    gate_activation,
+    stable_sigmoid,
+    wrap_triton,
+)
 from tigon.ops.glu import ACTIVATIONS as GLU_ACTIVATIONS
 from tigon.ops.glu import GluConfig, glu_launch, glu_reference
 
@@ -253,12 +262,9 @@ def _check_options(layout, activation, alpha, limit):
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if activation == CLAMPED_SWIGLU:
-        for name, value in (("alpha", alpha), ("limit", limit)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"{name} must be a real number for {CLAMPED_SWIGLU}, got {value!r}")
-        if limit < 0:
-            raise ValueError(f"limit must be ≥ 0, got {limit}")
+    # checked whatever the activation (only clamped_swiglu uses them): a str would reach float()
+    check_real(alpha, "alpha")
+    check_real(limit, "limit", minimum=0.0, finite=False)
 
 
 def moe_glu(gate_up, *, layout="halves", activation="silu", alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT):

@@ -58,6 +58,7 @@ from tigon._kernels import (
     TigonOp,
     bhtd_strides,
     cdiv,
+    check_int,
     check_qk,
     check_rot_dim,
     copy_tile,
@@ -438,6 +439,9 @@ def mrope(q, k, cos, sin, mrope_section, *, unsqueeze_dim=1, interleaved=False):
     ``[B, T, H, D]``; with ``Dr < D`` only the first ``Dr`` dims rotate. Any strides. Gradients flow to
     q and k only. Output dtypes: q's and k's promoted with cos/sin's, as transformers'.
     """
+    check_int(unsqueeze_dim, "unsqueeze_dim")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be True or False, got {interleaved!r}")
     _check_args(q, k, cos, sin, mrope_section, unsqueeze_dim)
     return MROPE(q, k, cos, sin, [int(n) for n in mrope_section], bool(interleaved), int(unsqueeze_dim))
 

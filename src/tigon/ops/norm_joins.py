@@ -74,6 +74,7 @@ from tigon._kernels import (
     as_fp32,
     as_rows,
     cdiv,
+    check_real,
     check_tensor,
     load_tile,
     norm_backward_launch,
@@ -453,8 +454,8 @@ def _check_join(x, residual, weight, eps, casting, offset, next_weight=None, nex
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
     if next_weight is not None:
         check_scale(next_weight, "next_weight", x)
-    if next_eps is not None and not next_eps >= 0:
-        raise ValueError(f"next_eps must be >= 0, got {next_eps}")
+    if next_eps is not None:
+        check_real(next_eps, "next_eps", minimum=0.0)
 
 
 def _fused(x) -> bool:
@@ -470,6 +471,7 @@ def post_norm_join(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama"
     x (not the sum) for the backward.
     """
     _check_join(x, residual, weight, eps, casting, offset)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if not _fused(x):
         return residual + rms_norm(x, weight, eps, offset=offset, casting=casting)
     s, _ = POST_NORM_JOIN(x, residual, weight, float(eps), float(offset), casting)
@@ -487,6 +489,8 @@ def sandwich_norm_join(
     ``next_weight`` None: that norm has no scale. See the module docstring for the math.
     """
     _check_join(x, residual, weight, eps, casting, offset, next_weight, next_eps)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
+    next_weight = None if next_weight is None else next_weight.contiguous()
     next_eps = eps if next_eps is None else next_eps
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")

@@ -54,8 +54,6 @@ Reference: :func:`rms_norm_reference` (transformers' ``LlamaRMSNorm`` / ``GemmaR
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
@@ -68,6 +66,7 @@ from tigon._kernels import (
     as_fp32,
     as_rows,
     cdiv,
+    check_real,
     check_tensor,
     exchange_row_sums,
     grad_tile,
@@ -571,8 +570,12 @@ ADD_RMS_NORM = TigonOp(
 def check_scale(weight, name, x):
     """A norm's scale: a float tensor of shape (hidden,) on x's device (ValueError/TypeError naming it)."""
     check_tensor(weight, name, device=x.device)
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    hidden = x.shape[-1]
+    if weight.dim() == 1 and weight.shape[0] != hidden:
+        raise ValueError(f"x's last dim {hidden} (the hidden size) does not match {name}'s size "
+                         f"{weight.shape[0]}: {name} must have shape ({hidden},)")
+    if weight.shape != (hidden,):
+        raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected ({hidden},) (x's last dim)")
 
 
 def check_rms_norm_args(x, weight, eps, casting, *, offset, residual=None):
@@ -587,11 +590,8 @@ def check_rms_norm_args(x, weight, eps, casting, *, offset, residual=None):
         check_scale(weight, "weight", x)
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
-    for name, value in (("eps", eps), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    check_real(eps, "eps", minimum=0.0)
+    check_real(offset, "offset")
 
 
 def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None):
@@ -608,6 +608,7 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None
     ``tigon.nn.RMSNorm.autocast_output``.
     """
     check_rms_norm_args(x, weight, eps, casting, offset=offset)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
     y, _ = RMS_NORM(x, weight, float(eps), float(offset), casting, out_dtype)
@@ -622,6 +623,7 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama", 
     ``rms_norm(s, ...)`` of it (``out_dtype`` as for :func:`rms_norm`).
     """
     check_rms_norm_args(x, weight, eps, casting, offset=offset, residual=residual)
+    weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
     y, s, _ = ADD_RMS_NORM(x, residual, weight, float(eps), float(offset), casting, out_dtype)

@@ -71,6 +71,7 @@ from tigon._kernels import (
     bhtd_strides,
     cache_by_size,
     cdiv,
+    check_int,
     check_qk,
     check_rot_dim,
     copy_tile,
@@ -481,6 +482,7 @@ def rope(q, k, cos, sin, *, unsqueeze_dim=1, output_dtype=None):
     (attention under autocast; ``tigon.patch`` passes the autocast dtype, see
     ``tigon.patching.engine.apply_rotary_pos_emb``), without writing and re-reading fp32 copies.
     """
+    check_int(unsqueeze_dim, "unsqueeze_dim")
     _check_args(q, k, cos, sin, unsqueeze_dim)
     pair = output_dtype if isinstance(output_dtype, tuple) else (output_dtype, output_dtype)
     if len(pair) != 2 or not (_output_dtype_ok(pair[0]) and _output_dtype_ok(pair[1])):

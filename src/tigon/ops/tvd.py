@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from tigon._kernels import TVD as TVD_MODE
-from tigon._kernels import TigonOp, check_pair, divergence_backward, divergence_forward
+from tigon._kernels import TigonOp, check_int, check_pair, divergence_backward, divergence_forward
 
 # ------------------------------------------------------------------------------- torch ops + autograd
 
@@ -85,6 +85,7 @@ def tvd(student_logprobs, teacher_logprobs, *, labels=None, ignore_index=-100):
     docstring for the backward.
     """
     check_pair(student_logprobs, teacher_logprobs, labels)
+    check_int(ignore_index, "ignore_index")
     loss, _ = TVD(student_logprobs, teacher_logprobs, labels, int(ignore_index))
     return loss
 

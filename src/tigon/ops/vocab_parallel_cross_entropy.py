@@ -47,6 +47,7 @@ from tigon._kernels import (
     RangeCheck,
     SavedGradientsFunction,
     autocast_off,
+    check_int,
     check_tensor,
     chunk_buffer,
     chunk_view,
@@ -181,6 +182,8 @@ def vocab_parallel_cross_entropy(
         )
     if vocab_start is None or vocab_size is None:
         raise ValueError("vocab_start and vocab_size are needed with a plain weight_shard (this rank's rows)")
+    check_int(vocab_start, "vocab_start")
+    check_int(vocab_size, "vocab_size")
     check_tensor(input, "input")
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (the hidden dimension is the last)")
@@ -203,6 +206,7 @@ def vocab_parallel_cross_entropy(
         weight, vocab_size, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
     check_target(target, input.shape[:-1], input.device)
+    weight = None if weight is None else weight.contiguous()  # the class weights are read with unit stride
     scales, bad = REDUCTION_SCALES(target.reshape(-1), weight, int(ignore_index), reduction, vocab_size)
     check = RangeCheck(bad)
     opts = LossOptions(int(ignore_index), float(label_smoothing), float(z_loss),

@@ -63,6 +63,7 @@ from tigon.patching import (
     fused_attention,
     graphs,
     joins,
+    long_context,
     recompute,
     sliding_window,
     vision_attention,
@@ -91,6 +92,8 @@ SWITCHES = {
     "sliding_window": True,
     "vision_attention": True,
     "fused_attention": True,
+    "offload_activations": False,
+    "tiled_mlp": False,
 }
 ROTARY_NAME = "apply_rotary_pos_emb"
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -778,6 +781,9 @@ PARTS = (
     # after rms_norm's: the hooks go on the tigon norms that part swaps in
     _Part("recompute_norms", lambda f, c: f.joined_layer == "pre_norm" and c.decoder_layer is not None,
           lambda plan, m, f, c, s: _plan_recompute(plan, m, c), lambda f, c, s: [_recompute_line(c)]),
+    _Part("offload_activations", lambda f, c: c.decoder_layer is not None,
+          long_context.plan_offload, long_context.offload_lines),
+    _Part("tiled_mlp", lambda f, c: c.mlp is not None, long_context.plan_tiled_mlp, long_context.tiled_mlp_lines),
 )
 
 
@@ -837,7 +843,8 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
 # The switches of the parts a decoder has (the loss is the ForConditionalGeneration's). cuda_graphs
 # replays the language model's decoder layers; the vision tower stays eager (its attention reads
 # cu_seqlens on the host, which a captured graph cannot).
-DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs", "fused_attention")
+DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs", "fused_attention",
+                    "offload_activations", "tiled_mlp")
 VISION_PREFIX = "vision: "
 
 

@@ -1,0 +1,512 @@
+"""LoRA fine-tuning steps on a GPU: stock PEFT, tigon on the PeftModel, and Liger-Kernel with PEFT.
+
+    python benchmarks/lora.py                              # Llama-3.1-8B-shaped, 8 of its 32 layers (~4 min, H200)
+    python benchmarks/lora.py --layers 32 --providers peft+ckpt tigon+ckpt
+    python benchmarks/lora.py --device cpu --tiny --warmup 0 --steps 1    # pipeline smoke test (CPU)
+
+What is measured. A Llama-3.1-8B-shaped model (hidden 4096, intermediate 14336, 32 query / 8 key-value
+heads of 128, vocabulary 128256, untied head; rope scaling aside, which changes no cost) with
+``--layers`` of its 32 decoder layers (default 8: the step's time and memory scale with the layers,
+the head's aside), random weights in bf16 (``--weights``), sdpa attention. PEFT's
+``get_peft_model`` with ``LoraConfig(r=16, lora_alpha=32, lora_dropout=0, target_modules=`` the seven
+projections ``)``: fp32 adapters (PEFT's ``autocast_adapter_dtype``), the base frozen. Every weight
+is drawn from a generator seeded by its name, so every provider trains the same model; B is random
+(not PEFT's zeros), so that both adapter gradients count from the first step. A step at batch 2 x
+4096 random tokens (``--batch``, ``--seq``)::
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):   # as HF Trainer / TRL with bf16=True
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)   # fused AdamW, adapters only
+    loss.item()                                           # synchronises
+
+timed on the host: the median of ``--steps`` (3) after ``--warmup`` (2, which compile tigon's kernels).
+
+Providers: ``peft`` (stock transformers + PEFT), ``tigon`` (``tigon.patch`` on the PeftModel),
+``liger`` (Liger-Kernel's ``apply_liger_kernel_to_llama()`` before the model is built: its RMSNorm,
+rope, SwiGLU and fused linear cross-entropy, PEFT's LoRA forwards), each also with ``+ckpt``:
+transformers' gradient checkpointing (non-reentrant) on every decoder layer. Each runs in a fresh
+process (benchmarks/e2e.py's worker pool).
+
+Reported: tokens/s; achieved TFLOP/s, the model's flops a step over the median step time, against a
+bf16 ``--matmul-size``³ matmul timed in the same process (the rate the device's large products reach);
+peak allocated memory over the timed steps; agreement with ``peft``: the relative difference of the
+first step's loss, and ‖g − g_peft‖ / ‖g_peft‖ of all adapter gradients of the first step,
+concatenated (bf16 products: within API.md's 3e-2).
+
+Model flops a step (:func:`step_flops`), N = batch·seq tokens, L layers, H hidden, T = seq::
+
+    P_base = L·(H·q + 2·H·kv + q·H + 3·H·I) + V·H  the frozen linear weights a token passes through
+                                                  (q = heads·head_dim, kv = kv_heads·head_dim: the four
+                                                  attention projections, the MLP's three, the head)
+    base       = 2·N·P_base (forward) + 2·N·P_base (backward, input gradients only: the base is frozen)
+    adapters   = 3 · 2·N·Σ r·(in + out)           forward x Aᵀ, (x Aᵀ) Bᵀ; backward twice that (dA, dB
+                                                  and the input gradient)
+    attention  = 3 · 4·N·T·q·L                    Q Kᵀ and P V over the full T×T square forward (PaLM's
+                                                  convention: causal attention computes about half),
+                                                  the backward twice the forward
+
+The recomputed forward under checkpointing is not counted (it is the same model's work done twice),
+nor the norms, rotary, activation, softmax and optimizer.
+
+Results: ``--out`` (default benchmarks/results/) gets ``lora-<device>-<date>.{json,md}``, and one line
+goes to ``benchmarks/results/history.jsonl`` (``--history PATH``; none for a smoke run); the markdown
+is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, the repository is not
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import e2e  # noqa: E402  (worker pool, OOM detection, formatting)
+from tigon.bench import history  # noqa: E402
+
+# Llama-3.1-8B as published (rope scaling aside)
+LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, max_position_embeddings=256)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "liger+ckpt")
+PROVIDER_TITLES = {"peft": "stock PEFT", "tigon": "tigon.patch(PeftModel)", "liger": "Liger-Kernel + PEFT"}
+REFERENCE = "peft"
+LAYERS = 8
+BATCH = 2
+SEQ = 4096
+TINY_SEQ = 16
+RANK = 16
+ALPHA = 32
+WARMUP = 2
+STEPS = 3
+LR = 1e-4
+SEED = 0
+WEIGHT_STD = 0.02
+MATMUL_SIZE = 8192
+TINY_MATMUL_SIZE = 128
+MATMUL_REPS = 20
+JOB_TIMEOUT_S = 300
+BF16_TOLERANCE = 3e-2  # API.md's bf16 bound, on the first loss and the adapter gradients
+RESULT_MARK = e2e.RESULT_MARK  # e2e.Worker.run reads the result line by it
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers of the 32 (default %(default)s)")
+    p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--seq", type=int, default=None, help=f"tokens a row (default {SEQ}; {TINY_SEQ} with --tiny)")
+    p.add_argument("--rank", type=int, default=RANK)
+    p.add_argument("--alpha", type=float, default=ALPHA)
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS, metavar="PROVIDER",
+                   help=f"of {', '.join(PROVIDERS)} (default: all)")
+    p.add_argument("--weights", choices=("bf16", "fp32"), default="bf16", help="the base weights' dtype")
+    p.add_argument("--warmup", type=int, default=WARMUP)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help=f"the reference matmul's size (default {MATMUL_SIZE}; {TINY_MATMUL_SIZE} with --tiny)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama (pipeline smoke test)")
+    p.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per job")
+    p.add_argument("--out", type=Path, default=e2e.OUT, help="folder for the JSON and markdown")
+    history.add_argument(p)
+    args = p.parse_args(argv)
+    if args.seq is None:
+        args.seq = TINY_SEQ if args.tiny else SEQ
+    for name in ("layers", "batch", "seq", "rank", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
+    if args.matmul_size is None:
+        args.matmul_size = TINY_MATMUL_SIZE if args.tiny else MATMUL_SIZE
+    if len(set(args.providers)) != len(args.providers):
+        p.error("--providers: each at most once")
+    return args
+
+
+def shape(job: dict) -> dict:
+    """The config keywords of the job's model."""
+    base = {**LLAMA_3_1_8B, **TINY} if job["tiny"] else dict(LLAMA_3_1_8B)
+    return {**base, "num_hidden_layers": job["layers"]}
+
+
+def step_flops(shape: dict, *, batch: int, seq: int, rank: int, targets=TARGETS) -> dict:
+    """The model's flops in one LoRA training step (module docs), by term."""
+    tokens = batch * seq
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    projections = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                   "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    base_params = layers * sum(i * o for i, o in projections.values()) + shape["vocab_size"] * hidden
+    adapter_width = layers * sum(i + o for name, (i, o) in projections.items() if name in targets)
+    out = {"base": 2 * 2 * tokens * base_params,
+           "adapters": 3 * 2 * tokens * rank * adapter_width,
+           "attention": 3 * 4 * tokens * seq * q * layers}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ----------------------------------------------------------------------------------------- worker
+
+
+def matmul_tflops(device, size: int) -> float:
+    """TFLOP/s of a bf16 ``size``³ matmul (median of MATMUL_REPS after a warm-up), on this device."""
+    import torch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    times = []
+    for i in range(MATMUL_REPS + 3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def init_by_name(model, names=None) -> None:
+    """Every parameter (of ``names``, else all) drawn from a generator seeded by its name: matrices
+    normal(0, WEIGHT_STD), vectors (norm weights) ones; the same values for every provider."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if names is not None and name not in names:
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0)
+                continue
+            gen = torch.Generator(device=p.device).manual_seed(SEED * 2**32 + zlib.crc32(name.encode()))
+            values = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, WEIGHT_STD, generator=gen)
+            p.copy_(values)
+
+
+def apply_liger() -> None:
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama()
+
+
+def build(job: dict, device):
+    """The PeftModel of the job (provider's patches applied), in train mode."""
+    import peft
+    import torch
+    import transformers
+
+    import tigon
+
+    parts = job["provider"].split("+")
+    if "liger" in parts:
+        apply_liger()
+    config = transformers.LlamaConfig(**shape(job))
+    config.use_cache = False
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[job["weights"]]
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    init_by_name(model)
+    lora = peft.LoraConfig(r=job["rank"], lora_alpha=job["alpha"], lora_dropout=0.0, target_modules=list(TARGETS))
+    model = peft.get_peft_model(model, lora)
+    init_by_name(model, {n for n, p in model.named_parameters() if p.requires_grad})
+    if "tigon" in parts:
+        tigon.patch(model)
+    if "ckpt" in parts:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def run_job(job: dict) -> dict:
+    """Build, train ``warmup + steps`` steps, save the first step's adapter gradients to
+    ``job["grads_path"]``; runs inside a fresh worker process (or in-process for a CPU test)."""
+    import torch
+
+    device = torch.device(job["device"])
+    cuda = device.type == "cuda"
+    out = {**job, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "matmul_tflops": matmul_tflops(device, job["matmul_size"])}
+    torch.manual_seed(SEED)
+    model = build(job, device)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out["adapter_params"] = sum(p.numel() for _, p in trainable)
+    optimizer = torch.optim.AdamW([p for _, p in trainable], lr=LR, fused=cuda)
+    batch, seq, warmup, steps = job["batch"], job["seq"], job["warmup"], job["steps"]
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    data = torch.randint(shape(job)["vocab_size"], (warmup + steps, batch, seq), device=device, generator=gen)
+
+    def train_step(step) -> float:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=data[step], labels=data[step]).loss
+        loss.backward()
+        if step == 0 and job.get("grads_path"):
+            names = [n for n, _ in trainable]
+            flat = torch.cat([p.grad.detach().float().flatten() for _, p in trainable]).cpu()
+            torch.save({"names": names, "grads": flat}, job["grads_path"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()  # synchronises: the step time is the device's
+
+    losses, seconds = [], []
+    for step in range(warmup + steps):
+        if step == warmup:
+            e2e.wait_until_quiet(job.get("quiet_path"))
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        losses.append(train_step(step))
+        seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds[warmup:])
+    flops = step_flops(shape(job), batch=batch, seq=seq, rank=job["rank"])
+    out.update(losses=losses, step_seconds=seconds, median_step_s=median, tokens_per_s=batch * seq / median,
+               flops=flops, tflops=flops["total"] / median / 1e12)
+    out["matmul_share"] = out["tflops"] / out["matmul_tflops"]
+    if cuda:
+        out.update(peak_bytes=torch.cuda.max_memory_allocated(), reserved_bytes=torch.cuda.max_memory_reserved())
+    return out
+
+
+def worker_main(ready_path: str | None = None) -> int:
+    """Import everything, say so, wait for one job on stdin, run it, print the result line."""
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import tigon.patching  # noqa: F401
+    from tigon._interpreter import apply_interpreter_fixes
+
+    apply_interpreter_fixes()  # --device cpu: the parent set TRITON_INTERPRET=1
+
+    if ready_path:
+        Path(ready_path).touch()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    job = json.loads(line)
+    started = time.perf_counter()
+    try:
+        result = run_job(job)
+    except Exception as exc:  # an error is a result (an out-of-memory, Liger not installed)
+        oom = e2e._is_oom(exc)
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        result = {**job, "error": "out of memory" if oom else f"{type(exc).__name__}: {first_line}", "oom": oom}
+    result["wall_s"] = time.perf_counter() - started
+    print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- parent
+
+
+class Worker(e2e.Worker):
+    """benchmarks/e2e.py's early-started worker process, running this file's jobs."""
+
+    def __init__(self):
+        self.stdout = tempfile.TemporaryFile(mode="w+")
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self._ready_dir = tempfile.TemporaryDirectory()
+        self.ready_path = os.path.join(self._ready_dir.name, "imported")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", self.ready_path], stdin=subprocess.PIPE,
+                                     stdout=self.stdout, stderr=self.stderr, text=True)
+
+
+class WorkerPool(e2e.WorkerPool):
+    """benchmarks/e2e.py's pool (one fresh process a job, the next one importing meanwhile), of this file's workers."""
+
+    def __init__(self, timeout: int):
+        self.timeout = timeout
+        self.spare = Worker()
+
+    def run(self, job: dict) -> dict:
+        current, self.spare = self.spare, Worker()
+        return current.run({**job, "quiet_path": self.spare.ready_path}, self.timeout)
+
+
+def jobs_for(args, grads_dir: Path) -> list[dict]:
+    return [{"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
+             "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha, "weights": args.weights,
+             "warmup": args.warmup, "steps": args.steps, "matmul_size": args.matmul_size,
+             "grads_path": str(grads_dir / f"{provider}.pt")} for provider in args.providers]
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def add_agreement(rows: list[dict]) -> None:
+    """Each row's first loss and first-step adapter gradients against the reference run with the same
+    checkpointing (or, when that one failed, the other one): ``loss_rel``, ``grad_rel``, ``agrees``."""
+    import torch
+
+    def reference(row):
+        ckpt = "+ckpt" if row["provider"].endswith("+ckpt") else ""
+        for name in (REFERENCE + ckpt, REFERENCE + ("" if ckpt else "+ckpt")):
+            ref = next((r for r in rows if r["provider"] == name and "losses" in r), None)
+            if ref is not None:
+                return ref
+        return None
+
+    for row in rows:
+        ref = reference(row)
+        if "losses" not in row or ref is None or ref is row:
+            continue
+        row["against"] = ref["provider"]
+        row["loss_rel"] = abs(row["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
+        paths = [Path(r.get("grads_path", "")) for r in (row, ref)]
+        if all(p.is_file() for p in paths):
+            got, want = (torch.load(p) for p in paths)
+            if got["names"] == want["names"]:
+                row["grad_rel"] = rel(got["grads"], want["grads"])
+        row["agrees"] = row["loss_rel"] <= BF16_TOLERANCE and row.get("grad_rel", math.inf) <= BF16_TOLERANCE
+
+
+def run(args, log=print) -> dict:
+    with tempfile.TemporaryDirectory() as grads_dir:
+        jobs = jobs_for(args, Path(grads_dir))
+        pool = WorkerPool(args.timeout)
+        rows = []
+        try:
+            for job in jobs:
+                row = pool.run(job)
+                rows.append(row)
+                log(row_line(row))
+        finally:
+            pool.close()
+        add_agreement(rows)
+    for row in rows:
+        row.pop("grads_path", None)
+    return {"kind": "lora", "rows": rows}
+
+
+def row_line(row: dict) -> str:
+    head = f"{row['provider']:<11}"
+    if "error" in row:
+        return f"{head} {row['error']}"
+    return (f"{head} {e2e._si(row['tokens_per_s']):>7} tok/s  {row['tflops']:.0f} TFLOP/s "
+            f"({row['matmul_share']:.0%} of {row['matmul_tflops']:.0f})  peak {e2e._gib(row.get('peak_bytes'))} GiB  "
+            f"loss {row['losses'][0]:.5g}")
+
+
+def _title(provider: str) -> str:
+    base, _, ckpt = provider.partition("+")
+    return PROVIDER_TITLES[base] + (" + checkpointing" if ckpt else "")
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    rows = result["rows"]
+    layers = s["layers"]
+    model = "tiny Llama" if s["tiny"] else f"Llama-3.1-8B-shaped, {layers} of 32 layers"
+    matmul = [r["matmul_tflops"] for r in rows if "matmul_tflops" in r]
+    lines = [
+        f"# LoRA fine-tuning steps — {result['device']} — {result['date']}", "",
+        f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}.",
+        f"{model}, {s['weights']} base weights, LoRA r={s['rank']} α={s['alpha']:g} (fp32 adapters) on the seven "
+        f"projections, batch {s['batch']} x {s['seq']}, bf16 autocast, fused AdamW on the adapters; median of "
+        f"{s['steps']} steps after {s['warmup']}. TFLOP/s: the model's flops a step (benchmarks/lora.py: base forward "
+        "and input gradients, adapters, attention over the full square; no recompute) over the step time; "
+        f"matmul: a bf16 {s['matmul_size']}³ product in the same process"
+        + (f" ({min(matmul):.0f}–{max(matmul):.0f} TFLOP/s)" if matmul else "") + ". Loss Δ: the first step's, "
+        "relative; grad Δ: all adapter gradients of the first step, relative; against stock PEFT with the same "
+        "checkpointing. Each run in a fresh process.", "",
+        "| provider | tokens/s | vs PEFT | TFLOP/s | of matmul | step ms | peak GiB | loss Δ | grad Δ | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    speeds = {r["provider"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {_title(row['provider'])} | — | — | — | — | — | — | — | — | {row['error']} |")
+            continue
+        ref = speeds.get(REFERENCE + ("+ckpt" if row["provider"].endswith("+ckpt") else ""))
+        speed = f"{row['tokens_per_s'] / ref:.2f}x" if ref else "—"
+        note = "" if row.get("agrees", True) else "**disagrees**"
+        lines.append(
+            f"| {_title(row['provider'])} | {row['tokens_per_s']:.0f} | {speed} | {row['tflops']:.0f} | "
+            f"{row['matmul_share']:.0%} | {row['median_step_s'] * 1e3:.0f} | {e2e._gib(row.get('peak_bytes'))} | "
+            f"{_fmt(row.get('loss_rel'), '.1e')} | {_fmt(row.get('grad_rel'), '.1e')} | {note} |")
+    flops = next((r["flops"] for r in rows if "flops" in r), None)
+    if flops:
+        lines += ["", "Flops a step: " + ", ".join(f"{k} {v / 1e12:.1f} T" for k, v in flops.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    from tigon.bench.harness import versions as base
+
+    out = base()
+    for name in ("peft", "tigon"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def save(result: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"lora-{result['device'].replace(' ', '-')}-{result['date']}"
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=1))
+    paths[1].write_text(markdown(result))
+    return paths
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(argv[1] if len(argv) > 1 else None)
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the workers, before they import tigon.ops
+    elif not torch.cuda.is_available():
+        print("benchmarks/lora.py needs a CUDA GPU and this machine has none (--device cpu --tiny runs a smoke "
+              "test of the pipeline).", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    result = run(args)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result.update(device=next((r["device"] for r in result["rows"] if "error" not in r), "unknown-GPU"),
+                  date=_dt.date.today().isoformat(), versions=versions(), settings=settings,
+                  wall_s=time.perf_counter() - started)
+    paths = save(result, args.out)
+    print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
+    target = history.script_path(args)
+    if target is not None:
+        history.append(result, benchmark="lora", path=target)
+        print(f"appended the run to {target}\n")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""``benchmarks/lora.py`` without a GPU: its arguments, the flop count (against the parameters a real PeftModel
+holds), the agreement check and the table it writes, and one tiny step run in-process for stock PEFT and
+tigon, which must agree."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.helpers import DEVICE
+
+pytest.importorskip("peft")
+from benchmarks import lora  # noqa: E402
+
+
+def test_arguments():
+    args = lora.parse_args([])
+    assert (args.layers, args.batch, args.seq, args.rank, args.alpha) == (8, 2, 4096, 16, 32)
+    assert args.providers == list(lora.PROVIDERS) and args.matmul_size == 8192 and args.weights == "bf16"
+    args = lora.parse_args(["--layers", "32", "--providers", "peft+ckpt", "tigon+ckpt", "--tiny"])
+    assert args.layers == 32 and args.providers == ["peft+ckpt", "tigon+ckpt"]
+    assert args.seq == lora.TINY_SEQ and args.matmul_size == lora.TINY_MATMUL_SIZE
+    for bad in (["--layers", "0"], ["--providers", "unsloth"], ["--providers", "peft", "peft"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit):
+            lora.parse_args(bad)
+
+
+def test_step_flops_llama_3_1_8b():
+    """Llama-3.1-8B, 32 layers: 7.50B linear weights (its 8,030,261,248 less the embedding and the norms) and
+    41.9M adapter parameters at r = 16 (PEFT's count for the seven projections)."""
+    shape = lora.shape({"tiny": False, "layers": 32})
+    tokens, seq = 2 * 4096, 4096
+    flops = lora.step_flops(shape, batch=2, seq=seq, rank=16)
+    assert flops["base"] == 4 * tokens * (8_030_261_248 - 128256 * 4096 - (2 * 32 + 1) * 4096)
+    assert flops["adapters"] == 3 * 2 * tokens * 41_943_040
+    assert flops["attention"] == 3 * 4 * tokens * seq * 4096 * 32
+    assert flops["total"] == flops["base"] + flops["adapters"] + flops["attention"]
+
+
+def tiny_job(provider, tmp_path=None, **extra):
+    job = {"provider": provider, "device": DEVICE.type, "tiny": True, "layers": 2, "batch": 2, "seq": 8, "rank": 3,
+           "alpha": 7.0, "weights": "fp32", "warmup": 0, "steps": 1, "matmul_size": 64}
+    if tmp_path is not None:
+        job["grads_path"] = str(tmp_path / f"{provider}.pt")
+    return {**job, **extra}
+
+
+def test_flops_count_the_models_parameters():
+    """The base and adapter terms are 4·N and 6·N·r times the weights the built PeftModel holds."""
+    job = tiny_job("peft")
+    model = lora.build(job, DEVICE)
+    names = dict(model.named_parameters())
+    base = sum(p.numel() for n, p in names.items() if n.endswith("base_layer.weight") or n.endswith("lm_head.weight"))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert all("lora_" in n for n, p in names.items() if p.requires_grad)
+    flops = lora.step_flops(lora.shape(job), batch=2, seq=8, rank=3)
+    tokens = 16
+    assert flops["base"] == 4 * tokens * base
+    assert flops["adapters"] == 6 * tokens * adapters
+
+
+def test_same_weights_for_every_provider():
+    """Weights are drawn by name: a rebuilt model (another process's) holds the same values."""
+    a, b = (dict(lora.build(tiny_job("peft"), DEVICE).named_parameters()) for _ in range(2))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    lora_b = next(p for n, p in a.items() if "lora_B" in n)
+    assert lora_b.abs().sum() > 0  # random, not PEFT's zeros
+
+
+def test_tiny_steps_agree_in_process(tmp_path):
+    rows = [lora.run_job(tiny_job(p, tmp_path)) for p in ("peft", "tigon")]
+    for row in rows:
+        assert len(row["losses"]) == 1 and row["tokens_per_s"] > 0 and row["adapter_params"] > 0
+        assert row["tflops"] == pytest.approx(row["flops"]["total"] / row["median_step_s"] / 1e12)
+    lora.add_agreement(rows)
+    assert rows[1]["against"] == "peft" and rows[1]["agrees"], rows[1]
+    assert rows[1]["grad_rel"] <= lora.BF16_TOLERANCE and rows[1]["loss_rel"] <= lora.BF16_TOLERANCE
+    assert "loss_rel" not in rows[0]
+
+
+def synthetic_rows(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(100, generator=gen)
+    rows = []
+    for provider, scale, loss in (("peft", 1.0, 2.0), ("tigon", 1.001, 2.002), ("peft+ckpt", 1.0, 2.0),
+                                  ("tigon+ckpt", 1.1, 2.0)):
+        path = tmp_path / f"{provider}.pt"
+        torch.save({"names": ["a"], "grads": grads * scale}, path)
+        rows.append({"provider": provider, "grads_path": str(path), "losses": [loss, 1.0],
+                     "tokens_per_s": 1000.0 * scale, "tflops": 400.0, "matmul_tflops": 800.0, "matmul_share": 0.5,
+                     "median_step_s": 0.5, "peak_bytes": 3 * 2**30, "device": "NVIDIA H200",
+                     "flops": {"base": 1e12, "total": 2e12}})
+    rows.append({"provider": "liger", "error": "ModuleNotFoundError: No module named 'liger_kernel'"})
+    return rows
+
+
+def test_agreement_pairs_checkpointing_and_flags_disagreement(tmp_path):
+    rows = synthetic_rows(tmp_path)
+    lora.add_agreement(rows)
+    by = {r["provider"]: r for r in rows}
+    assert by["tigon"]["against"] == "peft" and by["tigon+ckpt"]["against"] == "peft+ckpt"
+    assert math.isclose(by["tigon"]["loss_rel"], 1e-3) and math.isclose(by["tigon"]["grad_rel"], 1e-3, rel_tol=1e-3)
+    assert by["tigon"]["agrees"] and not by["tigon+ckpt"]["agrees"]  # grads 10 % off
+    assert "agrees" not in by["liger"] and "loss_rel" not in by["peft"]
+
+
+def test_markdown_and_files(tmp_path):
+    rows = synthetic_rows(tmp_path)
+    lora.add_agreement(rows)
+    settings = vars(lora.parse_args([]))
+    result = {"kind": "lora", "rows": rows, "device": "NVIDIA H200", "date": "2026-12-04",
+              "versions": {"torch": "2.13.0", "peft": "0.21.2"},
+              "settings": {k: str(v) if not isinstance(v, (int, float, str, list, type(None))) else v
+                           for k, v in settings.items()}}
+    text = lora.markdown(result)
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + len(rows)  # the header, the rule, one line a row
+    assert "Llama-3.1-8B-shaped, 8 of 32 layers" in text and "8192³" in text
+    assert "| tigon.patch(PeftModel) + checkpointing | 1100 | 1.10x |" in text and "**disagrees**" in text
+    assert "No module named 'liger_kernel'" in text
+    paths = lora.save(result, tmp_path / "out")
+    assert [p.name for p in paths] == ["lora-NVIDIA-H200-2026-12-04.json", "lora-NVIDIA-H200-2026-12-04.md"]
+    assert json.loads(paths[0].read_text())["rows"][1]["provider"] == "tigon"
+    assert paths[1].read_text() == text

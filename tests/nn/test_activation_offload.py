@@ -1,0 +1,239 @@
+"""tigon.nn.activation_offload: saved tensors go to host buffers and come back bit for bit.
+
+On the CPU the offloader is told to treat CPU tensors as offloadable (``device_types=("cpu",)``; plain,
+synchronous copies): the pack/unpack bookkeeping (views copied once, parameters left, versions,
+prefetch of the layer before, buffers pooled) runs as on the GPU. The GPU tests check the overlap (the
+copies run on their own stream while the compute stream computes) and the peak memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tigon.nn.activation_offload import LayerOffload, LayerScope, OffloadConfig, Offloader
+
+ON_CPU = OffloadConfig(device_types=("cpu",), min_bytes=0, bucket_bytes=1)
+
+
+def _pow2(nbytes):
+    """The host buffer a copy of ``nbytes`` takes: the next power of two."""
+    return 1 << (nbytes - 1).bit_length()
+
+
+class Block(nn.Module):
+    """A layer that saves views of one storage (q, k, v of one projection), its input and a weight."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # (N, H) views of one (N, 3H) storage
+        return x + self.out(torch.sigmoid(q * k) * v)
+
+
+def _stack(hidden=12, layers=3, device="cpu"):
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(hidden) for _ in range(layers)]).to(device)
+
+
+def _step(model, x, **backward):
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward(**backward)
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _offloaded(model, config):
+    offloader = Offloader(config)
+    changes = [LayerOffload(layer, offloader) for layer in model]
+    for change in changes:
+        change.apply()
+    return offloader, changes
+
+
+def test_gradients_are_bitwise_the_same_and_buffers_are_reused():
+    model, x = _stack(), torch.randn(5, 7, 12, requires_grad=True)
+    want = _step(model, x)
+    offloader, _ = _offloaded(model, ON_CPU)
+    got = _step(model, x)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(g, w) for g, w in zip(got[1], want[1], strict=True))
+    held = offloader.host_bytes
+    assert held > 0 and offloader.pool.in_use_bytes == 0  # every buffer back in the pool after the backward
+    _step(model, x)
+    assert offloader.host_bytes == held  # the second step took the same buffers again
+
+
+def test_revert_removes_the_scope():
+    model, x = _stack(), torch.randn(5, 12)
+    offloader, changes = _offloaded(model, ON_CPU)
+    for change in changes:
+        change.undo()
+    _step(model, x)
+    assert offloader.host_bytes == 0
+
+
+def test_second_backward_through_a_retained_graph():
+    model, x = _stack(), torch.randn(5, 12)
+    want = _step(model, x)
+    _offloaded(model, ON_CPU)
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    loss.backward()
+    for g, second, w in zip(first, model.parameters(), want[1], strict=True):
+        assert torch.equal(g, w) and torch.equal(second.grad, 2 * w)
+
+
+def _scope(offloader, layer=None):
+    return LayerScope(offloader, layer if layer is not None else nn.Linear(2, 2))
+
+
+def test_views_of_one_storage_are_copied_once_and_come_back_with_their_geometry():
+    offloader = Offloader(ON_CPU)
+    base = torch.randn(8, 6)
+    scope = _scope(offloader)
+    views = [base, base[:, 1:5], base.t(), base.view(6, 8)[2:]]
+    handles = [scope.pack(v) for v in views]
+    assert offloader.pool.in_use_bytes == _pow2(base.numel() * base.element_size())
+    for handle, view in zip(handles, views, strict=True):
+        back = scope.unpack(handle)
+        assert torch.equal(back, view) and back.stride() == view.stride() and back.shape == view.shape
+
+
+def test_a_small_view_of_a_large_storage_copies_its_span_only():
+    offloader = Offloader(ON_CPU)
+    big = torch.randn(1000)
+    scope = _scope(offloader)
+    handle = scope.pack(big[100:110])
+    assert offloader.pool.in_use_bytes == _pow2(10 * 4)
+    assert torch.equal(scope.unpack(handle), big[100:110])
+
+
+def test_parameters_views_of_them_and_small_tensors_stay():
+    offloader = Offloader(OffloadConfig(device_types=("cpu",), min_bytes=64))
+    layer = nn.Linear(8, 8)
+    scope = _scope(offloader, layer)
+    small = torch.randn(3)
+    for t in (layer.weight.detach(), layer.weight.t(), small):
+        assert scope.pack(t) is t
+    assert offloader.pool.in_use_bytes == 0
+
+
+def test_a_tensor_written_in_place_between_saves_is_copied_again():
+    offloader = Offloader(ON_CPU)
+    t = torch.randn(4, 4)
+    scope = _scope(offloader)
+    first = scope.pack(t)
+    before = t.clone()
+    t.add_(1)
+    second = scope.pack(t)
+    assert offloader.pool.in_use_bytes == 2 * _pow2(t.numel() * 4)
+    assert torch.equal(scope.unpack(first), before) and torch.equal(scope.unpack(second), t)
+
+
+def test_the_first_unpack_of_a_layer_brings_back_the_layer_before():
+    offloader = Offloader(ON_CPU)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    first, second = _scope(offloader), _scope(offloader)
+    handle_a, handle_b = first.pack(a), second.pack(b)
+    stored_a = handle_a.stored
+    assert stored_a.live_copy() is None
+    assert torch.equal(second.unpack(handle_b), b)
+    prefetched = stored_a.live_copy()
+    assert prefetched is not None
+    back = first.unpack(handle_a)
+    assert torch.equal(back, a) and back.untyped_storage().data_ptr() == prefetched.untyped_storage().data_ptr()
+
+
+def test_off_without_grad_under_other_hooks_and_for_other_devices():
+    model, x = _stack(), torch.randn(5, 12)
+    offloader, _ = _offloaded(model, ON_CPU)
+    with torch.no_grad():
+        model(x)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        model(x).sum().backward()
+    assert offloader.host_bytes == 0
+    default_model = _stack()
+    default, _ = _offloaded(default_model, OffloadConfig())  # CUDA only: a CPU model offloads nothing
+    _step(default_model, x)
+    assert default.host_bytes == 0
+
+
+@pytest.mark.parametrize("field, value", [("device_types", ()), ("min_bytes", -1), ("bucket_bytes", 0),
+                                          ("min_bytes", 1.5)])
+def test_config_checks_its_fields(field, value):
+    with pytest.raises(ValueError, match=field):
+        OffloadConfig(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+class CheckpointedMLP(nn.Module):
+    """A layer as transformers checkpoints one: an MLP (H -> 4H -> H) inside a non-reentrant checkpoint,
+    so that what the layer saves outside the checkpoint is its input (2·H bytes a token against 16·H²
+    flops a token forward: the copy hides under the compute from H ≈ 1024 at PCIe-5 and H200 rates)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, 4 * hidden, bias=False), nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x):
+        mlp = lambda t: t + self.down(torch.relu(self.up(t)))  # noqa: E731
+        return torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False)
+
+
+@pytest.mark.gpu
+def test_copies_run_on_their_own_stream_overlapping_the_compute():
+    """Copies to the host (forward) and back (backward) run on the side stream while the compute stream
+    runs the layers' kernels: their time ranges intersect (one stream would serialise them). And the
+    peak memory drops by most of the layers' saved inputs."""
+    hidden, tokens, layers = 2048, 16384, 8
+    torch.manual_seed(0)
+    model = nn.Sequential(*[CheckpointedMLP(hidden) for _ in range(layers)]).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    saved_inputs = layers * tokens * hidden * 2
+
+    def peak():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = _step(model, x)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), loss
+
+    stock_peak, want = peak()
+    offloader, _ = _offloaded(model, OffloadConfig())
+    _step(model, x)  # pins the host buffers
+    offloaded_peak, got = peak()
+    assert torch.equal(got[0], want[0]) and all(torch.equal(g, w) for g, w in zip(got[1], want[1], strict=True))
+    assert offloaded_peak < stock_peak - saved_inputs // 2
+    assert offloader.host_bytes >= saved_inputs
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _step(model, x)
+        torch.cuda.synchronize()
+    copies = {"DtoH": [], "HtoD": []}
+    compute = []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name
+        kind = "DtoH" if "DtoH" in name or "Device -> Pinned" in name else "HtoD" if "HtoD" in name else None
+        if kind is not None:
+            copies[kind].append(event)
+        elif "emcpy" not in name and "emset" not in name:
+            compute.append(event)
+    assert len(copies["DtoH"]) >= layers and len(copies["HtoD"]) >= layers and compute
+
+    def overlaps(a, b):
+        return a.time_range.start < b.time_range.end and b.time_range.start < a.time_range.end
+
+    for kind in ("DtoH", "HtoD"):
+        overlapped = [c for c in copies[kind] if any(overlaps(c, k) for k in compute)]
+        assert len(overlapped) >= len(copies[kind]) // 2, kind
