@@ -21,8 +21,8 @@ from benchmarks.e2e import LR, OPTIMIZER_BYTES_PER_PARAM, SEED, batch_for, model
 
 import tigon
 from tigon.bench.models import build_model, parameter_count
-from tigon.patching.engine import OUTPUT_PROJECTION, QKV_PROJECTIONS
 from tigon.nn.shared_cast_linear import CACHE_ATTR
+from tigon.patching.parts.attention import OUTPUT_PROJECTION, QKV_PROJECTIONS
 
 WARMUP, STEPS, SEQ = 3, 8, 2048
 

@@ -26,9 +26,8 @@ import triton
 import triton.language as tl
 
 import tigon.ops  # noqa: F401
+from tigon._kernels import REDUCTION_SCALES, VOCAB_CHUNK_GRAD, VOCAB_CHUNK_STATS
 from tigon.bench.harness import gpu_time
-from tigon.ops._softmax_rows import REDUCTION_SCALES
-from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
 
 LOG2E = 1.4426950408889634
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -293,12 +292,12 @@ def bench():
     def cublas_stats():
         torch.mm(x, wc.t(), out=chunk)
         state.copy_(start_state)
-        CHUNK_STATS(chunk, target, None, scales, state, torch.empty(n, device=dev), torch.empty(n, device=dev),
+        VOCAB_CHUNK_STATS(chunk, target, None, scales, state, torch.empty(n, device=dev), torch.empty(n, device=dev),
                     0, vocab, False, *opts)
 
     def cublas_grad():
         torch.mm(x, wc.t(), out=chunk)
-        CHUNK_GRAD(chunk, target, None, scales, None, lse_t, 0, vocab, *opts)
+        VOCAB_CHUNK_GRAD(chunk, target, None, scales, None, lse_t, 0, vocab, *opts)
 
     t_mm = gpu_time(cublas_mm, 0.1)
     print(f"\nchunk {c}: cuBLAS mm {t_mm:.3f} ms ({flops / t_mm / 1e9:.0f} TF/s); + stats kernel "

@@ -54,8 +54,8 @@ import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import tigon  # noqa: E402
-import tigon.ops._common as common  # noqa: E402
-import tigon.ops._launch as launch  # noqa: E402
+import tigon._kernels.inputs as inputs  # noqa: E402
+import tigon._kernels.launch as launch  # noqa: E402
 from tigon.patching import fused_attention, shared_cast  # noqa: E402
 
 # Widths small enough that even the CPU's bf16 matmuls cost next to nothing (oneDNN: ~12 µs for
@@ -89,11 +89,11 @@ def stub_gpu() -> None:
     JITFunction.run = _stub_run
     launch._current_device = int                    # torch._C._cuda_getDevice(): a C call returning 0
     torch._C._cuda_getCurrentRawStream = abs        # a C call of one int argument
-    common.interpreter_active = lambda: True        # check_tensor lets CPU tensors through
+    inputs.interpreter_active = lambda: True        # check_tensor lets CPU tensors through
     shared_cast.STACKED_DEVICES = ("cuda", "cpu")   # q/k/v stacked, as on the GPU
     fused_attention.DEVICES = ("cuda", "cpu")       # the attention as one node, as on the GPU
     # The loss's target range check reads a flag a (stubbed) kernel wrote: clear the garbage first.
-    from tigon.ops._loss_grad import RangeCheck
+    from tigon._kernels import RangeCheck
 
     raise_if_bad = RangeCheck.raise_if_bad
 

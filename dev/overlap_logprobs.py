@@ -33,18 +33,17 @@ import sys
 
 import torch
 
+from tigon._kernels import (
+    LOGPROB_CHUNK_GRAD,
+    LOGPROB_CHUNK_STATS,
+    LogprobOptions,
+    class_chunks,
+    linear_fp32,
+    matmul_accumulate,
+)
 from tigon.bench.harness import gpu_time
 from tigon.bench.specs import logprobs as spec
-from tigon.ops._common import matmul_accumulate
-from tigon.ops.fused_linear_logprobs import (
-    CHUNK_GRAD,
-    CHUNK_STATS,
-    DEFAULT_CONFIG,
-    _class_chunks,
-    _linear_fp32,
-    _Options,
-    fused_linear_logprobs,
-)
+from tigon.ops.fused_linear_logprobs import DEFAULT_CONFIG, fused_linear_logprobs
 
 LAUNCH = (DEFAULT_CONFIG.block_v, DEFAULT_CONFIG.num_warps)
 
@@ -62,21 +61,21 @@ def forward_pass(x, w, t, opts, chunk, side):
     slots = 2 if side is not None else 1
     buffers = [torch.empty(num_tokens * chunk, dtype=torch.float32, device=x.device) for _ in range(slots)]
     read = [None] * slots
-    chunks = _class_chunks(vocab, chunk)
+    chunks = class_chunks(vocab, chunk)
     state, outputs = torch.empty(0, dtype=torch.float32, device=x.device), None
     for i, (c0, c1) in enumerate(chunks):
         slot = i % slots
         if read[slot] is not None:
             main.wait_event(read[slot])
-        logits = _linear_fp32(x, w[c0:c1], None, buffers[slot][: num_tokens * (c1 - c0)].view(num_tokens, c1 - c0))
+        logits = linear_fp32(x, w[c0:c1], None, buffers[slot][: num_tokens * (c1 - c0)].view(num_tokens, c1 - c0))
         args = (t, state, c0, vocab, i == 0, i == len(chunks) - 1, opts.ignore_index, opts.logit_scale,
                 opts.softcap, opts.softcap_scale, opts.entropy, opts.extras, *LAUNCH)
         if side is None:
-            state, *outputs = CHUNK_STATS(logits, *args)
+            state, *outputs = LOGPROB_CHUNK_STATS(logits, *args)
             continue
         side.wait_event(_event(main))
         with torch.cuda.stream(side):
-            state, *outputs = CHUNK_STATS(logits, *args)
+            state, *outputs = LOGPROB_CHUNK_STATS(logits, *args)
             read[slot] = _event(side)
     if side is not None:
         main.wait_stream(side)
@@ -92,24 +91,24 @@ def backward_pass(x, w, t, lse, ent, g_lp, g_ent, opts, chunk, side):
     grad_buffers = [torch.empty(num_tokens * chunk, dtype=x.dtype, device=x.device) for _ in range(slots)]
     dx32 = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     dw = torch.empty(w.shape, dtype=w.dtype, device=x.device)
-    chunks = _class_chunks(vocab, chunk)
+    chunks = class_chunks(vocab, chunk)
     made, used, dl = {}, [None] * slots, {}
 
     def remake(i):
         c0, c1 = chunks[i]
         slot = i % slots
-        logits = _linear_fp32(x, w[c0:c1], None,
+        logits = linear_fp32(x, w[c0:c1], None,
                               logit_buffers[slot][: num_tokens * (c1 - c0)].view(num_tokens, c1 - c0))
         grad = grad_buffers[slot][: num_tokens * (c1 - c0)].view(num_tokens, c1 - c0)
         args = (t, lse, ent, g_lp, g_ent, c0, *opts.transform(), *LAUNCH)
         if side is None:
-            CHUNK_GRAD(logits, grad, *args)
+            LOGPROB_CHUNK_GRAD(logits, grad, *args)
         else:
             side.wait_event(_event(main))
             if used[slot] is not None:
                 side.wait_event(used[slot])
             with torch.cuda.stream(side):
-                CHUNK_GRAD(logits, grad, *args)
+                LOGPROB_CHUNK_GRAD(logits, grad, *args)
                 made[i] = _event(side)
         dl[i] = grad
 
@@ -184,10 +183,10 @@ def measure(label, hidden, vocab, streams, opts) -> None:
     other = torch.randn(spec.TOKENS, shipped, device="cuda")
 
     def mm():
-        _linear_fp32(x2, w[:shipped], None, buf)
+        linear_fp32(x2, w[:shipped], None, buf)
 
     def stats():
-        CHUNK_STATS(other, t, state, 0, vocab, True, True, opts.ignore_index, opts.logit_scale, opts.softcap,
+        LOGPROB_CHUNK_STATS(other, t, state, 0, vocab, True, True, opts.ignore_index, opts.logit_scale, opts.softcap,
                     opts.softcap_scale, True, False, *LAUNCH)
 
     print(f"  one chunk: matmul {gpu_time(mm, 2.0):6.3f} ms, stats {gpu_time(stats, 1.0):6.3f} ms", flush=True)
@@ -210,7 +209,7 @@ def main() -> int:
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     streams = {"normal": torch.cuda.Stream(), "high": torch.cuda.Stream(priority=-1)}
-    opts = _Options.make(-100, 1.0, None, 1.0, True, False)
+    opts = LogprobOptions.make(-100, 1.0, None, 1.0, True, False)
     for label, hidden, vocab in spec.SHAPES:
         measure(label, hidden, vocab, streams, opts)
     return 0

@@ -4,7 +4,7 @@
     PYTHONPATH=src python3 dev/tune_ce.py 128256     # only the shapes whose V is named
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults of
-CrossEntropyConfig in src/tigon/ops/cross_entropy.py (and their why into docs/tuning.md). Each
+CrossEntropyConfig in src/tigon/_kernels/cross_entropy_launch.py (and their why into docs/tuning.md). Each
 setting is a CrossEntropyConfig passed to the row launcher. Shapes: N = 8192 tokens in bf16 at
 V = 32000, 128256, 151936 and 256000 with softcap 30, targets as the benchmark draws them (every
 IGNORED_EVERY-th token ignored). Each shape runs a coordinate descent from the shipped config:
@@ -30,11 +30,10 @@ import time
 
 import torch
 
+from tigon._kernels import REDUCTION_SCALES, next_power_of_2, row_launch
 from tigon.bench.harness import copy_bandwidth, gpu_time
 from tigon.bench.specs.cross_entropy import IGNORED_EVERY
-from tigon.ops._launch import next_power_of_2
-from tigon.ops._softmax_rows import REDUCTION_SCALES
-from tigon.ops.cross_entropy import CONFIG, launch_cross_entropy_rows, row_launch
+from tigon.ops.cross_entropy import CONFIG, launch_cross_entropy_rows
 
 DEVICE = "cuda"
 TOKENS = 8192

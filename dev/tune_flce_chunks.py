@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 dev/tune_flce_chunks.py
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into the defaults of
-VocabChunkConfig in src/tigon/ops/_vocab_chunks.py (each setting is one, passed to the launchers).
+VocabChunkConfig in src/tigon/_kernels/vocab_chunks.py (each setting is one, passed to the launchers).
 By classes (fused_linear_cross_entropy.py), each chunk of logits (N tokens × a few thousand classes)
 is written by a matmul and then read by the statistics kernel (pass 1) or overwritten with the
 gradient (pass 2). Each kernel is timed alone, right after the matmul that writes its chunk (so L2
@@ -26,10 +26,9 @@ import sys
 import torch
 
 import tigon.ops  # noqa: F401  (defines the kernels)
+from tigon._kernels import REDUCTION_SCALES, VocabChunkConfig, launch_vocab_chunk_grad, launch_vocab_chunk_stats
+from tigon._kernels import vocab_chunks as _vocab_chunks
 from tigon.bench.specs.cross_entropy import _target
-from tigon.ops import _vocab_chunks
-from tigon.ops._softmax_rows import REDUCTION_SCALES
-from tigon.ops._vocab_chunks import VocabChunkConfig, launch_chunk_grad, launch_chunk_stats
 
 flce = sys.modules["tigon.ops.fused_linear_cross_entropy"]
 
@@ -87,11 +86,11 @@ def sweep_case(weight, tokens: int, width: int, softcap) -> None:
     def stats(config):
         state.copy_(start_state)
         loss_rows = torch.empty(tokens, device=DEVICE)
-        launch_chunk_stats(chunk, target, None, scales, state, loss_rows, torch.empty_like(lse), 0, VOCAB, False,
+        launch_vocab_chunk_stats(chunk, target, None, scales, state, loss_rows, torch.empty_like(lse), 0, VOCAB, False,
                            *opts, config=config)
 
     def grad(config):
-        launch_chunk_grad(chunk, target, None, scales, None, lse, 0, VOCAB, *opts, config=config)
+        launch_vocab_chunk_grad(chunk, target, None, scales, None, lse, 0, VOCAB, *opts, config=config)
 
     def outputs(config):
         make()

@@ -1,7 +1,7 @@
 """Sweep the norm kernels' launch geometry on a GPU and print the kernel time of each choice.
 
 An experiment kept out of the package (STYLE: llm.c habit): its findings go into
-``RMSNormConfig`` (forward / backward) in src/tigon/ops/rmsnorm.py and ``LayerNormConfig`` in
+``RMSNormConfig`` (forward / backward) in src/tigon/_kernels/norm_launch.py and ``LayerNormConfig`` in
 src/tigon/ops/layer_norm.py, with its logs in benchmarks/results/ (tune_norm*-<device>-<date>.log).
 
     PYTHONPATH=src python3 dev/tune_norm.py                 # every section
@@ -17,7 +17,7 @@ fused-ln: LayerNorm where rows are held in registers (N <= 8192): every field of
         shape's winner timed on every shape, and the one setting with the best geomean of % of SOL
         printed as LayerNormTuning fields. About 2 minutes on an H100 (most of it compiling).
 fused:  the same for RMSNorm and add_rms_norm at the short-row shapes 16384x896 and 65536x1024
-        (rmsnorm.py's RMSNormConfig forward / backward: tile_elements, elements_per_warp, max_warps,
+        (norm_launch.py's RMSNormConfig forward / backward: tile_elements, elements_per_warp, max_warps,
         programs_per_sm; one setting for both ops, which share them). About 1 minute.
 stream: the streamed backward's knobs (the ``stream_*`` fields and ``chunk``, ``elements_per_warp``)
         for rms_norm, add_rms_norm and layer_norm at hidden 16384..65536: per shape a coordinate
@@ -60,9 +60,10 @@ import torch.nn.functional as F
 import triton.testing
 
 import tigon.ops  # noqa: F401  (defines the kernels)
-from tigon.ops._launch import _direct_launch
+from tigon._kernels.launch import _direct_launch
 
-rms = sys.modules["tigon.ops.rmsnorm"]
+rms = sys.modules["tigon.ops.rms_norm"]
+norm_launch = sys.modules["tigon._kernels.norm_launch"]  # RMSNorm's CONFIG
 ln = sys.modules["tigon.ops.layer_norm"]
 
 
@@ -70,8 +71,8 @@ def set_rms_config(*, forward=None, backward=None):
     """Make RMSNorm's config (shared by the three norms' split and streamed geometry) launch with
     these direction settings. The norms launch through registered ops, which take no config, so
     this script swaps the module's default (frozen) config, as the tests do."""
-    rms.CONFIG = dataclasses.replace(rms.CONFIG, forward=forward or rms.CONFIG.forward,
-                                     backward=backward or rms.CONFIG.backward)
+    norm_launch.CONFIG = dataclasses.replace(norm_launch.CONFIG, forward=forward or norm_launch.CONFIG.forward,
+                                     backward=backward or norm_launch.CONFIG.backward)
 
 SHAPES = ((16384, 896), (16384, 2048), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 32768), (1024, 65536))
 BWD_VARIANTS = [
@@ -99,7 +100,7 @@ def copy_bandwidth():
 
 
 def sweep_boundary(bandwidth):
-    base_fwd, base_bwd = rms.CONFIG.forward, rms.CONFIG.backward
+    base_fwd, base_bwd = norm_launch.CONFIG.forward, norm_launch.CONFIG.backward
     for rows, hidden in SHAPES:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
@@ -224,7 +225,7 @@ class StreamTimer:
     """Times one case's backward under RMSNormConfig.backward overrides, each setting once."""
 
     def __init__(self, case, base):
-        self.case, self.base, self.seen, self.shipped = case, base, {}, rms.CONFIG.backward
+        self.case, self.base, self.seen, self.shipped = case, base, {}, norm_launch.CONFIG.backward
         self.expected = [g.float().clone() for g in case.backward() if g is not None and g.numel()]
 
     def check(self):
@@ -270,7 +271,7 @@ def descend(timer, start):
 
 
 def sweep_stream(bandwidth):
-    base = dataclasses.replace(rms.CONFIG.backward, split_max_hidden=0)  # the streamed backward itself
+    base = dataclasses.replace(norm_launch.CONFIG.backward, split_max_hidden=0)  # the streamed backward itself
     # ~6 tensors of 128 MiB per case, all kept: ~5 GiB
     cases = [make_case(op, rows, hidden) for op, shapes in STREAM_SHAPES.items() for rows, hidden in shapes]
     timers = {case.name: StreamTimer(case, base) for case in cases}
@@ -337,7 +338,7 @@ def sweep_split(bandwidth):
     """The backward of rows of 16K-64K with each row split over programs that swap partial row sums
     (split_max_hidden raised past the row), per slice width, warps and programs per SM, against the
     streamed backward; every setting checked against the streamed one's gradients first."""
-    base = rms.CONFIG.backward
+    base = norm_launch.CONFIG.backward
     best_of = {}
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         for rows, hidden in SPLIT_SHAPES:
@@ -383,7 +384,7 @@ def sweep_long_forward(bandwidth):
     """The forward of rows of 16K-64K: where rows stop being held in registers (a row held whole
     spills past ~32K values a program) and the streamed forward's chunk and warps, per op; split rows
     off (the shipped forward, printed first, may split them)."""
-    base = rms.CONFIG.forward
+    base = norm_launch.CONFIG.forward
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         for rows, hidden in LONG_FWD_SHAPES:
             case = make_case(op, rows, hidden)
@@ -415,7 +416,7 @@ FUSED_SHAPES = {
     "add_rms_norm": ((16384, 896), (65536, 1024)),
 }
 # Each direction's knobs and their values: layer_norm.py's LayerNormTuning fields, and the fused
-# fields of rmsnorm.py's RMSNormConfig forward / backward. Settings that launch the same geometry (e.g. every
+# fields of norm_launch.py's RMSNormConfig forward / backward. Settings that launch the same geometry (e.g. every
 # tile of one row at N = 8192) are timed once.
 LN_SPACE = {
     "fwd": {
@@ -481,7 +482,7 @@ def fused_space(slot):
 def tuned(slot, direction, knobs):
     """The op's config with ``knobs`` replaced, for the duration (LayerNormConfig for layer_norm,
     else RMSNormConfig's ``direction``)."""
-    base_ln, base_rms = ln.CONFIG, rms.CONFIG
+    base_ln, base_rms = ln.CONFIG, norm_launch.CONFIG
     if slot == "layer_norm":
         ln.CONFIG = dataclasses.replace(base_ln, **knobs)
     elif direction == "fwd":
@@ -491,7 +492,7 @@ def tuned(slot, direction, knobs):
     try:
         yield
     finally:
-        ln.CONFIG, rms.CONFIG = base_ln, base_rms
+        ln.CONFIG, norm_launch.CONFIG = base_ln, base_rms
 
 
 def geometry(case, direction):
@@ -661,7 +662,7 @@ def sweep_fused_ops(bandwidth, ops):
         if slot == "layer_norm":
             shipped_tuning = ln.CONFIG
         else:
-            shipped_tuning = rms.CONFIG.forward if direction == "fwd" else rms.CONFIG.backward
+            shipped_tuning = norm_launch.CONFIG.forward if direction == "fwd" else norm_launch.CONFIG.backward
         shipped = {k: getattr(shipped_tuning, k) for k in space[direction]}
         timers = {case.name: FusedTimer(case, direction, bandwidth) for case in cases}
         winners = []
@@ -700,7 +701,7 @@ def sweep_fused_ops(bandwidth, ops):
     else:
         for direction, name in (("fwd", "forward"), ("bwd", "backward")):
             fields = ", ".join(f"{k}={v!r}" for k, v in recommended[direction].items())
-            print(f"recommended: rmsnorm.py RMSNormConfig.{name} fields {fields}")
+            print(f"recommended: norm_launch.py RMSNormConfig.{name} fields {fields}")
 
 
 def sweep_fused_ln(bandwidth):

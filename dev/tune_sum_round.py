@@ -1,5 +1,5 @@
 """The fused linear CE's last dW chunk: cuBLAS's fp32 sum then a cast, against one Triton matmul that adds
-and rounds (src/tigon/ops/_sum_round_tiles.py), for several tilings, on a GPU.
+and rounds (src/tigon/_kernels/add_round_matmul.py), for several tilings, on a GPU.
 
     PYTHONPATH=src python3 dev/tune_sum_round.py [tiling ...]   # a tiling: BM,BN,BK,STAGES,WARPS,WS[,DTMA]
 
@@ -23,8 +23,9 @@ import sys
 
 import torch
 
+from tigon._kernels import SumRoundConfig, sum_round
+from tigon._kernels.add_round_matmul import _sum_round_impl
 from tigon.bench.harness import gpu_time
-from tigon.ops._sum_round_tiles import SumRoundConfig, _sum_round_impl, sum_round
 
 HEADS = (("Qwen2.5-0.5B", 151936, 896, (2048, 3072)), ("Llama-3-8B", 128256, 4096, (1280,)),
          ("Gemma-2-2B", 256000, 2304, (768,)))

@@ -164,7 +164,7 @@ def test_mlp_autocast_saves_no_weight_copies_and_matches_precast_weights(bias, m
         assert g.dtype == q.dtype
         if DEVICE.type == "cuda" and q is not x:
             # On the GPU the matmul (the sum, for a bias) writes a parameter's fp32 gradient itself
-            # (ops._matmul.matmul_to, sum_rows_to): its fp32 accumulator, of which the bf16 one is the
+            # (tigon._kernels.matmul_to, sum_rows_to): its fp32 accumulator, of which the bf16 one is the
             # rounding.
             assert_close(g, w.float(), torch.bfloat16, "parameter gradient")
             assert not torch.equal(g, w.to(q.dtype)), "the fp32 gradient was rounded to bf16"

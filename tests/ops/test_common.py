@@ -6,9 +6,16 @@ import triton
 import triton.language as tl
 
 from tests.helpers import DEVICE, ON_GPU, randn
-from tigon.ops._common import copysign_nonnegative, fast_exp, fast_reciprocal, reciprocal_1_to_2
-from tigon.ops._launch import cache_by_size
-from tigon.ops._matmul import cast_all, matmul_to, sum_rows_to
+from tigon._kernels import (
+    cache_by_size,
+    cast_all,
+    copysign_nonnegative,
+    fast_exp,
+    fast_reciprocal,
+    matmul_to,
+    reciprocal_1_to_2,
+    sum_rows_to,
+)
 
 
 class _SymbolicSize(int):

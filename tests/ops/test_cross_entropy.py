@@ -1,10 +1,10 @@
 """tigon.ops.cross_entropy against the fp64 reference (torch's F.cross_entropy plus softcap, scale, z-loss).
 
-Regimes (cross_entropy.py's launch config): a row of V ≤ max_single_block_v classes is held in
-registers (read once); a longer one is streamed twice, block by block (V = max_single_block_v + 1
-has a one-element second block, V > 65536 several). Options switch kernel branches (HAS_WEIGHT,
-HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers their full product at a small V and
-the size test runs every branch at once in both regimes.
+Regimes (the row kernels' launch config, _kernels/cross_entropy_launch.py): a row of
+V ≤ max_single_block_v classes is held in registers (read once); a longer one is streamed twice, block
+by block (V = max_single_block_v + 1 has a one-element second block, V > 65536 several). Options
+switch kernel branches (HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP), so the fp32 test covers
+their full product at a small V and the size test runs every branch at once in both regimes.
 """
 
 import dataclasses
@@ -25,12 +25,14 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops import _softmax_rows, _vocab_chunks
-from tigon.ops._launch import persistent_programs
-from tigon.ops.cross_entropy import CONFIG, cross_entropy, cross_entropy_reference
+from tigon._kernels import persistent_programs
+from tigon._kernels import softmax_rows as _softmax_rows
+from tigon._kernels import vocab_chunks as _vocab_chunks
+from tigon._kernels.cross_entropy_launch import CONFIG
+from tigon.ops.cross_entropy import cross_entropy, cross_entropy_reference
 
 # The module itself (``tigon.ops.cross_entropy`` the attribute is the function): its launch config.
-ce_module = importlib.import_module("tigon.ops.cross_entropy")
+ce_module = importlib.import_module("tigon._kernels.cross_entropy_launch")  # the row kernels' CONFIG
 MAX_SINGLE_BLOCK_V = CONFIG.max_single_block_v
 MAX_SINGLE_BLOCK_V_SOFTCAP = CONFIG.max_single_block_v_softcap
 

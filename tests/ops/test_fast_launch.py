@@ -17,8 +17,9 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton import knobs
 
-from tigon.ops import _launch
-from tigon.ops._launch import FastLaunch, _direct_launch, wrap_triton
+from tigon._kernels import FastLaunch, wrap_triton
+from tigon._kernels import launch as _launch
+from tigon._kernels.launch import _direct_launch
 
 
 def _signature(x_ptr, y_ptr, n, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = "a"):
@@ -209,3 +210,14 @@ def test_real_kernel_through_every_specialization():
             launcher[(triton.cdiv(n, 256),)](x, y, n, 1.5, -0.25, BLOCK=256)
             torch.testing.assert_close(y, 1.5 * x - 0.25, rtol=1e-6, atol=1e-6)
     assert 1 < len(launcher.cache) <= len(cases)
+
+
+def test_shapes_only_launches_nothing_and_counts_as_tracing():
+    """A fake implementation runs its launcher so: nothing launched, nothing cached for real calls."""
+    kernel = FakeKernel()
+    assert not _launch.tracing_active()
+    with _launch.shapes_only():
+        assert _launch.tracing_active()
+        assert wrap_triton(kernel)[(4,)](torch.randn(3), 7, BLOCK=16) is None
+    assert not _launch.tracing_active()
+    assert kernel.slow_calls == [] and kernel.fast_calls == []

@@ -17,9 +17,8 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from tests.helpers import DEVICE, DTYPES, LOSS_TOLERANCE, assert_close, fp64_reference, randn, rel_err
-from tigon.ops import _vocab_chunks
-from tigon.ops._matmul import matmul_accumulate
-from tigon.ops._sum_round_tiles import sum_round
+from tigon._kernels import matmul_accumulate, sum_round
+from tigon._kernels import vocab_chunks as _vocab_chunks
 from tigon.ops.fused_linear_cross_entropy import (
     CONFIG,
     ChunkPlan,
@@ -31,7 +30,7 @@ from tigon.ops.fused_linear_cross_entropy import (
 
 # The package exports the function under the module's name, so reach the module itself this way.
 flce_module = importlib.import_module("tigon.ops.fused_linear_cross_entropy")
-ce_module = importlib.import_module("tigon.ops.cross_entropy")
+ce_module = importlib.import_module("tigon._kernels.cross_entropy_launch")  # the row kernels' CONFIG
 
 ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=0.7)
 # Forced chunkings, each with the launch configs it sets (vocabulary-chunk kernels, cross-entropy
@@ -175,7 +174,7 @@ def test_flce_fp32_dw_autocast_bf16_weight(plan):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("reduction", ("mean", "none"))
 def test_flce_fp32_dw_sum_round(plan, dtype, reduction, monkeypatch):
-    """The last chunk's dW by the add-and-round matmul (_sum_round_tiles.py), forced here (on a GPU the
+    """The last chunk's dW by the add-and-round matmul (_kernels/add_round_matmul.py), forced here (on a GPU the
     default): the first two chunks summed in the fp32 accumulator, the last one added and the sum rounded
     to dW's dtype by one kernel; every gradient against fp64. V = 296: rows of dL 16-byte aligned, as
     TMA needs (V = 300 in the other tests keeps cuBLAS's sum and the cast)."""

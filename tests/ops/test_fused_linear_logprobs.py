@@ -37,7 +37,7 @@ CONFIGS = {"one_chunk": ONE_CHUNK, "chunks": CHUNKS}
 # 8 chunks at V = 1000 in one block a row (quicker under the interpreter)
 WIDE_BLOCKS = FusedLinearLogprobsConfig(class_chunk=128, block_v=128)
 ALL_OPTIONS = dict(temperature=0.7, softcap=4.0, logit_scale=1.3)
-# The tile kernel (_logprob_tiles.py), wherever the operands allow it (bf16/fp16, H·2 a multiple of 16),
+# The tile kernel (_kernels/logprob_tiles.py), wherever the operands allow it (bf16/fp16, H·2 a multiple of 16),
 # with small tiles: several row and class tiles a chunk, several chunks (at V = 1000: 8 of 128 classes,
 # 4 class tiles each, the last chunk 104 wide)
 TILES = FusedLinearLogprobsConfig(tiles=True, class_chunk=128, tile_m=16, tile_n=32, tile_k=16)
@@ -138,7 +138,7 @@ def test_entropy_of_peaked_logits():
 def test_tiles_taken_where_the_operands_allow():
     """The tests below must run the tile kernel: bf16/fp16 with H·2 a multiple of 16; fp32, or an H
     whose rows TMA cannot address (33·2 bytes), keep the cuBLAS path (and still give the right answer)."""
-    from tigon.ops._logprob_tiles import tiles_available
+    from tigon._kernels import tiles_available
 
     for dtype in TILE_DTYPES:
         x, w, _ = make_inputs((3,), 40, 100, dtype)

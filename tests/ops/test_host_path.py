@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.ops.test_fast_launch import FakeKernel, fake_cuda  # noqa: F401  (fixture)
-from tigon.ops._launch import FastLaunch, TigonOp, function_apply
+from tigon._kernels import FastLaunch, TigonOp, function_apply
 
 
 class _Scale(torch.autograd.Function):

@@ -1,8 +1,8 @@
 """tigon.ops.jsd against the fp64 generalised-JSD reference.
 
 beta covers both special-cased ends (0: forward KL, 1: reverse KL) and the mixture between them.
-Vocab sizes sit on the tiling's boundaries (_tiles.py's tile_launch, shared with kl_div): short rows packed
-several to a tile, and rows past TILE_ELEMENTS split over column tiles.
+Vocab sizes sit on the tiling's boundaries (elementwise_tiles.py's elementwise_tile_launch, shared with
+kl_div): short rows packed several to a tile, and rows past TILE_ELEMENTS split over column tiles.
 """
 
 import pytest
@@ -18,7 +18,7 @@ from tests.helpers import (
     noncontiguous,
     randn,
 )
-from tigon.ops._tiles import CONFIG as TILE_CONFIG
+from tigon._kernels.elementwise_tiles import CONFIG as TILE_CONFIG
 from tigon.ops.jsd import jsd, jsd_reference
 
 pytestmark = [

@@ -1,6 +1,6 @@
 """tigon.ops.kl_div against ``F.kl_div`` in fp64.
 
-Shapes sit on the tiling's regime boundaries (_tiles.py's tile_launch): rows shorter than a tile
+Shapes sit on the tiling's regime boundaries (elementwise_tiles.py's elementwise_tile_launch): rows shorter than a tile
 (several rows per tile), a row of exactly TILE_ELEMENTS, rows past it (several column tiles, so the
 1-D grid's row/column split is exercised), one row, 1-D and 0-D inputs (batchmean's divisor is then
 the length, or nothing).
@@ -19,7 +19,7 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops._tiles import CONFIG as TILE_CONFIG
+from tigon._kernels.elementwise_tiles import CONFIG as TILE_CONFIG
 from tigon.ops.kl_div import REDUCTIONS, kl_div, kl_div_reference
 
 TILE_ELEMENTS = TILE_CONFIG.tile_elements

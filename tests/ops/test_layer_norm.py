@@ -1,6 +1,6 @@
 """tigon.ops.layer_norm against the fp64 ``F.layer_norm`` reference.
 
-Sizes sit on the kernel's regime boundaries (the launch config shared with rmsnorm.py): hidden 1
+Sizes sit on the kernel's regime boundaries (RMSNorm's launch config, _kernels/norm_launch.py): hidden 1
 and 7 (tiles far wider than the row, many rows per program; at 1 the output is the bias and every
 gradient but the bias's is exactly zero), 96 and 1000 (non-powers of two), 4096 (one tile, one row
 per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385 (forward
@@ -44,7 +44,7 @@ from tests.ops.test_rms_norm import (
     use_split_tuning,
     use_stream_tuning,
 )
-from tigon.ops._launch import next_power_of_2
+from tigon._kernels import next_power_of_2
 from tigon.ops.layer_norm import LayerNormConfig, backward_launch, forward_launch, layer_norm, layer_norm_reference
 
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)

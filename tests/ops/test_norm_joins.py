@@ -9,7 +9,6 @@ sum is fp32 and the first norm's gradient is rounded to bf16 on its way back.
 import pytest
 import torch
 
-import tigon.ops
 from tests.helpers import (
     DEVICE,
     DTYPES,
@@ -277,18 +276,6 @@ def test_int64_offsets():
     (ref_dx,) = torch.autograd.grad(ref, (xt,), ds[tail].double())
     assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
     assert torch.equal(dr[tail], ds[tail])
-
-
-def test_former_names_warn_and_compute_the_same():
-    x, residual = torch.randn(3, 16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
-    weight, next_weight = torch.randn(16, device=DEVICE), torch.randn(16, device=DEVICE)
-    with pytest.warns(DeprecationWarning, match="post_norm_join"):
-        old = tigon.ops.rms_norm_add(x, residual, weight)
-    assert torch.equal(old, tigon.ops.post_norm_join(x, residual, weight))
-    with pytest.warns(DeprecationWarning, match="sandwich_norm_join"):
-        old_y, old_s = tigon.ops.rms_norm_add_rms_norm(x, residual, weight, next_weight)
-    y, s = tigon.ops.sandwich_norm_join(x, residual, weight, next_weight)
-    assert torch.equal(old_y, y) and torch.equal(old_s, s)
 
 
 def test_strided_weights_read_their_strides():

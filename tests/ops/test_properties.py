@@ -43,7 +43,7 @@ from tigon.ops.layer_norm import layer_norm_reference
 from tigon.ops.moe_glu import moe_glu_reference
 from tigon.ops.mrope import mrope_reference
 from tigon.ops.norm_joins import post_norm_join_reference, sandwich_norm_join_reference
-from tigon.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
+from tigon.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
 from tigon.ops.rope import rope_reference
 from tigon.ops.tvd import tvd_reference
 

@@ -1,6 +1,6 @@
 """tigon.ops.rms_norm / add_rms_norm against the fp64 transformers-equivalent reference.
 
-Sizes sit on the kernel's regime boundaries (rmsnorm.py's launch config): hidden 1 and 7 (tiles
+Sizes sit on the kernel's regime boundaries (RMSNorm's launch config, _kernels/norm_launch.py): hidden 1 and 7 (tiles
 far wider than the row, many rows per program), 96 and 1000 (non-powers of two), 4096 (one tile,
 one row per program), 8193 (backward past MAX_FUSED_HIDDEN_BWD: streamed in chunks) and 16385
 (forward streamed too).
@@ -29,13 +29,14 @@ from tests.helpers import (
     repeatable_grads,
     stride0_like,
 )
+from tigon._kernels import RMS_NORM_CONFIG, split_rows_scratch
 from tigon.ops import add_rms_norm, rms_norm
-from tigon.ops.rmsnorm import CONFIG, add_rms_norm_reference, rms_norm_reference
+from tigon.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
 
-MAX_FUSED_HIDDEN_FWD = CONFIG.forward.max_fused_hidden
-MAX_FUSED_HIDDEN_BWD = CONFIG.backward.max_fused_hidden
+MAX_FUSED_HIDDEN_FWD = RMS_NORM_CONFIG.forward.max_fused_hidden
+MAX_FUSED_HIDDEN_BWD = RMS_NORM_CONFIG.backward.max_fused_hidden
 HIDDEN_SIZES = (1, 7, 96, 1000, 4096, MAX_FUSED_HIDDEN_BWD + 1, MAX_FUSED_HIDDEN_FWD + 1)
-RMS_MODULE = importlib.import_module("tigon.ops.rmsnorm")
+RMS_MODULE = importlib.import_module("tigon._kernels.norm_launch")  # RMSNorm's CONFIG
 STREAM_CHUNK = 16
 
 # (rows, hidden, stream knobs): under the interpreter there are 4·stream_programs_per_sm programs.
@@ -346,7 +347,7 @@ def test_rms_norm_split_rows(monkeypatch, dtype, case):
     use_split_tuning(monkeypatch)
     cfg = RMS_MODULE.norm_backward_launch(rows, hidden, torch.device(DEVICE))
     assert cfg.single_pass and cfg.split == -(-hidden // 16) and cfg.parts_block >= cfg.split
-    assert RMS_MODULE.forward_launch(rows, hidden)[1] == cfg.split
+    assert RMS_MODULE.rms_norm_forward_launch(rows, hidden)[1] == cfg.split
     x = randn(rows, hidden, dtype=dtype, requires_grad=True)
     w = randn(hidden, dtype=dtype, requires_grad=True)
     check_rms_norm(x, w, randn(rows, hidden, dtype=dtype))
@@ -599,7 +600,7 @@ def test_rms_norm_int64_offsets():
     assert_close(dx[tail], ref_dx, torch.bfloat16, "dx tail")
 
 
-# Fused-regime knobs (CONFIG.forward / CONFIG.backward tile_elements, elements_per_warp, max_warps) as
+# Fused-regime knobs (RMS_NORM_CONFIG.forward / RMS_NORM_CONFIG.backward tile_elements, elements_per_warp, max_warps) as
 # dev/tune_norm.py's fused sweep moves them, shrunk to interpreter sizes: (rows, hidden, knobs).
 FUSED_CASES = {
     # 4 rows of 100 (128 lanes) a tile, 37 rows: bands of 12, 12, 12 and 1, the last tile 3/4 padding
@@ -681,13 +682,13 @@ def test_stand_in_scratch_never_crosses_fake_and_real():
 
     device = torch.device(DEVICE)
     with FakeTensorMode():
-        traced, traced2, _, _ = RMS_MODULE.split_rows_scratch(1, 4, 1, device)
+        traced, traced2, _, _ = split_rows_scratch(1, 4, 1, device)
         assert isinstance(traced, FakeTensor) and traced2 is traced
-    real, _, _, _ = RMS_MODULE.split_rows_scratch(1, 4, 1, device)
+    real, _, _, _ = split_rows_scratch(1, 4, 1, device)
     assert not isinstance(real, FakeTensor)
-    assert RMS_MODULE.split_rows_scratch(1, 4, 1, device)[0] is real  # cached
+    assert split_rows_scratch(1, 4, 1, device)[0] is real  # cached
     with FakeTensorMode():
-        assert isinstance(RMS_MODULE.split_rows_scratch(1, 4, 1, device)[0], FakeTensor)
+        assert isinstance(split_rows_scratch(1, 4, 1, device)[0], FakeTensor)
     x = randn(3, 40, requires_grad=True)
     (dx,) = torch.autograd.grad(rms_norm(x, None, eps=1e-6).sum(), x)  # eager, after the traces
     assert torch.isfinite(dx).all()

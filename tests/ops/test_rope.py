@@ -32,7 +32,7 @@ from tests.helpers import (
     randn,
     stride0_like,
 )
-from tigon.ops._launch import next_power_of_2
+from tigon._kernels import next_power_of_2
 from tigon.ops.rope import rope, rope_reference
 
 rope_mod = importlib.import_module("tigon.ops.rope")  # the module: tigon.ops.rope, the attribute, is rope()

@@ -17,8 +17,8 @@ from tests.helpers import (
     noncontiguous,
     randn,
 )
+from tigon._kernels.elementwise_tiles import CONFIG as TILE_CONFIG
 from tigon.ops import tvd as tvd_exported
-from tigon.ops._tiles import CONFIG as TILE_CONFIG
 from tigon.ops.tvd import tvd, tvd_reference
 
 TILE_ELEMENTS = TILE_CONFIG.tile_elements

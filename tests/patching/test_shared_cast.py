@@ -72,7 +72,7 @@ def models(request):
 def _assert_same_gradients(got, want, *, autocast=True):
     """Bitwise the stock gradients. On the GPU under autocast the projections' fp32 gradients (of
     their weights and their fp32 input) are the matmuls' unrounded fp32 products
-    (ops._common.matmul_to), of which the stock ones are the bf16 roundings: every gradient
+    (tigon._kernels.matmul_to), of which the stock ones are the bf16 roundings: every gradient
     upstream of them moves by about bf16's rounding, and the projections' weight gradients are no
     longer bf16 values."""
     on_gpu = autocast and DEVICE.type == "cuda"

@@ -14,7 +14,7 @@ known from ``target`` alone (counted tokens per row and in total, ``B``, ``R``,
 So a chunk of whole groups (pairs, or rows) knows its part of ``∂L/∂logp`` as soon as its own
 log-probs are made, and the logits need not be made again:
 
-    logits = X_c·Wᵀ + b                        fp32, all V classes (the head's ``_linear_fp32``)
+    logits = X_c·Wᵀ + b                        fp32, all V classes (the head's ``linear_fp32``)
     logp, lse                                  the head's stats kernel, one class chunk = all V
     g      = ∂L/∂logp_c                        torch.autograd.grad of the loss formula (below)
     dl     = g·([j = t] − p)·∂z/∂l              the head's grad kernel, in the matmul dtype
@@ -55,22 +55,23 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon.ops._common import matmul_accumulate
-from tigon.ops._loss_grad import RangeCheck, SavedGradientsFunction
-from tigon.ops._softmax_rows import REDUCTION_SCALES
-from tigon.ops.fused_linear_cross_entropy import _compute_dtype, _compute_operands
-from tigon.ops.fused_linear_logprobs import (
-    CHUNK_GRAD,
-    CHUNK_GRAD_INPLACE,
-    CHUNK_STATS,
-    _check_arguments,
-    _linear_fp32,
-    _Options,
-    fused_linear_logprobs,
+from tigon._kernels import (
+    LOGPROB_CHUNK_GRAD,
+    LOGPROB_CHUNK_GRAD_INPLACE,
+    LOGPROB_CHUNK_STATS,
+    REDUCTION_SCALES,
+    LogprobOptions,
+    RangeCheck,
+    SavedGradientsFunction,
+    compute_operands,
+    head_compute_dtype,
+    linear_fp32,
+    matmul_accumulate,
 )
 from tigon.ops.fused_linear_logprobs import (
     DEFAULT_CONFIG as HEAD_CONFIG,
 )
+from tigon.ops.fused_linear_logprobs import check_logprob_arguments, fused_linear_logprobs
 
 # ------------------------------------------------------------------------------------ launch config
 
@@ -149,13 +150,13 @@ def single_pass(input, linear_weight, target, head: dict, formula, *, paired: bo
     config = DEFAULT_CONFIG if config is None else config
     linear_bias = head["linear_bias"]
     # checked as given (int() first would take 1.5 for 1, and fail on None without naming it)
-    vocab = _check_arguments(input, linear_weight, target, linear_bias, head["temperature"], head["softcap"],
+    vocab = check_logprob_arguments(input, linear_weight, target, linear_bias, head["temperature"], head["softcap"],
                              head["logit_scale"], head["ignore_index"], False, False)
     ignore_index = int(head["ignore_index"])
     num_rows, num_tokens = target.shape
     need_dx, need_dw = input.requires_grad, linear_weight.requires_grad
     need_db = linear_bias is not None and linear_bias.requires_grad
-    opts = _Options.make(ignore_index, float(head["temperature"]),
+    opts = LogprobOptions.make(ignore_index, float(head["temperature"]),
                          None if head["softcap"] is None else float(head["softcap"]),
                          float(head["logit_scale"]), False, False)
     launch = (config.block_v, config.num_warps)
@@ -167,9 +168,9 @@ def single_pass(input, linear_weight, target, head: dict, formula, *, paired: bo
     _, bad = REDUCTION_SCALES(flat_target, None, ignore_index, "sum", vocab)
     check = RangeCheck(bad)
 
-    compute_dtype = _compute_dtype(input, linear_weight, linear_bias)  # the autocast dtype, if any
+    compute_dtype = head_compute_dtype(input, linear_weight, linear_bias)  # the autocast dtype, if any
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        x, w, b = _compute_operands(input.detach(), linear_weight.detach(),
+        x, w, b = compute_operands(input.detach(), linear_weight.detach(),
                                     linear_bias.detach() if linear_bias is not None else None, compute_dtype)
         inplace = compute_dtype == torch.float32
         grad_elem = 0 if inplace else x.element_size()
@@ -192,8 +193,8 @@ def single_pass(input, linear_weight, target, head: dict, formula, *, paired: bo
                 [x[t0:t1] for t0, t1 in token_ranges])
             t_c = flat_target[token_ranges[0][0]:token_ranges[0][1]] if len(token_ranges) == 1 else torch.cat(
                 [flat_target[t0:t1] for t0, t1 in token_ranges])
-            logits = _linear_fp32(x_c, w, b, buffer[: n * vocab].view(n, vocab))
-            _, lp, lse, *_ = CHUNK_STATS(
+            logits = linear_fp32(x_c, w, b, buffer[: n * vocab].view(n, vocab))
+            _, lp, lse, *_ = LOGPROB_CHUNK_STATS(
                 logits, t_c, empty_state, 0, vocab, True, True, opts.ignore_index, opts.logit_scale,
                 opts.softcap, opts.softcap_scale, False, False, *launch,
             )
@@ -214,10 +215,10 @@ def single_pass(input, linear_weight, target, head: dict, formula, *, paired: bo
                     args = (t_c[s0:s1], lse[s0:s1], None, g[s0:s1], None, 0, *opts.transform(), *launch)
                     if inplace:
                         dl = logits[s0:s1]
-                        CHUNK_GRAD_INPLACE(dl, *args)
+                        LOGPROB_CHUNK_GRAD_INPLACE(dl, *args)
                     else:
                         dl = grad_buffer[: (s1 - s0) * vocab].view(s1 - s0, vocab)
-                        CHUNK_GRAD(logits[s0:s1], dl, *args)
+                        LOGPROB_CHUNK_GRAD(logits[s0:s1], dl, *args)
                     if need_dw:
                         matmul_accumulate(dw, dl.t(), x[p0:p1], first=first_dw)
                         first_dw = False

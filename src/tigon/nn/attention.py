@@ -106,9 +106,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from tigon._kernels import cast_stacked, function_apply, matmul_to, sum_rows_to
 from tigon.nn.lora import Adapters, adapters_forward, adapters_input_grads, adapters_weight_grads, cast_adapters
-from tigon.ops._launch import function_apply
-from tigon.ops._matmul import cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.rope import rope_into
 
 aten = torch.ops.aten

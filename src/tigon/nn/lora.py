@@ -17,8 +17,8 @@ What cannot be exact keeps PEFT's forward (the reason says which): dropout with 
 forwards); several active adapters; ``lora_bias``; adapters both merged and disabled (PEFT's forward
 unmerges them then); a base layer that is not a plain ``nn.Linear`` (bitsandbytes 4-bit, a
 quantised or tensor-parallel linear; tigon's shared-cast forward on it, where PEFT wrapped a patched
-model's projection, is the same product and counts as plain); hooks on the layer or its parts (ZeRO-3's parameter gathering,
-PEFT's mixed-batch ``adapter_names`` hook), which only PEFT's forward runs. Where PEFT's forward is
+model's projection, is the same product and counts as plain); hooks on the layer or its parts (ZeRO-3's
+parameter gathering, PEFT's mixed-batch ``adapter_names`` hook), which only PEFT's forward runs. Where PEFT's forward is
 the base layer's alone, the projection is the base: adapters disabled (``disable_adapter()``),
 merged into the base weight, or no active adapter on this layer.
 
@@ -41,7 +41,7 @@ base's 2·M·in·out: ~0.4 % at r = 16 on Llama-3.1-8B's projections.
 
 Precision: the products run in the node's compute dtype (the autocast dtype, else x's) with the
 adapter weights cast to it, as autocast casts them; their gradients come back in the adapters' own
-dtype (fp32 adapters: the product's fp32 accumulator, :func:`tigon.ops._matmul.matmul_to`). PEFT
+dtype (fp32 adapters: the product's fp32 accumulator, :func:`tigon._kernels.matmul_to`). PEFT
 rounds ``(x Aᵀ)``, ``(x Aᵀ)Bᵀ``, the scaled delta and the sum one by one; here the delta is added to
 the base output by the product itself (one rounding of the sum). Without autocast, PEFT's default for
 a bf16 model keeps fp32 adapters (``autocast_adapter_dtype``) and runs the adapter path in fp32; here
@@ -60,8 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from tigon.ops._launch import PLAIN_TENSORS
-from tigon.ops._matmul import cast_all, cast_stacked, matmul_to
+from tigon._kernels import PLAIN_TENSORS, cast_all, cast_stacked, matmul_to
 
 
 class LoraProjection(NamedTuple):
@@ -234,7 +233,7 @@ class Adapters(NamedTuple):
 
 def cast_adapters(lora_as, lora_bs, scalings, dtype, others=()):
     """:class:`Adapters` of the given A_i, B_i, s_i in ``dtype`` (the A_i stacked, all cast by one
-    launch), and ``others`` cast as :func:`tigon.ops._matmul.cast_all` casts them."""
+    launch), and ``others`` cast as :func:`tigon._kernels.cast_all` casts them."""
     ranks = tuple(a.shape[0] for a in lora_as)
     if len(lora_as) == 1:
         a, *rest = cast_all((lora_as[0], *lora_bs, *others), dtype)

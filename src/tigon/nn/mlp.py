@@ -35,15 +35,15 @@ gate and up a second time as well (3·M·I·b).
 Autocast: as ``nn.Linear`` under ``torch.autocast``, x is cast to the autocast dtype before the node
 (the cast stays in the graph), and inside it autocast finds every operand in its dtype already (it
 casts nothing there). The weights and biases are cast inside the node (all of them by one launch:
-:func:`tigon.ops._matmul.cast_all`; three bias casts and their backward nodes less than autocast's
+:func:`tigon._kernels.cast_all`; three bias casts and their backward nodes less than autocast's
 per-linear casts, which matters where the step is the host's: a vision tower's MLP at a few hundred
 patches), and the weights are cast again in the backward rather than saved:
 autocast's ``nn.Linear`` keeps a bf16 copy of every weight from the forward to the backward (2 bytes
 per MLP parameter: 1.6 GB at Llama-3.2-1B, 3.3 GB at Gemma-2-2B), while the fp32 weights themselves
 are there anyway. The weight gradients are the bf16 products in the weights' dtype
-(:func:`tigon.ops._matmul.matmul_to`): on the CPU the bf16 product cast, as autocast's cast returns
+(:func:`tigon._kernels.matmul_to`): on the CPU the bf16 product cast, as autocast's cast returns
 it (bitwise the same); on the GPU the matmul's fp32 accumulator written as it is (no cast kernel, and
-no rounding to bf16 on the way); the bias gradients likewise (:func:`tigon.ops._matmul.sum_rows_to`).
+no rounding to bf16 on the way); the bias gradients likewise (:func:`tigon._kernels.sum_rows_to`).
 
 On the GPU, where the weights are cast anyway (fp32 master weights under autocast), gate and up are one
 product: the one cast launch writes ``[Wg; Wu]`` stacked, ``G = x·[Wg; Wu]ᵀ`` is one ``(M, 2·I)``
@@ -94,6 +94,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tigon._kernels import (
+    FLOAT_DTYPES,
+    cast_all,
+    cast_stacked,
+    check_int,
+    check_tensor,
+    function_apply,
+    matmul_to,
+    sum_rows_to,
+)
 from tigon.nn.lora import (
     Adapters,
     LoraProjection,
@@ -106,9 +116,6 @@ from tigon.nn.lora import (
     lora_projections,
     plain_linear,
 )
-from tigon.ops._common import FLOAT_DTYPES, check_int, check_tensor
-from tigon.ops._launch import function_apply
-from tigon.ops._matmul import cast_all, cast_stacked, matmul_to, sum_rows_to
 from tigon.ops.glu import (
     ACTIVATIONS,
     GLU,

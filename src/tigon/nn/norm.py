@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tigon.ops.layer_norm import layer_norm
-from tigon.ops.rmsnorm import CASTINGS, rms_norm
+from tigon.ops.rms_norm import CASTINGS, rms_norm
 
 
 def _check_size(hidden_size) -> int:

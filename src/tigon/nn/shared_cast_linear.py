@@ -12,7 +12,7 @@ Here q, k and v run as one node (:class:`_AutocastQKV`; on the GPU one stacked m
 backward two and a sum) and ``o_proj`` as :class:`_AutocastLinear`:
 the input is cast once per attention module (:class:`CastCache`) and that one cast is what the node
 saves; the weights are cast in the forward and again in the backward instead of being saved (all of a
-node's casts by one launch: :func:`tigon.ops._common.cast_all`). The
+node's casts by one launch: :func:`tigon._kernels.cast_all`). The
 backward makes the same products as the stock linears' (``dy·W`` for the input, ``dyᵀ·x`` for the
 weight, ``Σ dy`` for the bias, in the autocast dtype) and returns them in the dtypes of input, weight
 and bias as autocast's casts do. The three input gradients are summed by the matmuls into one
@@ -22,7 +22,7 @@ and added twice. When the norm before the attention gives its output in bf16 alr
 patch: ``tigon.nn.RMSNorm.autocast_output``) there is no cast at all, and the input gradient is
 summed in bf16, each sum rounded once. On the GPU the fp32 gradients (of an fp32 input, of an fp32
 weight or bias) are written in fp32 by the matmuls and sums themselves
-(:func:`tigon.ops._common.matmul_to`, ``sum_rows_to``): their accumulators are not rounded to bf16
+(:func:`tigon._kernels.matmul_to`, ``sum_rows_to``): their accumulators are not rounded to bf16
 first, so those gradients, and every gradient upstream of them, are nearer the exact ones than the
 stock's, and a cast kernel per product is saved. Nothing changes
 outside autocast, without grad, under torch.compile (Inductor plans its own buffers), or for a
@@ -41,8 +41,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._launch import function_apply
-from tigon.ops._matmul import cast_all, cast_stacked, matmul_accumulate, matmul_to, sum_rows_to
+from tigon._kernels import cast_all, cast_stacked, function_apply, matmul_accumulate, matmul_to, sum_rows_to
 
 
 class _AutocastLinear(torch.autograd.Function):
@@ -92,7 +91,7 @@ class _AutocastQKV(torch.autograd.Function):
 
     Elsewhere (and when an output gets no gradient) the projections are separate products: the input
     gradient ``dv·Wv + dk·Wk + dq·Wq`` is summed by the matmuls themselves into one buffer
-    (:func:`tigon.ops._common.matmul_accumulate`) instead of written three times and added by autograd
+    (:func:`tigon._kernels.matmul_accumulate`) instead of written three times and added by autograd
     (two addition kernels of the whole activation): v, k, q, the order autograd summed the separate
     nodes' gradients in. In the autocast dtype (a bf16 input: the norm gave it in bf16) each sum is
     rounded once, the products are not; an fp32 input's gradient is summed in fp32 (on the CPU

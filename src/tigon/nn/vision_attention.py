@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._launch import function_apply
+from tigon._kernels import function_apply
 
 CACHE_ATTR = "_tigon_segments"  # where segments_of keeps what it read on the cu_seqlens tensor
 

@@ -4,11 +4,7 @@ Import this only after deciding on the interpreter: without a GPU, set ``TRITON_
 before the first import, since Triton reads it when the kernels below are defined.
 """
 
-import sys
-
 from tigon._interpreter import apply_interpreter_fixes as _apply_interpreter_fixes
-from tigon.ops._common import deprecated_function_alias as _deprecated_function_alias
-from tigon.ops._common import deprecated_module_alias as _deprecated_module_alias
 from tigon.ops.cross_entropy import cross_entropy
 from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from tigon.ops.fused_linear_jsd import fused_linear_jsd
@@ -20,20 +16,10 @@ from tigon.ops.layer_norm import layer_norm
 from tigon.ops.moe_glu import moe_glu
 from tigon.ops.mrope import mrope
 from tigon.ops.norm_joins import post_norm_join, sandwich_norm_join
-from tigon.ops.rmsnorm import add_rms_norm, rms_norm
+from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 from tigon.ops.tvd import tvd
 from tigon.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
-
-# The post-norm joins' former names, which read like ``add_rms_norm`` with the words swapped.
-rms_norm_add = _deprecated_function_alias(post_norm_join, "rms_norm_add")
-rms_norm_add_rms_norm = _deprecated_function_alias(sandwich_norm_join, "rms_norm_add_rms_norm")
-
-# ``tigon.ops.rms_norm`` is the function (the module is ``tigon.ops.rmsnorm``). Code that still
-# imports from the module's former name, ``from tigon.ops.rms_norm import add_rms_norm``, gets the
-# module with a DeprecationWarning; the alias lives in sys.modules only, so the attribute stays the
-# function whatever is imported first.
-sys.modules.setdefault(__name__ + ".rms_norm", _deprecated_module_alias(__name__ + ".rms_norm", "tigon.ops.rmsnorm"))
 
 __all__ = [
     "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_jsd",

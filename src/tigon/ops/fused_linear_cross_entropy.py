@@ -42,7 +42,7 @@ Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   the same matmul into bf16 without accumulating). Off the GPU, and under torch.compile,
   the matmul cannot add into fp32 itself: each chunk's product is rounded to bf16 first, then
   summed in fp32 (the running sum is no longer rounded to bf16). The last chunk's matmul adds its
-  product to the accumulator and rounds the sum to dW's dtype itself (``_sum_round_tiles.py``,
+  product to the accumulator and rounds the sum to dW's dtype itself (``_kernels/add_round_matmul.py``,
   ``ChunkPlan.sum_round``, in eager mode on a GPU with TMA): no cast kernel, and 6·V·H bytes fewer
   (the small head's last chunk of 2048 tokens: 1.07 against 1.25 ms for cuBLAS's sum and the cast,
   measured on the H100). It
@@ -93,12 +93,25 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon.ops._common import check_tensor
-from tigon.ops._loss_grad import RangeCheck, apply_grad_output
-from tigon.ops._matmul import matmul_accumulate
-from tigon.ops._softmax_rows import REDUCTION_SCALES
-from tigon.ops._sum_round_tiles import sum_round, sum_round_available
-from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
+from tigon._kernels import (
+    REDUCTION_SCALES,
+    VOCAB_CHUNK_GRAD,
+    VOCAB_CHUNK_STATS,
+    LossOptions,
+    RangeCheck,
+    apply_grad_output,
+    autocast_off,
+    check_tensor,
+    chunk_buffer,
+    chunk_view,
+    class_chunks,
+    compute_operands,
+    head_compute_dtype,
+    linear_into,
+    matmul_accumulate,
+    sum_round,
+    sum_round_available,
+)
 from tigon.ops.cross_entropy import (
     CROSS_ENTROPY_FWD,
     CROSS_ENTROPY_FWD_INPLACE,
@@ -118,7 +131,7 @@ except ImportError:  # pragma: no cover - torch built without distributed
 @dataclass(frozen=True)
 class FusedLinearCrossEntropyConfig:
     """How the logits are cut into chunks (docs/tuning.md, "fused_linear_cross_entropy"). The
-    vocabulary-chunk kernels' own block sizes and warps are ``_vocab_chunks.VocabChunkConfig``."""
+    vocabulary-chunk kernels' own block sizes and warps are ``tigon._kernels.VocabChunkConfig``."""
 
     # One chunk of logits may take this fraction of the bytes of the gradients the op returns (a
     # peak of 1.35× the gradients is the budget; the rest covers per-token state and rounding).
@@ -157,7 +170,7 @@ class FusedLinearCrossEntropyConfig:
     token_align: int = 256
     class_align: int = 512
     # With the fp32 dW accumulator, the last chunk's dW matmul adds its product to the accumulator and
-    # rounds the sum to dW's dtype itself (_sum_round_tiles.py) instead of cuBLAS's sum and a cast
+    # rounds the sum to dW's dtype itself (_kernels/add_round_matmul.py) instead of cuBLAS's sum and a cast
     # kernel: None where the device decides (a GPU with TMA, eager mode), True wherever the operands
     # allow (the interpreter too), False never.
     sum_round: bool | None = None
@@ -321,44 +334,12 @@ def fp32_dw_plan(
 # ------------------------------------------------------------------------------------ chunked passes
 
 
-@dataclass(frozen=True)
-class LossOptions:
-    ignore_index: int
-    label_smoothing: float
-    z_loss: float
-    softcap: float | None
-    logit_scale: float
-
-    def args(self):
-        return (self.ignore_index, self.label_smoothing, self.z_loss, self.softcap, self.logit_scale)
-
-
-def _linear(x, w, b, out):
-    """x·wᵀ + b, into ``out`` (a reused chunk buffer) in eager mode; under torch.compile a plain
-    matmul whose buffer inductor plans itself."""
-    if torch.compiler.is_compiling() or out is None:
-        return torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
-    if b is not None:
-        return torch.addmm(b, x, w.t(), out=out)
-    return torch.mm(x, w.t(), out=out)
-
-
 def _mm_into(out, a, b):
     """out[...] = a @ b; written by the matmul itself when the dtypes allow it (eager mode)."""
     if out.dtype == a.dtype and not torch.compiler.is_compiling():
         torch.mm(a, b, out=out)
     else:
         out.copy_(a @ b)
-
-
-def _chunk_buffer(numel, dtype, device):
-    if torch.compiler.is_compiling():
-        return None
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
-def _view(buffer, rows, cols):
-    return None if buffer is None else buffer[: rows * cols].view(rows, cols)
 
 
 def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, plan, grad_dtypes):
@@ -381,7 +362,7 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
     chunks = plan.token_chunks(num_tokens)
     buffer_rows = max([0] + [c1 - c0 for c0, c1 in chunks])
-    buffer = _chunk_buffer(buffer_rows * vocab, x.dtype, x.device)
+    buffer = chunk_buffer(buffer_rows * vocab, x.dtype, x.device)
     logits = dlogits = None
     losses = []
     for i, (c0, c1) in enumerate(chunks):
@@ -389,8 +370,8 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
         is_last = i == len(chunks) - 1
         if is_last and plan.sum_round and buffer is not None and c1 - c0 < buffer_rows:
             logits = dlogits = buffer = None                               # freed before the smaller one is made
-            buffer = _chunk_buffer((c1 - c0) * vocab, x.dtype, x.device)
-        logits = _linear(x_c, w, b, _view(buffer, c1 - c0, vocab))       # (C, V)
+            buffer = chunk_buffer((c1 - c0) * vocab, x.dtype, x.device)
+        logits = linear_into(x_c, w, b, chunk_view(buffer, c1 - c0, vocab))       # (C, V)
         if not any_grad:
             loss_c, _ = CROSS_ENTROPY_FWD(logits, target[c0:c1], class_weight, scales, *opts.args(), False)
             losses.append(loss_c)
@@ -419,10 +400,6 @@ def _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, pla
     return loss_rows, dx, dw, (db.to(db_dtype) if need_db else None)
 
 
-def _class_chunks(vocab, chunk):
-    return [(c0, min(vocab, c0 + chunk)) for c0 in range(0, vocab, chunk)]
-
-
 def _lse_by_classes(x, w, b, target, class_weight, scales, opts, chunk, buffer):
     """Pass 1 by classes: per-row losses and lse; returns them and the last chunk's logits."""
     num_tokens, vocab = x.shape[0], w.shape[0]
@@ -433,12 +410,12 @@ def _lse_by_classes(x, w, b, target, class_weight, scales, opts, chunk, buffer):
     state[3] = float("nan")      # z of the target: stays NaN for a target outside [0, V)
     loss_rows = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
     lse = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
-    chunks = _class_chunks(vocab, chunk)
+    chunks = class_chunks(vocab, chunk)
     logits = None
     for i, (c0, c1) in enumerate(chunks):
-        logits = _linear(x, w[c0:c1], b[c0:c1] if b is not None else None, _view(buffer, num_tokens, c1 - c0))
+        logits = linear_into(x, w[c0:c1], b[c0:c1] if b is not None else None, chunk_view(buffer, num_tokens, c1 - c0))
         is_last = i == len(chunks) - 1
-        CHUNK_STATS(
+        VOCAB_CHUNK_STATS(
             logits, target, class_weight, scales, state, loss_rows, lse, c0, vocab, is_last, *opts.args()
         )
     return loss_rows, lse, logits
@@ -453,8 +430,8 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
     need_dx, need_dw, need_db = need
     num_tokens, vocab = x.shape[0], w.shape[0]
     dx_dtype, dw_dtype, db_dtype = grad_dtypes
-    buffer = _chunk_buffer(num_tokens * min(chunk, vocab), x.dtype, x.device)
-    chunks = _class_chunks(vocab, chunk)
+    buffer = chunk_buffer(num_tokens * min(chunk, vocab), x.dtype, x.device)
+    chunks = class_chunks(vocab, chunk)
     logits = None
     loss_rows = None
     if lse is None:
@@ -468,8 +445,8 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
     for i, (c0, c1) in enumerate(reversed(chunks)):
         w_c = w[c0:c1]
         if logits is None:
-            logits = _linear(x, w_c, b[c0:c1] if b is not None else None, _view(buffer, num_tokens, c1 - c0))
-        CHUNK_GRAD(logits, target, class_weight, scales, row_scale, lse, c0, vocab, *opts.args())
+            logits = linear_into(x, w_c, b[c0:c1] if b is not None else None, chunk_view(buffer, num_tokens, c1 - c0))
+        VOCAB_CHUNK_GRAD(logits, target, class_weight, scales, row_scale, lse, c0, vocab, *opts.args())
         dlogits = logits                                                   # (N, Vc), overwritten in place
         if need_dw:
             _mm_into(dw[c0:c1], dlogits.t(), x)                            # (Vc, H): one matmul, K = N
@@ -485,14 +462,6 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
 # ------------------------------------------------------------------------------------------- autograd
 
 
-def _compute_operands(input, linear_weight, linear_bias, compute_dtype):
-    """(x (N, H), w, b) in the compute dtype: the autocast dtype if any, else the inputs' own."""
-    x = input.reshape(-1, input.shape[-1]).to(compute_dtype)
-    w = linear_weight.to(compute_dtype)
-    b = linear_bias.to(compute_dtype) if linear_bias is not None else None
-    return x, w, b
-
-
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Gradients in the forward (chunked); the backward applies grad_output lazily."""
 
@@ -502,7 +471,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         reduction, z_loss, softcap, logit_scale, compute_dtype, need_input, need_weight, need_bias,
     ):
         opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, logit_scale)
-        with torch.autocast(input.device.type, enabled=False):
+        with autocast_off(input.device):
             return FusedLinearCrossEntropyFunction._forward(
                 ctx, input, linear_weight, linear_bias, target, weight, scales, reduction, opts,
                 compute_dtype, (need_input, need_weight, need_bias),
@@ -513,7 +482,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx, input, linear_weight, linear_bias, target, weight, scales, reduction, opts, compute_dtype, need
     ):
         """The forward with autocast off: operands are cast to the compute dtype explicitly."""
-        x, w, b = _compute_operands(input, linear_weight, linear_bias, compute_dtype)
+        x, w, b = compute_operands(input, linear_weight, linear_bias, compute_dtype)
         t = target.reshape(-1)
         num_tokens, vocab = x.shape[0], w.shape[0]
         plan = chunk_plan(
@@ -547,7 +516,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        with torch.autocast(grad_loss.device.type, enabled=False):
+        with autocast_off(grad_loss.device):
             return FusedLinearCrossEntropyFunction._backward(ctx, grad_loss)
 
     @staticmethod
@@ -558,7 +527,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dx = dx.view(ctx.input_shape) if dx is not None else None
             return (dx, dw, db) + (None,) * 13
         input, linear_weight, linear_bias, target, weight, scales, lse = ctx.saved_tensors
-        x, w, b = _compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)
+        x, w, b = compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)
         t = target.reshape(-1)
         row_scale = grad_loss.reshape(-1)
         if ctx.plan.by_tokens:
@@ -573,18 +542,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------ public function
-
-
-def _compute_dtype(input, linear_weight, linear_bias):
-    device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
-        if t is not None and t.dtype != input.dtype:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}, expected input's {input.dtype} (or run under torch.autocast)"
-            )
-    return input.dtype
 
 
 def check_linear_head(input, linear_weight, linear_bias):
@@ -640,7 +597,7 @@ def fused_linear_cross_entropy(
             "tokens use tigon.ops.vocab_parallel_cross_entropy"
         )
     vocab = check_linear_head(input, linear_weight, linear_bias)
-    compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
+    compute_dtype = head_compute_dtype(input, linear_weight, linear_bias)
     check_loss_options(
         weight, vocab, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )

@@ -45,10 +45,22 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32, check_int, check_real, check_tensor
-from tigon.ops._divergence_rows import beta_mode, check_labels, jsd_terms, rows_counted
-from tigon.ops._launch import TigonOp, cdiv, next_power_of_2, wrap_triton
-from tigon.ops._loss_grad import apply_grad_output
+from tigon._kernels import (
+    TigonOp,
+    apply_grad_output,
+    as_fp32,
+    autocast_dtype,
+    beta_mode,
+    cdiv,
+    check_int,
+    check_labels,
+    check_real,
+    check_tensor,
+    jsd_terms,
+    next_power_of_2,
+    rows_counted,
+    wrap_triton,
+)
 from tigon.ops.jsd import check_beta, jsd_reference
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -290,8 +302,8 @@ def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weigh
     check_beta(beta)
     check_real(temperature, "temperature", positive=True)
     check_int(ignore_index, "ignore_index")
-    if torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
+    dtype = autocast_dtype(device)
+    if dtype is not None:
         student_input, student_weight = student_input.to(dtype), student_weight.to(dtype)
         teacher_input, teacher_weight = teacher_input.to(dtype), teacher_weight.to(dtype)
     pairs = (("student", student_input, student_weight), ("teacher", teacher_input, teacher_weight))

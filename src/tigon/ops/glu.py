@@ -43,8 +43,16 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_rows, check_tensor
-from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
+from tigon._kernels import (
+    TigonOp,
+    as_rows,
+    cache_by_size,
+    cdiv,
+    check_tensor,
+    gate_activation,
+    next_power_of_2,
+    wrap_triton,
+)
 
 # The activations the kernel knows, by the name the torch op takes.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -52,39 +60,6 @@ GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
 
 
 # --------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _sigmoid(x):
-    """σ(x) from e = exp(−|x|) ≤ 1: no overflow, and full relative precision for x ≪ 0 (σ ≈ e)."""
-    e = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1.0, e) / (1.0 + e)
-
-
-@triton.jit
-def _activation(g, ACTIVATION: tl.constexpr):
-    """act(g) and act'(g) for fp32 g (formulas in the module docstring).
-
-    The forward kernel ignores act'(g); the compiler drops what is not used.
-    """
-    SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654
-    GELU_CUBIC: tl.constexpr = 0.044715
-    INV_SQRT_2: tl.constexpr = 0.7071067811865476
-    INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
-    if ACTIVATION == "silu":
-        sig = _sigmoid(g)
-        act = g * sig
-        dact = sig * (1.0 + g * (1.0 - sig))
-    elif ACTIVATION == "gelu_tanh":
-        v = SQRT_2_OVER_PI * (g + GELU_CUBIC * g * g * g)
-        s = _sigmoid(2.0 * v)
-        act = g * s
-        dact = s + 2.0 * g * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * g * g)
-    else:
-        cdf = 0.5 * (1.0 + tl.erf(g * INV_SQRT_2))
-        act = g * cdf
-        dact = cdf + g * tl.exp(-0.5 * g * g) * INV_SQRT_2PI
-    return act, dact
 
 
 @triton.jit
@@ -121,7 +96,7 @@ def glu_fwd_kernel(
     g = tl.load(gate_ptr + rows * gate_row_stride + cols * gate_col_stride, mask=mask, other=0.0)
     g = g.to(tl.float32)
     u = tl.load(up_ptr + rows * up_row_stride + cols * up_col_stride, mask=mask, other=0.0).to(tl.float32)
-    act, _ = _activation(g, ACTIVATION)
+    act, _ = gate_activation(g, ACTIVATION)
     a = act.to(gate_ptr.dtype.element_ty).to(tl.float32)
     tl.store(h_ptr + rows * h_row_stride + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -153,7 +128,7 @@ def glu_bwd_kernel(
     g = tl.load(gate_ptr + rows * gate_row_stride + cols * gate_col_stride, mask=mask, other=0.0)
     g = g.to(tl.float32)
     u = tl.load(up_ptr + rows * up_row_stride + cols * up_col_stride, mask=mask, other=0.0).to(tl.float32)
-    act, dact = _activation(g, ACTIVATION)
+    act, dact = gate_activation(g, ACTIVATION)
     a = act.to(gate_ptr.dtype.element_ty).to(tl.float32)
     out = rows * out_row_stride + cols
     tl.store(dgate_ptr + out, (dh * u * dact).to(dgate_ptr.dtype.element_ty), mask=mask)

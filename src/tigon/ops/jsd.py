@@ -25,11 +25,12 @@ formula), per element, before the 1/rows scale::
     β = 1       ∂/∂s = P_s·(s − t + 1)
 
 No row reduction is needed, so the backward is one elementwise pass, like the forward; both tile
-the ``(rows, V)`` views with the KL kernels' :func:`tile_launch` (``_tiles``), read any strides in place, and sum
-the loss per tile into fp32 partials added up in a fixed order (deterministic). The loss is fp32.
+the ``(rows, V)`` views with the KL kernels' :func:`elementwise_tile_launch` (``tigon._kernels``), read
+any strides in place, and sum the loss per tile into fp32 partials added up in a fixed order
+(deterministic). The loss is fp32.
 
-:func:`_divergence_rows.jsd_terms` (the per-element loss and gradient) is shared with
-``fused_linear_jsd``; the kernels and launchers with ``tvd`` (``_divergence_rows``).
+:func:`tigon._kernels.jsd_terms` (the per-element loss and gradient) is shared with
+``fused_linear_jsd``; the kernels and launchers with ``tvd`` (``tigon._kernels.divergence_rows``).
 
 Bytes (speed of light), R rows of V, element size b::
 
@@ -45,9 +46,15 @@ import math
 
 import torch
 
-from tigon.ops._common import check_int, check_real
-from tigon.ops._divergence_rows import beta_mode, check_pair, divergence_backward, divergence_forward
-from tigon.ops._launch import TigonOp
+from tigon._kernels import (
+    TigonOp,
+    beta_mode,
+    check_int,
+    check_pair,
+    check_real,
+    divergence_backward,
+    divergence_forward,
+)
 
 # ------------------------------------------------------------------------------- torch ops + autograd
 

@@ -33,7 +33,7 @@ Bytes (speed of light), E elements, element size b::
 
 Reference: :func:`kl_div_reference` (``torch.nn.functional.kl_div`` in fp32 or fp64).
 
-The tiles (``_tiles``: :func:`tile_launch`, :class:`TileConfig`) are shared with the JSD kernels.
+The tiles (``elementwise_tiles``: :func:`elementwise_tile_launch`, :class:`TileConfig`) are shared with the JSD kernels.
 """
 
 from __future__ import annotations
@@ -43,9 +43,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32, as_rows, check_tensor
-from tigon.ops._launch import TigonOp, wrap_triton
-from tigon.ops._tiles import load_tile, tile_indices, tile_launch
+from tigon._kernels import (
+    TigonOp,
+    as_fp32,
+    as_rows,
+    check_tensor,
+    elementwise_tile_launch,
+    load_tile,
+    tile_indices,
+    wrap_triton,
+)
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
@@ -134,7 +141,7 @@ def _forward(input, target, reduction, log_target):
     out_dtype = torch.promote_types(input.dtype, target.dtype)
     x2, t2 = _as_2d(input), _as_2d(target)
     num_rows, num_cols = x2.shape
-    cfg = tile_launch(num_rows, num_cols)
+    cfg = elementwise_tile_launch(num_rows, num_cols)
     reduce = reduction != "none"
     if reduce:
         loss = torch.empty(cfg.programs if input.numel() > 0 else 0, dtype=torch.float32, device=input.device)
@@ -164,7 +171,7 @@ def _backward(grad, input, target, reduction, log_target, input_grad, target_gra
     reduced = reduction != "none"
     g2 = grad if reduced else _as_2d(grad)
     num_rows, num_cols = x2.shape
-    cfg = tile_launch(num_rows, num_cols)
+    cfg = elementwise_tile_launch(num_rows, num_cols)
     wrap_triton(kl_div_bwd_kernel)[(cfg.programs,)](
         g2, g2.stride(0) if not reduced else 0, g2.stride(1) if not reduced else 0,
         x2, x2.stride(0), x2.stride(1),

@@ -26,7 +26,7 @@ the identity::
 Only ``x``, ``mean`` and ``rstd`` are saved; ``x̂`` is recomputed. ``dw`` and ``db`` are reduced
 without atomics: the persistent backward grid cuts the rows into fixed bands, each band accumulates
 its own fp32 partial rows (always in the same order), and one small kernel sums the partials in a
-fixed order and rounds them (_norm_rows.py's :func:`partial_rows_sum_kernel`), so the same input
+fixed order and rounds them (``tigon._kernels.norm_rows``'s :func:`partial_rows_sum_kernel`), so the same input
 gives bitwise the same gradients on every run.
 
 Short rows. Where a row is held in registers (N up to RMSNorm's ``CONFIG.backward.max_fused_hidden``)
@@ -37,7 +37,7 @@ reduced over the rows once per band, c1 and c2 may share one reduction, and how 
 loads are kept in flight is a setting (registers, or Triton's pipeliner through shared memory).
 :class:`LayerNormConfig` holds every setting of this regime, forward and backward (dev/tune_norm.py
 ``fused-ln`` sweeps them; docs/tuning.md says why the defaults). Longer rows take RMSNorm's
-geometry (:func:`norm_launch`, :func:`norm_backward_launch`, rmsnorm.py's docstring): in the
+geometry (:func:`norm_launch`, :func:`norm_backward_launch`, rms_norm.py's docstring): in the
 backward, split rows up to 65536 (each program a slice, c1 and c2 swapped between the slices'
 programs), streamed beyond; the forward streams past 32768 with Chan's merge.
 
@@ -67,24 +67,33 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32, as_rows, check_real, check_tensor
-from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, persistent_programs, wrap_triton
-from tigon.ops._norm_rows import (
+from tigon._kernels import (
     NormBackwardLaunch,
     NormLaunch,
+    TigonOp,
     accumulate_partial,
     add_parts,
+    as_fp32,
+    as_rows,
+    cache_by_size,
+    cdiv,
+    check_real,
+    check_tensor,
     exchange_row_sums,
     grad_tile,
     lacking_part,
     load_grad_rows,
+    next_power_of_2,
+    norm_backward_launch,
+    norm_launch,
     part_chunks,
+    persistent_programs,
     publish_part_sums,
     read_row_sums,
     split_rows_scratch,
     sum_partial_rows,
+    wrap_triton,
 )
-from tigon.ops.rmsnorm import norm_backward_launch, norm_launch
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -426,7 +435,7 @@ class LayerNormConfig:
     docs/tuning.md, "norms").
 
     Where that stops (``max_fused_hidden``) and the split and streamed geometry are RMSNorm's
-    (``rmsnorm.CONFIG``): the regimes are the same for both ops.
+    (``tigon._kernels.RMS_NORM_CONFIG``): the regimes are the same for both ops.
 
     fwd_tile_elements: the forward program's [rows, N] tile aims at this many elements (rows =
       tile / next_power_of_2(N), at least 1): several short rows per program.
@@ -439,7 +448,7 @@ class LayerNormConfig:
       one tile prefetched into registers; k >= 1 = Triton's pipeliner, k − 1 tiles in shared memory.
     bwd_paired_sums: c1's and c2's row sums in one reduction (True) or two (_fused_rows).
     reduce_bands, reduce_cols, reduce_warps: the [bands, columns] tile and warps of the kernel that
-      sums the partial rows (_norm_rows.partial_rows_sum_kernel; also after the streamed backward).
+      sums the partial rows (norm_rows.partial_rows_sum_kernel; also after the streamed backward).
     """
 
     fwd_tile_elements: int = 2048

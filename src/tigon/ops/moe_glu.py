@@ -45,10 +45,18 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32, as_rows, check_real, check_tensor
-from tigon.ops._launch import TigonOp, wrap_triton
+from tigon._kernels import (
+    TigonOp,
+    as_fp32,
+    as_rows,
+    check_real,
+    check_tensor,
+    gate_activation,
+    stable_sigmoid,
+    wrap_triton,
+)
 from tigon.ops.glu import ACTIVATIONS as GLU_ACTIVATIONS
-from tigon.ops.glu import GluConfig, _activation, _sigmoid, glu_launch, glu_reference
+from tigon.ops.glu import GluConfig, glu_launch, glu_reference
 
 LAYOUTS = ("halves", "interleaved")
 CLAMPED_SWIGLU = "clamped_swiglu"
@@ -122,14 +130,14 @@ def _gated(g, u, alpha, limit, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
     if ACTIVATION == "clamped_swiglu":
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
-        s = _round(_sigmoid(_round(alpha * gc, DTYPE)), DTYPE)
+        s = _round(stable_sigmoid(_round(alpha * gc, DTYPE)), DTYPE)
         glu = _round(gc * s, DTYPE)
         v = _round(uc + 1.0, DTYPE)
         h = v * glu
         dh_dg = tl.where(g <= limit, v * (s + gc * alpha * s * (1.0 - s)), 0.0)
         dh_du = tl.where((u >= -limit) & (u <= limit), glu, 0.0)
     else:
-        act, dact = _activation(g, ACTIVATION)
+        act, dact = gate_activation(g, ACTIVATION)
         a = _round(act, DTYPE)
         h = a * u
         dh_dg = u * dact

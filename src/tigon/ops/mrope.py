@@ -54,10 +54,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_int
-from tigon.ops._launch import TigonOp, cdiv, wrap_triton
-from tigon.ops._rotary import (
+from tigon._kernels import (
+    TigonOp,
     bhtd_strides,
+    cdiv,
+    check_int,
     check_qk,
     check_rot_dim,
     copy_tile,
@@ -68,6 +69,7 @@ from tigon.ops._rotary import (
     q_or_k,
     store_rotation,
     token_tile_rows,
+    wrap_triton,
 )
 from tigon.ops.rope import CONFIG as ROPE_CONFIG
 from tigon.ops.rope import RopeConfig, rope_launch, rope_reference

@@ -18,7 +18,7 @@ Forward, per row (``n``, ``s``, ``y`` rounded where transformers rounds them, se
     s     = residual + n
     rstd₂ = 1/sqrt(mean(s²) + next_eps)       y = norm₂(s)  (ŝ = s·rstd₂)
 
-with, for a norm of input ``v`` (io dtype = v's) and scale ``offset + w`` (rmsnorm.py's module
+with, for a norm of input ``v`` (io dtype = v's) and scale ``offset + w`` (rms_norm.py's module
 docstring): casting "llama" ``r_v(v̂)·(offset + w)`` in the promotion of v's and w's dtypes, casting
 "gemma" ``r_v(v̂·(offset + w))``. So n's dtype is x's or, for llama casting with a wider weight,
 fp32; s's is the promotion of residual's and n's (fp32 under autocast: the residual stream is fp32,
@@ -36,7 +36,7 @@ y and ``dS`` that of the s output (the residual stream's later uses)::
     dx  = rstd₁·(g₁ − x̂·c₁)
     dw₁ = Σ_rows dn·r_x(x̂) (llama) or dn·x̂ (gemma);   dw₂ likewise with dy and ŝ
 
-dw₁ and dw₂ are reduced as rmsnorm.py's backward reduces dw: the persistent grid's bands each
+dw₁ and dw₂ are reduced as rms_norm.py's backward reduces dw: the persistent grid's bands each
 accumulate an fp32 partial row, summed in a fixed order (bitwise repeatable, no atomics).
 
 Bytes (speed of light), M rows of N, element sizes b_x, b_r, b_s, b_y (b_dy: y's gradient)::
@@ -67,25 +67,33 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_real, check_tensor
-from tigon.ops._launch import TigonOp, cdiv, wrap_triton
-from tigon.ops._norm_rows import sum_partial_rows
-from tigon.ops._tiles import load_tile
-from tigon.ops.rmsnorm import CONFIG as RMS_NORM_CONFIG
-from tigon.ops.rmsnorm import (
-    _check_args,
-    _output_dtype,
-    check_scale,
+from tigon._kernels import (
+    FLOAT_DTYPES,
+    RMS_NORM_CONFIG,
+    TigonOp,
+    as_fp32,
+    as_rows,
+    cdiv,
+    check_real,
+    check_tensor,
+    load_tile,
     norm_backward_launch,
     norm_launch,
+    sum_partial_rows,
+    wrap_triton,
+)
+from tigon.ops.rms_norm import (
+    check_rms_norm_args,
+    check_scale,
     rms_norm,
+    rms_norm_output_dtype,
     rms_norm_reference,
 )
 
 
 @dataclass(frozen=True)
 class NormJoinConfig:
-    """Launch settings of the fused join; its tiles and grid are otherwise RMSNorm's (rmsnorm.CONFIG)."""
+    """Launch settings of the fused join; its tiles and grid are otherwise RMSNorm's (``RMS_NORM_CONFIG``)."""
 
     # Rows up to this many elements are fused (held in registers forward and backward); longer rows
     # run as three separate ops. The backward holds four row tiles (dy, dS, s, x): RMSNorm's
@@ -256,7 +264,7 @@ def norm_join_bwd_kernel(
 
 def _rounds_n(x_dtype, weight_dtype, casting) -> bool:
     """Whether norm₁'s output is rounded to x's dtype; otherwise it is fp32 (module docstring)."""
-    n_dtype = _output_dtype(x_dtype, weight_dtype, casting)
+    n_dtype = rms_norm_output_dtype(x_dtype, weight_dtype, casting)
     if n_dtype not in (x_dtype, torch.float32):  # cannot happen: promotion gives x's dtype or fp32
         raise AssertionError(f"norm output dtype {n_dtype} from x {x_dtype}")
     return n_dtype == x_dtype
@@ -273,13 +281,14 @@ def _forward(x, residual, weight, next_weight, eps, next_eps, offset, casting, h
     x2, r2 = as_rows(x), as_rows(residual)
     num_rows = x2.shape[0]
     weight_dtype = weight.dtype if weight is not None else None
-    n_dtype = _output_dtype(x.dtype, weight_dtype, casting)
+    n_dtype = rms_norm_output_dtype(x.dtype, weight_dtype, casting)
     s = torch.empty(x.shape, dtype=torch.promote_types(residual.dtype, n_dtype), device=x.device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     y = next_rstd = None
     if has_next:
         next_dtype = next_weight.dtype if next_weight is not None else None
-        y = torch.empty(x.shape, dtype=out_dtype or _output_dtype(s.dtype, next_dtype, casting), device=x.device)
+        y_dtype = out_dtype or rms_norm_output_dtype(s.dtype, next_dtype, casting)
+        y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
         next_rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows == 0 or hidden == 0:
         return y, s, rstd, next_rstd
@@ -439,7 +448,7 @@ SANDWICH_NORM_JOIN = TigonOp(
 
 
 def _check_join(x, residual, weight, eps, casting, offset, next_weight=None, next_eps=None):
-    _check_args(x, weight, eps, casting, offset=offset)
+    check_rms_norm_args(x, weight, eps, casting, offset=offset)
     check_tensor(residual, "residual", device=x.device)
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
@@ -509,7 +518,7 @@ def post_norm_join_reference(x, residual, weight, eps=1e-6, *, offset=0.0, casti
     (tests pass fp64 tensors and round where the real dtypes round); None: the tensors' own.
     """
     dtypes = dtypes or {"x": x.dtype, "residual": residual.dtype, "weight": getattr(weight, "dtype", None)}
-    n_dtype = _output_dtype(dtypes["x"], dtypes["weight"], casting)
+    n_dtype = rms_norm_output_dtype(dtypes["x"], dtypes["weight"], casting)
     n = _rounded(rms_norm_reference(x, weight, eps, offset=offset, casting=casting, io_dtype=dtypes["x"]), n_dtype)
     return _rounded(residual + n, torch.promote_types(dtypes["residual"], n_dtype))
 
@@ -527,8 +536,8 @@ def sandwich_norm_join_reference(
         "next_weight": getattr(next_weight, "dtype", None),
     }
     s = post_norm_join_reference(x, residual, weight, eps, offset=offset, casting=casting, dtypes=dtypes)
-    s_dtype = torch.promote_types(dtypes["residual"], _output_dtype(dtypes["x"], dtypes["weight"], casting))
+    s_dtype = torch.promote_types(dtypes["residual"], rms_norm_output_dtype(dtypes["x"], dtypes["weight"], casting))
     next_eps = eps if next_eps is None else next_eps
     y = rms_norm_reference(s, next_weight, next_eps, offset=offset, casting=casting, io_dtype=s_dtype)
-    y_dtype = out_dtype or _output_dtype(s_dtype, dtypes["next_weight"], casting)
+    y_dtype = out_dtype or rms_norm_output_dtype(s_dtype, dtypes["next_weight"], casting)
     return _rounded(y, y_dtype), s

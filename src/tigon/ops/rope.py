@@ -66,10 +66,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_int
-from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
-from tigon.ops._rotary import (
+from tigon._kernels import (
+    TigonOp,
     bhtd_strides,
+    cache_by_size,
+    cdiv,
+    check_int,
     check_qk,
     check_rot_dim,
     copy_tile,
@@ -77,9 +79,11 @@ from tigon.ops._rotary import (
     empty_in_order,
     head_block_rows,
     load_trig,
+    next_power_of_2,
     q_or_k,
     store_rotation,
     token_tile_rows,
+    wrap_triton,
 )
 
 # --------------------------------------------------------------------------------------------- kernels

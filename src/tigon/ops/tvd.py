@@ -16,7 +16,7 @@ Backward, to the student only, per element, before the 1/rows scale. ``|x|`` has
 
 No row reduction is needed, so forward and backward are one elementwise pass each over the
 ``(rows, V)`` views, reading any strides in place: the JSD's kernels and launchers
-(``_divergence_rows``) in their TVD mode. The forward sums the loss per tile into fp32 partials
+(``tigon._kernels.divergence_rows``) in their TVD mode. The forward sums the loss per tile into fp32 partials
 added up in a fixed order (deterministic). The loss is fp32.
 
 Bytes (speed of light), R rows of V, element size b::
@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from tigon.ops._common import check_int
-from tigon.ops._divergence_rows import TVD as TVD_MODE
-from tigon.ops._divergence_rows import check_pair, divergence_backward, divergence_forward
-from tigon.ops._launch import TigonOp
+from tigon._kernels import TVD as TVD_MODE
+from tigon._kernels import TigonOp, check_int, check_pair, divergence_backward, divergence_forward
 
 # ------------------------------------------------------------------------------- torch ops + autograd
 

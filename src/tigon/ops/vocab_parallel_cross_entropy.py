@@ -39,22 +39,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tigon.ops._common import check_int, check_tensor
-from tigon.ops._loss_grad import RangeCheck, SavedGradientsFunction
-from tigon.ops._matmul import matmul_accumulate
-from tigon.ops._softmax_rows import REDUCTION_SCALES
-from tigon.ops._vocab_chunks import CHUNK_GRAD, CHUNK_STATS
-from tigon.ops.cross_entropy import check_loss_options, check_target
-from tigon.ops.fused_linear_cross_entropy import (
-    DTensor,
+from tigon._kernels import (
+    REDUCTION_SCALES,
+    VOCAB_CHUNK_GRAD,
+    VOCAB_CHUNK_STATS,
     LossOptions,
-    _chunk_buffer,
-    _compute_dtype,
-    _compute_operands,
-    _linear,
-    _view,
-    chunk_plan,
+    RangeCheck,
+    SavedGradientsFunction,
+    autocast_off,
+    check_int,
+    check_tensor,
+    chunk_buffer,
+    chunk_view,
+    compute_operands,
+    head_compute_dtype,
+    linear_into,
+    matmul_accumulate,
 )
+from tigon.ops.cross_entropy import check_loss_options, check_target
+from tigon.ops.fused_linear_cross_entropy import DTensor, chunk_plan
 
 # ------------------------------------------------------------------------------- the ranks' row state
 
@@ -104,24 +107,24 @@ def _sharded_by_tokens(x, w, b, target, class_weight, scales, need, opts, vocab,
     dx32 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
     dw = torch.empty(w.shape, dtype=torch.float32 if fp32_dw else grad_dtypes[1], device=x.device) if need_dw else None
     db = torch.zeros(local_vocab, dtype=torch.float32, device=x.device) if need_db else None
-    buffer = _chunk_buffer(min(chunk, num_tokens) * local_vocab, x.dtype, x.device)
+    buffer = chunk_buffer(min(chunk, num_tokens) * local_vocab, x.dtype, x.device)
     losses = []
     for c0 in range(0, num_tokens, chunk):
         c1 = min(num_tokens, c0 + chunk)
         x_c, t_c = x[c0:c1], target[c0:c1]
-        logits = _linear(x_c, w, b, _view(buffer, c1 - c0, local_vocab))                 # (C, V_r)
+        logits = linear_into(x_c, w, b, chunk_view(buffer, c1 - c0, local_vocab))                 # (C, V_r)
         state = _new_state(c1 - c0, x.device)
         loss_c = torch.empty(c1 - c0, dtype=torch.float32, device=x.device)
         lse_c = torch.empty(c1 - c0, dtype=torch.float32, device=x.device)
-        CHUNK_STATS(logits, t_c, class_weight, scales, state, loss_c, lse_c, col0, vocab, False, *opts.args())
+        VOCAB_CHUNK_STATS(logits, t_c, class_weight, scales, state, loss_c, lse_c, col0, vocab, False, *opts.args())
         combine_states(state, group)
         # Zero more classes, last: the combined state becomes each row's loss and lse.
-        CHUNK_STATS(logits[:, :0], t_c, class_weight, scales, state, loss_c, lse_c, col0, vocab, True,
+        VOCAB_CHUNK_STATS(logits[:, :0], t_c, class_weight, scales, state, loss_c, lse_c, col0, vocab, True,
                     *opts.args())
         losses.append(loss_c)
         if not any(need):
             continue
-        CHUNK_GRAD(logits, t_c, class_weight, scales, None, lse_c, col0, vocab, *opts.args())
+        VOCAB_CHUNK_GRAD(logits, t_c, class_weight, scales, None, lse_c, col0, vocab, *opts.args())
         dlogits = logits                                                                   # (C, V_r)
         if need_dx:
             matmul_accumulate(dx32[c0:c1], dlogits, w, first=True)                         # (C, H) fp32
@@ -198,7 +201,7 @@ def vocab_parallel_cross_entropy(
             raise ValueError(f"bias_shard has shape {tuple(bias_shard.shape)}, expected ({local_vocab},)")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum' with a sharded vocabulary, got {reduction!r}")
-    compute_dtype = _compute_dtype(input, weight_shard, bias_shard)
+    compute_dtype = head_compute_dtype(input, weight_shard, bias_shard)
     check_loss_options(
         weight, vocab_size, input.device, ignore_index, label_smoothing, reduction, z_loss, softcap, logit_scale
     )
@@ -212,8 +215,8 @@ def vocab_parallel_cross_entropy(
     need = (grad_on and input.requires_grad, grad_on and weight_shard.requires_grad,
             grad_on and bias_shard is not None and bias_shard.requires_grad)
     # The gradients are made with the loss; the autograd node only brings them to grad_output.
-    with torch.no_grad(), torch.autocast(input.device.type, enabled=False):
-        x, w, b = _compute_operands(input, weight_shard, bias_shard, compute_dtype)
+    with torch.no_grad(), autocast_off(input.device):
+        x, w, b = compute_operands(input, weight_shard, bias_shard, compute_dtype)
         grad_dtypes = (input.dtype, weight_shard.dtype, bias_shard.dtype if bias_shard is not None else None)
         loss_rows, dx, dw, db = _sharded_by_tokens(
             x, w, b, target.reshape(-1), weight, scales, need, opts, vocab_size, int(vocab_start), group, grad_dtypes

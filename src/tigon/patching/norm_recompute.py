@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from tigon.ops.rmsnorm import add_rms_norm, rms_norm
+from tigon.ops.rms_norm import add_rms_norm, rms_norm
 
 ADD_RMS_NORM_NODE = "add_rms_norm"  # the name of add_rms_norm's backward node starts so
 

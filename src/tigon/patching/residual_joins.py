@@ -56,7 +56,7 @@ import textwrap
 from dataclasses import dataclass
 
 from tigon.ops.norm_joins import post_norm_join, sandwich_norm_join
-from tigon.ops.rmsnorm import add_rms_norm
+from tigon.ops.rms_norm import add_rms_norm
 from tigon.patching import decorator_chains
 
 # The body of transformers' LlamaDecoderLayer.forward, and of Mistral's, Qwen2/3's, Gemma's, SmolLM3's

@@ -17,7 +17,7 @@ from tigon.ops.norm_joins import (
     sandwich_norm_join,
     sandwich_norm_join_reference,
 )
-from tigon.ops.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from tigon.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
 SWEEP = (1024, 2048, 8192, 16384, 32768, 65536)
 

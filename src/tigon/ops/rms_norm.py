@@ -32,7 +32,7 @@ c needs the whole row before any of dx. Two ways, both in :func:`rms_norm_bwd_ke
 - **Split rows** (up to ``split_max_hidden``, 65536): each row is cut into 8192-wide slices, one
   program a slice, each holding its slice in registers as the fused regime holds a whole row. The
   programs of a row swap their partial sums of g·x̂ through a small global buffer as they reach
-  each row (``_norm_rows.exchange_row_sums``) and add them in the same order, so every element is
+  each row (``tigon._kernels.exchange_row_sums``) and add them in the same order, so every element is
   read from HBM once. The forward does the same for Σx² past 32768 (``CONFIG.forward``); on the
   H100 split rows are ~20-30% faster than streaming them (docs/tuning.md, "norms").
 - **Streamed** (longer rows): groups of rows are read twice in column chunks, c first, then dx and
@@ -41,7 +41,8 @@ c needs the whole row before any of dx. Two ways, both in :func:`rms_norm_bwd_ke
   ``stream_*`` settings size the groups, the bands and the split of a band's columns between programs.
 
 The machinery shared with layer_norm and post_norm_join (split-row exchange, partial rows, launch
-geometry) is in ``_norm_rows``; :class:`RMSNormConfig` holds the settings of both directions.
+geometry) is in ``tigon._kernels.norm_rows``; ``RMSNormConfig`` (``tigon._kernels.norm_launch``, whose
+``CONFIG`` the two others read too) holds the settings of both directions.
 
 Bytes (speed of light), M rows, element size b::
 
@@ -53,33 +54,35 @@ Reference: :func:`rms_norm_reference` (transformers' ``LlamaRMSNorm`` / ``GemmaR
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import FLOAT_DTYPES, as_fp32, as_rows, check_real, check_tensor
-from tigon.ops._launch import TigonOp, cache_by_size, cdiv, next_power_of_2, wrap_triton
-from tigon.ops._norm_rows import (
-    NormBackwardLaunch,
-    NormLaunch,
-    NormTuning,
+from tigon._kernels import (
+    FLOAT_DTYPES,
+    TigonOp,
     accumulate_partial,
     add_parts,
-    backward_launch,
+    as_fp32,
+    as_rows,
+    cdiv,
+    check_real,
+    check_tensor,
     exchange_row_sums,
     grad_tile,
     lacking_part,
     load_grad_rows,
     load_rows,
+    next_power_of_2,
+    norm_backward_launch,
     part_chunks,
     publish_part_sums,
     read_row_sums,
-    split_forward_launch,
+    rms_norm_forward_launch,
+    rms_norm_output_dtype,
     split_rows_scratch,
     sum_partial_rows,
-    tile_launch,
+    wrap_triton,
 )
 
 CASTINGS = ("llama", "gemma")
@@ -408,73 +411,13 @@ def rms_norm_bwd_kernel(
             tl.debug_barrier()
 
 
-# -------------------------------------------------------------------------------------- launch config
-
-
-@dataclass(frozen=True)
-class RMSNormConfig:
-    """Launch settings of both directions (docs/tuning.md, "norms"; dev/tune_norm.py sweeps them).
-
-    forward: rows up to 32768 held in registers; longer ones split over 16384-wide programs up to
-    131072, else streamed in 8192-wide chunks (a 65536-wide row held whole spills registers).
-    backward: rows up to 8192 in registers (the backward holds about twice the live values a
-    forward does), split over 8192-wide programs up to 65536, else streamed. layer_norm and
-    post_norm_join take their split and streamed geometry from here too: the regimes are the same.
-    """
-
-    forward: NormTuning = field(default_factory=lambda: NormTuning(
-        max_fused_hidden=32768, chunk=8192, tile_elements=4096, elements_per_warp=512, max_warps=16,
-        split_max_hidden=131072, split_slice=16384, split_warps=16,
-    ))
-    backward: NormTuning = field(default_factory=lambda: NormTuning(
-        max_fused_hidden=8192, chunk=4096, tile_elements=4096, elements_per_warp=1024, max_warps=16,
-        programs_per_sm=2, stream_rows=4, stream_split=2, stream_programs_per_sm=1.0,
-        stream_stages=1, stream_evict_first=True,
-        split_max_hidden=65536, split_slice=8192, split_warps=8, split_programs_per_sm=1.0,
-    ))
-
-
-CONFIG = RMSNormConfig()
-
-
-def default_config() -> RMSNormConfig:
-    """The config the norms launch with (read at each launch, so a test may swap CONFIG)."""
-    return CONFIG
-
-
-def norm_launch(num_rows: int, hidden: int, *, backward: bool) -> NormLaunch:
-    """The register tile (or streamed chunk) of one direction for (num_rows, hidden) rows."""
-    return tile_launch(num_rows, hidden, CONFIG.backward if backward else CONFIG.forward)
-
-
-def forward_launch(num_rows: int, hidden: int) -> tuple[NormLaunch, int]:
-    """RMSNorm's forward geometry and the programs a row is split over (1: not split)."""
-    return split_forward_launch(num_rows, hidden, CONFIG.forward)
-
-
-def norm_backward_launch(num_rows: int, hidden: int, device: torch.device) -> NormBackwardLaunch:
-    """The backward's launch for (num_rows, hidden) rows on ``device``."""
-    return _norm_backward_launch(num_rows, hidden, device, CONFIG.backward)
-
-
-# Cached as the forward's geometry is (a few µs of Python on every backward); keyed by the tuning, so
-# that a swapped CONFIG is read, and by the device, whose multiprocessors set the programs.
-_norm_backward_launch = cache_by_size(backward_launch)
-
-
 # ------------------------------------------------------------------------------------------ launchers
-
-
-def _output_dtype(x_dtype, weight_dtype, casting):
-    """The dtype transformers' norm returns: llama casting promotes x with the weight (fp32 weights
-    with bf16 x give fp32), gemma casting keeps x's."""
-    return torch.promote_types(x_dtype, weight_dtype) if (casting == "llama" and weight_dtype is not None) else x_dtype
 
 
 def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     """Launch the forward on any-shaped x; returns (y, s or None, rstd) with y, s shaped like x.
 
-    ``out_dtype`` (None: :func:`_output_dtype`) is y's dtype: the kernel rounds its fp32 result to it
+    ``out_dtype`` (None: :func:`rms_norm_output_dtype`) is y's dtype: the kernel rounds its fp32 result to it
     once, as a cast of the reference's output would.
     """
     hidden = x.shape[-1]
@@ -482,14 +425,14 @@ def _forward(x, residual, weight, eps, offset, casting, out_dtype=None):
     num_rows = x2.shape[0]
     llama = casting == "llama"
     s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    y_dtype = out_dtype or _output_dtype(s_dtype, weight.dtype if weight is not None else None, casting)
+    y_dtype = out_dtype or rms_norm_output_dtype(s_dtype, weight.dtype if weight is not None else None, casting)
     y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     s = torch.empty(x.shape, dtype=s_dtype, device=x.device) if residual is not None else None
     if num_rows == 0 or hidden == 0:
         return y, s, rstd
     r2 = as_rows(residual) if residual is not None else x2
-    cfg, split = forward_launch(num_rows, hidden)
+    cfg, split = rms_norm_forward_launch(num_rows, hidden)
     scratch, _, max_polls, recompute_late = split_rows_scratch(split, num_rows, 1, x.device)
     grid = (cdiv(num_rows, cfg.block_m) * split,)
     wrap_triton(rms_norm_fwd_kernel)[grid](
@@ -635,7 +578,7 @@ def check_scale(weight, name, x):
         raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected ({hidden},) (x's last dim)")
 
 
-def _check_args(x, weight, eps, casting, *, offset, residual=None):
+def check_rms_norm_args(x, weight, eps, casting, *, offset, residual=None):
     check_tensor(x, "x")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
@@ -664,7 +607,7 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting="llama", out_dtype=None
     linear layers (which cast it to the autocast dtype anyway) gives it already cast:
     ``tigon.nn.RMSNorm.autocast_output``.
     """
-    _check_args(x, weight, eps, casting, offset=offset)
+    check_rms_norm_args(x, weight, eps, casting, offset=offset)
     weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")
@@ -679,7 +622,7 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting="llama", 
     autocast): s takes torch's promotion of the two, as ``x + residual`` does, and y is
     ``rms_norm(s, ...)`` of it (``out_dtype`` as for :func:`rms_norm`).
     """
-    _check_args(x, weight, eps, casting, offset=offset, residual=residual)
+    check_rms_norm_args(x, weight, eps, casting, offset=offset, residual=residual)
     weight = None if weight is None else weight.contiguous()  # the kernels read it with unit stride
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype}")

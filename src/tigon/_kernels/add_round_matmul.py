@@ -12,7 +12,7 @@ gradients (tokens × classes), B = X_c (K, N) its inputs and C the sum of the ea
 the product summed in an fp32 accumulator and added to C in fp32 before the one rounding: the same
 value as cuBLAS's beta = 1 sum followed by the cast, up to the order of the products' sum (both fp32).
 Bytes: A once (the M blocks of A are reused from L2 by the N/BN column tiles that follow each other,
-``_tile_position`` with GROUP 1), B from L2, C read once (4·M·N) and D written once (2·M·N): the
+``tile_position`` with GROUP 1), B from L2, C read once (4·M·N) and D written once (2·M·N): the
 cast's traffic and the accumulator's write are gone (6·V·H bytes, 0.8 GB at V = 151936, H = 896).
 
 A persistent Triton matmul (TMA loads of A and B, zero-filled past the edges, software-pipelined over
@@ -32,9 +32,14 @@ import triton
 import triton.language as tl
 
 from tigon._interpreter import interpreter_active
-from tigon.ops._common import wrap_triton
-from tigon.ops._launch import TigonOp, cdiv
-from tigon.ops._logprob_tiles import TensorDescriptor, _programs, _tile_position, tma_operands, tma_rows
+from tigon._kernels.launch import TigonOp, cdiv, wrap_triton
+from tigon._kernels.logprob_tiles import (
+    TensorDescriptor,
+    tile_position,
+    tile_programs,
+    tma_operands,
+    tma_rows,
+)
 
 # The interpreter computes tl.dot of 16-bit tiles in fp32 (numpy has no bf16 matmul): widen them there.
 INTERPRET = tl.constexpr(interpreter_active())
@@ -78,7 +83,7 @@ def sum_round_tiles_kernel(
     k_tiles = tl.cdiv(size_k, BK)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE, num_stages=STAGES):
-        pid_m, pid_n = _tile_position(tile, num_m, num_n, 1)
+        pid_m, pid_n = tile_position(tile, num_m, num_n, 1)
         rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         cols = pid_n * BN + tl.arange(0, BN)
         inside = (rows[:, None] < size_m) & (cols[None, :] < size_n)
@@ -116,7 +121,7 @@ def _sum_round_impl(
     tiles = cdiv(size_m, block_m) * cdiv(size_n, block_n)
     if tiles == 0:
         return
-    programs = _programs(a.device)
+    programs = tile_programs(a.device)
     d_tma = d_tma and tma_rows(d)                   # else masked stores: any row stride
     wrap_triton(sum_round_tiles_kernel)[(min(programs, tiles),)](
         TensorDescriptor.from_tensor(a, [block_k, block_m]), TensorDescriptor.from_tensor(b, [block_k, block_n]),

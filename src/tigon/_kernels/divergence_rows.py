@@ -13,8 +13,8 @@ too (no row reduction). So one pair of kernels serves both, specialised at compi
 (jsd.py and tvd.py derive each line.) A term whose probability is exactly 0 contributes 0, so -inf
 log-probabilities (a masked vocabulary) and padding lanes loaded as -inf give 0, never 0·inf.
 
-The kernels tile the ``(rows, V)`` views with :func:`tile_launch` (``_tiles``), read any strides in
-place, and treat a row whose label is ``ignore_index`` as all -inf (loss 0, gradient 0). The forward
+The kernels tile the ``(rows, V)`` views with :func:`elementwise_tile_launch` (``elementwise_tiles``),
+read any strides in place, and treat a row whose label is ``ignore_index`` as all -inf (loss 0, gradient 0). The forward
 sums the loss per tile into fp32 partials added up in a fixed order (deterministic); the mean's
 denominator is the number of counted rows (at least 1, so a batch with every row ignored gives 0).
 """
@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32, as_rows, check_tensor
-from tigon.ops._launch import wrap_triton
-from tigon.ops._tiles import tile_indices, tile_launch
+from tigon._kernels.elementwise_tiles import elementwise_tile_launch, tile_indices
+from tigon._kernels.fp32_math import as_fp32
+from tigon._kernels.inputs import as_rows, check_tensor
+from tigon._kernels.launch import wrap_triton
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -175,7 +176,7 @@ def divergence_forward(student, teacher, labels, mode, beta, ignore_index):
     """(mean loss, denominator), both fp32 device scalars."""
     args, (num_rows, num_cols) = _kernel_args(student, teacher, labels)
     denominator = rows_counted(labels, num_rows, ignore_index, student.device)
-    cfg = tile_launch(num_rows, num_cols)
+    cfg = elementwise_tile_launch(num_rows, num_cols)
     programs = cfg.programs if student.numel() > 0 else 0
     partial = torch.empty(programs, dtype=torch.float32, device=student.device)
     if student.numel() > 0:
@@ -194,7 +195,7 @@ def divergence_backward(grad, student, teacher, labels, denominator, mode, beta,
         return dstudent
     args, (num_rows, num_cols) = _kernel_args(student, teacher, labels)
     scale = grad.to(torch.float32) / denominator
-    cfg = tile_launch(num_rows, num_cols)
+    cfg = elementwise_tile_launch(num_rows, num_cols)
     wrap_triton(divergence_bwd_kernel)[(cfg.programs,)](
         *args, scale, dstudent, num_rows, num_cols, cfg.col_tiles, beta, ignore_index,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MODE=mode, HAS_LABELS=labels is not None,

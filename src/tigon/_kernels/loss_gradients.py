@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import TigonOp, next_power_of_2, wrap_triton
+from tigon._kernels.inputs import autocast_off
+from tigon._kernels.launch import TigonOp, next_power_of_2, wrap_triton
 
 # The row-scaling kernel: one program per row, this many elements per load round.
 SCALE_ROWS_BLOCK = 4096
@@ -126,7 +127,7 @@ class SavedGradientsFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         dx, dw, db, applied_x, applied_w, applied_b = ctx.saved_tensors
-        with torch.autocast(grad_loss.device.type, enabled=False):
+        with autocast_off(grad_loss.device):
             dx, dw, db = apply_grad_output(ctx, grad_loss, [(dx, applied_x), (dw, applied_w), (db, applied_b)])
         dx = dx.view(ctx.input_shape) if dx is not None else None
         return None, dx, dw, db, None, None, None
@@ -149,7 +150,7 @@ class RangeCheck:
 
     def __init__(self, bad: torch.Tensor):
         self.flag = self.event = None
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or bad.is_meta:  # (meta: no data to check)
             return
         if bad.device.type == "cuda":
             self.flag = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)

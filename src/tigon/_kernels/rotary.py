@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_tensor
-from tigon.ops._launch import cache_by_size
+from tigon._kernels.inputs import check_tensor
+from tigon._kernels.launch import cache_by_size
 
 UNSQUEEZE_DIMS = (1, 2)  # q, k as [B, H, T, D] (1) or [B, T, H, D] (2)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import cache_by_size, cdiv, next_power_of_2
+from tigon._kernels.launch import cache_by_size, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -53,7 +53,7 @@ class TileLaunch:
     programs: int
 
 
-def tile_launch(num_rows: int, num_cols: int, *, config: TileConfig | None = None) -> TileLaunch:
+def elementwise_tile_launch(num_rows: int, num_cols: int, *, config: TileConfig | None = None) -> TileLaunch:
     """A row segment of up to ``tile_elements``, and several short rows per tile when rows are short."""
     return _tile_launch(num_rows, num_cols, config or CONFIG)
 

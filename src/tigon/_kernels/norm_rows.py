@@ -12,7 +12,7 @@ r"""The row machinery the three norms share (rms_norm, layer_norm, post_norm_joi
   one per direction), and the tiles and persistent grids they give (:func:`tile_launch`,
   :func:`split_forward_launch`, :func:`backward_launch`).
 
-The regimes and their derivation are in rms_norm's module docstring (``ops/rmsnorm.py``).
+The regimes and their derivation are in rms_norm's module docstring (``ops/rms_norm.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ import triton
 import triton.language as tl
 
 from tigon._interpreter import interpreter_active
-from tigon.ops._launch import cache_by_size, cdiv, next_power_of_2, persistent_programs, tracing_active, wrap_triton
+from tigon._kernels.launch import (
+    cache_by_size,
+    cdiv,
+    next_power_of_2,
+    persistent_programs,
+    tracing_active,
+    wrap_triton,
+)
 
 # --------------------------------------------------------------------------------------------- kernels
 

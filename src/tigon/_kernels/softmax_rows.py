@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import LOG2E, copysign_nonnegative, fast_exp, fast_reciprocal, reciprocal_1_to_2
-from tigon.ops._launch import TigonOp, persistent_programs, wrap_triton
+from tigon._kernels.fp32_math import LOG2E, copysign_nonnegative, fast_exp, fast_reciprocal, reciprocal_1_to_2
+from tigon._kernels.launch import TigonOp, persistent_programs, wrap_triton
 
 # Softcapped rows take κ as their fixed softmax shift up to this κ: 2κ·log2(e) = 115 < 126, so
 # e^(z − κ) never leaves fp32's normal range (the smallest term, e^(−2κ), flushes to 0 past κ ≈ 43.6).
@@ -42,9 +42,9 @@ def tanh_parts(l, softcap_scale, RECIPROCAL_ON_FMA: tl.constexpr = False):
     (1 − e)/(1 + e) = r − e·r with 1 + e ∈ (1, 2]: a reciprocal that needs no range guard. With the
     constants folded into one scalar (e = 2^(c·|l|), c = −2·log2(e)·|σ/κ|) and the sign set by a
     bitwise or, t costs 6 instructions an element, two of them MUFU, where tanh from ``tl.exp`` and
-    ``/`` took 18 (see _common's transcendentals). The sign of σ is left to the caller's κ
+    ``/`` took 18 (see fp32_math's transcendentals). The sign of σ is left to the caller's κ
     (:func:`signed_softcap`): z = κ·tanh(σ·l/κ) = κ_s·t. RECIPROCAL_ON_FMA takes r on the FMA pipe
-    (_common.reciprocal_1_to_2): for the statistics pass, whose ~14 other instructions an element
+    (fp32_math.reciprocal_1_to_2): for the statistics pass, whose ~14 other instructions an element
     leave the issue slots idle while its three MUFU instructions wait on that pipe.
     """
     e = tl.exp2(tl.abs(l) * (tl.abs(softcap_scale) * (-2.0 * LOG2E)))

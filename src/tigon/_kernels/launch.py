@@ -3,20 +3,24 @@ every kernel launcher becomes, and the launch-geometry helpers every op's config
 
 - :func:`wrap_triton` / :class:`FastLaunch`: ``wrap_triton(kernel)[grid](...)`` traces under
   torch.compile and launches directly (cheaply) in eager mode.
-- :class:`TigonOp`: a launcher registered as ``tigon::<name>`` (``torch.library.triton_op``), called
-  without the dispatcher in eager mode.
+- :class:`TigonOp`: a launcher registered as ``tigon::<name>`` (``torch.library.triton_op``; a plain
+  ``custom_op`` under the interpreter), called without the dispatcher in eager mode, with a fake
+  implementation that allocates the outputs and launches nothing (fake tensors under
+  torch.compile, meta tensors).
 - :func:`cache_by_size`, :func:`cdiv`, :func:`next_power_of_2`, :func:`persistent_programs`.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
+from contextlib import contextmanager
 from functools import cache, wraps
 
 import torch
 from torch._C import _len_torch_dispatch_stack
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
-from torch.library import triton_op
+from torch.library import custom_op, triton_op
 from torch.library import wrap_triton as _torch_wrap_triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
@@ -45,7 +49,12 @@ def wrap_triton(kernel):
       ``wrap_triton`` is switched off (``TigonOp``'s direct path, the registered op run eagerly), and
       where nothing traces (a backward run by the autograd engine, which ``TigonOp`` does not wrap:
       there torch's wrapper would dispatch a higher-order op only to launch the kernel).
+
+    Inside a fake implementation (:func:`shapes_only`) nothing is launched: the tensors there (fake
+    or meta) have shapes and dtypes but no data.
     """
+    if _SHAPES_ONLY.depth:
+        return _NO_LAUNCH
     if not _is_jit_kernel(kernel):
         return kernel if interpreter_active() else _torch_wrap_triton(kernel)
     if tracing_active() and is_wrap_triton_enabled():  # (tracing first: in eager mode it decides)
@@ -56,6 +65,43 @@ def wrap_triton(kernel):
     if launcher is None:
         launcher = _FAST_LAUNCHERS[id(kernel)] = FastLaunch(kernel)
     return launcher
+
+
+class _NoLaunch:
+    """``kernel[grid](...)`` that launches nothing: what a kernel does in a fake implementation."""
+
+    __slots__ = ()
+
+    def __getitem__(self, grid):
+        return _launch_nothing
+
+
+def _launch_nothing(*args, **kwargs):
+    return None
+
+
+_NO_LAUNCH = _NoLaunch()
+
+
+class _ShapesOnly(threading.local):
+    depth = 0
+
+
+_SHAPES_ONLY = _ShapesOnly()
+
+
+@contextmanager
+def shapes_only():
+    """Run a launcher for its outputs' shapes, dtypes and devices only: no kernel launches inside
+    (:func:`wrap_triton`), and :func:`tracing_active` is true, so nothing made here is cached for real
+    calls. A launcher's fake implementation (torch.compile's fake tensors, meta tensors) is the
+    launcher run so; everything a launcher does besides launching kernels (allocating outputs,
+    views, torch ops) reads no data."""
+    _SHAPES_ONLY.depth += 1
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.depth -= 1
 
 
 class FastLaunch:
@@ -254,9 +300,16 @@ class TigonOp:
     """A kernel launcher registered as a torch op, and called without the dispatcher in eager mode.
 
     ``impl(*args)`` launches the kernels and returns tensors. It is registered as ``tigon::<name>``
-    with ``torch.library.triton_op``, so ``torch.compile(fullgraph=True)`` traces into it (the fake
-    implementation is derived from ``impl`` run on fake tensors). With ``backward`` and
-    ``setup_context`` (the functions ``register_autograd`` takes) the op is differentiable.
+    with ``torch.library.triton_op``, so ``torch.compile(fullgraph=True)`` traces into it and Inductor
+    sees its kernels. Its fake implementation is ``impl`` run under :func:`shapes_only`: the outputs
+    are allocated (fake tensors under torch.compile, meta tensors outside it) and no kernel is
+    launched, since neither kind has data. With ``backward`` and ``setup_context`` (the functions
+    ``register_autograd`` takes) the op is differentiable.
+
+    Under the interpreter the op is a plain ``torch.library.custom_op``: torch's ``wrap_triton``
+    leaves an interpreted kernel as it is, so a decomposed triton_op would launch it on the
+    functional tensors AOTAutograd traces with; as one opaque node the op runs ``impl`` on real
+    tensors when the compiled graph runs, which is also all Inductor can do with an interpreted kernel.
 
     Why two paths: a call through the dispatcher and the custom-op autograd wrapper costs ~80 µs of
     Python per op on a CPU, more than the kernels themselves at many training sizes. In eager mode
@@ -278,7 +331,10 @@ class TigonOp:
             # autograd.Function that calls this op (as cross_entropy does).
             raise ValueError(f"tigon::{name} mutates {mutates_args}: it cannot take a backward")
         self.impl = impl
-        self.op = triton_op(f"tigon::{name}", impl, mutates_args=set(mutates_args))
+        # (interpreted kernels cannot be traced: an opaque op there, class docs)
+        register = custom_op if interpreter_active() else triton_op
+        self.op = register(f"tigon::{name}", impl, mutates_args=set(mutates_args))
+        self.op.register_fake(_fake_implementation(impl))
         self.function = self.apply = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
@@ -293,10 +349,15 @@ class TigonOp:
         # on every op call, and each Python layer costs (class docs).
         if tracing_active():
             return self.op(*args)
+        # A meta tensor (no data) also takes the registered op, whose Meta kernel is the fake
+        # implementation.
         differentiable = self.function is not None and torch.is_grad_enabled()
         if not differentiable or _functorch_transforms_active():
             for a in args:
-                if type(a) not in PLAIN_TENSORS and isinstance(a, torch.Tensor):
+                if type(a) in PLAIN_TENSORS:
+                    if a.is_meta:
+                        return self.op(*args)
+                elif isinstance(a, torch.Tensor):
                     return self.op(*args)
             return self.function.apply(*args) if differentiable else self.impl(*args)
         # What autograd.Function.apply does outside functorch transforms, for a Function without
@@ -306,11 +367,24 @@ class TigonOp:
         for a in args:
             t = type(a)
             if t is _TENSOR or t is _PARAMETER:
+                if a.is_meta:
+                    return self.op(*args)
                 a = _unwrap_if_dead(a)
             elif isinstance(a, torch.Tensor):
                 return self.op(*args)
             eager.append(a)
         return self.apply(*eager)
+
+
+def _fake_implementation(impl):
+    """The op's fake (and Meta) kernel: ``impl`` run without launching (:func:`shapes_only`)."""
+
+    @wraps(impl)
+    def fake(*args):
+        with shapes_only():
+            return impl(*args)
+
+    return fake
 
 
 # autograd.Function.apply's C++ part (torch._C._FunctionBase.apply), and the two functorch calls its
@@ -345,13 +419,14 @@ def function_apply(function):
 
 
 def tracing_active() -> bool:
-    """Dynamo is tracing, or a dispatch mode (fake tensors, make_fx, functionalization) is on.
+    """Dynamo is tracing, a dispatch mode (fake tensors, make_fx, functionalization) is on, or a fake
+    implementation runs (:func:`shapes_only`).
 
     Launchers that cache a tensor check it: a tensor made while tracing is a fake one, and must never
     be cached for real calls."""
     # the dispatch-mode stack's length, not _get_current_dispatch_mode(): the same answer (the stack
     # holds modes, never None) without a Python call (this runs a few times per op call)
-    return torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0
+    return torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or _SHAPES_ONLY.depth > 0
 
 
 def _direct_launch():

@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_fp32
-from tigon.ops._launch import TigonOp, cache_by_size, next_power_of_2, persistent_programs, wrap_triton
-from tigon.ops._softmax_rows import (
+from tigon._kernels.cross_entropy_launch import CrossEntropyConfig, default_cross_entropy_config, streamed_launch
+from tigon._kernels.fp32_math import as_fp32
+from tigon._kernels.launch import TigonOp, cache_by_size, next_power_of_2, persistent_programs, wrap_triton
+from tigon._kernels.softmax_rows import (
     RowLaunch,
     grad_coefficients,
     local_column,
@@ -37,7 +38,6 @@ from tigon.ops._softmax_rows import (
     stream_stats,
     target_terms,
 )
-from tigon.ops.cross_entropy import CrossEntropyConfig, default_config, streamed_launch
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -170,7 +170,7 @@ def chunk_launch(num_rows: int, width: int, device: torch.device, *, softcap: bo
     """Geometry for chunks of ``width`` classes (defaults: CONFIG, and cross_entropy's config beyond
     ``row_max_width``)."""
     return _chunk_launch(num_rows, width, device, softcap, elem_bytes, config or CONFIG,
-                         rows_config or default_config())
+                         rows_config or default_cross_entropy_config())
 
 
 @cache_by_size
@@ -194,7 +194,7 @@ def _chunk_setup(chunk, weight, label_smoothing, z_loss, softcap, logit_scale, c
     return cfg, softcap_args(softcap, logit_scale), flags
 
 
-def launch_chunk_stats(
+def launch_vocab_chunk_stats(
     chunk, target, weight, scales, state, loss_rows, lse, col0, vocab, is_last,
     ignore_index, label_smoothing, z_loss, softcap, logit_scale, *,
     config: VocabChunkConfig | None = None, rows_config: CrossEntropyConfig | None = None,
@@ -216,7 +216,7 @@ def launch_chunk_stats(
     )
 
 
-def launch_chunk_grad(
+def launch_vocab_chunk_grad(
     chunk, target, weight, scales, row_scale, lse, col0, vocab,
     ignore_index, label_smoothing, z_loss, softcap, logit_scale, *,
     config: VocabChunkConfig | None = None, rows_config: CrossEntropyConfig | None = None,
@@ -260,7 +260,7 @@ def _chunk_stats_impl(
     softcap: float | None,
     logit_scale: float,
 ) -> None:
-    launch_chunk_stats(
+    launch_vocab_chunk_stats(
         chunk, target, weight, scales, state, loss_rows, lse, col0, vocab, is_last,
         ignore_index, label_smoothing, z_loss, softcap, logit_scale,
     )
@@ -281,11 +281,11 @@ def _chunk_grad_impl(
     softcap: float | None,
     logit_scale: float,
 ) -> None:
-    launch_chunk_grad(
+    launch_vocab_chunk_grad(
         chunk, target, weight, scales, row_scale, lse, col0, vocab,
         ignore_index, label_smoothing, z_loss, softcap, logit_scale,
     )
 
 
-CHUNK_STATS = TigonOp("cross_entropy_chunk_stats_", _chunk_stats_impl, mutates_args={"state", "loss_rows", "lse"})
-CHUNK_GRAD = TigonOp("cross_entropy_chunk_grad_", _chunk_grad_impl, mutates_args={"chunk"})
+VOCAB_CHUNK_STATS = TigonOp("cross_entropy_chunk_stats_", _chunk_stats_impl, mutates_args={"state", "loss_rows", "lse"})
+VOCAB_CHUNK_GRAD = TigonOp("cross_entropy_chunk_grad_", _chunk_grad_impl, mutates_args={"chunk"})

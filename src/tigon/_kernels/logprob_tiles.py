@@ -45,16 +45,17 @@ import triton
 import triton.language as tl
 
 from tigon._interpreter import interpreter_active
-from tigon.ops._common import as_fp32, fast_exp, wrap_triton
-from tigon.ops._launch import (
+from tigon._kernels.fp32_math import as_fp32, fast_exp
+from tigon._kernels.launch import (
     INTERPRETER_PROGRAMS,
     PLAIN_TENSORS,
     TigonOp,
     cdiv,
     persistent_programs,
     tracing_active,
+    wrap_triton,
 )
-from tigon.ops._softmax_rows import local_column, scaled_logits, scaled_with_slope
+from tigon._kernels.softmax_rows import local_column, scaled_logits, scaled_with_slope
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -80,7 +81,7 @@ def part_rows(entropy: bool, extras: bool) -> int:
 
 
 @triton.jit
-def _tile_position(tile, num_m, num_n, GROUP: tl.constexpr):
+def tile_position(tile, num_m, num_n, GROUP: tl.constexpr):
     """(row block, column block) of the tile-th output tile, GROUP row blocks at a time."""
     per_group = GROUP * num_n
     first_m = (tile // per_group) * GROUP
@@ -113,7 +114,7 @@ def logprobs_tiles_kernel(
     k_tiles = tl.cdiv(hidden, BK)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE, num_stages=STAGES):
-        pid_m, pid_n = _tile_position(tile, num_m, num_n, GROUP)
+        pid_m, pid_n = tile_position(tile, num_m, num_n, GROUP)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k in range(k_tiles):
             a = x_desc.load([pid_m * BM, k * BK])          # (BM, BK)
@@ -355,7 +356,7 @@ def tiles_available(x: torch.Tensor, w: torch.Tensor, wanted: bool | None) -> bo
     return tma_operands(x, w, wanted) and (x.shape[-1] * x.element_size()) % 16 == 0
 
 
-def _programs(device: torch.device) -> int:
+def tile_programs(device: torch.device) -> int:
     """The persistent loop's stride: one program per multiprocessor on a GPU (each loops over tiles), a
     handful under the interpreter. A constexpr of the kernel, fixed per device: a problem of fewer tiles
     launches one program a tile, each running one iteration of the same compiled loop (no compilation
@@ -371,7 +372,7 @@ def _launch_tiles(mode, x, w_c, b_c, target, col0, transform, tiling, *, part=No
     tiles = cdiv(num_rows, bm) * cdiv(width, bn)
     if tiles == 0:
         return
-    programs = _programs(x.device)
+    programs = tile_programs(x.device)
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(w_c, [bn, bk])
     any_ptr = part if part is not None else grad

@@ -1,4 +1,4 @@
-"""The add-and-round matmul of _sum_round_tiles.py: D = round(C + Aᵀ·B), against float64.
+"""The add-and-round matmul of _kernels/add_round_matmul.py: D = round(C + Aᵀ·B), against float64.
 
 The product is summed in fp32 and added to C in fp32 before the one rounding, so each output is within
 half a unit in the last place of the exact value plus the fp32 sum's error (assert_rounded_once).
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, randn
-from tigon.ops._sum_round_tiles import SumRoundConfig, sum_round, sum_round_available, sum_round_reference
+from tigon._kernels import SumRoundConfig, sum_round, sum_round_available, sum_round_reference
 
 TILE_DTYPES = (torch.bfloat16, torch.float16)
 SMALL = SumRoundConfig(block_m=32, block_n=32, block_k=16, stages=2, num_warps=4)

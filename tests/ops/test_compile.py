@@ -1,0 +1,68 @@
+"""torch.compile(fullgraph=True) of every public op, forward and backward, on the CPU.
+
+The backend is ``aot_eager``: Dynamo traces the call, and AOTAutograd runs every registered op's
+fake implementation on fake tensors, functionalizes the in-place ops and traces the backward; the
+graphs then run eagerly, so the compiled results must equal the eager ones exactly. (Inductor adds
+code generation for the torch ops around tigon's, which under the interpreter stay opaque calls:
+``TigonOp``.) On a GPU the ops' own tests compile them with Inductor (tests marked gpu).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.helpers import one_rank_group
+from tests.ops.op_cases import CASES, outputs, weighted_sum, with_grad
+from tigon.ops import cross_entropy, rms_norm
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's path; on a GPU the ops' own tests compile them with Inductor"
+)
+
+
+def _compiled_and_eager(fn, inputs, **compile_options):
+    """Outputs and input gradients of ``fn`` compiled and run eagerly, on copies of the same inputs."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", **compile_options)
+    results = []
+    for f in (compiled, fn):
+        tensors = with_grad(inputs)
+        out = f(*tensors)
+        leaves = [t for t in tensors if t.requires_grad]
+        grads = torch.autograd.grad(weighted_sum(out), leaves, allow_unused=True)
+        results.append((outputs(out), grads))
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_compiled_op_equals_eager(case):
+    inputs = case.make_inputs(torch.float32)
+    with one_rank_group("gloo") if case.name == "vocab_parallel_cross_entropy" else contextlib.nullcontext():
+        (got, got_grads), (want, want_grads) = _compiled_and_eager(case.fn, inputs)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+    assert any(w is not None for w in want_grads)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g is None) == (w is None)
+        assert g is None or torch.equal(g, w)
+
+
+def test_dynamic_shapes_and_an_in_place_gradient():
+    """Symbolic sizes reach the launchers (cache_by_size passes them through), and cross_entropy's
+    gradient written into the logits' storage (a mutating op) is functionalized; two row counts run
+    through the one dynamic graph."""
+
+    def f(x, w, t):
+        logits = x @ w.T
+        return cross_entropy(logits, t, inplace_backward=True) + rms_norm(x, w[0]).square().sum()
+
+    for rows in (5, 9):
+        inputs = (torch.randn(rows, 8), torch.randn(11, 8), torch.randint(0, 11, (rows,)))
+        (got, got_grads), (want, want_grads) = _compiled_and_eager(f, inputs, dynamic=True)
+        assert torch.equal(got[0], want[0])
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert torch.equal(g, w)
