@@ -70,18 +70,23 @@ def check_int(value, name: str) -> int:
     return int(value)
 
 
+# The devices tigon's kernels run on, both with autocast. A name list rather than
+# ``torch.amp.is_autocast_available``, which dynamo does not trace (torch 2.11); meta tensors have no autocast.
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype ``torch.autocast`` casts matmul operands to on ``device``, or None where it is off
     (or where the device has no autocast: meta tensors)."""
     device_type = device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 
 
 def autocast_off(device: torch.device):
     """``torch.autocast(device.type, enabled=False)``; nothing on a device without autocast (meta)."""
-    if torch.amp.is_autocast_available(device.type):
+    if device.type in AUTOCAST_DEVICES:
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 

@@ -50,7 +50,9 @@ def check_number(value, name: str, *, minimum=None, positive=False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
-    if not math.isfinite(value):
+    # not math.isfinite: under torch.compile a float option may be traced, and dynamo does not trace
+    # math.isfinite on it (torch 2.11); NaN is the one value unequal to itself
+    if value != value or abs(value) == math.inf:
         raise ValueError(f"{name} must be finite, got {value!r}")
     if positive and not value > 0.0:
         raise ValueError(f"{name} must be positive, got {value!r}")
