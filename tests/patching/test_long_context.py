@@ -62,10 +62,10 @@ EVERYTHING = OffloadConfig(device_types=("cpu", "cuda"), min_bytes=0, bucket_byt
 
 def _forced_offload(model, config=EVERYTHING):
     """Offload every saved tensor of every decoder layer, CPU tensors included (the hooks the switch
-    installs on CUDA models, told to treat CPU tensors as offloadable)."""
+    installs on CUDA models, told to treat CPU tensors as offloadable; ``model.model`` calls the layers)."""
     offloader = Offloader(config)
     for layer in model.model.layers:
-        LayerOffload(layer, offloader).apply()
+        LayerOffload(layer, offloader, model.model).apply()
     return offloader
 
 

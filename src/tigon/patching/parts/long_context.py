@@ -5,6 +5,9 @@
   checkpointing: its input) waits in pinned host memory and comes back a layer ahead in the backward.
   All layers of a model share one :class:`~tigon.nn.activation_offload.Offloader` (one host pool, one
   side stream a device, the chain of layers the prefetch follows); :func:`offloader_of` returns it.
+  Where transformers checkpoints around the layer's hooks (5.17–5.22: in ``GradientCheckpointingLayer.__call__``)
+  the layer's checkpoint function is wrapped to enter the scope around the checkpoint call (a pre-hook on
+  the module that calls the layers wraps the one ``gradient_checkpointing_enable()`` sets after the patch).
   The scope is entered before any other hook's (recompute_norms' scope then stays off on that layer: the
   host holds what it would have remade). Tensors on the CPU are never offloaded: a CPU model runs as
   it would without the switch, and ``Patch.replaced`` says so when the model is on the CPU at the patch.
@@ -18,6 +21,8 @@ restored); patching what is patched already is a no-op.
 """
 
 from __future__ import annotations
+
+import torch
 
 from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 from tigon.nn.tiled_mlp import TiledForward, TiledMLPConfig
@@ -66,10 +71,10 @@ def plan_offload(plan, model, family, classes, switches, config: OffloadConfig |
     offloader = getattr(model, OFFLOADER_ATTR, None) or Offloader(config)
     line = offload_lines(family, classes, switches)[0]
     added = False
-    for layer, _, _ in _modules_of(model, classes.decoder_layer):
+    for layer, parent, _ in _modules_of(model, classes.decoder_layer):
         if vars(layer).get(OFFLOAD_ATTR) is not None:
             continue
-        change = LayerOffload(layer, offloader)
+        change = LayerOffload(layer, offloader, _caller_of(model, parent))
         plan.add(change, line)
         plan.add(SetAttr(layer, OFFLOAD_ATTR, change))
         added = True
@@ -81,6 +86,17 @@ def plan_offload(plan, model, family, classes, switches, config: OffloadConfig |
     if parameter is not None and parameter.device.type not in offloader.config.device_types:
         plan.note(CPU_LINE if parameter.device.type == "cpu"
                   else f"offload_activations: the model is on {parameter.device.type}: nothing is offloaded")
+
+
+def _caller_of(model, parent):
+    """The module whose forward calls a layer that sits in ``parent``: ``parent`` itself, or, where
+    ``parent`` is a container without a forward (the ``layers`` ModuleList), the module holding it."""
+    if not isinstance(parent, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        return parent
+    for module in model.modules():
+        if any(child is parent for child in module._modules.values()):
+            return module
+    return None
 
 
 def offloader_of(model) -> Offloader | None:
