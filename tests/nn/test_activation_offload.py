@@ -193,30 +193,47 @@ class CheckpointedMLP(nn.Module):
 def test_copies_run_on_their_own_stream_overlapping_the_compute():
     """Copies to the host (forward) and back (backward) run on the side stream while the compute stream
     runs the layers' kernels: their time ranges intersect (one stream would serialise them). And the
-    peak memory drops by most of the layers' saved inputs."""
-    hidden, tokens, layers = 2048, 16384, 8
+    memory a step adds drops by most of the layers' saved inputs, at the end of the forward and at the
+    step's peak.
+
+    The weights are frozen (the gradient flows to the input only): a layer's weight gradients (8·H² bf16
+    values) weigh what its saved input does (2·tokens·H bytes at tokens = 4·H), so with them the
+    backward's peak would hold as many gradient bytes as the stock step holds saved inputs. Each step is
+    measured from the memory allocated before it (weights, input, and the results kept from earlier
+    steps out of the count)."""
+    hidden, tokens, layers = 2048, 16384, 12
     torch.manual_seed(0)
     model = nn.Sequential(*[CheckpointedMLP(hidden) for _ in range(layers)]).to("cuda", torch.bfloat16)
+    model.requires_grad_(False)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    saved_inputs = layers * tokens * hidden * 2
+    saved_inputs = (layers - 1) * tokens * hidden * 2  # the first layer's input is x, allocated before
 
-    def peak():
+    def step():
+        x.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        loss = _step(model, x)
+        before = torch.cuda.memory_allocated()
+        loss = model(x).float().square().mean()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated(), loss
+        after_forward = torch.cuda.memory_allocated() - before
+        loss.backward()
+        torch.cuda.synchronize()
+        return after_forward, torch.cuda.max_memory_allocated() - before, loss.detach(), x.grad.clone()
 
-    stock_peak, want = peak()
+    stock_forward, stock_peak, want_loss, want_grad = step()
     offloader, _ = _offloaded(model, OffloadConfig())
-    _step(model, x)  # pins the host buffers
-    offloaded_peak, got = peak()
-    assert torch.equal(got[0], want[0]) and all(torch.equal(g, w) for g, w in zip(got[1], want[1], strict=True))
+    step()  # pins the host buffers
+    offloaded_forward, offloaded_peak, got_loss, got_grad = step()
+    assert torch.equal(got_loss, want_loss) and torch.equal(got_grad, want_grad)
+    # Stock ends the forward holding the layers' inputs; offloaded, none (a copy's source is freed as soon
+    # as the forward drops it: the allocator only waits for the copy before handing the block out again).
+    assert offloaded_forward < stock_forward - saved_inputs * 3 // 4
+    # The backward holds at most two layers' inputs at once (the layer's and the one prefetched).
     assert offloaded_peak < stock_peak - saved_inputs // 2
-    assert offloader.host_bytes >= saved_inputs
+    assert offloader.host_bytes >= layers * tokens * hidden * 2
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _step(model, x)
+        step()
         torch.cuda.synchronize()
     copies = {"DtoH": [], "HtoD": []}
     compute = []

@@ -12,7 +12,7 @@ import torch
 import tigon
 from tests.helpers import LOSS_TOLERANCE, TOLERANCE
 from tests.patching.tiny import DEVICE, assert_grads_close, batch, grads, rel, tiny_model
-from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
+from tigon.nn.activation_offload import CHECKPOINT_ATTR, LayerOffload, OffloadConfig, Offloader, ScopedCheckpoint
 from tigon.nn.tiled_mlp import TiledForward
 from tigon.patching.parts import long_context
 
@@ -183,6 +183,26 @@ def test_revert_restores_the_stock_modules_and_patching_twice_is_a_no_op():
     assert long_context.OFFLOAD_ATTR not in vars(layer) and long_context.offloader_of(model) is None
 
 
+def test_the_checkpoint_function_is_wrapped_once_pickles_and_reverts():
+    """``gradient_checkpointing_enable()`` after the patch: the next forward wraps each layer's checkpoint
+    function (transformers 5.17–5.22 call it outside the layer's hooks), once; a deep copy keeps it
+    working (pickle: transformers' own input hook under checkpointing is a local function), and the
+    revert puts transformers' function back."""
+    model = _model()
+    handle = tigon.patch(model, offload_activations=True, **PLAIN)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    function = vars(model.model.layers[0])[CHECKPOINT_ATTR]
+    want = _step(model)
+    _step(model)
+    for layer in model.model.layers:
+        wrapper = vars(layer)[CHECKPOINT_ATTR]
+        assert isinstance(wrapper, ScopedCheckpoint) and not isinstance(wrapper.inner, ScopedCheckpoint)
+    got = _step(copy.deepcopy(model))
+    assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], g) for n, g in want[1].items())
+    handle.revert()
+    assert all(vars(layer)[CHECKPOINT_ATTR] is function for layer in model.model.layers)
+
+
 def test_copies_pickles_and_saved_models_train_as_the_original():
     import io
     import pickle
@@ -230,19 +250,39 @@ def test_class_patch_reports_and_applies_both():
 # ---------------------------------------------------------------------------------------------- GPU
 
 
+# tigon with both switches against tigon without them, both bf16 under the default patch: offloading is
+# bitwise (the bytes that come back are the bytes that went), and the tiled MLP runs each token's MLP as
+# the whole MLP does but in GEMMs over 256 rows instead of 1200 (a kernel may pick another tiling of the
+# reduction for another row count) and sums the weights' gradients chunk by chunk. So the loss stays
+# within one bf16 rounding of itself (2^-8 = 3.9e-3; the loss is an fp32 sum over 1200 tokens, where
+# such differences average out), the gradients within a few roundings (their norm-wise error, through
+# the backward's bf16 activations gradients and the chunked sums).
+SWITCHES_LOSS_TOLERANCE, SWITCHES_GRAD_TOLERANCE = 4e-3, 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING, ids=CHECKPOINT_IDS)
-def test_both_switches_match_stock_in_bf16_on_the_gpu(checkpointing):
+def test_both_switches_match_tigon_without_them_in_bf16_on_the_gpu(checkpointing):
     """bf16 weights and activations, 2 x 600 tokens (chunks of 256: 5, the last short). No saved tensor of
-    the tiny model reaches the default 1 MiB: the layers offload everything (min_bytes=0)."""
-    stock = _model(max_position_embeddings=1024).to(torch.bfloat16)
-    patched = copy.deepcopy(stock)
-    tigon.patch(patched, tiled_mlp=True)
-    offloader = _forced_offload(patched, OffloadConfig(min_bytes=0))
-    got = _step(patched, seq=600, checkpointing=checkpointing)
-    want = _step(stock, seq=600, checkpointing=checkpointing)
-    _assert_matches(got, want, torch.bfloat16)
-    assert offloader.host_bytes > 0
+    the tiny model reaches the default 1 MiB: the layers offload everything (min_bytes=0).
+
+    The switches' own claim (exact) is checked against the same default patch in the same bf16 without
+    them, at the tolerances above; both are checked against the model in fp32 (the same bf16-rounded
+    weights, computed in fp32) at the bf16 tolerance of the API, so that neither drifts from the math."""
+    unswitched = _model(max_position_embeddings=1024).to(torch.bfloat16)
+    reference = copy.deepcopy(unswitched).float()
+    switched = copy.deepcopy(unswitched)
+    tigon.patch(unswitched)
+    tigon.patch(switched, tiled_mlp=True)
+    offloader = _forced_offload(switched, OffloadConfig(min_bytes=0))
+    got = _step(switched, seq=600, checkpointing=checkpointing)
+    assert offloader.host_bytes > 0 and offloader.pool.in_use_bytes == 0
+    want = _step(unswitched, seq=600, checkpointing=checkpointing)
+    assert rel(got[0], want[0]) <= SWITCHES_LOSS_TOLERANCE
+    assert_grads_close(got[1], want[1], SWITCHES_GRAD_TOLERANCE)
+    fp32 = _step(reference, seq=600, checkpointing=checkpointing)
+    _assert_matches(got, fp32, torch.bfloat16)
+    _assert_matches(want, fp32, torch.bfloat16)
 
 
 @pytest.mark.gpu
