@@ -25,7 +25,9 @@ With gradient checkpointing (either kind) the checkpoint saves only the layer's 
 scope (``CheckpointFunction.save_for_backward`` with ``use_reentrant=True``; the
 ``_NoopSaveInputs`` node with ``use_reentrant=False``) and its own hooks hold everything else: the scope
 offloads that input, and the recompute in the backward (no scope is entered while a backward runs)
-keeps its tensors on the GPU for the few kernels that read them.
+keeps its tensors on the GPU for the few kernels that read them. Where the checkpoint call is outside
+the layer's hooks (transformers 5.17–5.22 checkpoint ``Module.__call__`` itself), :class:`ScopedCheckpoint`
+enters the scope around that call instead.
 
 Exact: the bytes that come back are the bytes that went; a handle's view is rebuilt with the saved
 geometry (``Tensor.set_`` on the restored storage), so every backward kernel reads what it would have.
