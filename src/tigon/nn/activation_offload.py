@@ -420,7 +420,10 @@ class LayerOffload:
 
     def wrap_checkpoint(self, *_hook_args):
         """Wrap the layer's checkpoint function (set by ``gradient_checkpointing_enable``) unless this
-        switch wrapped it already (another switch's wrapper may be outside or inside it)."""
+        switch wrapped it already (another switch's wrapper may be outside or inside it). Not while
+        torch.compile traces (the scope stays off there anyway)."""
+        if torch.compiler.is_compiling():
+            return
         function = vars(self.layer).get(CHECKPOINT_ATTR)
         wrapped = function
         while isinstance(wrapped, ScopedCheckpoint):
