@@ -1,8 +1,10 @@
 """LoRA adapters inside the attention node (tigon.nn.attention.AttentionNode, module docs "LoRA"): q, k, v and
 o each ``x Wᵀ + b + s·(x Aᵀ) Bᵀ`` (PEFT's LoRA linear), the rotary, sdpa and o_proj, against the same attention
 in float64 from PEFT's formula (tigon.nn.lora.lora_linear_reference): output, input gradient, every adapter's
-dA and dB and the base weights' gradients. Called directly on the CPU (flash attention, the rotary under the
-interpreter), in fp32 and in bf16; on the GPU in bf16 at a real-ish shape."""
+dA and dB and the base weights' gradients. The reference rounds to the compute dtype where the node rounds, and
+the gradients there in the backward (API.md, Precision; :func:`_reference`). Called directly on the test device
+(on the CPU: flash attention, the rotary under the interpreter), in fp32 and in bf16; on the GPU in bf16 at a
+real-ish shape besides."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_close, stride0_like
+from tests.helpers import DEVICE, ON_GPU, assert_close, stride0_like
 from tigon.nn.attention import ATTENTION_NODE
 from tigon.nn.lora import lora_linear_reference
 
@@ -49,19 +51,42 @@ def _tensors(device, dtype, ranks, *, batch=2, seq=11, heads=4, kv_heads=2, head
     return x, cos, sin, base, adapters, (heads, kv_heads, head_dim, head_dim ** -0.5)
 
 
-def _reference(x, cos, sin, base, adapters, scalings, shape):
-    """PEFT's LoRA linears around transformers' attention (rotate-half rotary, causal sdpa with grouped heads)."""
+class _Rounded(torch.autograd.Function):
+    """``t`` rounded to ``dtype`` (kept in its own), and its gradient rounded to ``dtype`` in the backward: an
+    intermediate the node holds in the compute dtype, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.dtype = dtype
+        return t.to(dtype).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).to(grad.dtype), None
+
+
+def _reference(x, cos, sin, base, adapters, scalings, shape, dtype):
+    """PEFT's LoRA linears around transformers' attention (rotate-half rotary, causal sdpa with grouped heads),
+    rounded to ``dtype`` where the node rounds, and the gradients there in the backward: each projection's base
+    product, ``z Aᵀ``, ``Ũ = s·(z Aᵀ)`` and the sum with ``Ũ Bᵀ``; the rotated q and k; the attention's output.
+    With the large logits of these adapters' deltas a softmax turns one rounding of q or k more or less into
+    errors of a few parts in a hundred, so each of these roundings is made where the node makes it."""
     heads, kv_heads, head_dim, scale = shape
     batch, seq = x.shape[:2]
 
-    def project(name, z):
-        return lora_linear_reference(z, *base[name], *adapters[name], scalings[NAMES.index(name)])
+    def project(name, z):  # the base product rounded; Ũ = s·(z Aᵀ), z Aᵀ and Ũ rounded; Ũ Bᵀ added, rounded
+        y = _Rounded.apply(lora_linear_reference(z, *base[name]), dtype)
+        lora_a, lora_b = adapters[name]
+        if lora_a is not None:
+            u = _Rounded.apply(_Rounded.apply(F.linear(z, lora_a), dtype) * scalings[NAMES.index(name)], dtype)
+            y = y + F.linear(u, lora_b)
+        return _Rounded.apply(y, dtype)
 
     q, k, v = (project(n, x).view(batch, seq, -1, head_dim).transpose(1, 2) for n in "qkv")
     cos, sin = cos[:, None], sin[:, None]
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q, k = (_Rounded.apply(t * cos + _rotate_half(t) * sin, dtype) for t in (q, k))
     a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=kv_heads != heads)
-    return project("o", a.transpose(1, 2).reshape(batch, seq, heads * head_dim))
+    return project("o", _Rounded.apply(a, dtype).transpose(1, 2).reshape(batch, seq, heads * head_dim))
 
 
 def _node(x, cos, sin, base, adapters, scalings, shape, dtype):
@@ -96,7 +121,7 @@ def _check(device, dtype, ranks, scalings, trainable_base, **sizes):
             y = _node(leaf_x, c, s, leaf_base, leaf_adapters, scalings, shape, dtype)
             grad = stride0_like(y) if ranks["o"] is None else torch.randn_like(y)
         else:
-            y = _reference(leaf_x, c, s, leaf_base, leaf_adapters, scalings, shape)
+            y = _reference(leaf_x, c, s, leaf_base, leaf_adapters, scalings, shape, dtype)
         y.backward(grad.to(y.dtype))
         named = {"x": leaf_x}
         for n in NAMES:
@@ -112,20 +137,25 @@ def _check(device, dtype, ranks, scalings, trainable_base, **sizes):
     assert {n for n in got if "lora" in n} == {f"{n}.lora_{ab}" for n in NAMES if ranks[n] is not None for ab in "AB"}
 
 
+# fp32 on the GPU: sdpa's backend for fp32 is the memory-efficient one, which takes no grouped heads (with them
+# sdpa would choose its math fallback, which the node does not call): as many k/v heads as query heads there
+FP32_HEADS = {"kv_heads": 4} if ON_GPU else {}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_cpu_fp32_adapters_against_fp64_peft_formula(case):
+def test_fp32_adapters_against_fp64_peft_formula(case):
     ranks, scalings = CASES[case]
-    _check("cpu", torch.float32, ranks, scalings, trainable_base=case == "r5-rslora")
+    _check(DEVICE, torch.float32, ranks, scalings, trainable_base=case == "r5-rslora", **FP32_HEADS)
 
 
-def test_cpu_bf16_fp32_adapters_cast_by_the_node():
+def test_bf16_fp32_adapters_cast_by_the_node():
     ranks, scalings = CASES["r5-rslora"]
-    _check("cpu", torch.bfloat16, ranks, scalings, trainable_base=True, bias=False)
+    _check(DEVICE, torch.bfloat16, ranks, scalings, trainable_base=True, bias=False)
 
 
 def test_no_adapters_is_the_node_without_lora():
     """All adapters None: the same values as the node called without the LoRA arguments."""
-    x, cos, sin, base, adapters, shape = _tensors("cpu", torch.float32, dict.fromkeys(NAMES))
+    x, cos, sin, base, adapters, shape = _tensors(DEVICE, torch.float32, dict.fromkeys(NAMES), **FP32_HEADS)
     params = [t for name in NAMES for t in base[name]]
     y = _node(x, cos, sin, base, adapters, (0.0,) * 4, shape, torch.float32)
     assert torch.equal(y, ATTENTION_NODE(x, cos, sin, None, torch.float32, shape, *params, None, None, None))

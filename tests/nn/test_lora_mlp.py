@@ -223,7 +223,7 @@ def test_lora_mlp_frozen_input_noncontiguous_and_stride0():
     """x without grad, a non-contiguous x, and the stride-0 gradient of ``.sum()``."""
     stock, ours, _ = pair(r=3)
     x = noncontiguous(randn(3, 5, HIDDEN))
-    y_stock, want = run(stock, x, torch.ones(3, 5, HIDDEN).expand(3, 5, HIDDEN))
+    y_stock, want = run(stock, x, torch.ones(3, 5, HIDDEN, device=DEVICE).expand(3, 5, HIDDEN))
     y = ours(x)
     got = dict(zip(trained(ours), torch.autograd.grad(y.sum(), list(trained(ours).values())), strict=True))
     assert_close(y, y_stock, torch.float32, "y")

@@ -4,7 +4,9 @@ cannot be fused keeps PEFT's forward and ``Patch.replaced`` says so; ``modules_t
 the fused loss over the active copy; ``merge_and_unload()`` gives back a plain transformers model.
 
 The node runs in fp16/bf16 on the GPU only (fused_attention.DEVICES, its dtypes): these tests add the CPU
-and fp32, to compare it with stock PEFT in fp32 under the interpreter."""
+and fp32, to compare it with stock PEFT in fp32 (under the interpreter on the CPU). On the GPU the tiny models
+have as many k/v heads as query heads: sdpa's fp32 backend there (the memory-efficient one) takes no grouped
+heads, and for them sdpa would choose its math fallback, which the node does not call."""
 
 import copy
 
@@ -13,8 +15,8 @@ import torch
 from torch import nn
 
 import tigon
-from tests.helpers import DEVICE
-from tests.patching.tiny import assert_grads_close, batch, grads, rel, tiny_model, train
+from tests.helpers import DEVICE, ON_GPU
+from tests.patching.tiny import assert_grads_close, batch, grads, rel, tiny_config, tiny_model, train
 from tigon.patching import fused_attention
 
 peft = pytest.importorskip("peft")
@@ -45,7 +47,8 @@ def node_calls(monkeypatch):
 
 def base_model(model_type="llama"):
     torch.manual_seed(0)
-    model = tiny_model(model_type).to(DEVICE)
+    heads = {"num_key_value_heads": tiny_config(model_type).num_attention_heads} if ON_GPU else {}
+    model = tiny_model(model_type, **heads).to(DEVICE)
     model.config._attn_implementation = "sdpa"
     return model
 
@@ -254,24 +257,32 @@ def test_unload_and_revert_remove_the_instance_methods():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_gpu_bf16_autocast_attention_adapters_match_peft(dtype, node_calls):
-    """At a real-ish shape on the GPU, the node in bf16 under autocast against stock PEFT under the same
-    autocast: the loss and adapter gradients within bf16's rounding."""
+    """At a real-ish shape on the GPU, the node in bf16 under autocast and stock PEFT under the same autocast,
+    each against stock PEFT in fp32 (the reference: two bf16 runs compared with each other carry both their
+    roundings). The loss within 1e-2 of the reference's; every adapter gradient of the node within bf16's
+    tolerance of the reference's (API.md, 3e-2) and no further from it than 1.5 times stock's bf16 error (plus
+    1e-3 where stock's is tiny): the node rounds no more often than PEFT's separate products do."""
     torch.manual_seed(0)
     base = tiny_model("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=64, num_hidden_layers=2).to("cuda")
     base.config._attn_implementation = "sdpa"
     stock = lora(copy.deepcopy(base), 16, ALL, use_rslora=True)
+    reference = copy.deepcopy(stock)
     patched = lora(base, 16, ALL, use_rslora=True)
     tigon.patch(patched)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, base.config.vocab_size, (4, 512), generator=gen).cuda()
     results = []
-    for model in (patched, stock):
-        with torch.autocast("cuda", dtype=dtype):
+    for model, autocast in ((patched, True), (stock, True), (reference, False)):
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         results.append((loss.detach(), grads(model)))
     assert len(node_calls) == 2
-    (loss, got), (loss_stock, want) = results
-    assert rel(loss, loss_stock) <= 1e-2
-    assert_grads_close(got, want, 3e-2)
+    (loss, got), (loss_stock, want), (loss_ref, ref) = results
+    assert got.keys() == want.keys() == ref.keys()
+    for name in ref:
+        err, err_stock = rel(got[name], ref[name]), rel(want[name], ref[name])
+        assert err <= 3e-2, f"grad of {name}: relative error {err:.2e} to fp32 > 3e-02"
+        assert err <= 1.5 * err_stock + 1e-3, f"grad of {name}: error {err:.2e} to fp32, stock's {err_stock:.2e}"
+    assert rel(loss, loss_ref) <= 1e-2

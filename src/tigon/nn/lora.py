@@ -274,6 +274,8 @@ def adapters_input_grads(douts2, adapters: Adapters) -> torch.Tensor:
     """P = [s_1·do_1 B_1 | s_2·do_2 B_2 | ...] (M, R): what dz (+= P A) and dA (= Pᵀ z) are made of."""
     if len(douts2) == 1:
         p = douts2[0] @ adapters.lora_bs[0]                         # (M, r)
+    elif torch.compiler.is_compiling():  # dynamo traces no ``out=`` into a column view: the blocks, then one copy
+        p = torch.cat([do_i @ lora_b for do_i, lora_b in zip(douts2, adapters.lora_bs, strict=True)], dim=1)
     else:
         p = torch.empty((douts2[0].shape[0], sum(adapters.ranks)), dtype=adapters.lora_a.dtype,
                         device=adapters.lora_a.device)
