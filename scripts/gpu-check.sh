@@ -11,7 +11,8 @@
 #
 # Wheels in .whl/ (git-ignored: trl, datasets, peft, liger-kernel and what they need) go to $SITE (/tmp/site),
 # after src/ on PYTHONPATH, so the image's packages stay untouched. PART=top installs .whl/top/ (transformers and
-# the newer huggingface_hub, regex and accelerate it runs with) to $SITE-top, ahead of $SITE: the suite part tests the
+# each requirement of it newer than the machine's or missing there: for 5.25 huggingface_hub, regex, accelerate and
+# kernels, which from_pretrained loads on a CUDA device) to $SITE-top, ahead of $SITE: the suite part tests the
 # machine's own transformers.
 #
 # Time: kernel compilation dominates a fresh machine, so the tests not marked bigmem run on WORKERS xdist
