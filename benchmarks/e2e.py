@@ -616,14 +616,15 @@ def worker_main(ready_path: str | None = None) -> int:
 
 
 class Worker:
-    """A worker process, started early so that its imports overlap the job before it."""
+    """A worker process of ``script`` (a benchmark file whose ``--worker`` runs one job read from stdin),
+    started early so that its imports overlap the job before it."""
 
-    def __init__(self):
+    def __init__(self, script: str = __file__):
         self.stdout = tempfile.TemporaryFile(mode="w+")
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self._ready_dir = tempfile.TemporaryDirectory()
         self.ready_path = os.path.join(self._ready_dir.name, "imported")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", self.ready_path], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, script, "--worker", self.ready_path], stdin=subprocess.PIPE,
                                      stdout=self.stdout, stderr=self.stderr, text=True)
 
     def run(self, job: dict, timeout: int) -> dict:
@@ -664,14 +665,14 @@ class Worker:
 
 
 class WorkerPool:
-    """Runs jobs one at a time, each in a fresh process, with the next process already warming up."""
+    """Runs jobs one at a time, each in a fresh process of ``script``, with the next process already warming up."""
 
-    def __init__(self, timeout: int):
-        self.timeout = timeout
-        self.spare = Worker()
+    def __init__(self, timeout: int, script: str = __file__):
+        self.timeout, self.script = timeout, script
+        self.spare = Worker(script)
 
     def run(self, job: dict) -> dict:
-        current, self.spare = self.spare, Worker()
+        current, self.spare = self.spare, Worker(self.script)
         # The job times its steps only once the new spare has imported everything (wait_until_quiet).
         return current.run({**job, "quiet_path": self.spare.ready_path}, self.timeout)
 

@@ -61,7 +61,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -319,30 +318,6 @@ def worker_main(ready_path: str | None = None) -> int:
 # ----------------------------------------------------------------------------------------- parent
 
 
-class Worker(e2e.Worker):
-    """benchmarks/e2e.py's early-started worker process, running this file's jobs."""
-
-    def __init__(self):
-        self.stdout = tempfile.TemporaryFile(mode="w+")
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self._ready_dir = tempfile.TemporaryDirectory()
-        self.ready_path = os.path.join(self._ready_dir.name, "imported")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", self.ready_path], stdin=subprocess.PIPE,
-                                     stdout=self.stdout, stderr=self.stderr, text=True)
-
-
-class WorkerPool(e2e.WorkerPool):
-    """benchmarks/e2e.py's pool (one fresh process a job, the next one importing meanwhile), of this file's workers."""
-
-    def __init__(self, timeout: int):
-        self.timeout = timeout
-        self.spare = Worker()
-
-    def run(self, job: dict) -> dict:
-        current, self.spare = self.spare, Worker()
-        return current.run({**job, "quiet_path": self.spare.ready_path}, self.timeout)
-
-
 def jobs_for(args, grads_dir: Path) -> list[dict]:
     return [{"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
              "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha, "weights": args.weights,
@@ -385,7 +360,7 @@ def add_agreement(rows: list[dict]) -> None:
 def run(args, log=print) -> dict:
     with tempfile.TemporaryDirectory() as grads_dir:
         jobs = jobs_for(args, Path(grads_dir))
-        pool = WorkerPool(args.timeout)
+        pool = e2e.WorkerPool(args.timeout, __file__)
         rows = []
         try:
             for job in jobs:

@@ -87,7 +87,6 @@ import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -505,30 +504,6 @@ def worker_main(ready_path: str | None = None) -> int:
 # ----------------------------------------------------------------------------------------- parent
 
 
-class Worker(e2e.Worker):
-    """benchmarks/e2e.py's early-started worker process, running this file's jobs."""
-
-    def __init__(self):
-        self.stdout = tempfile.TemporaryFile(mode="w+")
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self._ready_dir = tempfile.TemporaryDirectory()
-        self.ready_path = os.path.join(self._ready_dir.name, "imported")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", self.ready_path], stdin=subprocess.PIPE,
-                                     stdout=self.stdout, stderr=self.stderr, text=True)
-
-
-class WorkerPool(e2e.WorkerPool):
-    """benchmarks/e2e.py's pool (one fresh process a job, the next one importing meanwhile), of this file's workers."""
-
-    def __init__(self, timeout: int):
-        self.timeout = timeout
-        self.spare = Worker()
-
-    def run(self, job: dict) -> dict:
-        current, self.spare = self.spare, Worker()
-        return current.run({**job, "quiet_path": self.spare.ready_path}, self.timeout)
-
-
 def _job(args, model, trainer, provider, **extra) -> dict:
     return {"model": model, "trainer": trainer, "provider": provider, "device": args.device, "tiny": args.tiny,
             "weights": args.weights, "attention": args.attention, "patch_ref": args.patch_ref,
@@ -545,7 +520,7 @@ def row_line(row: dict) -> str:
 
 
 def steps_mode(args, log=print) -> dict:
-    pool = WorkerPool(args.timeout)
+    pool = e2e.WorkerPool(args.timeout, __file__)
     rows = []
     try:
         for model in args.models:
@@ -635,7 +610,7 @@ def search_longest(probe, *, start: int, minimum: int, maximum: int, coarse: int
 
 
 def longest_mode(args, log=print) -> dict:
-    pool = WorkerPool(args.timeout)
+    pool = e2e.WorkerPool(args.timeout, __file__)
     rows = []
     try:
         for provider in args.providers:
