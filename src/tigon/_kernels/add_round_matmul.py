@@ -19,8 +19,8 @@ A persistent Triton matmul (TMA loads of A and B, zero-filled past the edges, so
 ``STAGES`` buffers, loads and MMAs in their own warps with ``WARP_SPECIALIZE``); the epilogue loads C
 with plain masked accesses (its rows are unit-stride, 4·BN bytes) after the tile's K loop, and stores D
 by TMA where D's rows allow it (``D_TMA``), else with masked stores. C loaded before the K loop instead
-(its latency behind the MMAs) held 64 more registers a thread through them: it spilled, 7–56× slower on the
-H100 (dev/tune_sum_round.py, docs/tuning.md).
+(its latency behind the MMAs) held 64 more registers a thread through them: it spilled, and measured
+several times slower (dev/tune_sum_round.py; docs/tuning.md, "Timings quoted in the source").
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ INTERPRET = tl.constexpr(interpreter_active())
 
 @dataclass(frozen=True)
 class SumRoundConfig:
-    """The kernel's tiling (dev/tune_sum_round.py sweeps it on the H100)."""
+    """The kernel's tiling, the fastest of dev/tune_sum_round.py's sweep (docs/tuning.md)."""
 
     block_m: int = 128
     block_n: int = 128

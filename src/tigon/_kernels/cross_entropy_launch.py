@@ -17,7 +17,7 @@ from tigon._kernels.softmax_rows import EVICT_FIRST, EVICT_LAST, EVICT_NORMAL, R
 class CrossEntropyConfig:
     """Launch settings of the row kernels: the one place that decides their geometry.
 
-    The defaults are the H100 measurements of docs/tuning.md ("cross_entropy"); dev/tune_ce.py
+    The defaults are the fastest settings measured in docs/tuning.md ("cross_entropy"); dev/tune_ce.py
     sweeps them by passing configs to :func:`launch_cross_entropy_rows`.
     """
 

@@ -27,7 +27,8 @@ from triton.runtime.jit import JITFunction
 
 from tigon._interpreter import interpreter_active
 
-# The interpreter runs programs one after another at ~1 ms each: a handful is plenty.
+# The interpreter runs programs one after another, each slowly (docs/tuning.md, "Timings quoted in the
+# source"): a handful is plenty.
 INTERPRETER_PROGRAMS = 4
 
 
@@ -107,11 +108,11 @@ def shapes_only():
 class FastLaunch:
     """``kernel[grid](*args, **kwargs)`` for eager launches, without Triton's per-launch argument binding.
 
-    Why: Triton's ``JITFunction.run`` binds and specializes every argument on every launch (about
-    100 µs of Python per launch on the H100 machine's host, more for kernels with many arguments),
+    Why: Triton's ``JITFunction.run`` binds and specializes every argument on every launch (Python
+    that measured longer than many of the kernels it launches, more for kernels with many arguments),
     and a training step launches ~200 kernels, so in eager mode Qwen2.5-0.5B's step was bound by the
-    host, not the GPU (benchmarks/results/host_profile-*.log: ``rope_function`` 375 µs of Python per
-    forward call). Here the first launch of each *specialization* goes through Triton's own path,
+    host, not the GPU (docs/tuning.md, "Timings quoted in the source", "Host time of launches and autograd nodes").
+    Here the first launch of each *specialization* goes through Triton's own path,
     which compiles (or finds) the kernel and returns it; the launch after that calls the compiled
     kernel's launcher directly.
 
@@ -318,8 +319,9 @@ class TigonOp:
 
     In eager mode the kernels inside ``impl`` (and inside ``backward``, which the autograd engine
     runs) launch through :class:`FastLaunch`, because nothing traces them (:func:`wrap_triton`): the
-    higher-order-op dispatch that tracing needs costs ~1 ms of host time per kernel (measured on the
-    H100 host: 1.2 ms per RMSNorm forward+backward, against ~0.1 ms of GPU work at 16K tokens).
+    higher-order-op dispatch that tracing needs measured many times the GPU work of an RMSNorm
+    forward + backward at 16K tokens (docs/tuning.md, "Timings quoted in the source", "Host time of launches and
+    autograd nodes").
 
     ``mutates_args`` names the arguments ``impl`` writes in place (e.g. a gradient written into the
     logits' storage); such an op has no ``backward`` of its own.

@@ -30,8 +30,8 @@ W tile is read from L2 by the row blocks that share it), software-pipelined over
 with ``WARP_SPECIALIZE``, with loads and MMAs in their own warps. With ``SPLIT`` 2 the epilogue runs on
 the tile's two halves of BN/2 classes one after the other (the STATS partials of the halves merged as
 below before they are stored): its fp32 temporaries take half the registers beside the accumulator,
-which made the forward 9% faster at H = 4096 on the H100 (15.24 → 13.89 ms; dev/tune_logprob_tiles.py,
-docs/tuning.md).
+which measured a faster forward at H = 4096 (dev/tune_logprob_tiles.py; docs/tuning.md, "Timings
+quoted in the source").
 The products are exact in fp32 and
 summed in an fp32 accumulator, as cuBLAS's are (in another order). Used where TMA can read the operands
 (bf16 or fp16, rows 16-byte aligned; :func:`tiles_available`); fp32 operands keep cuBLAS, whose fp32

@@ -140,9 +140,9 @@ class RangeCheck:
     2-element flag into pinned host memory and an event after it. ``raise_if_bad`` waits on that
     event only, not on the loss kernels queued after it: the GPU goes on with them while the host
     reads the flag and queues what follows (the backward), so the check leaves no idle gap on the
-    GPU. Reading the flag with ``.tolist()`` after the loss kernels instead cost ~0.6 ms of GPU
-    idle per call at N = 8192 on the H100 VM (the host's time from the read to its next launch;
-    dev/tune_ce.py, V = 32000: 1.04 ms against 0.35 ms of speed of light).
+    GPU. Reading the flag with ``.tolist()`` after the loss kernels instead left the GPU idle from
+    the read to the host's next launch, which measured longer than the loss itself at speed of light
+    (dev/tune_ce.py; docs/tuning.md, "Timings quoted in the source", "cross_entropy").
 
     Under torch.compile a data-dependent check cannot raise, so it is skipped: the kernels turn an
     out-of-range target into a NaN loss without reading out of bounds.

@@ -53,8 +53,9 @@ def cast_all(tensors, dtype: torch.dtype) -> list:
     """``[t.to(dtype) for t in tensors]`` (None stays None), the casts made by one launch.
 
     Why: a node that casts its fp32 weights (and biases) to the autocast dtype, as ``nn.Linear``
-    under autocast does, made one cast kernel each, and in eager mode each ``.to`` costs ~20 µs of
-    the host's dispatch, allocation and launch on the H100 machine: 17 of them a Qwen2.5-0.5B layer,
+    under autocast does, made one cast kernel each, and in eager mode each ``.to`` costs the host a
+    dispatch, an allocation and a launch (docs/tuning.md, "Timings quoted in the source"): 17 of them
+    a Qwen2.5-0.5B layer,
     forward and backward, 400 a step that was bound by its host. Here the outputs are allocated as
     ``.to`` allocates them (``empty_like``: same sizes and strides) and filled by one
     ``torch._foreach_copy_``, which converts the dtype in one multi-tensor kernel on the GPU (and

@@ -13,7 +13,7 @@ Two times per step, both from CUDA events around it:
   involved (a capture that fails part-way poisons the CUDA RNG for the rest of the process). A step
   that synchronises inside (``.item()``) cannot be queued, and its host time stays in the number.
 * ``wall_ms``: the same events with no sleep (``triton.testing.do_bench``), host launch cost
-  included: what a loop that waits on these ops alone sees. On a slow host (the lent H100 is a VM)
+  included: what a loop that waits on these ops alone sees. On a slow host (a VM, for one)
   small shapes measure the host here, for every provider alike.
 
 L2 is flushed (a 256 MB write) before every timed step in both.

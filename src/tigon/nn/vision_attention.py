@@ -8,8 +8,8 @@ other 28 blocks). Under flash attention transformers hands ``cu_seqlens`` to the
 sdpa, the default, it splits q, k and v into the segments and calls the attention once a segment: a
 392 x 392 image is 16 windows, so each windowed block makes 16 attention calls forward and 16 backward,
 ~900 a step for one image a sequence. Each call costs the host its Python, dispatch and autograd
-node, and the step is the host's: Qwen2.5-VL-3B-shaped at 1 x 2048 keeps the H100 busy 165 ms of a
-365 ms step (benchmarks/results/2026-11-26/e2e-qwen2_5-vl-1x2048-profile.md).
+node, and the step is the host's: at Qwen2.5-VL-3B's shapes the GPU measured idle for more than half
+the step (docs/tuning.md, "Timings quoted in the source", "Whole-model steps").
 
 What. The segments as one batch ``[segments, heads, longest, head_dim]`` and one sdpa call:
 

@@ -37,15 +37,17 @@ losses' widest vocabulary chunks share; dev/tune_ce.py sweeps it; docs/tuning.md
   (64 KB of bf16 at V = 32000), and held as exp(z − m) between the statistics and the gradient: one
   read, and p = exp(z − m)/s with no second exp.
 - Streamed: a longer row is read in blocks of ``stream_block_v``, twice. HBM is only kept busy when
-  each SM has tens of KB of loads in flight (Little's law: ~3 TB/s × ~1 µs over 132 SMs); a loop
+  each SM has tens of KB of loads in flight (Little's law: bandwidth × latency over the SMs; docs/tuning.md,
+  "Timings quoted in the source"); a loop
   that waits for each block's load before reducing it has one block in flight at best. So the next
   ``stream_prefetch`` blocks are loaded into registers before the current one is reduced (2 × 32 KB
   with two blocks ahead). Pass 2 wants its reads from L2: between a block's two reads the other
   programs bring in about programs × 2·(distance of the block from the row's end) bytes (their own
   reads and gradient writes), so pass 2 walks the row backwards (its first reads are the blocks
   pass 1 read last), and a fraction of about L2 / (2 × programs × row bytes) of the row is re-read
-  from L2 (all of it at V = 32000; ~60-70% at V = 128256 with one program per SM on the H100's
-  50 MB, about a third at 256000). Fewer programs (``stream_programs_per_sm`` < 1) trade SMs for
+  from L2 (all of it at V = 32000, most of it at V = 128256 with one program per SM, about a third
+  at 256000, for a 50 MB L2; docs/tuning.md, "Timings quoted in the source").
+  Fewer programs (``stream_programs_per_sm`` < 1) trade SMs for
   L2 hits; the L2 hints mark pass 1's reads evict_last and pass 2's reads and the gradient stores
   evict_first (where the rows in flight fit the L2, ``stream_hinted_max_bytes``).
 - Softcap shift: softcapped logits lie in [−κ, κ], so κ is as good a softmax shift as the row's

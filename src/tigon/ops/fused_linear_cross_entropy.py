@@ -38,14 +38,14 @@ Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   Llama-3.2-1B's 128256 × 2048 = 263M passes the logits budget at N = 8192 first). Each chunk's dW
   matmul reads and writes the accumulator, so chunks are as large as the budget allows: that
   traffic (8·V·H bytes a chunk) is what the plan pays over an unfused loss's single dW matmul
-  (measured on the H100 at the small head: 0.70 ms a chunk of 1024 tokens against 0.45 ms for
-  the same matmul into bf16 without accumulating). Off the GPU, and under torch.compile,
+  (measured clearly slower at the small head than the same matmul into bf16 without accumulating;
+  docs/tuning.md, "Timings quoted in the source"). Off the GPU, and under torch.compile,
   the matmul cannot add into fp32 itself: each chunk's product is rounded to bf16 first, then
   summed in fp32 (the running sum is no longer rounded to bf16). The last chunk's matmul adds its
   product to the accumulator and rounds the sum to dW's dtype itself (``_kernels/add_round_matmul.py``,
   ``ChunkPlan.sum_round``, in eager mode on a GPU with TMA): no cast kernel, and 6·V·H bytes fewer
-  (the small head's last chunk of 2048 tokens: 1.07 against 1.25 ms for cuBLAS's sum and the cast,
-  measured on the H100). It
+  (measured faster than cuBLAS's sum and the cast at the small head's last chunk; docs/tuning.md,
+  "Timings quoted in the source"). It
   writes dW while it reads the chunk and the accumulator, so the plan cuts the last chunk to what
   fits beside dW (fp32_dw_plan), unless that would take a chunk more.
 * by classes (all N tokens × Vc classes at a time): pass 1 makes every chunk once for the row
@@ -143,15 +143,16 @@ class FusedLinearCrossEntropyConfig:
     # By tokens in dW's 16-bit dtype, chunks get at least this many tokens where that takes at most
     # max_workspace_fraction of the gradients' bytes: each chunk's dW matmul (K = its tokens) reads and
     # writes all of dW, and short ones run below the matmul's rate. At Gemma-2-2B's head (H = 2304,
-    # V = 256000, N = 8192) 11 chunks of 768 took 49.9 ms in 1536 MiB, 8 of 1024 47.7 ms in 1661 MiB
-    # (dev/tune_flce_token_chunks.py); at Llama-3-8B's, where the budget gives 1280, larger chunks
-    # were no faster.
+    # V = 256000, N = 8192) fewer chunks of 1024 measured faster than more of 768 for a little more
+    # workspace (dev/tune_flce_token_chunks.py; docs/tuning.md, "Timings quoted in the source"); at
+    # Llama-3-8B's, where the budget gives 1280, larger chunks were no faster.
     min_token_chunk: int = 1024
     max_workspace_fraction: float = 0.45
     # By tokens with an fp32 dW, each chunk's dW matmul reads and writes all of dW (8·V·H bytes) for
     # 2·C·V·H flops, C/4 flops per byte: at C ≥ 512 tokens that is ≥ 128 flops per byte.
     min_fp32_token_chunk: int = 512
-    # ... and the H100's matmul needs ~300 flops per byte (990 Tflop/s over 3.35 TB/s) not to wait
+    # ... and the GPU's matmul needs a few hundred flops per byte (its peak matmul rate over its
+    # memory bandwidth; docs/tuning.md, "Timings quoted in the source") not to wait
     # on that read and write: with an fp32 dW, token chunks get at least this many tokens (when
     # there are as many) even past the workspace budget, C·V·2 bytes of logits (1 GB at V = 256000).
     fp32_token_chunk: int = 2048

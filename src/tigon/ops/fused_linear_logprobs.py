@@ -48,25 +48,24 @@ aligned to whole matmul tiles. The workspace is twice the weight's bytes, within
 [``workspace_bytes``, ``max_workspace_bytes``] (256 MiB to 1 GiB; ``FusedLinearLogprobsConfig``):
 each chunk's dX product reads and writes the fp32 accumulator (N·H·4 bytes: 134 MB at N = 8192,
 H = 4096), and narrower chunks make narrower matmuls, so wider chunks are faster, while the peak stays
-a small multiple of the dW the op returns anyway. Measured on an H100 (N = 8192, V = 151936,
-forward + backward, ``dev/tune_logprobs_chunks.py``): at H = 4096, 61.3 ms with 5120-class chunks
-(256 MiB), 59.2 ms with 21504 (1 GiB); at H = 896, 19.4 ms and 18.3 ms with 10752 (544 MB).
+a small multiple of the dW the op returns anyway: the widest chunks the budget allows measured
+fastest at H = 4096 and H = 896 (``dev/tune_logprobs_chunks.py``; docs/tuning.md, "Timings quoted in
+the source").
 
 Speed of light (N tokens, H hidden, V classes, element size e): 4 matmuls of 2·N·H·V flops each
 (forward logits; backward recompute, dX, dW), 1 for a forward without gradient. Beyond them the
 chunk traffic: forward writes and reads N·V·4 bytes of fp32 logits; backward writes and reads them
 again and writes and reads N·V·e of dl. At N = 8192, H = 4096, V = 151936 (bf16): 10.2 Tflop per
-matmul (≈ 14 ms each on an H100 at ~700 Tflop/s) against ≈ 25 GB of chunk traffic (≈ 8 ms at
-3.3 TB/s) in forward + backward.
+matmul against ≈ 25 GB of chunk traffic in forward + backward, so the traffic costs about half a
+matmul's time more (docs/tuning.md, "Timings quoted in the source").
 
 The tile path (``_kernels/logprob_tiles.py``, the default for bf16/fp16 heads on an sm_90+ GPU in eager mode)
 removes the fp32 traffic: a Triton matmul does the statistics (forward) or dl (backward) in its
 epilogue on the fp32 accumulator, so the forward writes only per-tile partials (a few bytes per
 256 logits) and the backward writes dl alone (N·V·e) for cuBLAS's dX and dW matmuls. Its chunks hold
-only dl, so they are about three times as wide in the same workspace. Measured on the H100 (N = 8192,
-V = 151936, entropy; ``benchmarks/results/2026-11-27/logprobs-tiles-split.md``): forward + backward
-56.2 ms at H = 4096 against 58.8 for the four cuBLAS matmuls alone and 59.8 for TRL 1.16's head (the
-row kernels above: 61–62 ms); forward alone 13.2 against one matmul's 13.7 and TRL's 14.8.
+only dl, so they are about three times as wide in the same workspace. At the benchmark shapes it
+measured faster than the four cuBLAS matmuls alone, TRL 1.16's head and the row kernels above, both
+forward and backward together and the forward alone (docs/tuning.md, "Timings quoted in the source").
 
 Memory beyond the inputs and the returned gradients: one fp32 chunk (plus its dl twin in the input
 dtype), per-token fp32 statistics, and by classes an fp32 dX accumulator (N·H·4); on the tile path
@@ -129,7 +128,8 @@ class FusedLinearLogprobsConfig:
     operands allow (the interpreter too: tests), False never. Its workspace is the gradient twin
     alone, in the same budget, cut into equal chunks. ``tile_*``: its tiling (rows, classes and hidden
     units a tile step, row blocks a group, pipeline stages, warps, warp specialisation, the epilogue on
-    the whole tile or on its two halves), measured on the H100 (``dev/tune_logprob_tiles.py``).
+    the whole tile or on its two halves), the fastest of a sweep (``dev/tune_logprob_tiles.py``;
+    docs/tuning.md, "fused_linear_logprobs").
     """
 
     workspace_bytes: int = 256 << 20

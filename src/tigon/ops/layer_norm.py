@@ -196,7 +196,7 @@ def _layer_norm_dx_store(g, x_hat, c1, c2, rstd, dx_ptr, rows, cols, mask, hidde
     """dx = rstd·(g − x̂·c1 − c2) for one tile."""
     if hidden == 1:
         # A one-element row normalises to 0 whatever x is, so dx = 0 exactly; the general form leaves
-        # FMA-contraction residue of order rstd·ulp(g) (seen on the H100).
+        # FMA-contraction residue of order rstd·ulp(g) (seen on a GPU).
         dx = tl.zeros_like(g)
     else:
         dx = (g - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]

@@ -33,8 +33,8 @@ c needs the whole row before any of dx. Two ways, both in :func:`rms_norm_bwd_ke
   program a slice, each holding its slice in registers as the fused regime holds a whole row. The
   programs of a row swap their partial sums of g·x̂ through a small global buffer as they reach
   each row (``tigon._kernels.exchange_row_sums``) and add them in the same order, so every element is
-  read from HBM once. The forward does the same for Σx² past 32768 (``CONFIG.forward``); on the
-  H100 split rows are ~20-30% faster than streaming them (docs/tuning.md, "norms").
+  read from HBM once. The forward does the same for Σx² past 32768 (``CONFIG.forward``); split rows
+  measured faster than streaming them at the benchmark shapes (docs/tuning.md, "Norms").
 - **Streamed** (longer rows): groups of rows are read twice in column chunks, c first, then dx and
   the group's dw, the second read meant to come from L2. What decides the speed is what stays in L2
   between the two reads: the rows of every band in flight and every band's partial row; the

@@ -33,10 +33,12 @@ Tilings (:func:`rope_launch` picks one; both take the same arguments and share t
     token       rope_token_kernel  a program: all Hq + Hk heads of q AND k × BLOCK_T positions
 
 The head-block tiling takes BLOCK_H = the largest power of two dividing both head counts, so that
-no block is partly masked; with many shared heads (32 / 8, 16 / 8) it reaches 89-94% of SOL on the
-H100. When that power of two is small it falls short: Qwen2.5-0.5B's 14 / 2 heads of 64 give
+no block is partly masked; with many shared heads (32 / 8, 16 / 8) it comes close to SOL at the
+benchmark shapes (docs/tuning.md, "rope"). When that power of two is small it falls short:
+Qwen2.5-0.5B's 14 / 2 heads of 64 give
 BLOCK_H = 2, eight programs per block of positions, each reading 256 contiguous bytes per position
-of the ``[B, T, H, D]`` projection and the same cos/sin rows again (77% of SOL). The token tiling
+of the ``[B, T, H, D]`` projection and the same cos/sin rows again (measured well short of SOL,
+docs/tuning.md, "rope"). The token tiling
 then makes the tile's rows the Hq + Hk heads (padded to a power of two, the padding masked): row h
 is q's head h for h < Hq, k's head h − Hq after, each row's pointers chosen with ``tl.where``. A
 program reads cos/sin once per position for every head, and a token's q and k rows in one tile. It

@@ -4,10 +4,9 @@ In eager mode transformers hands sdpa ``attn_mask=None, is_causal=True`` wheneve
 padded: no mask tensor, and the flash/cuDNN kernels skip the blocks above the diagonal. While
 Dynamo traces, transformers 5.17 (and 5.23 with torch < 2.14) cannot ask whether the 2-D padding
 mask is all ones, so it never takes that shortcut, even when there is no padding mask at all: it
-builds a ``[B, 1, T, T]`` boolean mask and sdpa runs the masked kernel over the whole square. On the
-H100 that made attention 2.7x slower in a compiled Llama-1B step (31 ms against 11.5 ms per step,
-benchmarks/results/2026-11-23/e2e-llama-qwen2-rope-autocast.md), which is most of what tigon + compile
-lost to eager tigon.
+builds a ``[B, 1, T, T]`` boolean mask and sdpa runs the masked kernel over the whole square. That
+measured attention several times slower in a compiled Llama-1B step (docs/tuning.md, "Timings quoted in the source",
+"Whole-model steps"), which is most of what tigon + compile lost to eager tigon.
 
 The check transformers cannot make while tracing is one it does not need when ``attention_mask`` is
 None: then there is no padding, and the eager rule reduces to shapes and offsets, which are Python

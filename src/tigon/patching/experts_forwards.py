@@ -25,7 +25,8 @@ What tigon sets on each experts module (instance attributes, reverted by the pat
   ``grouped_mm`` casts its input to the *weight's* dtype because ``torch._grouped_mm`` has no
   autocast rule, so with fp32 master weights (bf16 autocast, as the HF Trainer trains with
   ``bf16=True``) stock runs every expert matmul in fp32 on the CUDA cores (a per-expert loop of
-  SIMT sgemm: 171 of a 291 ms step for Qwen3-30B-A3B-shaped layers on the H100). Outside autocast,
+  SIMT sgemm, measured as most of a step for Qwen3-30B-A3B-shaped layers; docs/tuning.md,
+  "Timings quoted in the source"). Outside autocast,
   and while torch.compile traces, the call is the class's own.
 
 Each function is built from a recipe (instance_methods.py) by :func:`fused_gate` and :func:`experts_forward`;

@@ -1,8 +1,9 @@
 r"""Decoder layers replayed as CUDA graphs (the ``cuda_graphs`` switch, off by default).
 
-Why. A small model's training step is bound by the host, not the GPU: Qwen2.5-0.5B at 4 × 2048 tokens
-gives the H100 ~72 ms of work a step, while Python, the dispatcher and autograd take 90-140 ms to
-issue its ~1000 launches (benchmarks/results/host_profile-*). A CUDA graph issues a layer's whole
+Why. A small model's training step is bound by the host, not the GPU: at Qwen2.5-0.5B's shapes, 4 × 2048
+tokens, Python, the dispatcher and autograd measured longer issuing a step's ~1000 launches than the GPU
+took to run them (docs/tuning.md, "Timings quoted in the source", "Whole-model steps").
+A CUDA graph issues a layer's whole
 forward, or its whole backward, as one launch: the host then costs one replay a layer and direction,
 whatever the layer holds.
 

@@ -23,8 +23,8 @@ tokens).
 
 Cost: in the backward, per layer, one rms_norm pass over h (reads 4·H, writes 2·H bytes a token),
 one add_rms_norm pass (reads 6·H, writes 6·H) and one add (reads 6·H, writes 4·H): about 34·H bytes
-a token, against the layer's ~4 GB of matmul operands at 8192 tokens: a fraction of a percent of an
-H100 step, more where memory-bound kernels dominate (small hidden sizes, short sequences). The
+a token, against the layer's ~4 GB of matmul operands at 8192 tokens: a fraction of a percent of a
+step, more where memory-bound kernels dominate (small hidden sizes, short sequences). The
 remade tensors live only while the node that unpacks them runs its backward.
 
 Where the scope stays off (and the layer saves what it always saves): no gradient; torch.compile
