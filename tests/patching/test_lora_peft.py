@@ -261,10 +261,15 @@ def test_gpu_bf16_autocast_attention_adapters_match_peft(dtype, node_calls):
     each against stock PEFT in fp32 (the reference: two bf16 runs compared with each other carry both their
     roundings). The loss within 1e-2 of the reference's; every adapter gradient of the node within bf16's
     tolerance of the reference's (API.md, 3e-2) and no further from it than 1.5 times stock's bf16 error (plus
-    1e-3 where stock's is tiny): the node rounds no more often than PEFT's separate products do."""
+    1e-3 where stock's is tiny): the node rounds no more often than PEFT's separate products do.
+
+    Weights drawn with transformers' initializer_range 0.02: the tiny models' 0.2 at hidden 512 grows the
+    activations ~4.5 times a product, the attention's softmax saturates and bf16's roundings dominate the
+    gradients (stock PEFT's own bf16 adapter gradients lie 0.1-0.56 from fp32 there on the CPU; at 0.02
+    within 2.3e-2)."""
     torch.manual_seed(0)
     base = tiny_model("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=64, num_hidden_layers=2).to("cuda")
+                      num_key_value_heads=2, head_dim=64, num_hidden_layers=2, initializer_range=0.02).to("cuda")
     base.config._attn_implementation = "sdpa"
     stock = lora(copy.deepcopy(base), 16, ALL, use_rslora=True)
     reference = copy.deepcopy(stock)
