@@ -288,6 +288,6 @@ def test_gpu_bf16_autocast_attention_adapters_match_peft(dtype, node_calls):
     assert got.keys() == want.keys() == ref.keys()
     for name in ref:
         err, err_stock = rel(got[name], ref[name]), rel(want[name], ref[name])
-        assert err <= 3e-2, f"grad of {name}: relative error {err:.2e} to fp32 > 3e-02"
+        assert err <= 3e-2, f"grad of {name}: relative error {err:.2e} to fp32 > 3e-02 (stock PEFT's: {err_stock:.2e})"
         assert err <= 1.5 * err_stock + 1e-3, f"grad of {name}: error {err:.2e} to fp32, stock's {err_stock:.2e}"
     assert rel(loss, loss_ref) <= 1e-2
