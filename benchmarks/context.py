@@ -342,17 +342,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def save(result: dict, out_dir: Path, log=print) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"context-{result['device'].replace(' ', '-')}-{result['date']}"
-    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=1))
-    paths[1].write_text(markdown(result))
-    try:
-        plot(result, out_dir / f"{stem}.png")
-        paths.append(out_dir / f"{stem}.png")
-    except ImportError:
-        log("matplotlib not installed: no plot written (pip install 'tigon[demo]')")
-    return paths
+    return e2e.write_result(result, out_dir, "context", markdown, plot, log)
 
 
 def main(argv=None) -> int:

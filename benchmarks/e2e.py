@@ -583,10 +583,16 @@ def wait_until_quiet(path: str | None) -> None:
         time.sleep(0.05)
 
 
-def worker_main(ready_path: str | None = None) -> int:
-    """Import everything, say so (``ready_path``), wait for one job on stdin, run it, print the result line."""
+def worker_main(ready_path: str | None = None, run=None, imports: tuple[str, ...] = ()) -> int:
+    """Import everything (and ``imports``), say so (``ready_path``), wait for one job on stdin, run it with
+    ``run`` (this file's :func:`run_job` by default), print the result line."""
+    import importlib
+
     import torch  # noqa: F401
     import transformers  # noqa: F401
+
+    for name in imports:
+        importlib.import_module(name)
 
     import tigon.patching  # noqa: F401  (imports tigon.ops)
     from tigon._interpreter import apply_interpreter_fixes
@@ -601,7 +607,7 @@ def worker_main(ready_path: str | None = None) -> int:
     job = json.loads(line)
     started = time.perf_counter()
     try:
-        result = run_job(job)
+        result = (run or run_job)(job)
     except Exception as exc:  # an error is a result (e.g. a provider that cannot run this model)
         oom = _is_oom(exc)
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -1034,19 +1040,26 @@ def _colour(provider: str) -> str:
 BENCHMARKS = {"throughput": "e2e", "longest_context": "e2e-context", "memory_speed": "e2e-memory-speed"}
 
 
-def save(result: dict, out_dir: Path, log=print) -> list[Path]:
+def write_result(result: dict, out_dir: Path, kind: str, to_markdown, to_plot=None, log=print) -> list[Path]:
+    """``<kind>-<device>-<date>.json`` and ``.md`` (and ``.png`` with ``to_plot``, where matplotlib is installed)
+    in ``out_dir``: what every benchmark script here writes."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind = {"longest_context": "e2e-context", "memory_speed": "e2e-memory-speed"}.get(result["kind"], "e2e")
     stem = f"{kind}-{result['device'].replace(' ', '-')}-{result['date']}"
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=1))
-    paths[1].write_text(markdown(result))
-    try:
-        plot(result, out_dir / f"{stem}.png")
-        paths.append(out_dir / f"{stem}.png")
-    except ImportError:
-        log("matplotlib not installed: no plot written (pip install 'tigon[demo]')")
+    paths[1].write_text(to_markdown(result))
+    if to_plot is not None:
+        try:
+            to_plot(result, out_dir / f"{stem}.png")
+            paths.append(out_dir / f"{stem}.png")
+        except ImportError:
+            log("matplotlib not installed: no plot written (pip install 'tigon[demo]')")
     return paths
+
+
+def save(result: dict, out_dir: Path, log=print) -> list[Path]:
+    kind = {"longest_context": "e2e-context", "memory_speed": "e2e-memory-speed"}.get(result["kind"], "e2e")
+    return write_result(result, out_dir, kind, markdown, plot, log)
 
 
 def main(argv=None) -> int:

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import statistics
@@ -287,32 +286,9 @@ def run_job(job: dict) -> dict:
 
 
 def worker_main(ready_path: str | None = None) -> int:
-    """Import everything, say so, wait for one job on stdin, run it, print the result line."""
-    import peft  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import tigon.patching  # noqa: F401
-    from tigon._interpreter import apply_interpreter_fixes
-
-    apply_interpreter_fixes()  # --device cpu: the parent set TRITON_INTERPRET=1
-
-    if ready_path:
-        Path(ready_path).touch()
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0
-    job = json.loads(line)
-    started = time.perf_counter()
-    try:
-        result = run_job(job)
-    except Exception as exc:  # an error is a result (an out-of-memory, Liger not installed)
-        oom = e2e._is_oom(exc)
-        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        result = {**job, "error": "out of memory" if oom else f"{type(exc).__name__}: {first_line}", "oom": oom}
-    result["wall_s"] = time.perf_counter() - started
-    print(RESULT_MARK + json.dumps(result), flush=True)
-    return 0
+    """benchmarks/e2e.py's worker loop (imports, the ready mark, one job from stdin, its result line), running
+    this file's jobs, with PEFT imported ahead."""
+    return e2e.worker_main(ready_path, run=run_job, imports=("peft",))
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -446,12 +422,7 @@ def versions() -> dict:
 
 
 def save(result: dict, out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"lora-{result['device'].replace(' ', '-')}-{result['date']}"
-    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=1))
-    paths[1].write_text(markdown(result))
-    return paths
+    return e2e.write_result(result, out_dir, "lora", markdown)
 
 
 def main(argv=None) -> int:
