@@ -5,26 +5,36 @@
 What is measured. The model is Llama-3.2-1B-shaped (16 layers, V=128256; ``tigon.bench.models``), random
 weights in fp32, ``tigon.patch`` with its default switches, bf16 autocast, fused AdamW, batch 1 x 2048 random
 tokens. A step is forward with labels, backward, ``optimizer.step()`` and ``zero_grad``, timed on the host
-with ``loss.item()`` as the synchronisation. Three fresh processes, each with its own ``TRITON_CACHE_DIR``:
+with a device synchronisation after each phase (forward, backward, optimizer). Fresh processes, each with
+its own ``TRITON_CACHE_DIR``:
 
 1. cold: an empty cache; the first step (which compiles every kernel tigon launches), then ``--steps``
    more steps, of which the median is the steady step;
 2. warmup: ``tigon warmup Llama-3.2-1B-shaped --autocast --dtype bf16 --seq 2048`` into another empty cache,
    timed as a whole process (imports included);
-3. warm: the training process of 1. again, with the cache that 2. filled.
+3. warm: the training process of 1. again, with the cache that 2. filled; once more with its first step
+   profiled (``cProfile``: the functions that take the most time, by their own time and by cumulative time;
+   that process's times are not reported, the profiler slows every Python call);
+4. warm, libraries started: as 3., after a start-up that any PyTorch job pays once whatever it trains (a
+   small bf16 matmul forward and backward, which starts cuBLAS/cuBLASLt and the autograd engine's device
+   thread, and a fused AdamW step on a small parameter), timed on its own;
+5. stock: the same model and step without ``tigon.patch`` (no Triton kernel at all): the first step's
+   cost that is PyTorch's, not tigon's.
 
-Reported: the cold first step, the warmup's time, the warm first step, the steady step, warm first / steady
-(what a first step still costs beyond a steady one: cuBLAS and allocator start-up, AdamW's state), and the
-cache entries each process compiled (the warm step's must be 0: warmup compiled everything training
-launches). Results go to ``<out>/warmup-<device>-<date>.{json,md}``; the markdown is printed last.
+Reported: each process's first step and steady step split by phase, first / steady, the start-up's time,
+the cache entries each process compiled (the warm steps' must be 0: warmup compiled everything training
+launches) and the warm first step's profile. Results go to ``<out>/warmup-<device>-<date>.{json,md}``; the
+markdown is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -35,6 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "Llama-3.2-1B-shaped"
 TIMEOUT_S = 600
+PHASES = ("forward", "backward", "optimizer")
+PROFILE_ROWS = 15  # functions listed from the warm first step's profile, by own and by cumulative time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--steps", type=int, default=5, help="steady steps after the first (default 5)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one training process (internal)
+    # one training process (internal): --worker, with what it runs
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--start-libraries", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.seq < 1 or args.batch < 1 or args.steps < 1:
         p.error("--seq, --batch and --steps must be positive")
@@ -53,8 +69,46 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ one process
 
 
+def start_libraries(device) -> float:
+    """What any PyTorch training job starts once, whatever its model: cuBLAS/cuBLASLt (a bf16 matmul under
+    autocast, forward and backward: the backward also starts the autograd engine's device thread) and fused
+    AdamW's kernels (one step on a small parameter). Its seconds."""
+    import torch
+
+    start = time.perf_counter()
+    w = torch.randn(256, 256, device=device, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = torch.randn(64, 256, device=device) @ w
+    y.float().sum().backward()
+    torch.optim.AdamW([w], lr=1e-5, fused=True).step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def profile_rows(profile: cProfile.Profile) -> dict:
+    """The functions that took the most time, by their own time and by cumulative time: (seconds, calls,
+    ``file:line(function)`` with the file relative to its package)."""
+    stats = pstats.Stats(profile)
+
+    def where(key) -> str:
+        file, line, name = key
+        parts = Path(file).parts
+        for anchor in ("site-packages", "src", "lib"):
+            if anchor in parts:
+                parts = parts[len(parts) - parts[::-1].index(anchor):]
+                break
+        return f"{'/'.join(parts)}:{line}({name})" if line else name
+
+    rows = {}
+    for order, column in (("own", 2), ("cumulative", 3)):
+        ranked = sorted(stats.stats.items(), key=lambda kv: kv[1][column], reverse=True)[:PROFILE_ROWS]
+        rows[order] = [[round(v[column], 4), v[1], where(k)] for k, v in ranked]
+    return rows
+
+
 def train_worker(args) -> dict:
-    """Build, patch, and time the first step and the steady steps (run in a fresh process)."""
+    """Build (and patch, unless ``--stock``), then time the first step and the steady steps by phase (run in
+    a fresh process)."""
     import torch
 
     import tigon
@@ -63,24 +117,41 @@ def train_worker(args) -> dict:
     device = torch.device("cuda")
     config = model_config("llama", tiny=False).config
     model = build_model(config, device=device)
-    tigon.patch(model)
+    if not args.stock:
+        tigon.patch(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(config.vocab_size, (args.batch, args.seq), device=device)
+    torch.cuda.synchronize()
+    out = {"start_libraries_s": start_libraries(device) if args.start_libraries else None}
 
-    def step() -> float:
-        start = time.perf_counter()
+    def step() -> dict:
+        times, start = {}, time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        times["forward"] = time.perf_counter() - start
         loss.backward()
+        torch.cuda.synchronize()
+        times["backward"] = time.perf_counter() - start - times["forward"]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        return time.perf_counter() - start
+        torch.cuda.synchronize()
+        times["step"] = time.perf_counter() - start
+        times["optimizer"] = times["step"] - times["forward"] - times["backward"]
+        return times
 
-    torch.cuda.synchronize()
+    profile = cProfile.Profile() if args.profile else None
+    if profile is not None:
+        profile.enable()
     first = step()
+    if profile is not None:
+        profile.disable()
+        out["profile"] = profile_rows(profile)
     steady = [step() for _ in range(args.steps)]
-    return {"first_step_s": first, "steady_steps_s": steady, "steady_step_s": statistics.median(steady)}
+    out["first"] = first
+    out["steady"] = {k: statistics.median(s[k] for s in steady) for k in (*PHASES, "step")}
+    out["steady_steps_s"] = [s["step"] for s in steady]
+    return out
 
 
 def _env(cache: Path) -> dict:
@@ -103,9 +174,9 @@ def _run(cmd, cache: Path) -> tuple[str, float, int]:
     return done.stdout, seconds, len(cache_entries(cache)) - before
 
 
-def train_process(args, cache: Path) -> dict:
+def train_process(args, cache: Path, *flags: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--seq", str(args.seq), "--batch", str(args.batch),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps), *flags]
     stdout, seconds, compiled = _run(cmd, cache)
     result = json.loads(stdout.strip().splitlines()[-1])
     return {**result, "process_s": seconds, "compiled_entries": compiled}
@@ -120,30 +191,48 @@ def warmup_process(args, cache: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------ report
 
+ROWS = (  # result key, what the process was
+    ("cold", "tigon, cold cache (the first step compiles)"),
+    ("warm", "tigon, after `tigon warmup`"),
+    ("warm_started", "tigon, after `tigon warmup`, libraries started"),
+    ("stock", "stock (no tigon, no Triton)"),
+)
+
 
 def markdown(result: dict) -> str:
-    cold, warm, warmup = result["cold"], result["warm"], result["warmup"]
-    setup = result["setup"]
+    setup, warmup = result["setup"], result["warmup"]
+    rows = [(key, title, result[key]) for key, title in ROWS if key in result]
     lines = [
         f"# First training step: cold Triton cache vs after `tigon warmup` ({setup['device']}, {setup['date']})",
         "",
         f"{setup['model']}, tigon.patch defaults, bf16 autocast, fused AdamW, batch {setup['batch']} x "
         f"{setup['seq']}; each row a fresh process with its own `TRITON_CACHE_DIR`; steady = median of "
-        f"{setup['steps']} steps after the first. "
+        f"{setup['steps']} steps after the first; a device synchronisation after each phase. "
         + ", ".join(f"{k} {v}" for k, v in setup["versions"].items() if v),
         "",
-        "| measurement | seconds | cache entries compiled |",
-        "| --- | ---: | ---: |",
-        f"| cold: first step (compiles) | {cold['first_step_s']:.2f} | {cold['compiled_entries']} |",
-        f"| cold: steady step | {cold['steady_step_s']:.3f} | |",
-        f"| `tigon warmup` (whole process) | {warmup['process_s']:.1f} | {warmup['compiled_entries']} |",
-        f"| after warmup: first step | {warm['first_step_s']:.2f} | {warm['compiled_entries']} |",
-        f"| after warmup: steady step | {warm['steady_step_s']:.3f} | |",
+        f"`tigon warmup` (the whole process): {warmup['process_s']:.1f} s, {warmup['compiled_entries']} cache "
+        "entries compiled.",
         "",
-        f"After warmup the first step takes {warm['first_step_s'] / warm['steady_step_s']:.1f}x a steady step "
-        f"(cold: {cold['first_step_s'] / cold['steady_step_s']:.1f}x); warmup saved "
-        f"{cold['first_step_s'] - warm['first_step_s']:.1f} s of the first step.",
+        "| process | first step s (forward / backward / optimizer) | steady step s (forward / backward / optimizer) "
+        "| first / steady | cache entries compiled |",
+        "| --- | --- | --- | ---: | ---: |",
     ]
+
+    def phases(t: dict) -> str:
+        return f"{t['step']:.3f} ({' / '.join(f'{t[k]:.3f}' for k in PHASES)})"
+
+    for _, title, r in rows:
+        lines.append(f"| {title} | {phases(r['first'])} | {phases(r['steady'])} | "
+                     f"{r['first']['step'] / r['steady']['step']:.1f}x | {r['compiled_entries']} |")
+    started = result.get("warm_started", {}).get("start_libraries_s")
+    if started is not None:
+        lines += ["", f"Library start-up before the first step (row 3): {started:.3f} s."]
+    profile = result.get("warm_profile")
+    if profile:
+        for order in ("own", "cumulative"):
+            lines += ["", f"After warmup, the first step's {PROFILE_ROWS} costliest functions by {order} time "
+                      "(cProfile):", "", "| seconds | calls | function |", "| ---: | ---: | --- |"]
+            lines += [f"| {sec:.4f} | {calls} | `{where}` |" for sec, calls, where in profile[order]]
     return "\n".join(lines) + "\n"
 
 
@@ -161,15 +250,21 @@ def main(argv=None) -> None:
     setup = {"model": MODEL, "seq": args.seq, "batch": args.batch, "steps": args.steps,
              "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
              "versions": versions()}
+    result = {"setup": setup}
     with tempfile.TemporaryDirectory(prefix="tigon-warmup-bench-") as tmp:
-        cold_cache, warm_cache = Path(tmp) / "cold", Path(tmp) / "warm"
+        cold_cache, warm_cache, stock_cache = Path(tmp) / "cold", Path(tmp) / "warm", Path(tmp) / "stock"
         print("cold: first step with an empty cache ...", flush=True)
-        cold = train_process(args, cold_cache)
+        result["cold"] = train_process(args, cold_cache)
         print("tigon warmup into an empty cache ...", flush=True)
-        warmup = warmup_process(args, warm_cache)
+        result["warmup"] = warmup_process(args, warm_cache)
         print("after warmup: first step with the warmed cache ...", flush=True)
-        warm = train_process(args, warm_cache)
-    result = {"setup": setup, "cold": cold, "warmup": warmup, "warm": warm}
+        result["warm"] = train_process(args, warm_cache)
+        print("after warmup: the first step profiled ...", flush=True)
+        result["warm_profile"] = train_process(args, warm_cache, "--profile")["profile"]
+        print("after warmup, libraries started first ...", flush=True)
+        result["warm_started"] = train_process(args, warm_cache, "--start-libraries")
+        print("stock: the same step without tigon ...", flush=True)
+        result["stock"] = train_process(args, stock_cache, "--stock")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"warmup-{setup['device'].replace(' ', '-')}-{setup['date']}"

@@ -1,0 +1,50 @@
+"""benchmarks/warmup.py off the GPU: its page from a result, and the profile rows it reports."""
+
+import cProfile
+
+from benchmarks import warmup
+
+
+def _times(step: float) -> dict:
+    return {"forward": step * 0.3, "backward": step * 0.6, "optimizer": step * 0.1, "step": step}
+
+
+def _process(first: float, steady: float, compiled: int, **extra) -> dict:
+    return {"first": _times(first), "steady": _times(steady), "compiled_entries": compiled, **extra}
+
+
+def _busy(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_profile_rows_name_the_costliest_functions():
+    profile = cProfile.Profile()
+    profile.enable()
+    _busy(200_000)
+    profile.disable()
+    rows = warmup.profile_rows(profile)
+    assert set(rows) == {"own", "cumulative"}
+    assert 0 < len(rows["cumulative"]) <= warmup.PROFILE_ROWS
+    assert any("_busy" in where for _, _, where in rows["cumulative"])
+    seconds = [sec for sec, _, _ in rows["own"]]
+    assert seconds == sorted(seconds, reverse=True)
+
+
+def test_page_has_every_process_its_phases_and_the_profile():
+    result = {
+        "setup": {"model": warmup.MODEL, "seq": 2048, "batch": 1, "steps": 5, "device": "GPU", "date": "2026-12-04",
+                  "versions": {"torch": "2.11.0", "triton": "3.6.0"}},
+        "warmup": {"process_s": 18.9, "compiled_entries": 24},
+        "cold": _process(7.24, 0.069, 24),
+        "warm": _process(1.30, 0.070, 0),
+        "warm_started": _process(0.21, 0.070, 0, start_libraries_s=0.9),
+        "stock": _process(0.45, 0.090, 0),
+        "warm_profile": {"own": [[0.5, 24, "triton/runtime/jit.py:700(run)"]],
+                         "cumulative": [[1.1, 1, "torch/_tensor.py:600(backward)"]]},
+    }
+    page = warmup.markdown(result)
+    for _, title in warmup.ROWS:
+        assert title in page
+    assert "| 1.300 (0.390 / 0.780 / 0.130) | 0.070 (0.021 / 0.042 / 0.007) | 18.6x | 0 |" in page
+    assert "Library start-up before the first step (row 3): 0.900 s." in page
+    assert "`triton/runtime/jit.py:700(run)`" in page and "`torch/_tensor.py:600(backward)`" in page
