@@ -274,8 +274,8 @@ def cache_by_size(fn):
 
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ for launch geometry. Not ``triton.cdiv``: since Triton 3.5 that is a constexpr function,
-    whose call unwraps its arguments (~3 µs a call on a CPU, against 0.1 µs), and launchers call it on
-    every launch."""
+    whose call unwraps its arguments (tens of times the cost of integer arithmetic: docs/tuning.md),
+    and launchers call it on every launch."""
     return -(-a // b)
 
 
@@ -312,8 +312,8 @@ class TigonOp:
     functional tensors AOTAutograd traces with; as one opaque node the op runs ``impl`` on real
     tensors when the compiled graph runs, which is also all Inductor can do with an interpreted kernel.
 
-    Why two paths: a call through the dispatcher and the custom-op autograd wrapper costs ~80 µs of
-    Python per op on a CPU, more than the kernels themselves at many training sizes. In eager mode
+    Why two paths: a call through the dispatcher and the custom-op autograd wrapper costs more
+    Python per op than the kernels' GPU time at many training sizes (docs/tuning.md). In eager mode
     the same ``impl``, ``setup_context`` and ``backward`` run inside a plain autograd.Function instead;
     under ``torch.compile`` the registered op is used.
 
@@ -402,8 +402,8 @@ def function_apply(function):
 
     Outside functorch transforms, ``Function.apply`` binds nothing for such a Function: it unwraps
     tensors that a finished transform left wrapped and calls the C++ apply, after building a closure,
-    comparing ``setup_context`` and making a ``super()`` object (~1 µs a call on a CPU; a decoder
-    layer makes a handful of nodes). This does the unwrapping and the C++ call; under a functorch
+    comparing ``setup_context`` and making a ``super()`` object (host time a decoder layer pays for
+    each of its handful of nodes). This does the unwrapping and the C++ call; under a functorch
     transform, and under torch.compile (Dynamo traces ``Function.apply``, not the C++ one), it is
     ``function.apply`` itself.
     """

@@ -143,7 +143,7 @@ def dim_order(t: torch.Tensor) -> tuple[int, ...]:
 @cache_by_size
 def _order_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
     """:func:`dim_order` from sizes and strides, cached: it runs four times per forward and backward
-    (the sort with a Python key cost ~14 µs a call on a CPU, more than a quarter of the op's host time)."""
+    (the sort with a Python key took over a quarter of the op's host time: docs/tuning.md)."""
 
     def outer_first(d):
         return -strides[d] if strides[d] != 0 and shape[d] != 1 else -math.inf

@@ -270,7 +270,7 @@ def shared_cast_linear(self, input):
             return output
     cast = input if input_dtype == dtype else cache.cast(input, dtype)
     # Autocast stays on: the nodes hand F.linear operands already in its dtype, so it casts nothing
-    # (switching it off cost a context manager, ~10 µs of the host's time a call).
+    # (switching it off would cost a context manager's host time a call: docs/tuning.md).
     if in_group:
         parameters = [t for p in group for t in ((weight, bias) if p is self else (p.weight, p.bias))]
         if all(t is None or t.dtype in eligible for t in parameters):
