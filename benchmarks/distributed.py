@@ -239,6 +239,16 @@ def build(provider: str, args, device, mesh):
     return model
 
 
+def param_groups(model) -> list[dict]:
+    """The parameters grouped by their device mesh: under FSDP2 × TP the split projections' shards live on
+    the 2-D ("dp", "tp") mesh and the rest on "dp" alone, and one fused AdamW launch takes DTensors of one
+    mesh (each group is its own launch)."""
+    groups: dict[object, list] = {}
+    for p in model.parameters():
+        groups.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+    return [{"params": params} for params in groups.values()]
+
+
 def _local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
@@ -261,7 +271,7 @@ def run_provider(provider: str, args, device, mesh) -> dict:
 
     cuda = device.type == "cuda"
     model = build(provider, args, device, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=cuda)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=cuda)
     dp_rank = mesh["dp"].get_local_rank()
     gen = torch.Generator(device=device).manual_seed(SEED * 1000 + dp_rank)
     vocab = model.config.vocab_size
@@ -276,10 +286,11 @@ def run_provider(provider: str, args, device, mesh) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float()
-        seconds.append(time.perf_counter() - start)  # loss.item() below synchronises this step
-        dist.all_reduce(value)
-        losses.append(value.item() / dist.get_world_size())
+        value = loss.item()  # synchronises: the step time is the device's
+        seconds.append(time.perf_counter() - start)
+        mean = torch.tensor(value, device=device)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
         if step == 0:
             state = state_bytes(model, optimizer)
     out = {"losses": losses, "step_seconds": seconds, "state_bytes": state,
@@ -384,18 +395,25 @@ def group_key(row: dict) -> tuple:
 
 def merge(old: dict | None, new: dict) -> dict:
     """``new`` over ``old``: rows replaced by key, commands and skipped providers collected by world size."""
-    if old is None:
-        return new
+    old = old or {"rows": []}
     rows = {row_key(r): r for r in old["rows"]}
     rows.update({row_key(r): r for r in new["rows"]})
     ordered = sorted(rows.values(), key=lambda r: (group_key(r), r["world"], PROVIDERS.index(r["provider"])))
+    add_comparisons(ordered)
     return {**new, "rows": ordered, "commands": {**old.get("commands", {}), **new["commands"]},
             "skipped": sorted(set(old.get("skipped", [])) | set(new.get("skipped", [])))}
 
 
+COMPARISONS = ("max_loss_rel_diff", "vs_stock", "scaling_base_world", "scaling")
+
+
 def add_comparisons(rows: list[dict]) -> None:
-    """Each row's loss Δ against stock's run of the same key, and its scaling against the smallest world size."""
+    """Each row's loss Δ against stock's run of the same key, and its scaling against the smallest world size
+    (recomputed over the merged rows)."""
     by_key = {row_key(r): r for r in rows}
+    for row in rows:
+        for key in COMPARISONS:
+            row.pop(key, None)
     for row in rows:
         if "error" in row:
             continue
@@ -458,16 +476,41 @@ def _table(rows: list[dict], device: str) -> list[str]:
     return lines
 
 
+def target_lines(rows: list[dict]) -> list[str]:
+    """What the measured rows say about ``TARGETS``: Llama-3.1-8B-shaped, FSDP2 alone, bf16, no
+    checkpointing, 8192 tokens per GPU; a line only where its rows exist."""
+    def pick(provider, world):
+        return next((r for r in rows if r["model"] == "llama-8b" and r["tp"] == 1 and r["precision"] == "bf16"
+                     and not r["ckpt"] and r["batch"] * r["seq"] == 8192 and r["provider"] == provider
+                     and r["world"] == world and "error" not in r), None)
+
+    out = []
+    stock, tigon, liger = pick("stock", 8), pick("tigon", 8), pick("liger", 8)
+    if tigon is not None:
+        speed = f"{tigon['vs_stock']:.2f}× stock, " if stock is not None else ""
+        out.append(f"8 GPUs: tigon {speed}{tigon['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
+    pairs = [(p, pick(p, 2), pick(p, 8)) for p in ("stock", "tigon")]
+    scaled = [f"{p} {high['tokens_per_s_per_gpu'] / low['tokens_per_s_per_gpu']:.2f}" for p, low, high in pairs
+              if low is not None and high is not None]
+    if scaled:
+        out.append("scaling efficiency 2 → 8 GPUs: " + ", ".join(scaled))
+    if tigon is not None and liger is not None and tigon.get("activation_bytes") and liger.get("activation_bytes"):
+        out.append(f"activation per rank, 8 GPUs: tigon {tigon['activation_bytes'] / liger['activation_bytes']:.2f}× "
+                   "Liger-Kernel's")
+    return out
+
+
 def markdown(result: dict) -> str:
     rows = result["rows"]
-    add_comparisons(rows)
     versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v)
     lines = ["# FSDP2 training on the GPUs of one host", "", "| | |", "| --- | --- |",
              f"| Device | {result['device']} |", f"| Versions | {versions} |", f"| Date | {result['date']} |"]
-    for world, command in sorted(result["commands"].items(), key=lambda kv: int(kv[0])):
-        lines.append(f"| Command, {world} GPU{'s' if int(world) > 1 else ''} | `{command}` |")
-    lines += ["", "Targets (the plan's; the rows below say what was measured):", ""]
+    for text, world in sorted(result["commands"].items(), key=lambda kv: (kv[1], kv[0])):
+        lines.append(f"| Command, {world} GPU{'s' if world > 1 else ''} | `{text}` |")
+    lines += ["", "Targets (the plan's):", ""]
     lines += [f"- {t}" for t in TARGETS]
+    lines += ["", "Against them, from the rows below:", ""]
+    lines += [f"- {t}" for t in target_lines(rows)] or ["- not measured yet (the 8-GPU Llama-3.1-8B-shaped rows)"]
     lines += ["", "`fully_shard` on each decoder layer, then the root; `MixedPrecisionPolicy(param_dtype=bfloat16, "
               "reduce_dtype=float32)` (fp32 rows: none), fp32 weights and AdamW; each data-parallel rank its own "
               "random tokens. Definitions:", ""]
@@ -543,7 +586,7 @@ def main(argv=None) -> int:
     world = rows[0]["world"]
     result = {"kind": RESULT_KIND, "device": rows[0]["device"], "date": _dt.date.today().isoformat(),
               "versions": versions(), "rows": rows, "skipped": args.skipped,
-              "commands": {str(world): command(world, argv)}, "wall_s": time.perf_counter() - started}
+              "commands": {command(world, argv): world}, "wall_s": time.perf_counter() - started}
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)}\n")
     target = history.script_path(args)
