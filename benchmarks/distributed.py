@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 benchmarks/distributed.py --model llama-3b --batch 2 --seq 4096
     torchrun --nproc-per-node 8 benchmarks/distributed.py --tp 2               # 2-D: FSDP2 over 4, TP over 2
     torchrun --nproc-per-node 8 benchmarks/distributed.py --ckpt               # gradient checkpointing
-    torchrun --nproc-per-node 2 benchmarks/distributed.py --device cpu --model tiny --precision fp32 \
+    torchrun --nproc-per-node 2 benchmarks/distributed.py --device cpu --model tiny --precision fp32 --seq 16 \
         --warmup 1 --steps 1                                                   # pipeline smoke test (gloo)
 
 One invocation measures one world size (however many ranks torchrun starts); rank 0 merges its rows
@@ -65,6 +65,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from benchmarks import e2e  # noqa: E402
 from benchmarks.context import LLAMA_3_1_8B  # noqa: E402
+from benchmarks.lora import matmul_tflops  # noqa: E402
 from tigon.bench import history  # noqa: E402
 
 PROVIDERS = ("stock", "tigon", "liger")  # the order every rank runs them in (Liger's patch is global)
@@ -356,27 +357,22 @@ def run_ranks(args) -> list[dict] | None:
             mine = run_provider(provider, args, device, mesh)
         except Exception as exc:  # an out-of-memory on every rank, an unsupported composition: its row says so
             mine = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+        gc.collect()  # after the except block: the traceback no longer holds the failed run's model
+        if cuda:
+            torch.cuda.empty_cache()
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
         rows.append(_row(provider, args, ranks, world, config))
         if dist.get_rank() == 0:
             print(line(rows[-1]), flush=True)
-    extra = {"matmul_tflops": _matmul_tflops(device) if cuda else None,
+    extra = {"matmul_tflops": matmul_tflops(device, MATMUL_SIZE) if cuda else None,
              "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     for row in rows:
         row.update(extra)
+    rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()
-    return rows if int(os.environ.get("RANK", "0")) == 0 else None
-
-
-def _matmul_tflops(device) -> float:
-    from benchmarks.lora import matmul_tflops
-
-    return matmul_tflops(device, MATMUL_SIZE)
+    return rows if rank == 0 else None
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -543,7 +539,11 @@ def plot(result: dict, path: Path) -> None:
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=PROVIDER_TITLES[provider],
                         color=COLOURS[provider])
+        worlds = sorted({r["world"] for r in rows})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(worlds, [str(w) for w in worlds])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("GPUs")
         ax.set_ylabel("tokens/s per GPU")
         ax.set_title(f"{key[0]}, {key[2]} × {key[3]}, tp {key[1]}" + (", ckpt" if key[4] else ""), fontsize=9)
@@ -591,7 +591,7 @@ def main(argv=None) -> int:
     print(f"\nwrote {', '.join(str(p) for p in paths)}\n")
     target = history.script_path(args)
     if target is not None:
-        history.append(result, benchmark=RESULT_KIND, path=target)
+        history.append(result, benchmark=RESULT_KIND, command=command(world, argv), path=target)
         print(f"appended the run to {target}\n")
     print(paths[1].read_text())
     return 0 if all("error" not in r for r in rows) else 1
