@@ -584,15 +584,16 @@ def wait_until_quiet(path: str | None) -> None:
 
 
 def worker_main(ready_path: str | None = None, run=None, imports: tuple[str, ...] = ()) -> int:
-    """Import everything (and ``imports``), say so (``ready_path``), wait for one job on stdin, run it with
-    ``run`` (this file's :func:`run_job` by default), print the result line."""
+    """Import ``imports`` (first, in order: a library that patches transformers when it is imported, such as
+    Unsloth, must come before it), then everything else, say so (``ready_path``), wait for one job on stdin,
+    run it with ``run`` (this file's :func:`run_job` by default), print the result line."""
     import importlib
-
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
 
     for name in imports:
         importlib.import_module(name)
+
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
 
     import tigon.patching  # noqa: F401  (imports tigon.ops)
     from tigon._interpreter import apply_interpreter_fixes
@@ -623,15 +624,16 @@ def worker_main(ready_path: str | None = None, run=None, imports: tuple[str, ...
 
 class Worker:
     """A worker process of ``script`` (a benchmark file whose ``--worker`` runs one job read from stdin),
-    started early so that its imports overlap the job before it."""
+    started early so that its imports overlap the job before it; ``env``: its environment (the parent's if
+    None), and ``args``: more arguments after ``--worker READY_PATH``."""
 
-    def __init__(self, script: str = __file__):
+    def __init__(self, script: str = __file__, env: dict | None = None, args: tuple[str, ...] = ()):
         self.stdout = tempfile.TemporaryFile(mode="w+")
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self._ready_dir = tempfile.TemporaryDirectory()
         self.ready_path = os.path.join(self._ready_dir.name, "imported")
-        self.proc = subprocess.Popen([sys.executable, script, "--worker", self.ready_path], stdin=subprocess.PIPE,
-                                     stdout=self.stdout, stderr=self.stderr, text=True)
+        self.proc = subprocess.Popen([sys.executable, script, "--worker", self.ready_path, *args],
+                                     stdin=subprocess.PIPE, stdout=self.stdout, stderr=self.stderr, text=True, env=env)
 
     def run(self, job: dict, timeout: int) -> dict:
         started = time.perf_counter()
@@ -671,14 +673,15 @@ class Worker:
 
 
 class WorkerPool:
-    """Runs jobs one at a time, each in a fresh process of ``script``, with the next process already warming up."""
+    """Runs jobs one at a time, each in a fresh process of ``script`` (``env`` and ``args``: :class:`Worker`'s),
+    with the next process already warming up."""
 
-    def __init__(self, timeout: int, script: str = __file__):
-        self.timeout, self.script = timeout, script
-        self.spare = Worker(script)
+    def __init__(self, timeout: int, script: str = __file__, env: dict | None = None, args: tuple[str, ...] = ()):
+        self.timeout, self.script, self.env, self.args = timeout, script, env, args
+        self.spare = Worker(script, env, args)
 
     def run(self, job: dict) -> dict:
-        current, self.spare = self.spare, Worker(self.script)
+        current, self.spare = self.spare, Worker(self.script, self.env, self.args)
         # The job times its steps only once the new spare has imported everything (wait_until_quiet).
         return current.run({**job, "quiet_path": self.spare.ready_path}, self.timeout)
 
