@@ -119,6 +119,13 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+@torch.compiler.disable
+def _dense(mask: BandMask) -> torch.Tensor:
+    """The dense mask of a BandMask, made eagerly: in a compiled layer (its mask made outside, eagerly) the
+    layer's graph takes the plain tensor rather than tracing the mask's making (``BandMask.__torch_dispatch__``)."""
+    return mask.dense()
+
+
 def _wrap(original):
     checks = _BandChecks()
 
@@ -160,6 +167,8 @@ def _wrap(original):
                     for s, e, first in _blocks(length, window, config.block_rows)
                 ]
                 return torch.cat(outputs, dim=1), None
+        if type(attention_mask) is BandMask:  # a guard declined the band path: the dense mask, once
+            attention_mask = _dense(attention_mask)
         return original(module, query, key, value, attention_mask, *args, **kwargs)
 
     return sdpa_attention_forward
