@@ -179,6 +179,33 @@ def test_band_mask_rectangles_and_ops_read_transformers_mask(padded):
     assert type(mask.detach()) is BandMask
 
 
+def test_a_declined_band_mask_reaches_transformers_as_the_dense_mask(small_blocks):
+    """Where a guard keeps the dense call (dropout here), transformers' function gets the plain dense mask."""
+    length, window = 2 * BLOCK + 5, 6
+    arguments = dict(batch_size=1, q_length=length, kv_length=length, q_offset=0, kv_offset=0,
+                     mask_function=sliding_window_causal_mask_function(window), attention_mask=None,
+                     local_size=window, allow_is_causal_skip=True)
+    received = []
+
+    def original(module, query, key, value, attention_mask, **kwargs):
+        received.append(attention_mask)
+        return query.transpose(1, 2), None
+
+    config = transformers.MistralConfig(sliding_window=window)
+    change = band_attention.MarkConfig(config)
+    change.apply()
+    try:
+        q = torch.randn(1, 2, length, 4)
+        module = torch.nn.Module()
+        module.config = config
+        band_attention._wrap(original)(module, q, q, q, BandMask(sdpa_mask, arguments), dropout=0.1,
+                                       sliding_window=window)
+    finally:
+        change.undo()
+    assert len(received) == 1 and type(received[0]) is torch.Tensor
+    assert torch.equal(received[0], sdpa_mask(**{**arguments, "allow_is_causal_skip": False}))
+
+
 def test_only_the_plain_sliding_pattern_becomes_a_band_mask(small_blocks):
     """A custom pattern (an or_mask_function; packed sequences alike) keeps transformers' dense mask."""
     model = _sdpa_model("mistral")
