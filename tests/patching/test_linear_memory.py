@@ -284,9 +284,11 @@ def test_llama_8b_attention_at_64k_tokens_is_linear():
 
     peak, mask = _attention_peak("llama", LONG)
     assert mask is None
-    q = torch.empty(1, 32, LONG, 128, device="cuda", dtype=torch.bfloat16)
-    kv = torch.empty(1, 8, LONG, 128, device="cuda", dtype=torch.bfloat16)
+    # sdpa's choice for the call (the node and transformers' interface make the same one), observed, not forced
+    q = torch.empty(1, 32, LONG, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.empty(1, 8, LONG, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     choice = torch._fused_sdp_choice(q, kv, kv, None, 0.0, True, scale=128**-0.5, enable_gqa=True)
+    del q, kv
     assert choice in (SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value), SDPBackend(choice)
     assert peak < 14 * LONG * 4096 * 2, f"{peak / GIB:.2f} GiB"
     half, _ = _attention_peak("llama", LONG // 2)
