@@ -219,7 +219,9 @@ def test_switch_off_and_models_without_sliding_layers_are_not_marked():
 @pytest.mark.parametrize("length, window", [(37, 5), (16, 3)])
 def test_mask_by_rows_is_transformers_mask(small_blocks, padded, length, window):
     """The row-block mask of a marked config: the same values (and the same batch-shared layout
-    without padding) as transformers' sdpa_mask; an unmarked config gets transformers' call."""
+    without padding) as transformers' sdpa_mask; an unmarked config gets transformers' call. The causal
+    skip is not allowed here, as transformers asks for a custom or packed pattern (the plain sliding mask,
+    skip allowed, is a BandMask: test_linear_memory.py)."""
     from tigon.patching import causal_mask
 
     config = _Config()
@@ -229,7 +231,7 @@ def test_mask_by_rows_is_transformers_mask(small_blocks, padded, length, window)
         padding[1, :4] = False
     kwargs = dict(batch_size=3, q_length=length, kv_length=length, q_offset=0, kv_offset=0,
                   mask_function=sliding_window_causal_mask_function(window), attention_mask=padding,
-                  allow_is_causal_skip=True, local_size=window, config=config, device=DEVICE)
+                  allow_is_causal_skip=False, local_size=window, config=config, device=DEVICE)
     want = sdpa_mask(**kwargs)
     calls = []
     counting = lambda **kw: calls.append(kw["q_length"]) or sdpa_mask(**kw)  # noqa: E731

@@ -31,8 +31,14 @@ host sync) and is remembered for that mask tensor while its version is unchanged
 forward share one mask, so one check a forward. Everything else goes to transformers' function as
 before.
 
-The mask those layers receive is still transformers' dense one, but built by row blocks
-(:func:`tigon.patching.causal_mask.mask_by_rows`, planned by the same switch), so that making it
+Where transformers asks for its plain sliding-window causal mask (no custom or packed-sequence
+pattern; padding allowed), the layers receive no dense mask at all but a
+:class:`tigon.patching.causal_mask.BandMask`, which makes each block's rectangle when asked, by
+transformers' own function: every True of that mask is within its window, so there is nothing to check,
+and a forward at L tokens never holds more of the mask than one rectangle (``c × (c + W - 1)``), not
+L² bytes. The rectangles use the mask's own window (transformers' ``local_size``, the config's
+``sliding_window``). Otherwise the mask those layers receive is transformers' dense one, built by row
+blocks (:func:`tigon.patching.causal_mask.mask_by_rows`, planned by the same switch), so that making it
 never holds more than the mask itself and one block's overlays.
 """
 
@@ -43,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tigon.patching.causal_mask import BandMask
 from tigon.patching.interface_marks import InterfaceWrapper
 
 
@@ -112,6 +119,13 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+@torch.compiler.disable
+def _dense(mask: BandMask) -> torch.Tensor:
+    """The dense mask of a BandMask, made eagerly: in a compiled layer (its mask made outside, eagerly) the
+    layer's graph takes the plain tensor rather than tracing the mask's making (``BandMask.__torch_dispatch__``)."""
+    return mask.dense()
+
+
 def _wrap(original):
     checks = _BandChecks()
 
@@ -121,6 +135,19 @@ def _wrap(original):
         length = query.shape[2]
         if (
             not torch.compiler.is_compiling() and not _capturing()   # first: nothing before it is traced
+            and type(attention_mask) is BandMask and args == ()
+            and attention_mask.shape[0] in (1, query.shape[0]) and attention_mask.shape[2] == length == key.shape[2]
+            and kwargs.get("position_bias") is None and not kwargs.get("dropout")
+            and not kwargs.get("output_attentions", False)
+        ):
+            outputs = [
+                original(module, query[:, :, s:e], key[:, :, first:e], value[:, :, first:e],
+                         attention_mask.rectangle(s, e, first, e), **kwargs)[0]          # (B, e - s, H, D)
+                for s, e, first in _blocks(length, attention_mask.window, config.block_rows)
+            ]
+            return torch.cat(outputs, dim=1), None
+        if (
+            not torch.compiler.is_compiling() and not _capturing()
             and args == ()
             and isinstance(window, int) and not isinstance(window, bool) and window > 0
             and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
@@ -140,6 +167,8 @@ def _wrap(original):
                     for s, e, first in _blocks(length, window, config.block_rows)
                 ]
                 return torch.cat(outputs, dim=1), None
+        if type(attention_mask) is BandMask:  # a guard declined the band path: the dense mask, once
+            attention_mask = _dense(attention_mask)
         return original(module, query, key, value, attention_mask, *args, **kwargs)
 
     return sdpa_attention_forward

@@ -19,7 +19,20 @@ calls transformers' own function, so the compiled model attends exactly as the e
 * no sliding window that the keys reach (``local_size`` None or longer than the keys);
 * ``q_length == 1`` or ``q_length == kv_length`` or an empty cache (``q_offset == 0`` as a number).
 
-The same wrapper builds a sliding-window model's dense mask by row blocks, in eager mode (for the
+The same wrapper does not build a sliding-window model's ``[L, L]`` mask at all where the band path can
+take it (eager mode, the models the ``sliding_window`` switch marks, at least two row blocks of queries,
+queries and keys of one length): transformers asks for the plain sliding-window causal mask, with or
+without a padding mask (it allows the causal skip there, which it turns off for packed sequences, custom
+mask functions and compiled decoding), and every True of that mask lies within ``local_size`` keys
+before its query, so the band path reads only the rectangles of :func:`tigon.patching.band_attention`'s
+row blocks. :class:`BandMask` stands for that mask: a ``[B, 1, L, L]`` bool tensor without storage whose
+rectangles (:meth:`BandMask.rectangle`) transformers' own function makes on demand (``q_offset`` and
+``kv_offset`` moved to the rectangle: the same mask function at the same indices, padding included), so
+that at L tokens the mask costs a rectangle of ``c × (c + W - 1)`` at a time, not L² bytes (64 GiB at
+256K tokens). Anything else that reads it (an op on it: the attention's guards decline the band path,
+a user's hook) gets the dense mask, built once by row blocks (below), and reads the same values.
+
+Elsewhere the same wrapper builds a sliding-window model's dense mask by row blocks, in eager mode (for the
 models the ``sliding_window`` switch marks, :func:`mask_by_rows`): transformers evaluates the mask
 function on the whole ``[L, L]`` grid at once, each overlay (causal, window, padding) an ``[L, L]``
 bool tensor of its own and each ``&`` another, about five times the mask's own size at once; at a
@@ -37,6 +50,7 @@ mark, and with the last mark transformers' own function is registered again.
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_map
 
 from tigon.patching.interface_marks import InterfaceWrapper
 
@@ -80,6 +94,59 @@ def mask_by_rows(original, kwargs, rows: int):
     return out.expand(kwargs["batch_size"], -1, -1, -1) if shared else out
 
 
+def _band_allowed(kwargs) -> bool:
+    """The mask asked for is transformers' plain sliding-window causal one (the causal skip allowed: no
+    custom or packed-sequence mask function; a padding mask may be there), over queries and keys of
+    one length, offsets that are numbers: what :class:`BandMask` stands for."""
+    return (kwargs.get("allow_is_causal_skip", True) and kwargs["q_length"] == kwargs["kv_length"]
+            and isinstance(kwargs.get("kv_offset", 0), int))
+
+
+class BandMask(torch.Tensor):
+    """transformers' sliding-window mask ``[B, 1, L, L]`` (bool) without its L² elements (module docs).
+
+    ``make`` is transformers' mask function and ``arguments`` the call it was asked; ``window`` its
+    ``local_size`` W: query i sees no key at or before i - W. :meth:`rectangle` makes any block of it;
+    every other op on it reads :meth:`dense`, made once (by row blocks) and kept with this tensor."""
+
+    @staticmethod
+    def __new__(cls, make, arguments):
+        shape = (arguments["batch_size"], 1, arguments["q_length"], arguments["kv_length"])
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bool,
+                                                   device=torch.device(arguments.get("device", "cpu")))
+
+    def __init__(self, make, arguments):
+        self.make, self.arguments, self.window = make, arguments, arguments["local_size"]
+        self.materialised = None
+
+    def rectangle(self, start: int, end: int, first: int, last: int) -> torch.Tensor:
+        """The mask's queries ``[start, end)`` and keys ``[first, last)``: ``[B or 1 expanded to B, 1, end -
+        start, last - first]``, made by transformers' function with its offsets moved there."""
+        arguments = self.arguments
+        return self.make(**{**arguments, "q_length": end - start, "q_offset": arguments.get("q_offset", 0) + start,
+                            "kv_length": last - first, "kv_offset": arguments.get("kv_offset", 0) + first,
+                            "allow_is_causal_skip": False})
+
+    def dense(self) -> torch.Tensor:
+        if self.materialised is None:
+            from tigon.patching.band_attention import CONFIG
+
+            self.materialised = mask_by_rows(self.make, self.arguments, CONFIG.block_rows)
+        return self.materialised
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops reach __torch_dispatch__, results plain
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):  # checkpointing's detach
+            return BandMask(args[0].make, args[0].arguments)
+        dense = tree_map(lambda t: t.dense() if isinstance(t, BandMask) else t, (args, kwargs or {}))
+        return func(*dense[0], **dense[1])
+
+    def __repr__(self):
+        return f"BandMask(shape={tuple(self.shape)}, window={self.window})"
+
+
 def _skip_allowed(q_length, kv_length, q_offset, local_size) -> bool:
     """transformers' ``_ignore_causal_mask_sdpa`` when there is no padding mask (shapes only)."""
     if local_size is not None and kv_length >= local_size:
@@ -92,6 +159,8 @@ def _wrap(original):
         from tigon.patching.band_attention import CONFIG
 
         if args == () and _by_rows_allowed(kwargs, CONFIG.block_rows):
+            if _band_allowed(kwargs):
+                return BandMask(original, kwargs)
             return mask_by_rows(original, kwargs, CONFIG.block_rows)
         if (
             args == ()

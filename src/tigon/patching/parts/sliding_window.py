@@ -1,6 +1,7 @@
 """The ``sliding_window`` part (on by default): in a model whose config gives layers a sliding window, sdpa
-attends over the band in row blocks (band_attention.py) and the dense mask is built by row blocks
-(causal_mask.py). Both are marks on the model's config, carried by its copies (interface_marks.py)."""
+attends over the band in row blocks (band_attention.py), the plain sliding-window mask is never built (a
+``BandMask`` makes each block's rectangle; any other pattern's dense mask is built by row blocks,
+causal_mask.py). Both are marks on the model's config, carried by its copies (interface_marks.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from tigon.patching import band_attention, causal_mask
 from tigon.patching.interface_marks import carried
 from tigon.patching.parts import Part
 
-LINE = ("sdpa attention of sliding-window layers -> row blocks of the band, their masks built by row blocks "
+LINE = ("sdpa attention of sliding-window layers -> row blocks of the band, their masks made a block at a time "
         "(band_attention.py)")
 
 
