@@ -20,20 +20,16 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import tigon
 from tests.patching import tiny
-from tests.patching.tiny import SEQ, assert_grads_close, batch, grads, rel, sdpa_config_overrides, tiny_model
-from tigon.nn import mlp as nn_mlp
-from tigon.patching import fused_attention
+from tests.patching.tiny import SEQ
+from tests.patching.tiny_lora import RANK, assert_step_matches, base_model, count_node_calls, lora, node_in_fp32_here
 from tigon.patching.engine import SWITCHES, resolve
 from tigon.patching.families import FAMILIES
 from tigon.patching.parts.attention import fuses_attention
 
-peft = pytest.importorskip("peft")
-
-RANK = 5
+pytest.importorskip("peft")
 
 # model_type -> the nodes its adapters run in ("attention", "MLP") under transformers 5.25 and PEFT 0.21;
 # an empty tuple: every adapter runs in PEFT's forward.
@@ -61,7 +57,7 @@ NODES = {
     "stablelm": ("MLP",),
     "cohere2": ("MLP",),
     "ernie4_5": ("MLP",),
-    "llama4_text": ("MLP",),  # the dense layer's MLP (LLAMA4_TARGETS)
+    "llama4_text": ("MLP",),  # the dense layer's MLP (tiny_lora.LLAMA4_TARGETS)
     # PEFT 0.21 converts these MoE rows' targets to transformers 5's experts (target_parameters on the 3-D
     # gate_up_proj / down_proj): their dense MLPs and shared experts get no adapters
     "qwen3_moe": (),
@@ -74,35 +70,16 @@ NODES = {
     "glm4": (),
     "falcon_h1": (),
 }
-# Llama-4: PEFT's all-linear takes the router, whose forward returns a tuple (stock PEFT fails on it); the
-# attention and the dense layer's MLP (layer 1's MoE block adds its routed output into the shared expert's
-# output in place, which the MLP node's output, a view, does not allow)
-LLAMA4_TARGETS = r".*\.layers\.\d+\.(self_attn\.[qkvo]_proj|feed_forward\.(gate|up|down)_proj)"
 
 
 @pytest.fixture(autouse=True)
-def _node_in_fp32_on_this_device(monkeypatch):
-    monkeypatch.setattr(fused_attention, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(fused_attention, "_HALF", (torch.float16, torch.bfloat16, torch.float32))
+def _node_in_fp32_here(monkeypatch):
+    node_in_fp32_here(monkeypatch)
 
 
 @pytest.fixture
 def node_calls(monkeypatch):
-    """The attention nodes' and the LoRA MLP nodes' calls, by node."""
-    calls = {"attention": 0, "MLP": 0}
-    apply, mlp = fused_attention.APPLY_NODE, nn_mlp.lora_gated_mlp
-
-    def attention_node(*args):
-        calls["attention"] += 1
-        return apply(*args)
-
-    def mlp_node(*args, **kwargs):
-        calls["MLP"] += 1
-        return mlp(*args, **kwargs)
-
-    monkeypatch.setattr(fused_attention, "APPLY_NODE", attention_node)
-    monkeypatch.setattr(nn_mlp, "lora_gated_mlp", mlp_node)
-    return calls
+    return count_node_calls(monkeypatch)
 
 
 def test_every_family_with_a_fused_attention_or_mlp_is_listed():
@@ -115,47 +92,6 @@ def test_every_family_with_a_fused_attention_or_mlp_is_listed():
         if family.mlp is not None or (classes.attention is not None and fuses_attention(family, classes, SWITCHES)):
             fused.add(model_type)
     assert fused == set(NODES) and fused <= set(tiny.CONFIGS)
-
-
-def lora_config(model_type, **kwargs):
-    if model_type == "falcon_h1":  # PEFT refuses the Mamba mixer's out_proj
-        targets = {"target_modules": "all-linear", "exclude_modules": ["out_proj"]}
-    elif model_type == "llama4_text":
-        targets = {"target_modules": LLAMA4_TARGETS}
-    else:
-        targets = {"target_modules": "all-linear"}
-    return peft.LoraConfig(r=RANK, lora_alpha=8, init_lora_weights=False, **targets, **kwargs)
-
-
-def lora(model, model_type, seed=1):
-    torch.manual_seed(seed)  # the adapters' init: the same draw for stock and patched
-    return peft.get_peft_model(model, lora_config(model_type))
-
-
-def base_model(model_type, **overrides):
-    torch.manual_seed(0)
-    config = tiny.tiny_config(model_type)
-    window = {"sliding_window": 2 * SEQ} if getattr(config, "sliding_window", None) else {}
-    model = tiny_model(model_type, **{**sdpa_config_overrides(model_type), **window, **overrides})
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
-def step(model, seed=0):
-    ids, labels = batch(seed)
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    out = loss.detach(), grads(model)
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def assert_step_matches(patched, stock, seed=0):
-    loss_stock, want = step(stock, seed)
-    loss, got = step(patched, seed)
-    assert rel(loss, loss_stock) <= 1e-5, (loss.item(), loss_stock.item())
-    assert want and all("lora_" in name for name in want)
-    assert_grads_close(got, want, 1e-4)
 
 
 def _with_adapters(model, cls, projection) -> int:
