@@ -13,6 +13,9 @@ forward: Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` (its attention is not L
 fused-layout instance forward, tigon's GLU between PEFT's ``gate_up_proj`` and ``down_proj``), attentions with
 q/k norms (Qwen-3, Gemma-3, OLMo-2/3, ...) or another rotary (GLM-4, Cohere-2, ERNIE-4.5, Llama-4), and MLPs
 with muP multipliers or an output dropout (Falcon-H1, Seed-OSS: tigon's GLU between PEFT's projections).
+MoE rows: the attention's adapters, and the dense layers' and shared experts' MLPs' where PEFT puts adapters
+on them; the routed experts' weights are PEFT's ``target_parameters`` where PEFT targets them, and run as
+PEFT wraps them.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from tigon.patching.parts.attention import fuses_attention
 
 pytest.importorskip("peft")
 
-# model_type -> the nodes its adapters run in ("attention", "MLP") under transformers 5.25 and PEFT 0.21;
-# an empty tuple: every adapter runs in PEFT's forward.
+# model_type -> the nodes its adapters run in ("attention", "MLP"), as transformers 5.17-5.25 write the family's
+# modules; an empty tuple: every adapter runs in PEFT's forward.
 NODES = {
     "llama": ("attention", "MLP"),
     "mistral": ("attention", "MLP"),
@@ -58,12 +61,10 @@ NODES = {
     "cohere2": ("MLP",),
     "ernie4_5": ("MLP",),
     "llama4_text": ("MLP",),  # the dense layer's MLP (tiny_lora.LLAMA4_TARGETS)
-    # PEFT 0.21 converts these MoE rows' targets to transformers 5's experts (target_parameters on the 3-D
-    # gate_up_proj / down_proj): their dense MLPs and shared experts get no adapters
-    "qwen3_moe": (),
-    "glm4_moe": (),
-    "deepseek_v3": (),
-    "qwen3_next": (),
+    "qwen3_moe": ("MLP",),
+    "glm4_moe": ("MLP",),
+    "deepseek_v3": ("MLP",),
+    "qwen3_next": ("MLP",),
     # fused qkv_proj / gate_up_proj (Phi-3), gate_up_proj and an interleaved rotary (GLM-4), muP multipliers
     # (Falcon-H1): tigon's GLU between PEFT's projections
     "phi3": (),
@@ -114,15 +115,19 @@ def test_lora_step_matches_peft_with_adapters_in_the_nodes(model_type, node_call
     nodes = NODES[model_type]
     modules = {"attention": _with_adapters(patched, classes.attention, "q_proj") if "attention" in nodes else 0,
                "MLP": _with_adapters(patched, classes.mlp, "gate_proj") if "MLP" in nodes else 0}
-    assert all(modules[node] for node in nodes)
+    # PEFT 0.21 turns a MoE model's gate_proj / up_proj / down_proj targets into the routed experts' 3-D
+    # parameters where transformers' conversion mapping names the family (Qwen3-MoE, GLM-4-MoE, DeepSeek-V3,
+    # Qwen3-Next in 5.25): their dense MLPs and shared experts then hold no adapters
+    moe_mlps = FAMILIES[model_type].experts is not None
+    assert all(modules[node] for node in nodes if not (node == "MLP" and moe_mlps))
     handle = tigon.patch(patched)
     assert_step_matches(patched, stock)
 
     expected = []
-    if "attention" in nodes:
+    if modules["attention"]:
         expected.append(_line(f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention "
                               "node", modules["attention"]))
-    if "MLP" in nodes:
+    if modules["MLP"]:
         expected.append(_line(f"LoRA adapters (r={RANK}) of gate_proj/up_proj/down_proj run inside the MLP node",
                               modules["MLP"]))
     assert sorted(line for line in handle.replaced if line.startswith("LoRA adapters")) == sorted(expected), \
