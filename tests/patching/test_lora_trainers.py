@@ -8,7 +8,7 @@ tigon's attention and MLP nodes (the nodes' calls counted).
   CausalLM's forward is TRL's head by then, which the patch keeps (``Patch.replaced`` says so) with the
   backbone patched beneath it. TRL turns gradient checkpointing on (non-reentrant, its default) and the
   input's gradient (``enable_input_require_grads``) for a PEFT model: each node runs in each layer's forward
-  and again in its recompute.
+  and again in its recompute. DPOTrainer likewise, its reference model the adapters disabled.
 - Gradient checkpointing, non-reentrant and reentrant (what PEFT's ``prepare_model_for_kbit_training`` and
   older transformers turn on), enabled before or after the patch: the backward's recompute runs the nodes.
 """
@@ -116,6 +116,49 @@ def test_sft_trainer_with_peft_config_matches_stock(order, tmp_path, node_calls)
         handle.revert()  # TRL's head stays
         assert vars(causal_lm)["forward"] is head and not any(type(m).__module__.startswith("tigon")
                                                                for m in causal_lm.modules())
+
+
+def test_dpo_trainer_with_peft_config_matches_stock(tmp_path, node_calls):
+    """DPO: the policy is the PeftModel, its reference the same model with the adapters disabled (PEFT's
+    ``disable_adapter``: the base in the nodes). The model patched before the trainer and after it."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    gen = torch.Generator().manual_seed(3)
+
+    def words(n):
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (n,), generator=gen))
+
+    rows = datasets.Dataset.from_list([{"prompt": words(4), "chosen": words(5), "rejected": words(5)}
+                                       for _ in range(STEPS * BATCH)])
+
+    def trainer(model, name):
+        args = trl.DPOConfig(
+            output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
+            lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+            bf16=False, fp16=False, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        )
+        torch.manual_seed(1)
+        return trl.DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=_word_tokenizer(),
+                              peft_config=lora_config())
+
+    base = base_model()
+    want, want_adapters = _train(trainer(copy.deepcopy(base), "stock"))
+    assert len(want) == STEPS and want[0] != want[1]
+    for order in ("patch_then_trainer", "trainer_then_patch"):
+        model = copy.deepcopy(base)
+        if order == "patch_then_trainer":
+            tigon.patch(model)
+            dpo = trainer(model, order)
+        else:
+            dpo = trainer(model, order)
+            tigon.patch(dpo.model)
+        node_calls.update(attention=0, MLP=0)
+        got, adapters = _train(dpo)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert abs(g - w) <= 1e-5 * abs(w), (order, step, g, w)
+        for name, w in want_adapters.items():
+            assert rel(adapters[name], w) <= 1e-4, (order, name)
+        assert node_calls["attention"] >= 2 * LAYERS * STEPS and node_calls["MLP"] >= 2 * LAYERS * STEPS
 
 
 # ------------------------------------------------------------------------------------ gradient checkpointing
