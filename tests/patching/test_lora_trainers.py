@@ -9,8 +9,9 @@ tigon's attention and MLP nodes (the nodes' calls counted).
   backbone patched beneath it. TRL turns gradient checkpointing on (non-reentrant, its default) and the
   input's gradient (``enable_input_require_grads``) for a PEFT model: each node runs in each layer's forward
   and again in its recompute. DPOTrainer likewise, its reference model the adapters disabled.
-- Gradient checkpointing, non-reentrant and reentrant (what PEFT's ``prepare_model_for_kbit_training`` and
-  older transformers turn on), enabled before or after the patch: the backward's recompute runs the nodes.
+- Gradient checkpointing, non-reentrant and reentrant (transformers 4's default, which training scripts still
+  pass), with the input's gradient that PEFT's ``prepare_model_for_kbit_training`` and TRL turn on, enabled
+  before or after the patch: the backward's recompute runs the nodes.
 """
 
 from __future__ import annotations
