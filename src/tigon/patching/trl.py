@@ -69,6 +69,7 @@ import ast
 import importlib
 import inspect
 import logging
+import sys
 import textwrap
 
 import torch
@@ -217,6 +218,18 @@ def _nested_code(code, name):
             if found is not None:
                 return found
     return None
+
+
+def is_fused_head(forward) -> bool:
+    """Whether ``forward`` (a model's instance forward) is TRL's fused LM head: ``add_fused_lm_head``'s
+    ``_fused_forward`` bound to the model (a TRL trainer adds it to the model it trains). False where TRL
+    is not imported, as no model can hold its head then."""
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    add_head = getattr(sys.modules.get(TRL_UTILS), "add_fused_lm_head", None)
+    if code is None or code.co_name != HEAD_CALLER or add_head is None:
+        return False
+    add_head = inspect.unwrap(add_head)
+    return inspect.isfunction(add_head) and code is _nested_code(add_head.__code__, HEAD_CALLER)
 
 
 def _differences(utils, original) -> list[str]:

@@ -6,6 +6,12 @@
   PEFT's ``modules_to_save`` wrapper of one: then the original and each adapter's copy take a target, and
   the fused loss runs over the one the wrapper calls (loss_forward.active_head).
 - ``cross_entropy``: the instance's ``loss_function`` becomes tigon's cross-entropy over the stock logits.
+
+A model whose forward is TRL's fused LM head (a TRL trainer added it: the model was patched after the
+trainer was made) keeps that forward under ``fused_linear_cross_entropy``: TRL trains through it, scoring
+the tokens from the backbone's output with its own head (tigon.patch_trl() makes that tigon's op), and hands
+every other call to the stock forward it wraps. The backbone's parts are patched beneath it as they are
+under a model patched before TRL wrapped it, where TRL's head wraps tigon's forward instead.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import importlib
 
 from torch import nn
 
-from tigon.patching import loss_forward
+from tigon.patching import loss_forward, trl
 from tigon.patching.instance_methods import InstanceMethod, Recipe
 from tigon.patching.parts import Part
 from tigon.patching.patch_handle import SetAttr
@@ -31,6 +37,11 @@ def loss_lines(classes, switches):
     if switches["cross_entropy"]:
         return [f"{name}.loss_function -> tigon.ops.cross_entropy"]
     return []
+
+
+def trl_head_line(classes):
+    return (f"{classes.causal_lm.__name__}.forward is TRL's fused LM head (trl add_fused_lm_head): kept, the "
+            "training loss TRL's (tigon.patch_trl() computes it with tigon)")
 
 
 def _check_head(model, lm_head, family, classes, parallel_head, path="lm_head"):
@@ -69,6 +80,9 @@ def plan_loss(plan, model, family, classes, switches):
     loss_function = vars(model).get("_loss_function")
     if switches["fused_linear_cross_entropy"]:
         if is_tigon(forward):
+            return
+        if trl.is_fused_head(forward) and type(model).forward is classes.causal_lm.forward:
+            plan.note(trl_head_line(classes))
             return
         importlib.import_module("tigon.ops.fused_linear_cross_entropy")  # fail here, not at the first step
         if is_tigon(loss_function):

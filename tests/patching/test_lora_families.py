@@ -1,0 +1,147 @@
+"""PEFT LoRA on every family whose attention or MLP tigon fuses: one training step of a patched LoRA model
+equals stock PEFT's (loss within 1e-5, every adapter gradient within 1e-4; fp32 under the interpreter), and
+the adapters run inside tigon's attention node and MLP node where the family has them (``Patch.replaced``
+says so, and the nodes are called once a module), in PEFT's forward where it has not.
+
+Rank 5 on every linear layer (PEFT's ``all-linear``), ``init_lora_weights=False`` so that B ≠ 0 and the
+adapters change the loss. Sliding windows are wider than the sequence, as a training sequence shorter than
+Mistral's 4096 window is: the mask is then causal and the node runs in every layer;
+:func:`test_banded_layers_keep_the_projections_forwards` takes a window within the sequence.
+
+Where a family's projections are not those of tigon's nodes (:data:`NODES`), the adapters run in PEFT's own
+forward: Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` (its attention is not Llama's layout; its MLP is the
+fused-layout instance forward, tigon's GLU between PEFT's ``gate_up_proj`` and ``down_proj``), attentions with
+q/k norms (Qwen-3, Gemma-3, OLMo-2/3, ...) or another rotary (GLM-4, Cohere-2, ERNIE-4.5, Llama-4), and MLPs
+with muP multipliers or an output dropout (Falcon-H1, Seed-OSS: tigon's GLU between PEFT's projections).
+MoE rows: the attention's adapters, and the dense layers' and shared experts' MLPs' where PEFT puts adapters
+on them; the routed experts' weights are PEFT's ``target_parameters`` where PEFT targets them, and run as
+PEFT wraps them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import tigon
+from tests.patching import tiny
+from tests.patching.tiny import SEQ
+from tests.patching.tiny_lora import RANK, assert_step_matches, base_model, count_node_calls, lora, node_in_fp32_here
+from tigon.patching.engine import SWITCHES, resolve
+from tigon.patching.families import FAMILIES
+from tigon.patching.parts.attention import fuses_attention
+
+pytest.importorskip("peft")
+
+# model_type -> the nodes its adapters run in ("attention", "MLP"), as transformers 5.17-5.25 write the family's
+# modules; an empty tuple: every adapter runs in PEFT's forward.
+NODES = {
+    "llama": ("attention", "MLP"),
+    "mistral": ("attention", "MLP"),
+    "ministral": ("attention", "MLP"),
+    "qwen2": ("attention", "MLP"),
+    "gemma": ("attention", "MLP"),
+    "gemma2": ("attention", "MLP"),
+    "granite": ("attention", "MLP"),
+    "smollm3": ("attention", "MLP"),
+    "qwen2_moe": ("attention", "MLP"),  # the dense layer's MLP and the shared expert
+    "mixtral": ("attention",),
+    "granitemoe": ("attention",),
+    "starcoder2": ("attention",),  # c_fc / c_proj: not a gated MLP
+    "seed_oss": ("attention",),  # the MLP's output dropout: tigon's GLU between PEFT's projections
+    # q/k norms or another rotary: the attention runs its own forward
+    "qwen3": ("MLP",),
+    "gemma3_text": ("MLP",),
+    "olmo2": ("MLP",),
+    "olmo3": ("MLP",),
+    "exaone4": ("MLP",),
+    "hunyuan_v1_dense": ("MLP",),
+    "stablelm": ("MLP",),
+    "cohere2": ("MLP",),
+    "ernie4_5": ("MLP",),
+    "llama4_text": ("MLP",),  # the dense layer's MLP (tiny_lora.LLAMA4_TARGETS)
+    "qwen3_moe": ("MLP",),
+    "glm4_moe": ("MLP",),
+    "deepseek_v3": ("MLP",),
+    "qwen3_next": ("MLP",),
+    # fused qkv_proj / gate_up_proj (Phi-3), gate_up_proj and an interleaved rotary (GLM-4), muP multipliers
+    # (Falcon-H1): tigon's GLU between PEFT's projections
+    "phi3": (),
+    "glm4": (),
+    "falcon_h1": (),
+}
+
+
+@pytest.fixture(autouse=True)
+def _node_in_fp32_here(monkeypatch):
+    node_in_fp32_here(monkeypatch)
+
+
+@pytest.fixture
+def node_calls(monkeypatch):
+    return count_node_calls(monkeypatch)
+
+
+def test_every_family_with_a_fused_attention_or_mlp_is_listed():
+    """The families whose attention tigon can fuse or whose MLP it patches, from the family table."""
+    fused = set()
+    for model_type, family in FAMILIES.items():
+        if family.is_vision_language:
+            continue
+        classes = resolve(family)
+        if family.mlp is not None or (classes.attention is not None and fuses_attention(family, classes, SWITCHES)):
+            fused.add(model_type)
+    assert fused == set(NODES) and fused <= set(tiny.CONFIGS)
+
+
+def _with_adapters(model, cls, projection) -> int:
+    """How many ``cls`` modules of ``model`` hold a PEFT LoRA layer as ``projection``."""
+    if cls is None:
+        return 0
+    return sum(type(m) is cls and hasattr(m._modules.get(projection), "lora_A") for m in model.modules())
+
+
+def _line(text, modules):
+    return text if modules == 1 else f"{text} ({modules} modules)"
+
+
+@pytest.mark.parametrize("model_type", sorted(NODES))
+def test_lora_step_matches_peft_with_adapters_in_the_nodes(model_type, node_calls):
+    base = base_model(model_type)
+    classes = resolve(FAMILIES[model_type])
+    stock = lora(copy.deepcopy(base), model_type)
+    patched = lora(base, model_type)
+    nodes = NODES[model_type]
+    modules = {"attention": _with_adapters(patched, classes.attention, "q_proj") if "attention" in nodes else 0,
+               "MLP": _with_adapters(patched, classes.mlp, "gate_proj") if "MLP" in nodes else 0}
+    # PEFT 0.21 turns a MoE model's gate_proj / up_proj / down_proj targets into the routed experts' 3-D
+    # parameters where transformers' conversion mapping names the family (Qwen3-MoE, GLM-4-MoE, DeepSeek-V3,
+    # Qwen3-Next in 5.25): their dense MLPs and shared experts then hold no adapters
+    moe_mlps = FAMILIES[model_type].experts is not None
+    assert all(modules[node] for node in nodes if not (node == "MLP" and moe_mlps))
+    handle = tigon.patch(patched)
+    assert_step_matches(patched, stock)
+
+    expected = []
+    if modules["attention"]:
+        expected.append(_line(f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention "
+                              "node", modules["attention"]))
+    if modules["MLP"]:
+        expected.append(_line(f"LoRA adapters (r={RANK}) of gate_proj/up_proj/down_proj run inside the MLP node",
+                              modules["MLP"]))
+    assert sorted(line for line in handle.replaced if line.startswith("LoRA adapters")) == sorted(expected), \
+        handle.replaced
+    assert node_calls == modules  # once a module
+
+
+def test_banded_layers_keep_the_projections_forwards(node_calls):
+    """A sliding window within the sequence: tigon's band attention runs the sliding layer (its projections
+    through PEFT's forward), the full layer runs the node; the step equals stock PEFT's."""
+    base = base_model("ministral", sliding_window=SEQ // 2)
+    stock = lora(copy.deepcopy(base), "ministral")
+    patched = lora(base, "ministral")
+    tigon.patch(patched)
+    assert_step_matches(patched, stock)
+    assert node_calls == {"attention": 1, "MLP": 2}
+
