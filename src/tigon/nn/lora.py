@@ -230,7 +230,8 @@ def adapter_lines(modules, node: str, fallback: str) -> list:
             continue
         projection = lora_projection(module)
         if isinstance(projection, str):
-            lines.append(f"{name}: {'PEFT' if peft else 'bitsandbytes'}'s forward ({projection}); {fallback}")
+            owner = "PEFT's" if peft else "bitsandbytes'"
+            lines.append(f"{name}: {owner} forward ({projection}); {fallback}")
             continue
         if projection.lora_a is not None:
             fused.append(name)

@@ -194,6 +194,16 @@ def backward_weight(weight, cast, dtype: torch.dtype):
     return weight.backward_weight(dtype) if type(weight) is QuantizedWeight else cast
 
 
+def forward_weights(weights, dtype: torch.dtype) -> list:
+    """``weights`` with each :class:`QuantizedWeight` dequantized as the forward reads it (others as they are)."""
+    return [w.forward_weight(dtype) if type(w) is QuantizedWeight else w for w in weights]
+
+
+def backward_weights(weights, dtype: torch.dtype) -> list:
+    """``weights`` with each :class:`QuantizedWeight` dequantized as the backward reads it."""
+    return [w.backward_weight(dtype) if type(w) is QuantizedWeight else w for w in weights]
+
+
 def split_saved(weights) -> tuple:
     """``(tensors, quantized)``: what ``save_for_backward`` takes (None in a quantized weight's place) and
     what the node keeps on its context instead (the :class:`QuantizedWeight`, None elsewhere)."""
