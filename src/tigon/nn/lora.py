@@ -161,7 +161,7 @@ def lora_projection(module) -> LoraProjection | str:
         base = getattr(module, "base_layer", module) if _peft_lora(module) else module
         kind = bitsandbytes_kind(base)
         if kind is not None:
-            return f"base layer is bitsandbytes {kind} {type(base).__name__}"
+            return f"{'base layer is ' if base is not module else ''}bitsandbytes {kind} {type(base).__name__}"
         return f"{cls.__name__} is neither nn.Linear nor PEFT's LoRA Linear"
     if "forward" in module.__dict__ or _hooked(module) or _global_hooks():
         return "hooks or a forward set on the layer"
