@@ -167,11 +167,11 @@ def lora_projection(module) -> LoraProjection | str:
         return "hooks or a forward set on the layer"
     modules = module._modules
     base = modules["base_layer"]
-    if cls is lora_4bit_cls:
-        base_read = read_linear4bit(base) if linear_4bit_class(base) else f"base layer is {type(base).__name__}"
+    if linear_4bit_class(base):  # (PEFT's Linear over one, where the model was not marked 4-bit, adds the same)
+        base_read = read_linear4bit(base)
         if isinstance(base_read, str):
             return base_read
-    elif _plain_part(base):
+    elif cls is lora_cls and _plain_part(base):
         base_read = base._parameters["weight"], base._parameters.get("bias")
     else:
         return f"base layer is {type(base).__name__}, not a plain nn.Linear"

@@ -389,7 +389,8 @@ class _GatedMLP(nn.Module):
 
     def unfused_reason(self) -> str | None:
         """None when :meth:`forward` runs one node now; else why the projections run their own forwards
-        (e.g. ``"up_proj: dropout 0.05"``). Adapters can be switched, so this holds for the next call."""
+        (e.g. ``"up_proj: dropout 0.05"``). Adapters can be switched, so this holds for the next call; a
+        bitsandbytes 4-bit base whose compute dtype is not the call's (tigon.nn.lora_mlp) is decided there."""
         projections = lora_projections({"gate_proj": self.gate_proj, "up_proj": self.up_proj,
                                         "down_proj": self.down_proj})
         return projections if isinstance(projections, str) else None
