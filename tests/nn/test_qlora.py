@@ -15,7 +15,7 @@ from tests.helpers import DEVICE, assert_close, randn
 from tigon.nn import quantized_base
 from tigon.nn.lora import adapter_lines, lora_projection
 from tigon.nn.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
-from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP
+from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP, gated_mlp
 from tigon.nn.quantized_base import QuantizedWeight, read_linear4bit
 
 peft = pytest.importorskip("peft")
@@ -289,6 +289,8 @@ def test_quantized_weight_device_and_shape_checks():
     meta.device = torch.device("meta")
     with pytest.raises(ValueError, match="gate_proj.weight is on meta"):
         lora_gated_mlp(randn(TOKENS, HIDDEN), gate._replace(weight=meta), up, down)
+    with pytest.raises(TypeError, match="gate_proj.weight must be a torch.Tensor, got QuantizedWeight"):
+        gated_mlp(randn(TOKENS, HIDDEN), gate.weight, up.weight, down.weight)
     assert quantized_base.quant_label([gate.weight]) == "bitsandbytes 4-bit nf4, compute float32, double quant"
 
 

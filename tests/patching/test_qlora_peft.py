@@ -128,6 +128,29 @@ def test_qlora_adapters_inside_the_nodes_match_peft_bitsandbytes(case, checkpoin
     assert not any("PEFT's forward" in line or "bitsandbytes' forward" in line for line in handle.replaced)
 
 
+def test_qlora_nodes_save_no_dequantized_weight(checkpoint, node_calls):
+    """What the attention and MLP nodes keep for the backward holds no dequantized weight (a 2-D float tensor
+    of a projection's shape, or of q/k/v's stacked one): the packed weights stay the parameters, dequantized
+    again in the backward."""
+    patched = lora(quantized(checkpoint, kbit_prepare=False), 4, ALL)
+    tigon.patch(patched)
+    layers = patched.get_base_model().model.layers
+    shapes = {tuple(p.get_base_layer().weight.quant_state.shape) for layer in layers
+              for p in (*(getattr(layer.self_attn, n) for n in ATTENTION),
+                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)}
+    config = patched.get_base_model().config
+    head_dim = config.head_dim
+    shapes.add(((config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, config.hidden_size))
+    saved = []
+    ids, labels = batch(0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = patched(input_ids=ids, labels=labels).loss
+    assert len(node_calls) == len(layers) and "_LoraGatedMLPFunctionBackward" in node_names(loss)
+    weights = [tuple(t.shape) for t in saved if t.is_floating_point() and tuple(t.shape) in shapes]
+    assert weights == [], weights
+    loss.backward()
+
+
 def test_qlora_patched_before_wrapping_and_reverted(checkpoint, node_calls):
     """Patching the quantized model first, then get_peft_model: the same training step; revert puts the stock
     modules back (the MLP a LlamaMLP around the same PEFT layers), and the step is still stock's."""

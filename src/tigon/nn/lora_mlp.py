@@ -268,7 +268,8 @@ def lora_gated_mlp(x, gate, up, down, *, activation="silu"):
     compute dtype), and the adapters are cast to it inside the node (PEFT's default fp32 adapters on a
     bf16 model).
     """
-    _check_mlp_args(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, activation)
+    _check_mlp_args(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, activation,
+                    quantized_ok=True)
     for projection, name in ((gate, "gate_proj"), (up, "up_proj"), (down, "down_proj")):
         check_adapter(projection, name, x.device)
     weights = (gate.weight, up.weight, down.weight)

@@ -265,7 +265,8 @@ def _reuse_saved(gate, up) -> bool:
             and gate.dtype == up.dtype)
 
 
-def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
+def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+                    quantized_ok=False):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_tensor(x, "x")
@@ -273,7 +274,7 @@ def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
         raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
     hidden = x.shape[-1]
     device = x.device
-    check_weight(gate_weight, "gate_proj.weight", device)
+    check_weight(gate_weight, "gate_proj.weight", device, quantized_ok)
     intermediate = gate_weight.shape[0]
     # (a loop over a tuple, not a dict of names: this runs on every MLP call)
     for t, name, shape in (
@@ -287,7 +288,7 @@ def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
         if t is None:
             continue
         if t is not gate_weight:
-            check_weight(t, name, device)
+            check_weight(t, name, device, quantized_ok)
         if t.shape != shape:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}, expected {shape} for x of shape {tuple(x.shape)}"

@@ -168,9 +168,10 @@ def compute_dtype_reason(x, weights) -> str | None:
     return None
 
 
-def check_weight(t, name: str, device) -> None:
-    """:func:`tigon._kernels.check_tensor` of a weight, or a :class:`QuantizedWeight`'s device."""
-    if type(t) is QuantizedWeight:
+def check_weight(t, name: str, device, quantized_ok: bool = True) -> None:
+    """:func:`tigon._kernels.check_tensor` of a weight, or a :class:`QuantizedWeight`'s device (where
+    ``quantized_ok``; else it is refused as any non-tensor is)."""
+    if quantized_ok and type(t) is QuantizedWeight:
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs on one device)")
         return
