@@ -5,8 +5,8 @@ A ``bitsandbytes.nn.Linear4bit`` (and its ``LinearNF4`` / ``LinearFP4`` subclass
 packed two 4-bit codes a byte (``Params4bit``, ``[(out·in + 1) // 2, 1]``) and a ``QuantState``: the code
 book (nf4 or fp4), one absmax per block of ``blocksize`` values (with double quant, "nested", those absmax
 are themselves 8-bit codes with their own fp32 absmax per 256 and an offset), W's shape and the dtype S
-it was quantized from. bitsandbytes 0.50's forward for a training input (x requires grad, or more than a
-few rows), with C the layer's ``compute_dtype``::
+it was quantized from. bitsandbytes 0.50's forward (``matmul_4bit`` through its ``gemm_4bit`` op, with or
+without grad; its CPU inference path aside, below), with C the layer's ``compute_dtype``::
 
     Wc = dequantize_4bit(W, state) in C          the ``gemm_4bit`` op: absmax resolved, codes × absmax in C
     y  = F.linear(x.to(C), Wc, b.to(C)).to(x.dtype)                         (``MatMul4Bit.forward``)
@@ -18,11 +18,11 @@ and no gradient for W (the codes are integers). Under autocast the product insid
 ``bitsandbytes.functional.dequantize_4bit`` (the forward's with the state's dtype read as C, which is
 what the ``gemm_4bit`` op passes the same dequantizer; S = C, the usual case, makes the two one), cast to
 the product's dtype as the forward and the backward cast them. A node keeps the :class:`QuantizedWeight`
-(the packed parameter and its state, ~0.56 bytes a weight with double quant) from its forward to its
-backward and dequantizes again there: never the dequantized weight, which would be a whole 2-byte copy of
-the model's base weights kept through the step, what QLoRA exists to avoid. The price is one more
-dequantization a weight a step (a read of 0.5 byte and a write of 2 a weight, against the products'
-2·M flops a weight a direction).
+(the packed parameter and its state: 0.52 bytes a weight with double quant, 0.56 without) from its
+forward to its backward and dequantizes again there: never the dequantized weight, which would be a whole
+2-byte copy of the model's base weights kept through the step, what QLoRA exists to avoid. The price is
+one more dequantization a weight a step (a read of 0.5 byte and a write of 2 a weight, against the
+products' 2·M flops a weight a direction).
 
 On the GPU bitsandbytes runs its own fused 4-bit kernel instead of dequantize + ``F.linear`` for inputs
 of up to 1536 rows, as its per-architecture table decides (``backends/cuda/ops.py``); the nodes always
