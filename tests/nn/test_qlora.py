@@ -303,3 +303,47 @@ def test_qlora_mlp_gpu_bf16_training_shape():
     x = randn(2, 2048, 512, dtype=torch.bfloat16)
     dy = randn(2, 2048, 512, dtype=torch.bfloat16)
     assert_matches_stock(stock, ours, x, dy, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------ the attention node
+
+
+def test_attention_node_over_quantized_weights_is_the_node_over_their_dequantized_ones():
+    """tigon.nn.attention.AttentionNode given QuantizedWeights for q, k, v, o (q and v with adapters, k and o
+    bare): bitwise the node given the dequantized weights (state quantized from the compute dtype: forward
+    and backward read the same W), the adapters' and the input's gradients too; nothing of a weight's shape
+    saved."""
+    from tigon.nn.attention import ATTENTION_NODE
+
+    heads, kv_heads, head_dim, hidden, batch, seq = 4, 2, 16, HIDDEN, 2, 9
+    outs = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim, "o": hidden}
+    ins = {"q": hidden, "k": hidden, "v": hidden, "o": heads * head_dim}
+    torch.manual_seed(0)
+    quantized = {n: read_linear4bit(linear_4bit(nn.Linear(ins[n], outs[n], bias=n != "o", device=DEVICE),
+                                                quant_type="fp4" if n == "k" else "nf4", nested=n != "v"))
+                 for n in outs}
+    adapters = {n: (randn(3, ins[n], requires_grad=True), randn(outs[n], 3, requires_grad=True)) if n in "qv"
+                else (None, None) for n in outs}
+    x, dy = randn(batch, seq, hidden), randn(batch, seq, hidden)
+    angles = torch.arange(seq, dtype=torch.float32, device=DEVICE)[:, None] / 10 ** torch.arange(
+        head_dim // 2, dtype=torch.float32, device=DEVICE)
+    cos, sin = torch.cat((angles, angles), -1).cos()[None], torch.cat((angles, angles), -1).sin()[None]
+    shape = (heads, kv_heads, head_dim, head_dim ** -0.5)
+    lora = [t for n in outs for t in adapters[n]]
+    scalings = (2.0, 0.0, 0.5, 0.0)
+    results = []
+    for dequantize in (False, True):
+        params = [t for n in outs for t in (quantized[n][0].forward_weight(torch.float32) if dequantize
+                                            else quantized[n][0], quantized[n][1])]
+        leaf = x.detach().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            y = ATTENTION_NODE(leaf, cos, sin, None, torch.float32, shape, *params, None, None, None, *lora, scalings)
+        grads = torch.autograd.grad(y, [leaf, *(t for t in lora if t is not None)], dy)
+        results.append((y, grads, saved))
+    (y, grads, saved), (y_plain, grads_plain, _) = results
+    assert torch.equal(y, y_plain)
+    for g, want in zip(grads, grads_plain, strict=True):
+        assert torch.equal(g, want)
+    weight_shapes = {(outs[n], ins[n]) for n in outs} | {(sum(outs[n] for n in "qkv"), hidden)}
+    assert not [tuple(t.shape) for t in saved if t.is_floating_point() and tuple(t.shape) in weight_shapes]
