@@ -1,7 +1,8 @@
-"""LoRA fine-tuning steps on a GPU: stock PEFT, tigon on the PeftModel, and Liger-Kernel with PEFT.
+"""LoRA and QLoRA fine-tuning steps on a GPU: stock PEFT, tigon on the PeftModel, and Liger-Kernel with PEFT.
 
-    python benchmarks/lora.py                              # Llama-3.1-8B-shaped, 8 of its 32 layers (~4 min, H200)
+    python benchmarks/lora.py                              # Llama-3.1-8B-shaped, 8 of its 32 layers (~5 min, H200)
     python benchmarks/lora.py --layers 32 --providers peft+ckpt tigon+ckpt
+    python benchmarks/lora.py --providers peft+4bit tigon+4bit             # QLoRA
     python benchmarks/lora.py --device cpu --tiny --warmup 0 --steps 1    # pipeline smoke test (CPU)
 
 What is measured. A Llama-3.1-8B-shaped model (hidden 4096, intermediate 14336, 32 query / 8 key-value
@@ -24,8 +25,13 @@ timed on the host: the median of ``--steps`` (3) after ``--warmup`` (2, which co
 Providers: ``peft`` (stock transformers + PEFT), ``tigon`` (``tigon.patch`` on the PeftModel),
 ``liger`` (Liger-Kernel's ``apply_liger_kernel_to_llama()`` before the model is built: its RMSNorm,
 rope, SwiGLU and fused linear cross-entropy, PEFT's LoRA forwards), each also with ``+ckpt``:
-transformers' gradient checkpointing (non-reentrant) on every decoder layer. Each runs in a fresh
-process (benchmarks/e2e.py's worker pool).
+transformers' gradient checkpointing (non-reentrant) on every decoder layer. QLoRA: ``peft+4bit`` and
+``tigon+4bit`` (each also ``+ckpt``) train the same model with its decoder projections bitsandbytes 4-bit
+(:func:`quantize_4bit`: nf4, double quant, bf16 compute, what ``from_pretrained(quantization_config=
+BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16 weights) after
+``peft.prepare_model_for_kbit_training`` (fp32 norms, embeddings and head; its checkpointing left to
+``+ckpt``), compared with ``peft+4bit``. Each runs in a fresh process (benchmarks/e2e.py's worker pool).
 
 Reported: tokens/s; achieved TFLOP/s, the model's flops a step over the median step time, against a
 bf16 ``--matmul-size``³ matmul timed in the same process (the rate the device's large products reach);
@@ -46,7 +52,7 @@ Model flops a step (:func:`step_flops`), N = batch·seq tokens, L layers, H hidd
                                                   the backward twice the forward
 
 The recomputed forward under checkpointing is not counted (it is the same model's work done twice),
-nor the norms, rotary, activation, softmax and optimizer.
+nor the norms, rotary, activation, softmax and optimizer, nor QLoRA's dequantizations.
 
 Results: ``--out`` (default benchmarks/results/) gets ``lora-<device>-<date>.{json,md}``, and one line
 goes to ``benchmarks/results/history.jsonl`` (``--history PATH``; none for a smoke run); the markdown
@@ -81,8 +87,10 @@ LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336
 TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=256)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "liger+ckpt")
+PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "liger+ckpt", "peft+4bit", "tigon+4bit",
+             "peft+4bit+ckpt", "tigon+4bit+ckpt")
 PROVIDER_TITLES = {"peft": "stock PEFT", "tigon": "tigon.patch(PeftModel)", "liger": "Liger-Kernel + PEFT"}
+VARIANT_TITLES = {"4bit": " on 4-bit nf4 bases (QLoRA)", "ckpt": " + checkpointing"}
 REFERENCE = "peft"
 LAYERS = 8
 BATCH = 2
@@ -202,6 +210,32 @@ def init_by_name(model, names=None) -> None:
             p.copy_(values)
 
 
+def quantize_4bit(model, device) -> None:
+    """QLoRA's base (module docs): each decoder projection of ``model`` a bitsandbytes ``Linear4bit`` (nf4,
+    double quant, bf16 compute) quantized on ``device`` from the projection's weight, the model marked as
+    transformers marks a 4-bit model (PEFT then wraps them in its ``Linear4bit``); then
+    ``peft.prepare_model_for_kbit_training`` without its checkpointing."""
+    import bitsandbytes as bnb
+    import peft
+    import torch
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in list(parent.named_children()):
+                if type(linear) is not torch.nn.Linear:
+                    continue
+                quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                              compute_dtype=torch.bfloat16, compress_statistics=True,
+                                              quant_type="nf4", device="meta")
+                quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
+                                                     compress_statistics=True, module=quantized)
+                if linear.bias is not None:
+                    quantized.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+                setattr(parent, name, quantized.to(device))  # quantizes
+    model.is_loaded_in_4bit = True
+    peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
 def apply_liger() -> None:
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -225,6 +259,8 @@ def build(job: dict, device):
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     init_by_name(model)
+    if "4bit" in parts:
+        quantize_4bit(model, device)
     lora = peft.LoraConfig(r=job["rank"], lora_alpha=job["alpha"], lora_dropout=0.0, target_modules=list(TARGETS))
     model = peft.get_peft_model(model, lora)
     init_by_name(model, {n for n, p in model.named_parameters() if p.requires_grad})
@@ -306,14 +342,23 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def reference_names(provider: str) -> tuple:
+    """The runs ``provider`` is compared with, in order: stock PEFT on the same bases (4-bit or not) with the
+    same checkpointing, then with the other."""
+    variants = provider.split("+")[1:]
+    bases = [REFERENCE, *(v for v in variants if v != "ckpt")]
+    ckpt = "ckpt" in variants
+    return "+".join(bases + ["ckpt"] * ckpt), "+".join(bases + ["ckpt"] * (not ckpt))
+
+
 def add_agreement(rows: list[dict]) -> None:
-    """Each row's first loss and first-step adapter gradients against the reference run with the same
-    checkpointing (or, when that one failed, the other one): ``loss_rel``, ``grad_rel``, ``agrees``."""
+    """Each row's first loss and first-step adapter gradients against the reference run with the same bases
+    and checkpointing (or, when that one failed, the other checkpointing): ``loss_rel``, ``grad_rel``,
+    ``agrees``."""
     import torch
 
     def reference(row):
-        ckpt = "+ckpt" if row["provider"].endswith("+ckpt") else ""
-        for name in (REFERENCE + ckpt, REFERENCE + ("" if ckpt else "+ckpt")):
+        for name in reference_names(row["provider"]):
             ref = next((r for r in rows if r["provider"] == name and "losses" in r), None)
             if ref is not None:
                 return ref
@@ -361,8 +406,8 @@ def row_line(row: dict) -> str:
 
 
 def _title(provider: str) -> str:
-    base, _, ckpt = provider.partition("+")
-    return PROVIDER_TITLES[base] + (" + checkpointing" if ckpt else "")
+    base, *variants = provider.split("+")
+    return PROVIDER_TITLES[base] + "".join(VARIANT_TITLES[v] for v in variants)
 
 
 def _fmt(value, spec: str) -> str:
@@ -385,7 +430,7 @@ def markdown(result: dict) -> str:
         f"matmul: a bf16 {s['matmul_size']}³ product in the same process"
         + (f" ({min(matmul):.0f}–{max(matmul):.0f} TFLOP/s)" if matmul else "") + ". Loss Δ: the first step's, "
         "relative; grad Δ: all adapter gradients of the first step, relative; against stock PEFT with the same "
-        "checkpointing. Each run in a fresh process.", "",
+        "bases and checkpointing (QLoRA: nf4, double quant, bf16 compute). Each run in a fresh process.", "",
         "| provider | tokens/s | vs PEFT | TFLOP/s | of matmul | step ms | peak GiB | loss Δ | grad Δ | note |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -394,7 +439,7 @@ def markdown(result: dict) -> str:
         if "error" in row:
             lines.append(f"| {_title(row['provider'])} | — | — | — | — | — | — | — | — | {row['error']} |")
             continue
-        ref = speeds.get(REFERENCE + ("+ckpt" if row["provider"].endswith("+ckpt") else ""))
+        ref = speeds.get(reference_names(row["provider"])[0])
         speed = f"{row['tokens_per_s'] / ref:.2f}x" if ref else "—"
         note = "" if row.get("agrees", True) else "**disagrees**"
         lines.append(

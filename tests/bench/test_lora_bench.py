@@ -1,6 +1,6 @@
 """``benchmarks/lora.py`` without a GPU: its arguments, the flop count (against the parameters a real PeftModel
 holds), the agreement check and the table it writes, and one tiny step run in-process for stock PEFT and
-tigon, which must agree."""
+tigon, which must agree, on plain and on bitsandbytes 4-bit (QLoRA) bases."""
 
 import json
 import math
@@ -20,6 +20,10 @@ def test_arguments():
     assert args.providers == list(lora.PROVIDERS) and args.matmul_size == 8192 and args.weights == "bf16"
     args = lora.parse_args(["--layers", "32", "--providers", "peft+ckpt", "tigon+ckpt", "--tiny"])
     assert args.layers == 32 and args.providers == ["peft+ckpt", "tigon+ckpt"]
+    assert lora.parse_args(["--providers", "peft+4bit", "tigon+4bit+ckpt"]).providers == ["peft+4bit",
+                                                                                          "tigon+4bit+ckpt"]
+    assert lora.reference_names("tigon+4bit+ckpt") == ("peft+4bit+ckpt", "peft+4bit")
+    assert lora.reference_names("liger") == ("peft", "peft+ckpt")
     assert args.seq == lora.TINY_SEQ and args.matmul_size == lora.TINY_MATMUL_SIZE
     for bad in (["--layers", "0"], ["--providers", "unsloth"], ["--providers", "peft", "peft"], ["--warmup", "-1"]):
         with pytest.raises(SystemExit):
@@ -46,6 +50,21 @@ def tiny_job(provider, tmp_path=None, **extra):
     return {**job, **extra}
 
 
+def test_qlora_build_quantizes_the_projections():
+    """+4bit: every decoder projection a bitsandbytes Linear4bit under PEFT's LoRA Linear4bit, nf4 with double
+    quant and bf16 compute; norms and head fp32 (prepare_model_for_kbit_training); the adapters trainable."""
+    pytest.importorskip("bitsandbytes")
+    model = lora.build(tiny_job("tigon+4bit"), DEVICE)
+    layer = model.get_base_model().model.layers[0]
+    for projection in (layer.self_attn.q_proj, layer.mlp.down_proj):
+        assert type(projection).__module__ == "peft.tuners.lora.bnb"
+        base = projection.get_base_layer()
+        assert type(base).__name__ == "Linear4bit" and base.compute_dtype == torch.bfloat16
+        assert base.weight.quant_state.quant_type == "nf4" and base.weight.quant_state.nested
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
 def test_flops_count_the_models_parameters():
     """The base and adapter terms are 4·N and 6·N·r times the weights the built PeftModel holds."""
     job = tiny_job("peft")
@@ -68,13 +87,16 @@ def test_same_weights_for_every_provider():
     assert lora_b.abs().sum() > 0  # random, not PEFT's zeros
 
 
-def test_tiny_steps_agree_in_process(tmp_path):
-    rows = [lora.run_job(tiny_job(p, tmp_path)) for p in ("peft", "tigon")]
+@pytest.mark.parametrize("bases", ("", "+4bit"))
+def test_tiny_steps_agree_in_process(tmp_path, bases):
+    if bases:
+        pytest.importorskip("bitsandbytes")
+    rows = [lora.run_job(tiny_job(p + bases, tmp_path)) for p in ("peft", "tigon")]
     for row in rows:
         assert len(row["losses"]) == 1 and row["tokens_per_s"] > 0 and row["adapter_params"] > 0
         assert row["tflops"] == pytest.approx(row["flops"]["total"] / row["median_step_s"] / 1e12)
     lora.add_agreement(rows)
-    assert rows[1]["against"] == "peft" and rows[1]["agrees"], rows[1]
+    assert rows[1]["against"] == "peft" + bases and rows[1]["agrees"], rows[1]
     assert rows[1]["grad_rel"] <= lora.BF16_TOLERANCE and rows[1]["loss_rel"] <= lora.BF16_TOLERANCE
     assert "loss_rel" not in rows[0]
 
@@ -92,6 +114,10 @@ def synthetic_rows(tmp_path):
                      "median_step_s": 0.5, "peak_bytes": 3 * 2**30, "device": "NVIDIA H200",
                      "flops": {"base": 1e12, "total": 2e12}})
     rows.append({"provider": "liger", "error": "ModuleNotFoundError: No module named 'liger_kernel'"})
+    for provider, scale in (("peft+4bit", 0.9), ("tigon+4bit", 1.0)):
+        path = tmp_path / f"{provider}.pt"
+        torch.save({"names": ["a"], "grads": grads * (1.2 if provider == "peft+4bit" else 1.2002)}, path)
+        rows.append({**rows[0], "provider": provider, "grads_path": str(path), "tokens_per_s": 1000.0 * scale})
     return rows
 
 
@@ -103,6 +129,7 @@ def test_agreement_pairs_checkpointing_and_flags_disagreement(tmp_path):
     assert math.isclose(by["tigon"]["loss_rel"], 1e-3) and math.isclose(by["tigon"]["grad_rel"], 1e-3, rel_tol=1e-3)
     assert by["tigon"]["agrees"] and not by["tigon+ckpt"]["agrees"]  # grads 10 % off
     assert "agrees" not in by["liger"] and "loss_rel" not in by["peft"]
+    assert by["tigon+4bit"]["against"] == "peft+4bit" and by["tigon+4bit"]["agrees"]
 
 
 def test_markdown_and_files(tmp_path):
@@ -119,6 +146,7 @@ def test_markdown_and_files(tmp_path):
     assert "Llama-3.1-8B-shaped, 8 of 32 layers" in text and "8192³" in text
     assert "| tigon.patch(PeftModel) + checkpointing | 1100 | 1.10x |" in text and "**disagrees**" in text
     assert "No module named 'liger_kernel'" in text
+    assert "| tigon.patch(PeftModel) on 4-bit nf4 bases (QLoRA) | 1000 | 1.11x |" in text
     paths = lora.save(result, tmp_path / "out")
     assert [p.name for p in paths] == ["lora-NVIDIA-H200-2026-12-04.json", "lora-NVIDIA-H200-2026-12-04.md"]
     assert json.loads(paths[0].read_text())["rows"][1]["provider"] == "tigon"

@@ -11,7 +11,8 @@ from torch import nn
 from tests.helpers import DEVICE, assert_close, fp64_reference, noncontiguous, randn
 from tigon.nn import mlp
 from tigon.nn.lora import LoraProjection, lora_projection
-from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP, lora_gated_mlp, lora_gated_mlp_reference
+from tigon.nn.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
+from tigon.nn.mlp import GEGLUMLP, SwiGLUMLP
 
 peft = pytest.importorskip("peft")
 

@@ -54,6 +54,19 @@ so dqkv is the gradient of the projections' sums as before; x̃ and a are saved 
 trainable, as without adapters. Precision as in :mod:`tigon.nn.lora`: the products in the compute dtype,
 fp32 adapters cast to it, their gradients back in their own dtype.
 
+QLoRA. A projection over a bitsandbytes 4-bit base comes as a :class:`~tigon.nn.quantized_base.QuantizedWeight`
+(the packed weight and its state) in Wₚ's place, and the node computes what bitsandbytes computes: Wₚ
+dequantized in the layer's compute dtype C (cast to the node's: autocast's, where C is fp32) for the forward's
+product, dequantized again in the backward for dx (as bitsandbytes' backward: from the dtype it was quantized
+from, cast to the gradient's), no dWₚ. Nothing dequantized is kept from the forward to the backward; each
+dequantized weight lives for the product that reads it. The three of q, k, v are dequantized and stacked into
+the one W as plain weights are: the output column of row j of W is the same dot product over H, ``x·Wⱼ``, as
+in bitsandbytes' product over Wₚ alone, and dx = dqkv W is Σₚ dqkvₚ Wₚ, which stock sums over the three
+projections' gradients (the sums' order, and a GEMM's blocking chosen by the output's width, within the
+compute dtype's rounding; in fp32 within 1e-4 of PEFT + bitsandbytes, tests/patching/test_qlora_peft.py).
+``tigon.patching.fused_attention`` runs the node where C is the node's dtype (x's without autocast, fp32 or
+the autocast dtype under it).
+
 Where it runs is decided by ``tigon.patching.fused_attention`` (the ``fused_attention`` switch), at each call.
 
 The backends (:func:`attend`, :func:`attend_backward`): ``torch.nn.functional.scaled_dot_product_attention``
@@ -108,6 +121,7 @@ from torch.nn.attention import SDPBackend
 
 from tigon._kernels import cast_stacked, function_apply, matmul_to, sum_rows_to
 from tigon.nn.lora import Adapters, adapters_forward, adapters_input_grads, adapters_weight_grads, cast_adapters
+from tigon.nn.quantized_base import backward_weights, forward_weight, forward_weights, joined, split_saved, unquantized
 from tigon.ops.rope import rope_into
 
 aten = torch.ops.aten
@@ -234,7 +248,8 @@ class AttentionNode(torch.autograd.Function):
     """A decoder's self-attention module as one node (module docs, "The node"). ``dtype``: the compute dtype
     (autocast's, or that of the weights and the input); weights and biases come back in their own dtypes, the
     input's gradient in the input's. ``q_lora_a`` ... ``o_lora_b``: each projection's LoRA A and B (None: no
-    adapter), ``scalings`` their s (module docs, "LoRA")."""
+    adapter), ``scalings`` their s (module docs, "LoRA"). A weight may be a bitsandbytes 4-bit base's
+    :class:`~tigon.nn.quantized_base.QuantizedWeight` (module docs, "QLoRA"): kept on the context, not saved."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, mask, dtype, shape, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
@@ -244,7 +259,8 @@ class AttentionNode(torch.autograd.Function):
         batch, seq = x.shape[0], x.shape[1]
         cast = x if x.dtype == dtype else x.to(dtype)
         weight, bias, (o_w, o_b) = cast_stacked(                                # one launch
-            (q_weight, k_weight, v_weight), (q_bias, k_bias, v_bias), dtype, (o_weight, o_bias))
+            forward_weights((q_weight, k_weight, v_weight), dtype), (q_bias, k_bias, v_bias), dtype,
+            (*unquantized((o_weight,)), o_bias))
         qkv = F.linear(cast, weight, bias).view(batch, seq, heads + 2 * kv_heads, head_dim)
         weight = bias = None
         widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
@@ -279,13 +295,14 @@ class AttentionNode(torch.autograd.Function):
         # (B, T, Hq D): a view, the backends writing out as (B, T, Hq, D); the backward views it back
         a = out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
         out = None
-        y = F.linear(a, o_w, o_b)
+        y = F.linear(a, forward_weight(o_weight, o_w, dtype), o_b)
+        o_w = None
         if o_adapters is not None:
             u_o = adapters_forward(a.reshape(-1, a.shape[-1]), o_adapters, [y.view(-1, y.shape[-1])])
         lora_saved = [t for adapters, u in ((qkv_adapters, u_qkv), (o_adapters, u_o)) if adapters is not None
                       for t in (adapters.lora_a, *adapters.lora_bs, u)]
-        ctx.save_for_backward(cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k_attended, v_attended,
-                              *saved, *lora_saved)
+        base_weights, ctx.quantized = split_saved((q_weight, k_weight, v_weight, o_weight))
+        ctx.save_for_backward(cast, a, cos, sin, *base_weights, q, k_attended, v_attended, *saved, *lora_saved)
         ctx.meta = (x.dtype, dtype, shape, tuple(None if b is None else b.dtype for b in (q_bias, o_bias)), sizes,
                     groups)
         ctx.lora = (which, o_adapters is not None, len(saved), tuple(scalings),
@@ -297,6 +314,7 @@ class AttentionNode(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         cast, a, cos, sin, q_weight, k_weight, v_weight, o_weight, q, k, v, *saved = ctx.saved_tensors
+        q_weight, k_weight, v_weight, o_weight = joined((q_weight, k_weight, v_weight, o_weight), ctx.quantized)
         x_dtype, dtype, (heads, kv_heads, head_dim, scale), (qkv_bias_dtype, o_bias_dtype), sizes, groups = ctx.meta
         which, o_lora, n_saved, scalings, lora_dtypes = ctx.lora
         saved, lora_saved = saved[:n_saved], saved[n_saved:]
@@ -314,7 +332,8 @@ class AttentionNode(torch.autograd.Function):
         needs = ctx.needs_input_grad
         batch, seq = cast.shape[0], cast.shape[1]
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                             # (M, H)
-        weight, _, (o_w,) = cast_stacked((q_weight, k_weight, v_weight), (None, None, None), dtype, (o_weight,))
+        weight, _, (o_w,) = cast_stacked(backward_weights((q_weight, k_weight, v_weight), dtype), (None, None, None),
+                                         dtype, backward_weights((o_weight,), dtype))
         grads = [None] * len(needs)
         if needs[12]:
             grads[12] = matmul_to(dy2.t(), a.view(-1, a.shape[-1]), o_weight.dtype)   # (H, Hq D)

@@ -12,15 +12,25 @@ a :class:`LoraProjection` (W, b, A, B, s) or says why a fused node cannot comput
 at every forward, because adapters are switched, disabled, merged and unmerged after the model was
 patched. A plain ``nn.Linear`` reads as its base alone (A = B = None).
 
+QLoRA: PEFT's ``Linear4bit`` (``peft.tuners.lora.bnb``) over a bitsandbytes ``Linear4bit`` computes the
+same sum with the base's product bitsandbytes' (its dequantized weight in the layer's compute dtype), and
+reads as a :class:`LoraProjection` whose W is a :class:`~tigon.nn.quantized_base.QuantizedWeight` (the
+packed weight and its state, dequantized by the node where it needs it: :mod:`tigon.nn.quantized_base`);
+so does a bare ``Linear4bit`` (a projection without adapters in a QLoRA model) as its base alone. PEFT's
+``Linear4bit`` differs from its ``Linear`` only in the adapter path's casts (x to A's dtype outside CUDA
+autocast, the delta to the base output's dtype before the sum): the same values in fp32, within the
+compute dtype's rounding in bf16 (as under "Precision" below).
+
 What cannot be exact keeps PEFT's forward (the reason says which): dropout with p > 0 in training
 (PEFT's mask is drawn from the RNG inside its forward); DoRA and the other LoRA variants (their own
 forwards); several active adapters; ``lora_bias``; adapters both merged and disabled (PEFT's forward
-unmerges them then); a base layer that is not a plain ``nn.Linear`` (bitsandbytes 4-bit, a
-quantised or tensor-parallel linear; tigon's shared-cast forward on it, where PEFT wrapped a patched
-model's projection, is the same product and counts as plain); hooks on the layer or its parts (ZeRO-3's
-parameter gathering, PEFT's mixed-batch ``adapter_names`` hook), which only PEFT's forward runs. Where PEFT's forward is
-the base layer's alone, the projection is the base: adapters disabled (``disable_adapter()``),
-merged into the base weight, or no active adapter on this layer.
+unmerges them then); a base layer that is neither a plain ``nn.Linear`` nor a bitsandbytes 4-bit one
+read exactly (bitsandbytes 8-bit, another quantised or a tensor-parallel linear; the 4-bit cases
+:func:`~tigon.nn.quantized_base.read_linear4bit` lists; tigon's shared-cast forward on a plain one, where
+PEFT wrapped a patched model's projection, is the same product and counts as plain); hooks on the
+layer or its parts (ZeRO-3's parameter gathering, PEFT's mixed-batch ``adapter_names`` hook), which only
+PEFT's forward runs. Where PEFT's forward is the base layer's alone, the projection is the base:
+adapters disabled (``disable_adapter()``), merged into the base weight, or no active adapter on this layer.
 
 Low-rank products of adapters that read one input z ``[M, in]`` (an MLP's gate and up read x; q, k, v
 read the attention's input) are stacked: with ``A = [A_1; A_2; ...]`` ``[R, in]`` (R = Σ r_i)::
@@ -61,12 +71,13 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from tigon._kernels import PLAIN_TENSORS, cast_all, cast_stacked, matmul_to
+from tigon.nn.quantized_base import bitsandbytes_kind, linear_4bit_class, quant_label, quantized, read_linear4bit
 
 
 class LoraProjection(NamedTuple):
     """``y = x Wᵀ + b + scaling·(x Aᵀ) Bᵀ`` from the tensors a layer holds (not copies)."""
 
-    weight: torch.Tensor                # W (out, in)
+    weight: torch.Tensor                # W (out, in); a QuantizedWeight for a bitsandbytes 4-bit base
     bias: torch.Tensor | None           # b (out,)
     lora_a: torch.Tensor | None         # A (r, in); None: the base alone
     lora_b: torch.Tensor | None         # B (out, r)
@@ -98,6 +109,20 @@ def _peft_lora_linear():
     return None if layer is None else getattr(layer, "Linear", None)
 
 
+def _peft_lora_linear_4bit():
+    """PEFT's LoRA ``Linear4bit`` class (over a bitsandbytes ``Linear4bit``), if PEFT imported it (it does
+    where bitsandbytes is installed)."""
+    bnb = sys.modules.get("peft.tuners.lora.bnb")
+    return None if bnb is None else getattr(bnb, "Linear4bit", None)
+
+
+def _peft_lora(module) -> bool:
+    """``module`` is one of PEFT's LoRA linears: its ``Linear``, or a LoRA layer over a bitsandbytes one."""
+    if type(module) is _peft_lora_linear():
+        return True
+    return type(module).__module__ == "peft.tuners.lora.bnb"
+
+
 def _tigon_forward(module) -> bool:
     """The instance forward of ``module`` is one of tigon's that computes ``F.linear`` (the shared-cast
     linear of a patched attention's projections, which PEFT wraps when a patched model gets adapters)."""
@@ -119,23 +144,37 @@ def _plain_part(module) -> bool:
 
 def lora_projection(module) -> LoraProjection | str:
     """What ``module`` computes as a :class:`LoraProjection`, or why a fused node cannot compute it
-    exactly (module docs). ``module``: a plain ``nn.Linear`` or a PEFT LoRA ``Linear``.
+    exactly (module docs). ``module``: a plain ``nn.Linear``, a PEFT LoRA ``Linear`` or ``Linear4bit``, a
+    bitsandbytes ``Linear4bit``.
 
     This runs at every forward of every projection, so the modules' dicts are read directly (an
     ``nn.Module`` attribute costs a ``__getattr__`` call each)."""
     if type(module) is nn.Linear and plain_linear(module):
         params = module._parameters
         return LoraProjection(params["weight"], params.get("bias"), None, None, 0.0)
-    lora_cls = _peft_lora_linear()
-    if lora_cls is None or type(module) is not lora_cls:
-        return f"{type(module).__name__} is neither nn.Linear nor PEFT's LoRA Linear"
+    if linear_4bit_class(module):  # a QLoRA model's projection without adapters
+        read = read_linear4bit(module)
+        return read if isinstance(read, str) else LoraProjection(*read, None, None, 0.0)
+    lora_cls, lora_4bit_cls = _peft_lora_linear(), _peft_lora_linear_4bit()
+    cls = type(module)
+    if cls is not lora_cls and (lora_4bit_cls is None or cls is not lora_4bit_cls):
+        base = getattr(module, "base_layer", module) if _peft_lora(module) else module
+        kind = bitsandbytes_kind(base)
+        if kind is not None:
+            return f"{'base layer is ' if base is not module else ''}bitsandbytes {kind} {type(base).__name__}"
+        return f"{cls.__name__} is neither nn.Linear nor PEFT's LoRA Linear"
     if "forward" in module.__dict__ or _hooked(module) or _global_hooks():
         return "hooks or a forward set on the layer"
     modules = module._modules
     base = modules["base_layer"]
-    if not _plain_part(base):
+    if linear_4bit_class(base):  # (PEFT's Linear over one, where the model was not marked 4-bit, adds the same)
+        base_read = read_linear4bit(base)
+        if isinstance(base_read, str):
+            return base_read
+    elif cls is lora_cls and _plain_part(base):
+        base_read = base._parameters["weight"], base._parameters.get("bias")
+    else:
         return f"base layer is {type(base).__name__}, not a plain nn.Linear"
-    base_params = base._parameters
     disabled, merged = module._disable_adapters, bool(module.merged_adapters)
     if disabled and merged:
         return "adapters merged and disabled"
@@ -143,7 +182,7 @@ def lora_projection(module) -> LoraProjection | str:
     active = module.active_adapter
     active = [name for name in ((active,) if isinstance(active, str) else active) if name in lora_a_layers]
     if disabled or merged or not active:  # PEFT's forward is the base layer's
-        return LoraProjection(base_params["weight"], base_params.get("bias"), None, None, 0.0)
+        return LoraProjection(*base_read, None, None, 0.0)
     if len(active) > 1:
         return f"{len(active)} active adapters"
     (name,) = active
@@ -162,8 +201,8 @@ def lora_projection(module) -> LoraProjection | str:
     if not (_plain_part(lora_a) and _plain_part(lora_b)) or lora_a._parameters.get("bias") is not None \
             or lora_b._parameters.get("bias") is not None:
         return "lora_A / lora_B are not plain bias-free nn.Linear"
-    return LoraProjection(base_params["weight"], base_params.get("bias"), lora_a._parameters["weight"],
-                          lora_b._parameters["weight"], float(module.scaling[name]))
+    return LoraProjection(*base_read, lora_a._parameters["weight"], lora_b._parameters["weight"],
+                          float(module.scaling[name]))
 
 
 def lora_projections(modules) -> tuple | str:
@@ -181,24 +220,31 @@ def lora_projections(modules) -> tuple | str:
 def adapter_lines(modules, node: str, fallback: str) -> list:
     """For ``Patch.replaced``: which of ``modules`` (a dict: name -> module of one attention or MLP) are
     PEFT LoRA linears whose adapters run inside the ``node`` node, and for each that cannot, why (its
-    PEFT forward runs; ``fallback`` says what the module does then). What holds at patch time: the node
-    reads the layers again at every call."""
-    lora_cls = _peft_lora_linear()
-    if lora_cls is None:
-        return []
-    fused, ranks, lines = [], [], []
+    PEFT forward runs; ``fallback`` says what the module does then); bitsandbytes 4-bit bases that run
+    inside it are named with their quant type. What holds at patch time: the node reads the layers
+    again at every call."""
+    fused, ranks, bases, lines = [], [], {}, []
     for name, module in modules.items():
-        if type(module) is not lora_cls:
+        peft = _peft_lora(module)
+        if not (peft or linear_4bit_class(module)):
             continue
         projection = lora_projection(module)
         if isinstance(projection, str):
-            lines.append(f"{name}: PEFT's forward ({projection}); {fallback}")
-        elif projection.lora_a is not None:
+            owner = "PEFT's" if peft else "bitsandbytes'"
+            lines.append(f"{name}: {owner} forward ({projection}); {fallback}")
+            continue
+        if projection.lora_a is not None:
             fused.append(name)
             ranks.append(projection.lora_a.shape[0])
+        if quantized(projection.weight):
+            bases[name] = projection.weight
+    label = quant_label(bases.values())
     if fused:
         rank = "/".join(str(r) for r in dict.fromkeys(ranks))
-        lines.insert(0, f"LoRA adapters (r={rank}) of {'/'.join(fused)} run inside the {node} node")
+        line = f"LoRA adapters (r={rank}) of {'/'.join(fused)} run inside the {node} node"
+        lines.insert(0, line if label is None else f"{line}; bases {label}")
+    elif bases:
+        lines.insert(0, f"{'/'.join(bases)}: {label} bases run inside the {node} node")
     return lines
 
 

@@ -56,36 +56,12 @@ host's launches). :func:`_stacked_backward` derives it. Elsewhere (the CPU, whos
 bitwise the stock ones; weights already in the compute dtype, which stacking would copy) gate and up
 are separate products as above.
 
-LoRA (:func:`lora_gated_mlp`, the module's forward where its projections are PEFT LoRA linears that
-:func:`tigon.nn.lora.lora_projection` reads): each projection p adds its adapter's low-rank product,
-``o_p = z W_pᵀ + b_p + s_p·(z A_pᵀ) B_pᵀ`` (z = x for gate and up, h for down; A_p ``[r_p, in]``,
-B_p ``[out, r_p]``; a projection without one has no term). With Ũ_p = s_p·z A_pᵀ (M, r_p)::
-
-    Ũgu = x [Ag; Au]ᵀ               (M, rg+ru)  one product, each block scaled; saved
-    gate += Ũg Bgᵀ,  up += Ũu Buᵀ               into the base outputs (stacked G or split), addmm
-    h = act(gate)·up;  Ũd = s_d·h Adᵀ (M, rd)   saved;  y = h Wdᵀ + bd + Ũd Bdᵀ
-
-Backward, from dy (chain rule through o_p: dz += do_p W_p + s_p·(do_p B_p) A_p, dA_p = s_p·(do_p B_p)ᵀ z,
-dB_p = do_pᵀ Ũ_p), with P_p = s_p·do_p B_p::
-
-    Pd = s_d·dy Bd;  dh = dy Wd + Pd Ad;  dgate, dup, h = glu_backward(dh, gate, up)   (one pass, as above)
-    dWd = dyᵀ h,  dAd = Pdᵀ h,  dBd = dyᵀ Ũd,  dbd = Σ dy                             h freed
-    P = [s_g·dgate Bg | s_u·dup Bu]             (M, rg+ru)
-    dx = dgate Wg + dup Wu + P [Ag; Au]         (stacked: dG [Wg; Wu] + P [Ag; Au])
-    [dAg; dAu] = Pᵀ x,  dBg = dgateᵀ Ũg,  dBu = dupᵀ Ũu
-    dWg, dWu, dbg, dbu as above, where the base is trainable (PEFT freezes it: skipped)
-
-Saved per token: x, gate, up as above, and Ũ (rg+ru+rd values: 48 at r = 16). Stock PEFT on a bf16
-model (fp32 adapters, its default) keeps, besides the LlamaMLP's tensors, an fp32 copy of x for each of
-gate's and up's lora_A and one of h for down's (4·(2·H + I) bytes a token: 90 KB at Llama-3.1-8B), and
-adds the deltas by separate kernels. The products run in the compute dtype with the adapter weights
-cast to it (:mod:`tigon.nn.lora`, "Precision"). What :func:`~tigon.nn.lora.lora_projection` cannot read
-exactly (dropout, DoRA, several active adapters) leaves the projections' own forwards to run
-(:meth:`_GatedMLP.unfused_reason` says why).
+LoRA adapters on the projections (PEFT LoRA linears, and QLoRA's bitsandbytes 4-bit bases) run in the
+LoRA variant of this node, :mod:`tigon.nn.lora_mlp`, which :class:`SwiGLUMLP` and :class:`GEGLUMLP` call
+where :func:`tigon.nn.lora.lora_projection` reads their projections.
 
 Reference: :func:`gated_mlp_reference` (``down_proj(act(gate_proj(x)) * up_proj(x))``, transformers'
-``LlamaMLP`` / ``GemmaMLP``); with adapters, :func:`lora_gated_mlp_reference` (PEFT's LoRA forward for
-each projection).
+``LlamaMLP`` / ``GemmaMLP``); with adapters, :func:`tigon.nn.lora_mlp.lora_gated_mlp_reference`.
 """
 
 from __future__ import annotations
@@ -104,18 +80,8 @@ from tigon._kernels import (
     matmul_to,
     sum_rows_to,
 )
-from tigon.nn.lora import (
-    Adapters,
-    LoraProjection,
-    adapters_forward,
-    adapters_input_grads,
-    adapters_weight_grads,
-    cast_adapters,
-    check_adapter,
-    lora_linear_reference,
-    lora_projections,
-    plain_linear,
-)
+from tigon.nn.lora import lora_projections, plain_linear
+from tigon.nn.quantized_base import check_weight, compute_dtype_reason
 from tigon.ops.glu import (
     ACTIVATIONS,
     GLU,
@@ -299,7 +265,8 @@ def _reuse_saved(gate, up) -> bool:
             and gate.dtype == up.dtype)
 
 
-def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
+def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+                    quantized_ok=False):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_tensor(x, "x")
@@ -307,7 +274,7 @@ def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
         raise ValueError("x must have at least one dimension (the hidden dimension is the last)")
     hidden = x.shape[-1]
     device = x.device
-    check_tensor(gate_weight, "gate_proj.weight", device=device)
+    check_weight(gate_weight, "gate_proj.weight", device, quantized_ok)
     intermediate = gate_weight.shape[0]
     # (a loop over a tuple, not a dict of names: this runs on every MLP call)
     for t, name, shape in (
@@ -321,7 +288,7 @@ def _check_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
         if t is None:
             continue
         if t is not gate_weight:
-            check_tensor(t, name, device=device)
+            check_weight(t, name, device, quantized_ok)
         if t.shape != shape:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}, expected {shape} for x of shape {tuple(x.shape)}"
@@ -380,203 +347,6 @@ def _check_one_dtype(tensors):
             )
 
 
-# ------------------------------------------------------------------------------------------- LoRA
-
-
-class _LoraGatedMLPFunction(torch.autograd.Function):
-    """The MLP with LoRA adapters on any of its projections as one node (module docs, "LoRA"): saves x,
-    gate and up (or their stacked G) as the plain node does, and the (M, r) products Ũ; A and B as the
-    node cast them (they are small), the base weights by reference.
-
-    Each adapter is its A (r, in), B (out, r) and scaling (None, None, 0.0 where the projection has none).
-    """
-
-    @staticmethod
-    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b, scalings, activation, dtype):
-        ctx.activation, ctx.dtype, ctx.scalings = activation, dtype, scalings
-        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (gate_bias, up_bias, down_bias))
-        ctx.lora_dtypes = tuple(None if t is None else t.dtype for t in
-                                (gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b))
-        ctx.stacked = _stackable(x, gate_weight, up_weight, gate_bias, up_bias, dtype)
-        inter = gate_weight.shape[0]
-        x2 = x.reshape(-1, x.shape[-1])                             # (M, H)
-
-        # the adapters, cast by one launch: gate's and up's A stacked (they read x), down's beside them
-        has_gate, has_up = ctx.gate_up_lora = (gate_lora_a is not None, up_lora_a is not None)
-        gate_up_lora = [(a, b, s) for a, b, s in ((gate_lora_a, gate_lora_b, scalings[0]),
-                                                  (up_lora_a, up_lora_b, scalings[1])) if a is not None]
-        down_a = down_b = gate_up_adapters = None
-        if gate_up_lora:
-            gate_up_adapters, (down_a, down_b) = cast_adapters(
-                *zip(*gate_up_lora, strict=True), dtype, (down_lora_a, down_lora_b))
-        elif down_lora_a is not None:
-            down_a, down_b = cast_all((down_lora_a, down_lora_b), dtype)
-
-        if ctx.stacked:
-            gate_up_w, gate_up_b, (down_w, down_b_cast) = cast_stacked(
-                (gate_weight, up_weight), (gate_bias, up_bias), dtype, (down_weight, down_bias))
-            gate = F.linear(x, gate_up_w, gate_up_b)                # (..., 2I): G, saved as "gate"
-            gate_up_w, up = None, None
-            gate2, up2 = gate.view(-1, 2 * inter).split_with_sizes([inter, inter], dim=1)  # (M, I) views
-        else:
-            gate_w, gate_b, up_w, up_b, down_w, down_b_cast = cast_all(
-                (gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias), dtype)
-            gate = F.linear(x, gate_w, gate_b)                      # (..., I)
-            up = F.linear(x, up_w, up_b)                            # (..., I)
-            gate_w = up_w = None
-            gate2, up2 = gate.view(-1, inter), up.view(-1, inter)
-        u_gate_up = None
-        if gate_up_adapters is not None:  # gate += Ũg Bgᵀ, up += Ũu Buᵀ
-            outs = [o for o, has in ((gate2, has_gate), (up2, has_up)) if has]
-            u_gate_up = adapters_forward(x2, gate_up_adapters, outs)   # (M, rg + ru)
-        h = GLU(gate2, up2, activation)                             # (M, I)
-        y = F.linear(h, down_w, down_b_cast)                        # (M, H)
-        u_down = None
-        if down_a is not None:  # y += Ũd Bdᵀ
-            u_down = adapters_forward(h, Adapters(down_a, (down_b,), (down_a.shape[0],), (scalings[2],)), [y])
-        h = None
-        gate_up_a = gate_b = up_b = None
-        if gate_up_adapters is not None:  # (the cast B of gate and up, None where one has no adapter)
-            gate_up_a, lora_bs = gate_up_adapters.lora_a, list(gate_up_adapters.lora_bs)
-            gate_b, up_b = (lora_bs.pop(0) if has else None for has in (has_gate, has_up))
-        ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight, gate_up_a, gate_b, up_b,
-                              down_a, down_b, u_gate_up, u_down)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x, gate, up, gate_weight, up_weight, down_weight, gate_up_a, gate_b, up_b, down_a, down_b,
-         u_gate_up, u_down) = ctx.saved_tensors
-        (need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b,
-         need_gate_la, need_gate_lb, need_up_la, need_up_lb, need_down_la, need_down_lb) = ctx.needs_input_grad[:13]
-        gate_a_dtype, gate_b_dtype, up_a_dtype, up_b_dtype, down_a_dtype, down_b_dtype = ctx.lora_dtypes
-        gate_bias_dtype, up_bias_dtype, down_bias_dtype = ctx.bias_dtypes
-        has_gate, has_up = ctx.gate_up_lora
-        inter = gate_weight.shape[0]
-        x2 = x.reshape(-1, x.shape[-1])                             # (M, H)
-        dy2 = dy.reshape(-1, dy.shape[-1])                          # (M, H)
-        down = None if down_a is None else Adapters(down_a, (down_b,), (down_a.shape[0],), (ctx.scalings[2],))
-        gate_up = None
-        if gate_up_a is not None:
-            lora_bs = tuple(b for b in (gate_b, up_b) if b is not None)
-            ranks = tuple(b.shape[1] for b in lora_bs)
-            scalings = tuple(s for s, has in zip(ctx.scalings[:2], ctx.gate_up_lora, strict=True) if has)
-            gate_up = Adapters(gate_up_a, lora_bs, ranks, scalings)
-        need_dgate_dup = (need_x or need_gate_w or need_gate_b or need_up_w or need_up_b
-                          or need_gate_la or need_gate_lb or need_up_la or need_up_lb)
-        need_h = need_down_w or need_down_la
-        dx = d_gate_w = d_gate_b = d_up_w = d_up_b = d_down_w = d_down_b = None
-
-        # down: dh = dy Wd + Pd Ad, with Pd = s_d·dy Bd
-        p_down = adapters_input_grads([dy2], down) if down is not None and (need_dgate_dup or need_down_la) else None
-        # the base weights the input gradients need, cast by one launch
-        down_w, gate_w, up_w = cast_all(
-            (down_weight if need_dgate_dup else None,
-             gate_weight if need_x and not ctx.stacked else None, up_weight if need_x and not ctx.stacked else None),
-            ctx.dtype,
-        )
-        h = d_gate_up = dgate = dup = None
-        if ctx.stacked:
-            gate2 = d_gate_up = gate.view(-1, 2 * inter)           # (M, 2I): G, then dG over it
-            dgate, dup = gate2.split_with_sizes([inter, inter], dim=1)
-            gate2, up2 = dgate, dup
-        else:
-            gate2, up2 = gate.reshape(-1, inter), up.reshape(-1, inter)
-        if need_dgate_dup:
-            dh = dy2 @ down_w                                       # (M, I)
-            down_w = None
-            if p_down is not None:
-                dh.addmm_(p_down, down.lora_a)
-            if ctx.stacked:
-                glu_backward_stacked_into(dh, d_gate_up, ctx.activation, store_h=need_h)  # dG over G, h over dh
-                torch.autograd.graph.increment_version((gate,))    # a second backward raises, not misreads
-                h = dh if need_h else None
-            else:
-                dgate = dh                                          # dgate over dh
-                dup, h = _glu_pass(dgate, gate, up, gate2, up2, ctx.activation, need_h)
-        if need_h and h is None:
-            h = GLU(gate2, up2, ctx.activation)                     # (M, I)
-        if need_down_w:
-            d_down_w = matmul_to(dy2.t(), h, down_weight.dtype)     # (H, I)
-        d_down_la = d_down_lb = None
-        if down is not None:  # dAd = Pdᵀ h, dBd = dyᵀ Ũd
-            (d_down_la,), (d_down_lb,) = adapters_weight_grads(
-                p_down, h, u_down, [dy2], down, (down_a_dtype,), (down_b_dtype,), (need_down_la,), (need_down_lb,))
-        h = None
-        if need_down_b:
-            d_down_b = sum_rows_to(dy2, down_bias_dtype)
-
-        # gate and up: dx = dgate Wg + dup Wu + P [Ag; Au], with P = [s_g·dgate Bg | s_u·dup Bu]
-        douts = [d for d, has in ((dgate, has_gate), (dup, has_up)) if has]
-        p_gate_up = None
-        if gate_up is not None and (need_x or need_gate_la or need_up_la):
-            p_gate_up = adapters_input_grads(douts, gate_up)        # (M, rg + ru)
-        if need_x:
-            if ctx.stacked:
-                gate_up_w, _, _ = cast_stacked((gate_weight, up_weight), (None, None), ctx.dtype)  # one launch
-                dx = d_gate_up @ gate_up_w                          # (M, H)
-                gate_up_w = None
-            else:
-                dx = dgate @ gate_w                                 # (M, H)
-                dx.addmm_(dup, up_w)
-                gate_w = up_w = None
-            if p_gate_up is not None:
-                dx.addmm_(p_gate_up, gate_up.lora_a)
-            dx = dx.reshape(x.shape)
-        if ctx.stacked and (need_gate_w or need_up_w):
-            d_gate_w, d_up_w = matmul_to(d_gate_up.t(), x2, gate_weight.dtype).split_with_sizes([inter, inter])
-        else:
-            d_gate_w = matmul_to(dgate.t(), x2, gate_weight.dtype) if need_gate_w else None  # (I, H)
-            d_up_w = matmul_to(dup.t(), x2, up_weight.dtype) if need_up_w else None
-        if ctx.stacked and (need_gate_b or need_up_b):
-            d_gate_b, d_up_b = sum_rows_to(d_gate_up, gate_bias_dtype).split_with_sizes([inter, inter])
-        else:
-            d_gate_b = sum_rows_to(dgate, gate_bias_dtype) if need_gate_b else None
-            d_up_b = sum_rows_to(dup, up_bias_dtype) if need_up_b else None
-        lora_grads = [None] * 4  # dAg, dBg, dAu, dBu
-        if gate_up is not None:  # dA = Pᵀ x (one product, split), dB_i = do_iᵀ Ũ_i
-            which = [i for i, has in enumerate(ctx.gate_up_lora) if has]
-            grads_a, grads_b = adapters_weight_grads(
-                p_gate_up, x2, u_gate_up, douts, gate_up, [(gate_a_dtype, up_a_dtype)[i] for i in which],
-                [(gate_b_dtype, up_b_dtype)[i] for i in which],
-                [(need_gate_la, need_up_la)[i] for i in which], [(need_gate_lb, need_up_lb)[i] for i in which])
-            for i, g_a, g_b in zip(which, grads_a, grads_b, strict=True):
-                lora_grads[2 * i], lora_grads[2 * i + 1] = g_a, g_b
-        return (dx, d_gate_w if need_gate_w else None, d_gate_b if need_gate_b else None,
-                d_up_w if need_up_w else None, d_up_b if need_up_b else None, d_down_w, d_down_b,
-                *lora_grads, d_down_la, d_down_lb, None, None, None)
-
-
-_LORA_GATED_MLP_APPLY = function_apply(_LoraGatedMLPFunction)
-
-
-def lora_gated_mlp(x, gate, up, down, *, activation="silu"):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` where each projection is a :class:`LoraProjection`
-    (``x Wᵀ + b + s·(x Aᵀ) Bᵀ``; A = B = None for a plain one), as one recomputing autograd node.
-
-    Respects ``torch.autocast`` as PEFT's LoRA linears under it do (every product in the autocast
-    dtype); outside autocast the base weights and biases must share x's dtype, and the adapters are
-    cast to it inside the node (PEFT's default fp32 adapters on a bf16 model).
-    """
-    _check_mlp_args(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, activation)
-    for projection, name in ((gate, "gate_proj"), (up, "up_proj"), (down, "down_proj")):
-        check_adapter(projection, name, x.device)
-    if gate.lora_a is None and up.lora_a is None and down.lora_a is None:
-        return gated_mlp(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, activation=activation)
-    base = (x, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
-    device_type = x.device.type
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        base = (_to_autocast(x, dtype), *(_weight(t, dtype) for t in base[1:]))
-    else:
-        dtype = x.dtype
-        _check_one_dtype(base)
-    adapters = [_weight(t, dtype) for p in (gate, up, down) for t in (p.lora_a, p.lora_b)]
-    scalings = (gate.scaling, up.scaling, down.scaling)
-    return _LORA_GATED_MLP_APPLY(*base, *adapters, scalings, activation, dtype)
-
-
 class _GatedMLP(nn.Module):
     """Shared body of SwiGLUMLP and GEGLUMLP: the three projections and the fused forward."""
 
@@ -607,16 +377,21 @@ class _GatedMLP(nn.Module):
                 activation=self.activation,
             )
         projections = lora_projections({"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj})
-        if not isinstance(projections, str):  # PEFT LoRA linears (and plain ones): adapters inside the node
+        # PEFT LoRA linears, bitsandbytes 4-bit bases (and plain ones): adapters inside the node, where a
+        # quantized base's compute dtype is the node's for this input (tigon.nn.lora_mlp)
+        if not isinstance(projections, str) and compute_dtype_reason(x, [p.weight for p in projections]) is None:
+            from tigon.nn.lora_mlp import lora_gated_mlp  # (it imports this module)
+
             return lora_gated_mlp(x, *projections, activation=self.activation)
-        # A projection that cannot be read exactly (a LoRA adapter with dropout, DoRA; a quantised linear)
+        # A projection that cannot be read exactly (a LoRA adapter with dropout, DoRA; an 8-bit linear)
         # or is split across ranks (tensor parallel): its own forward must run, so only the activation
         # is fused here.
         return down_proj(glu(gate_proj(x), up_proj(x), self.activation))
 
     def unfused_reason(self) -> str | None:
         """None when :meth:`forward` runs one node now; else why the projections run their own forwards
-        (e.g. ``"up_proj: dropout 0.05"``). Adapters can be switched, so this holds for the next call."""
+        (e.g. ``"up_proj: dropout 0.05"``). Adapters can be switched, so this holds for the next call; a
+        bitsandbytes 4-bit base whose compute dtype is not the call's (tigon.nn.lora_mlp) is decided there."""
         projections = lora_projections({"gate_proj": self.gate_proj, "up_proj": self.up_proj,
                                         "down_proj": self.down_proj})
         return projections if isinstance(projections, str) else None
@@ -670,17 +445,3 @@ def gated_mlp_reference(
     up = r(F.linear(x, up_weight, up_bias))
     h = r(r(activation_reference(gate, activation)) * up)
     return r(F.linear(h, down_weight, down_bias))
-
-
-def lora_gated_mlp_reference(x, gate: LoraProjection, up: LoraProjection, down: LoraProjection, *,
-                             activation="silu", io_dtype=None):
-    """The eager MLP over PEFT LoRA linears (:func:`tigon.nn.lora.lora_linear_reference` for each
-    projection); ``io_dtype`` rounds gate, up, h and y as :func:`gated_mlp_reference` does."""
-
-    def r(t):
-        return t if io_dtype is None else t.to(io_dtype).to(t.dtype)
-
-    gate_out = r(lora_linear_reference(x, *gate))
-    up_out = r(lora_linear_reference(x, *up))
-    h = r(r(activation_reference(gate_out, activation)) * up_out)
-    return r(lora_linear_reference(h, *down))

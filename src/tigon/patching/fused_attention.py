@@ -2,27 +2,28 @@
 rotary, sdpa and o_proj; its docstring says why and how), and the forward that calls it (the
 ``fused_attention`` switch, with ``rope``).
 
-The node runs only where that is what stock would compute, checked at each call; everything else takes
-the attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps the
-separate products, so that its results stay bitwise stock's), on a GPU older than Ampere or with a head
-size that is not a multiple of 8, where sdpa would choose a backend not called here (its math fallback;
-the backends turned off by ``torch.nn.attention.sdpa_kernel``), without grad, under torch.compile or a
-dispatch mode, with a mask other than transformers' boolean ``(B, 1, T, T)`` one (an additive float
-mask), a key/value cache holding entries (a training forward's empty ``DynamicCache``, its layers full
-or sliding-window, is filled as the attention's forward fills it), dropout, ``output_attentions`` or an
-attention implementation other than transformers' own sdpa (or tigon's sliding-window wrapper of it,
-which hands it maskless calls and the masked calls of models it does not band); with projections that
-are neither plain ``nn.Linear`` nor PEFT LoRA linears the node computes exactly
-(``tigon.nn.lora.lora_projection``: not with dropout > 0, DoRA, several active adapters, a quantised
-base), that carry hooks, or whose weights are not plain tensors (FSDP2's DTensors, DeepSpeed ZeRO-3's
-gathered parameters); outside fp16/bf16 (autocast, or weights and input in it; LoRA adapters may be fp32,
-the node casts them); with a softcap on the attention logits (Gemma-2's ``attn_logit_softcapping``, which transformers'
-sdpa interface refuses in 5.24 and ignores before: the attention's own forward answers it) or a residual
-dropout with p > 0 in training (Starcoder2, Seed-OSS). It is installed only on attention classes whose
-forward is statement for statement transformers' (the sources below, 5.17 to 5.24: Llama's layout, and
-the copies of it in Qwen2, Mistral, Gemma-2, Starcoder2, Seed-OSS and SmolLM3, which pass
-``sliding_window`` or ``softcap``, add a residual dropout or rotate only in layers with a rotary,
-ATTENTION_LAYOUTS; such a layer without one, SmolLM3's every fourth, runs the node without the rotary).
+The node runs only where that is what stock would compute, checked at each call; everything else takes the
+attention's own (rope-patched) forward: not on a device in :data:`DEVICES` (the CPU keeps the separate
+products, so that its results stay bitwise stock's), on a GPU older than Ampere or with a head size that is
+not a multiple of 8, where sdpa would choose a backend not called here (its math fallback; the backends turned
+off by ``torch.nn.attention.sdpa_kernel``), without grad, under torch.compile or a dispatch mode, with a mask
+other than transformers' boolean ``(B, 1, T, T)`` one (an additive float mask), a key/value cache holding
+entries (a training forward's empty ``DynamicCache``, its layers full or sliding-window, is filled as the
+attention's forward fills it), dropout, ``output_attentions`` or an attention implementation other than
+transformers' own sdpa (or tigon's sliding-window wrapper of it, which hands it maskless calls and the masked
+calls of models it does not band); with projections that are neither plain ``nn.Linear`` nor PEFT LoRA linears
+the node computes exactly (``tigon.nn.lora.lora_projection``: not with dropout > 0, DoRA, several active
+adapters, an 8-bit base; bitsandbytes 4-bit bases, bare or under PEFT, it computes where their compute dtype
+is its own: ``tigon.nn.quantized_base``), that carry hooks, or whose weights are not plain tensors (FSDP2's
+DTensors, DeepSpeed ZeRO-3's gathered parameters); outside fp16/bf16 (autocast, or weights and input in it;
+LoRA adapters may be fp32, the node casts them); with a softcap on the attention logits (Gemma-2's
+``attn_logit_softcapping``, which transformers' sdpa interface refuses in 5.24 and ignores before: the
+attention's own forward answers it) or a residual dropout with p > 0 in training (Starcoder2, Seed-OSS). It is
+installed only on attention classes whose forward is statement for statement transformers' (the sources below,
+5.17 to 5.24: Llama's layout, and the copies of it in Qwen2, Mistral, Gemma-2, Starcoder2, Seed-OSS and
+SmolLM3, which pass ``sliding_window`` or ``softcap``, add a residual dropout or rotate only in layers with a
+rotary, ATTENTION_LAYOUTS; such a layer without one, SmolLM3's every fourth, runs the node without the
+rotary).
 """
 
 from __future__ import annotations
