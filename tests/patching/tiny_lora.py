@@ -4,7 +4,7 @@ patched, and the switches under which tigon's attention node runs in fp32 on the
 The node runs in fp16/bf16 on the GPU only (fused_attention.DEVICES, its dtypes); :func:`node_in_fp32_here`
 adds the CPU and fp32, to compare it with stock PEFT in fp32 (under the interpreter on the CPU), as
 test_lora_peft.py does. :func:`count_node_calls` counts the calls of the attention node and of the MLP node
-with adapters (``tigon.nn.mlp.lora_gated_mlp``).
+with adapters (``tigon.nn.lora_mlp.lora_gated_mlp``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from tests.patching import tiny
 from tests.patching.tiny import SEQ, assert_grads_close, batch, grads, rel, sdpa_config_overrides
-from tigon.nn import mlp as nn_mlp
+from tigon.nn import lora_mlp
 from tigon.patching import fused_attention
 
 RANK = 5
@@ -31,7 +31,7 @@ def node_in_fp32_here(monkeypatch):
 def count_node_calls(monkeypatch) -> dict:
     """A dict counting each node's calls ("attention", "MLP") from now on."""
     calls = dict.fromkeys(NODES, 0)
-    apply, mlp = fused_attention.APPLY_NODE, nn_mlp.lora_gated_mlp
+    apply, mlp = fused_attention.APPLY_NODE, lora_mlp.lora_gated_mlp
 
     def attention_node(*args):
         calls["attention"] += 1
@@ -42,7 +42,7 @@ def count_node_calls(monkeypatch) -> dict:
         return mlp(*args, **kwargs)
 
     monkeypatch.setattr(fused_attention, "APPLY_NODE", attention_node)
-    monkeypatch.setattr(nn_mlp, "lora_gated_mlp", mlp_node)
+    monkeypatch.setattr(lora_mlp, "lora_gated_mlp", mlp_node)
     return calls
 
 
