@@ -145,3 +145,22 @@ def test_banded_layers_keep_the_projections_forwards(node_calls):
     assert_step_matches(patched, stock)
     assert node_calls == {"attention": 1, "MLP": 2}
 
+
+
+def test_llama4_shared_expert_adapters_in_the_mlp_node(node_calls):
+    """Llama-4's MoE block adds its routed experts' output into its shared expert's output in place: the MLP
+    node's output, with the shared expert's adapters inside, is no view another tensor shares."""
+    import peft
+    import torch
+
+    base = base_model("llama4_text")
+    config = dict(r=RANK, lora_alpha=8, init_lora_weights=False, target_modules=["gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(1)
+    stock = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**config))
+    torch.manual_seed(1)
+    patched = peft.get_peft_model(base, peft.LoraConfig(**config))
+    handle = tigon.patch(patched)
+    assert f"LoRA adapters (r={RANK}) of gate_proj/up_proj/down_proj run inside the MLP node (2 modules)" \
+        in handle.replaced, handle.replaced
+    assert_step_matches(patched, stock)
+    assert node_calls == {"attention": 0, "MLP": 2}

@@ -134,11 +134,14 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
             outs = [o for o, has in ((gate2, has_gate), (up2, has_up)) if has]
             u_gate_up = adapters_forward(x2, gate_up_adapters, outs)   # (M, rg + ru)
         h = GLU(gate2, up2, activation)                             # (M, I)
-        y = F.linear(h, forward_weight(down_weight, down_w, dtype), down_b_cast)   # (M, H)
+        # (..., H), made in that shape: the output is no view of another tensor, so a caller may add into it
+        # in place (Llama-4's MoE block adds its routed experts' output into its shared expert's)
+        y = F.linear(h.view(*x.shape[:-1], inter), forward_weight(down_weight, down_w, dtype), down_b_cast)
         down_w = None
         u_down = None
         if down_a is not None:  # y += Ũd Bdᵀ
-            u_down = adapters_forward(h, Adapters(down_a, (down_b,), (down_a.shape[0],), (scalings[2],)), [y])
+            u_down = adapters_forward(h, Adapters(down_a, (down_b,), (down_a.shape[0],), (scalings[2],)),
+                                      [y.view(-1, y.shape[-1])])
         h = None
         gate_up_a = gate_b = up_b = None
         if gate_up_adapters is not None:  # (the cast B of gate and up, None where one has no adapter)
@@ -147,7 +150,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         base_weights, ctx.quantized = split_saved((gate_weight, up_weight, down_weight))
         ctx.save_for_backward(x, gate, up, *base_weights, gate_up_a, gate_b, up_b,
                               down_a, down_b, u_gate_up, u_down)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
