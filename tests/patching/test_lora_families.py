@@ -12,7 +12,8 @@ Where a family's projections are not those of tigon's nodes (:data:`NODES`), the
 forward: Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` (its attention is not Llama's layout; its MLP is the
 fused-layout instance forward, tigon's GLU between PEFT's ``gate_up_proj`` and ``down_proj``), attentions with
 q/k norms (Qwen-3, Gemma-3, OLMo-2/3, ...) or another rotary (GLM-4, Cohere-2, ERNIE-4.5, Llama-4), and MLPs
-with muP multipliers or an output dropout (Falcon-H1, Seed-OSS: tigon's GLU between PEFT's projections).
+with muP multipliers (Falcon-H1: tigon's GLU between PEFT's projections); ``Patch.replaced`` names each such
+projection. Seed-OSS's MLP (an output dropout after it) takes its adapters inside the node.
 MoE rows: the attention's adapters, and the dense layers' and shared experts' MLPs' where PEFT puts adapters
 on them; the routed experts' weights are PEFT's ``target_parameters`` where PEFT targets them, and run as
 PEFT wraps them.
@@ -49,7 +50,7 @@ NODES = {
     "mixtral": ("attention",),
     "granitemoe": ("attention",),
     "starcoder2": ("attention",),  # c_fc / c_proj: not a gated MLP
-    "seed_oss": ("attention",),  # the MLP's output dropout: tigon's GLU between PEFT's projections
+    "seed_oss": ("attention", "MLP"),  # the MLP node, then stock's output dropout
     # q/k norms or another rotary: the attention runs its own forward
     "qwen3": ("MLP",),
     "gemma3_text": ("MLP",),
@@ -164,3 +165,12 @@ def test_llama4_shared_expert_adapters_in_the_mlp_node(node_calls):
         in handle.replaced, handle.replaced
     assert_step_matches(patched, stock)
     assert node_calls == {"attention": 0, "MLP": 2}
+
+
+@pytest.mark.parametrize(("model_type", "projections"), [("phi3", ("gate_up_proj", "down_proj")),
+                                                         ("glm4", ("gate_up_proj", "down_proj")),
+                                                         ("falcon_h1", ("gate_proj", "up_proj", "down_proj"))])
+def test_mlp_adapters_outside_the_node_say_why(model_type, projections):
+    handle = tigon.patch(lora(base_model(model_type), model_type))
+    for projection in projections:
+        assert any(line.startswith(f"{projection}: PEFT's forward (") for line in handle.replaced), handle.replaced

@@ -248,6 +248,12 @@ def adapter_lines(modules, node: str, fallback: str) -> list:
     return lines
 
 
+def outside_lines(modules, why: str) -> list:
+    """For ``Patch.replaced``: one line for each of ``modules`` (a dict: name -> module) that is a PEFT LoRA
+    linear, saying its PEFT forward runs and ``why`` (the module's layout has no node that takes adapters)."""
+    return [f"{name}: PEFT's forward ({why})" for name, module in modules.items() if _peft_lora(module)]
+
+
 def check_adapter(projection: LoraProjection, name: str, device) -> None:
     """A and B have the shapes the base weight implies and a float dtype on the base's device (ValueError or
     TypeError naming them)."""

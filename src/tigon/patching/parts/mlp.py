@@ -18,7 +18,7 @@ import functools
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.nn.lora import adapter_lines
+from tigon.nn.lora import adapter_lines, outside_lines
 from tigon.patching.instance_methods import InstanceMethod, Recipe
 from tigon.patching.parts import Part
 from tigon.patching.patch_handle import SetAttr, SwapModule
@@ -48,18 +48,32 @@ def split_glu_forward(activation, gate_multiplier=None, down_multiplier=None, dr
     with ``act(·) * up`` as tigon's GLU (``activation``: "silu", "gelu_tanh", "gelu"). g, d and p are
     read from the module at each call (the attribute names given here; None: no such step). The
     multiplies and the dropout are the same torch ops as stock's, in the same order, so they round and
-    draw random numbers as stock does. Without a gate multiplier and with plain ``nn.Linear``
-    projections, the MLP runs as tigon's recomputing node (``tigon.nn.mlp.gated_mlp``).
+    draw random numbers as stock does. Without a gate multiplier, ``down_proj(act(gate) * up)`` is
+    tigon's recomputing node: ``tigon.nn.mlp.gated_mlp`` over plain ``nn.Linear`` projections, and
+    ``tigon.nn.lora_mlp.lora_gated_mlp`` with PEFT LoRA adapters or bitsandbytes 4-bit bases inside it
+    where they read exactly (as ``tigon.nn.SwiGLUMLP`` decides).
     """
+    from tigon.nn.lora import lora_projections
     from tigon.nn.mlp import gated_mlp, plain_linear
+    from tigon.nn.quantized_base import compute_dtype_reason
     from tigon.ops.glu import glu
+
+    def node(x, gate_proj, up_proj, down_proj):
+        """The MLP's node output (..., H), or None where the projections' own forwards must run."""
+        if all(plain_linear(p) for p in (gate_proj, up_proj, down_proj)):
+            return gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias,
+                             down_proj.bias, activation=activation)
+        projections = lora_projections({"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj})
+        if isinstance(projections, str) or compute_dtype_reason(x, [p.weight for p in projections]) is not None:
+            return None
+        from tigon.nn.lora_mlp import lora_gated_mlp
+
+        return lora_gated_mlp(x, *projections, activation=activation)
 
     def forward(self, x):
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        if gate_multiplier is None and all(plain_linear(p) for p in (gate_proj, up_proj, down_proj)):
-            y = gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias,
-                          down_proj.bias, activation=activation)  # (..., H)
-        else:
+        y = None if gate_multiplier is not None else node(x, gate_proj, up_proj, down_proj)  # (..., H)
+        if y is None:
             gate = gate_proj(x)  # (..., I)
             if gate_multiplier is not None:
                 gate = gate * getattr(self, gate_multiplier)
@@ -131,6 +145,14 @@ def _plan_split_mlps_with_extras(plan, root, family, classes):
         forward = Recipe(split_glu_forward, (activation, *extras))
         line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} with stock {named} (instance forward)"
         plan.add(SetAttr(old, "forward", InstanceMethod(old, forward)), line)
+        projections = {name: old._modules[name] for name in PROJECTIONS}
+        if spec.gate_multiplier is None:  # the node, with the adapters inside it (split_glu_forward)
+            lora_lines = adapter_lines(projections, "MLP", "the MLP fuses only its activation")
+        else:
+            lora_lines = outside_lines(projections, f"the MLP's {spec.gate_multiplier} scales the gate between "
+                                       "its projections; tigon's GLU between them")
+        for lora_line in lora_lines:
+            plan.note(lora_line)
 
 
 def _plan_split_mlps(plan, root, family, classes):
@@ -172,6 +194,9 @@ def _plan_fused_mlps(plan, root, family, classes):
         forward = Recipe(fused_gate_up_forward, (activation,))
         line = f"{classes.mlp.__name__}.forward -> tigon.ops.{kind} on gate_up_proj (instance forward)"
         plan.add(SetAttr(old, "forward", InstanceMethod(old, forward)), line)
+        for lora_line in outside_lines({name: old._modules[name] for name in ("gate_up_proj", "down_proj")},
+                                       "a fused gate_up_proj has no LoRA node; tigon's GLU between the projections"):
+            plan.note(lora_line)
 
 
 def plan_mlps(plan, root, family, classes, switches=None):
