@@ -31,7 +31,12 @@ transformers' gradient checkpointing (non-reentrant) on every decoder layer. QLo
 BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
 bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16 weights) after
 ``peft.prepare_model_for_kbit_training`` (fp32 norms, embeddings and head; its checkpointing left to
-``+ckpt``), compared with ``peft+4bit``. Each runs in a fresh process (benchmarks/e2e.py's worker pool).
+``+ckpt``), compared with ``peft+4bit``. ``unsloth`` (also ``+4bit``, ``+ckpt``): Unsloth's
+``FastLanguageModel`` on the same weights, saved and loaded through its ``from_pretrained`` (4-bit: its nf4 load
+of them), its LoRA on the same projections, ``+ckpt`` its offloaded checkpointing
+(``use_gradient_checkpointing="unsloth"``); it runs where ``--unsloth-site`` holds Unsloth and its pinned
+requirements (benchmarks/unsloth_models.py) and is left out of the default providers otherwise. Each runs in a
+fresh process (benchmarks/e2e.py's worker pool).
 
 Reported: tokens/s; achieved TFLOP/s, the model's flops a step over the median step time, against a
 bf16 ``--matmul-size``³ matmul timed in the same process (the rate the device's large products reach);
@@ -76,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, the repository is not
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import e2e  # noqa: E402  (worker pool, OOM detection, formatting)
+from benchmarks import e2e, unsloth_models  # noqa: E402  (worker pool, OOM detection, formatting; Unsloth)
 from tigon.bench import history  # noqa: E402
 
 # Llama-3.1-8B as published (rope scaling aside)
@@ -89,7 +94,9 @@ TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_attention_
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "liger+ckpt", "peft+4bit", "tigon+4bit",
              "peft+4bit+ckpt", "tigon+4bit+ckpt")
-PROVIDER_TITLES = {"peft": "stock PEFT", "tigon": "tigon.patch(PeftModel)", "liger": "Liger-Kernel + PEFT"}
+UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+4bit", "unsloth+4bit+ckpt")
+PROVIDER_TITLES = {"peft": "stock PEFT", "tigon": "tigon.patch(PeftModel)", "liger": "Liger-Kernel + PEFT",
+                   "unsloth": "Unsloth"}
 VARIANT_TITLES = {"4bit": " on 4-bit nf4 bases (QLoRA)", "ckpt": " + checkpointing"}
 REFERENCE = "peft"
 LAYERS = 8
@@ -119,8 +126,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help=f"tokens a row (default {SEQ}; {TINY_SEQ} with --tiny)")
     p.add_argument("--rank", type=int, default=RANK)
     p.add_argument("--alpha", type=float, default=ALPHA)
-    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS, metavar="PROVIDER",
-                   help=f"of {', '.join(PROVIDERS)} (default: all)")
+    p.add_argument("--providers", nargs="+", default=None, choices=PROVIDERS + UNSLOTH_PROVIDERS,
+                   metavar="PROVIDER", help=f"of {', '.join(PROVIDERS + UNSLOTH_PROVIDERS)} (default: all; Unsloth's "
+                   "where --unsloth-site holds it)")
+    p.add_argument("--unsloth-site", type=Path, default=Path(unsloth_models.SITE),
+                   help="a folder with Unsloth and its pinned requirements, put first on its workers' PYTHONPATH "
+                   "(default %(default)s)")
     p.add_argument("--weights", choices=("bf16", "fp32"), default="bf16", help="the base weights' dtype")
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--steps", type=int, default=STEPS)
@@ -141,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be at least 0")
     if args.matmul_size is None:
         args.matmul_size = TINY_MATMUL_SIZE if args.tiny else MATMUL_SIZE
+    if args.providers is None:
+        has_unsloth = (args.unsloth_site / "unsloth" / "__init__.py").is_file()
+        args.providers = list(PROVIDERS + (UNSLOTH_PROVIDERS if has_unsloth else ()))
     if len(set(args.providers)) != len(args.providers):
         p.error("--providers: each at most once")
     return args
@@ -259,6 +273,8 @@ def build(job: dict, device):
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     init_by_name(model)
+    if "unsloth" in parts:
+        return unsloth_lora(job, model)
     if "4bit" in parts:
         quantize_4bit(model, device)
     lora = peft.LoraConfig(r=job["rank"], lora_alpha=job["alpha"], lora_dropout=0.0, target_modules=list(TARGETS))
@@ -269,6 +285,23 @@ def build(job: dict, device):
     if "ckpt" in parts:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
+
+
+def unsloth_lora(job: dict, model):
+    """Unsloth's PEFT model of ``model``'s weights (benchmarks/unsloth_models.py), its adapters drawn by name."""
+    import torch
+
+    parts = job["provider"].split("+")
+    with tempfile.TemporaryDirectory(prefix="tigon-lora-unsloth-") as folder:
+        unsloth_models.save_model(model, Path(folder))
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        peft_model = unsloth_models.load_lora(Path(folder), seq=job["seq"], qlora="4bit" in parts,
+                                              checkpointing="ckpt" in parts, rank=job["rank"], alpha=job["alpha"],
+                                              targets=TARGETS, seed=SEED)
+    init_by_name(peft_model, {n for n, p in peft_model.named_parameters() if p.requires_grad})
+    return peft_model.train()
 
 
 def run_job(job: dict) -> dict:
@@ -321,10 +354,10 @@ def run_job(job: dict) -> dict:
     return out
 
 
-def worker_main(ready_path: str | None = None) -> int:
+def worker_main(ready_path: str | None = None, unsloth: bool = False) -> int:
     """benchmarks/e2e.py's worker loop (imports, the ready mark, one job from stdin, its result line), running
-    this file's jobs, with PEFT imported ahead."""
-    return e2e.worker_main(ready_path, run=run_job, imports=("peft",))
+    this file's jobs, with PEFT imported ahead (and Unsloth before everything, in an Unsloth worker)."""
+    return e2e.worker_main(ready_path, run=run_job, imports=("unsloth", "peft") if unsloth else ("peft",))
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -381,15 +414,23 @@ def add_agreement(rows: list[dict]) -> None:
 def run(args, log=print) -> dict:
     with tempfile.TemporaryDirectory() as grads_dir:
         jobs = jobs_for(args, Path(grads_dir))
-        pool = e2e.WorkerPool(args.timeout, __file__)
-        rows = []
+        # Unsloth's jobs last, in workers of their own (its pinned packages first on their path)
+        jobs.sort(key=lambda job: job["provider"].startswith("unsloth"))
+        pools, rows = {}, []
         try:
             for job in jobs:
-                row = pool.run(job)
+                unsloth = job["provider"].startswith("unsloth")
+                if unsloth not in pools:
+                    if False in pools:  # the other providers are done: their spare worker goes
+                        pools.pop(False).close()
+                    env = unsloth_models.worker_env(args.unsloth_site, ROOT / "src") if unsloth else None
+                    pools[unsloth] = e2e.WorkerPool(args.timeout, __file__, env, ("--unsloth",) if unsloth else ())
+                row = pools[unsloth].run(job)
                 rows.append(row)
                 log(row_line(row))
         finally:
-            pool.close()
+            for pool in pools.values():
+                pool.close()
         add_agreement(rows)
     for row in rows:
         row.pop("grads_path", None)
@@ -473,7 +514,8 @@ def save(result: dict, out_dir: Path) -> list[Path]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return worker_main(argv[1] if len(argv) > 1 else None)
+        rest = [a for a in argv[1:] if a != "--unsloth"]
+        return worker_main(rest[0] if rest else None, unsloth="--unsloth" in argv)
     args = parse_args(argv)
     import torch
 

@@ -25,9 +25,41 @@ def test_arguments():
     assert lora.reference_names("tigon+4bit+ckpt") == ("peft+4bit+ckpt", "peft+4bit")
     assert lora.reference_names("liger") == ("peft", "peft+ckpt")
     assert args.seq == lora.TINY_SEQ and args.matmul_size == lora.TINY_MATMUL_SIZE
-    for bad in (["--layers", "0"], ["--providers", "unsloth"], ["--providers", "peft", "peft"], ["--warmup", "-1"]):
+    for bad in (["--layers", "0"], ["--providers", "unsloth+liger"], ["--providers", "peft", "peft"],
+                ["--warmup", "-1"]):
         with pytest.raises(SystemExit):
             lora.parse_args(bad)
+
+
+def test_unsloth_providers_where_its_site_holds_it(tmp_path):
+    """Unsloth's providers join the default list only where --unsloth-site holds Unsloth; named, they run (and
+    say why where they cannot); each is compared with stock PEFT on the same bases and checkpointing."""
+    assert lora.parse_args(["--unsloth-site", str(tmp_path)]).providers == list(lora.PROVIDERS)
+    (tmp_path / "unsloth").mkdir()
+    (tmp_path / "unsloth" / "__init__.py").write_text("")
+    args = lora.parse_args(["--unsloth-site", str(tmp_path)])
+    assert args.providers == list(lora.PROVIDERS + lora.UNSLOTH_PROVIDERS)
+    assert lora.parse_args(["--providers", "unsloth+4bit"]).providers == ["unsloth+4bit"]
+    assert lora.reference_names("unsloth+4bit+ckpt") == ("peft+4bit+ckpt", "peft+4bit")
+    assert lora._title("unsloth+4bit+ckpt") == "Unsloth on 4-bit nf4 bases (QLoRA) + checkpointing"
+    env = lora.unsloth_models.worker_env(tmp_path, "/repo/src")
+    assert env["PYTHONPATH"].split(":")[:2] == [str(tmp_path), "/repo/src"] and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_unsloth_model_folder_has_weights_and_a_tokenizer_of_its_vocabulary(tmp_path):
+    """What Unsloth's from_pretrained reads: the model's weights and a word-level tokenizer of its vocabulary."""
+    import transformers
+
+    config = transformers.LlamaConfig(**lora.shape({"tiny": True, "layers": 1}))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    lora.init_by_name(model)
+    lora.unsloth_models.save_model(model, tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == config.vocab_size and tokenizer.pad_token_id == 3
+    assert tokenizer("t5 t7")["input_ids"] == [5, 7]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for (name, p), (_, q) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_step_flops_llama_3_1_8b():
