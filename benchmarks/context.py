@@ -265,6 +265,8 @@ def run_job(job: dict) -> dict:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, job["gpu_memory"] * GIB / total), device)
     label, model, optimizer = build(job)
+    if cuda:  # what building freed (a bf16 weight quantized, a model saved for Unsloth) goes back to the device
+        torch.cuda.empty_cache()
     out = {**job, "label": label, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "params": sum(p.numel() for p in model.parameters()),
            "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
