@@ -37,8 +37,9 @@ first; its providers join the default list only where that folder holds Unsloth 
 Longest: the largest multiple of ``--step`` (8192) up to ``--max-tokens`` that trains two full steps
 (the second step's peak includes the AdamW moments the first one allocates), found by doubling from
 ``--start`` then bisecting (``e2e.search_longest``), each length in a fresh process (an ``e2e.Worker``,
-with no spare one importing alongside: an Unsloth import holds a CUDA context on the GPU being measured),
-so that an out-of-memory error cannot poison the next try. An error is a result: a provider that cannot
+with no spare one importing alongside: Unsloth initialises CUDA when it is imported, and what a second
+process holds on the GPU would be missing from the probe's), so that an out-of-memory error cannot poison
+the next try. An error is a result: a provider that cannot
 run a model gets a row with its error. ``--gpu-memory`` caps each probe's PyTorch allocations
 (``torch.cuda.set_per_process_memory_fraction``) to compare with figures from a smaller GPU. Reported per
 length that trained: the second step's tokens/s, the peak allocated GPU memory, and for ``tigon+long`` the
