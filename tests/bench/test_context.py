@@ -120,6 +120,10 @@ def test_an_unsloth_job_saves_the_rows_weights_once_for_its_loader(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    with pytest.raises(ImportError, match="unsloth"):
+        context.run_job({**job, "provider": "unsloth", "seq": 32})  # a later probe: reads what is there
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == written
 
 
 def _result():
