@@ -1,10 +1,11 @@
 """Context-length benchmark: the longest sequence each provider trains, and its speed there, on a GPU.
 
-    python benchmarks/context.py                                        # both models, every provider
+    python benchmarks/context.py                                        # every model, every provider
     python benchmarks/context.py --models llama-1b --providers stock tigon tigon+long --max-tokens 131072
+    python benchmarks/context.py --models llama-8b-qlora --gpu-memory 79 --max-tokens 393216   # as an 80 GB GPU
     python benchmarks/context.py --device cpu --tiny --step 64 --max-tokens 128   # pipeline smoke test
 
-What is measured. Two models, random weights, sdpa attention, batch 1 of random tokens, a step being
+What is measured. Three models, random weights, sdpa attention, batch 1 of random tokens, a step being
 forward with labels (the loss inside the model), backward, ``optimizer.step()`` and
 ``zero_grad(set_to_none=True)``, synchronised by ``loss.item()``:
 
@@ -13,21 +14,40 @@ forward with labels (the loss inside the model), backward, ``optimizer.step()`` 
 - ``llama-8b-lora``: Llama-3.1-8B-shaped LoRA: bf16 base weights (frozen), PEFT LoRA r=16,
   lora_alpha=32, on every linear layer of the decoder (q/k/v/o, gate/up/down), bf16 autocast, fused
   AdamW on the adapters.
+- ``llama-8b-qlora``: the same model as QLoRA, the setting of Unsloth's published context lengths: the
+  decoder's projections bitsandbytes 4-bit (nf4, double quant, bf16 compute: benchmarks/lora.py's
+  ``quantize_4bit`` of the bf16 weights, then ``peft.prepare_model_for_kbit_training``), LoRA r=32,
+  lora_alpha=64 on the same layers.
 
-Providers: ``stock`` (transformers as shipped), ``stock+ckpt`` (transformers' gradient checkpointing,
-non-reentrant, on every decoder layer), ``liger+ckpt`` (Liger-Kernel's ``apply_liger_kernel_to_llama()``
-before the model is built, with checkpointing; when ``liger_kernel`` imports), ``tigon``
-(``tigon.patch(model)``), ``tigon+long`` (``tigon.patch(model, offload_activations=True,
+Providers: ``stock`` (transformers and PEFT as shipped), ``stock+ckpt`` (transformers' gradient
+checkpointing, non-reentrant, on every decoder layer), ``liger+ckpt`` (Liger-Kernel's
+``apply_liger_kernel_to_llama()`` before the model is built, with checkpointing; when ``liger_kernel``
+imports), ``tigon`` (``tigon.patch(model)``), ``tigon+long`` (``tigon.patch(model, offload_activations=True,
 tiled_mlp=True)`` with checkpointing: each layer's input waits in pinned host memory, the MLP runs over
-chunks of tokens).
+chunks of tokens). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
+run and loaded as Unsloth's users load a model, ``FastLanguageModel.from_pretrained`` (the LoRA rows: bf16,
+or 4-bit nf4 for QLoRA, then its ``get_peft_model`` with the row's rank on the same layers; ``llama-1b``:
+``full_finetuning=True``, bf16 loaded and every parameter upcast to fp32 by its ``float32_mixed_precision``):
+``unsloth`` (no checkpointing), ``unsloth+ckpt`` (its offloaded checkpointing,
+``use_gradient_checkpointing="unsloth"``), ``unsloth+long`` (that and its tiled MLP, ``unsloth_tiled_mlp=True``).
+Unsloth pins other transformers/TRL versions and patches them when imported, so its probes run with
+``--unsloth-site`` (a folder of Unsloth and its pinned requirements) first on their path and import it
+first; its providers join the default list only where that folder holds Unsloth (it needs a CUDA GPU).
 
 Longest: the largest multiple of ``--step`` (8192) up to ``--max-tokens`` that trains two full steps
 (the second step's peak includes the AdamW moments the first one allocates), found by doubling from
-``--start`` then bisecting (``e2e.search_longest``), each length in a fresh process, so that an
-out-of-memory error cannot poison the next try. Reported per length that trained: the second step's
-tokens/s, the peak allocated GPU memory, and for ``tigon+long`` the pinned host memory its offloader
-holds. tokens/s at 32K is the 32,768-token probe's (doubling from 8192 passes it); at the longest, the
-longest probe's.
+``--start`` then bisecting (``e2e.search_longest``), each length in a fresh process (an ``e2e.Worker``,
+with no spare one importing alongside: Unsloth initialises CUDA when it is imported, and what a second
+process holds on the GPU would be missing from the probe's), so that an out-of-memory error cannot poison
+the next try. An error is a result: a provider that cannot
+run a model gets a row with its error. ``--gpu-memory`` caps each probe's PyTorch allocations
+(``torch.cuda.set_per_process_memory_fraction``) to compare with figures from a smaller GPU. Reported per
+length that trained: the second step's tokens/s, the peak allocated GPU memory, and for ``tigon+long`` the
+pinned host memory its offloader holds. tokens/s at 32K is the 32,768-token probe's (doubling from 8192
+passes it); at the longest, the longest probe's ("≥" where ``--max-tokens`` itself trained).
+
+Published, not measured here: Unsloth's own figures for Llama 3.1 (8B) QLoRA (:data:`PUBLISHED`), printed
+under the ``llama-8b-qlora`` table.
 
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
 length, one line per provider, its longest marked.
@@ -38,40 +58,54 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as _dt
+import functools
 import importlib.util
-import json
 import os
-import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-try:
-    from benchmarks import e2e
-except ImportError:  # run as a script: benchmarks/ is on the path
-    import e2e
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, the repository is not
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import e2e, unsloth_models  # noqa: E402  (probes, the search, OOM detection; Unsloth)
 
 PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+long")
+UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+long")
 PROVIDER_TITLES = {
     "stock": "stock",
     "stock+ckpt": "stock + checkpointing",
     "liger+ckpt": "Liger-Kernel + checkpointing",
     "tigon": "tigon",
     "tigon+long": "tigon + checkpointing + offload + tiled MLP",
+    "unsloth": "Unsloth",
+    "unsloth+ckpt": "Unsloth + offloaded checkpointing",
+    "unsloth+long": "Unsloth + offloaded checkpointing + tiled MLP",
 }
 COLOURS = {"stock": "tab:gray", "stock+ckpt": "tab:cyan", "liger+ckpt": "tab:green", "tigon": "tab:orange",
-           "tigon+long": "tab:red"}
+           "tigon+long": "tab:red", "unsloth": "tab:purple", "unsloth+ckpt": "tab:pink", "unsloth+long": "tab:brown"}
 LLAMA_3_1_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
 )
+SHAPES = {"llama-3.2-1b": None, "llama-3.1-8b": LLAMA_3_1_8B}  # keywords over the family's config (None: its own)
 MODELS = {
-    # name -> (label, shape keywords over the family's config (None: tigon.bench.models'), LoRA)
-    "llama-1b": ("Llama-3.2-1B-shaped, full fine-tuning", None, False),
-    "llama-8b-lora": ("Llama-3.1-8B-shaped, LoRA r=16 on all linear layers", LLAMA_3_1_8B, True),
+    # name -> (label, shape, how it is trained: "full", "lora" (bf16 bases) or "qlora" (4-bit nf4 bases))
+    "llama-1b": ("Llama-3.2-1B-shaped, full fine-tuning", "llama-3.2-1b", "full"),
+    "llama-8b-lora": ("Llama-3.1-8B-shaped, LoRA r=16 on all linear layers", "llama-3.1-8b", "lora"),
+    "llama-8b-qlora": ("Llama-3.1-8B-shaped, QLoRA (4-bit nf4 bases) r=32 on all linear layers", "llama-3.1-8b",
+                       "qlora"),
 }
-LORA_RANK, LORA_ALPHA = 16, 32
+ADAPTERS = {"lora": (16, 32), "qlora": (32, 64)}  # (rank, lora_alpha)
+UNSLOTH_PACKAGES = ("unsloth", "unsloth_zoo", "transformers", "peft", "bitsandbytes")
+# Unsloth's docs (UNSLOTH_DOCS), "Llama 3.1 (8B) max. context length": QLoRA r=32 on all linear layers, batch 1,
+# A100/H100; GPU memory (GB) -> (tokens with Unsloth, tokens with Hugging Face + Flash Attention 2 or None).
+UNSLOTH_DOCS = "https://unsloth.ai/docs/basics/unsloth-benchmarks"
+PUBLISHED = {80: (342733, 28454), 48: (191728, None), 40: (153977, None)}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEP = 8192
 START = 8192
@@ -81,7 +115,6 @@ STEPS = 2
 LR = 1e-4
 SEED = 0
 PROBE_TIMEOUT_S = 300
-RESULT_MARK = "CONTEXT-RESULT "
 GIB = 2**30
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -89,27 +122,43 @@ OUT = Path(__file__).resolve().parent / "results"
 # ------------------------------------------------------------------------------------------- args
 
 
+def has_unsloth(site: Path) -> bool:
+    return (Path(site) / "unsloth" / "__init__.py").is_file()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
-                        help="liger+ckpt is skipped (and reported so) where liger_kernel does not import")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS + UNSLOTH_PROVIDERS, default=None,
+                        help="default: all (Unsloth's where --unsloth-site holds it); liger+ckpt is skipped (and "
+                        "reported so) where liger_kernel does not import")
+    parser.add_argument("--unsloth-site", type=Path, default=Path(unsloth_models.SITE),
+                        help="a folder with Unsloth and its pinned requirements, put first on its probes' PYTHONPATH "
+                        "(default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="longest length probed")
     parser.add_argument("--start", type=int, default=START, help="first length probed")
     parser.add_argument("--step", type=int, default=STEP, help="lengths are multiples of it")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="cap each probe's PyTorch GPU memory at GIB (default: the whole device)")
     parser.add_argument("--timeout", type=int, default=PROBE_TIMEOUT_S, help="seconds per probe")
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON, markdown and plot")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
-    parser.add_argument("--job", default=None, help=argparse.SUPPRESS)  # a probe, in its own process
     args = parser.parse_args(argv)
     if args.step < 1 or args.start < 1 or args.max_tokens < args.step:
         parser.error("--step and --start must be positive and --max-tokens at least --step")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        parser.error("--gpu-memory must be positive")
+    if args.providers is None:
+        args.providers = list(PROVIDERS + (UNSLOTH_PROVIDERS if has_unsloth(args.unsloth_site) else ()))
+    if len(set(args.providers)) != len(args.providers):
+        parser.error("--providers: each at most once")
     args.skipped = []
     if "liger+ckpt" in args.providers and importlib.util.find_spec("liger_kernel") is None:
         args.providers = [p for p in args.providers if p != "liger+ckpt"]
         args.skipped.append("liger+ckpt (liger_kernel does not import)")
+    args.unsloth_dir = None  # main's folder of the models saved for Unsloth, one per weights
     return args
 
 
@@ -117,48 +166,92 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(name: str, *, tiny: bool):
+    """The row's label, its transformers config, and how it is trained (``MODELS``)."""
     from tigon.bench.models import model_config as family_config
 
-    label, shape, lora = MODELS[name]
+    label, shape, kind = MODELS[name]
     spec = family_config("llama", tiny=tiny)
     config = copy.deepcopy(spec.config)
-    if shape is not None and not tiny:
-        for key, value in copy.deepcopy(shape).items():
+    if SHAPES[shape] is not None and not tiny:
+        for key, value in copy.deepcopy(SHAPES[shape]).items():
             setattr(config, key, value)
-    return (f"tiny {name}" if tiny else label), config, lora
+    return (f"tiny {name}" if tiny else label), config, kind
+
+
+def new_model(config, kind: str, device):
+    """The row's transformers model, its weights drawn from ``SEED`` (fp32 for full fine-tuning, bf16 bases
+    otherwise)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    dtype = torch.float32 if kind == "full" else torch.bfloat16
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.train()
 
 
 def build(job: dict):
-    """The job's model (LoRA-wrapped where its row says so), patched and checkpointed as its provider says,
-    and its optimizer."""
+    """The job's model (LoRA-wrapped, on 4-bit bases, where its row says so), patched and checkpointed as its
+    provider says, and its optimizer."""
     import torch
-    import transformers
 
     import tigon
 
     parts = set(job["provider"].split("+"))
     device = torch.device(job["device"])
-    label, config, lora = model_config(job["model"], tiny=job["tiny"])
-    if "liger" in parts:
-        e2e.apply_liger("llama")
-    torch.manual_seed(SEED)
-    dtype = torch.bfloat16 if lora else torch.float32
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    model.train()
-    if lora:
-        from peft import LoraConfig, get_peft_model
+    label, config, kind = model_config(job["model"], tiny=job["tiny"])
+    if "unsloth" in parts:
+        model = unsloth_model(job, config, kind, device)
+    else:
+        if "liger" in parts:
+            e2e.apply_liger("llama")
+        model = new_model(config, kind, device)
+        if kind == "qlora":
+            from benchmarks.lora import quantize_4bit
 
-        model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS))
-    if "tigon" in parts:
-        long = "long" in parts
-        tigon.patch(model, offload_activations=long, tiled_mlp=long)
-    if "ckpt" in parts or "long" in parts:
-        model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            quantize_4bit(model, device)
+        if kind != "full":
+            from peft import LoraConfig, get_peft_model
+
+            rank, alpha = ADAPTERS[kind]
+            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS))
+        if "tigon" in parts:
+            long = "long" in parts
+            tigon.patch(model, offload_activations=long, tiled_mlp=long)
+        if "ckpt" in parts or "long" in parts:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=LR, fused=device.type == "cuda")
     return label, model, optimizer
+
+
+def unsloth_model(job: dict, config, kind: str, device):
+    """Unsloth's model of the row's weights: saved to ``job["unsloth_dir"]`` by the first probe that needs them
+    (a folder per shape and dtype, written under another name and renamed when complete), then loaded through
+    Unsloth (benchmarks/unsloth_models.py) with the provider's checkpointing and tiled MLP."""
+    import torch
+
+    parts = set(job["provider"].split("+"))
+    dtype = "fp32" if kind == "full" else "bf16"
+    folder = Path(job["unsloth_dir"]) / f"{'tiny-' * job['tiny']}{MODELS[job['model']][1]}-{dtype}"
+    if not (folder / "config.json").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model = new_model(config, kind, device)
+        unsloth_models.save_model(model, partial)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        partial.rename(folder)
+    options = dict(seq=job["seq"], checkpointing="ckpt" in parts or "long" in parts, tiled_mlp="long" in parts,
+                   seed=SEED)
+    if kind == "full":
+        return unsloth_models.load_full(folder, **options)
+    rank, alpha = ADAPTERS[kind]
+    return unsloth_models.load_lora(folder, qlora=kind == "qlora", rank=rank, alpha=alpha, targets=LORA_TARGETS,
+                                    **options)
 
 
 def run_job(job: dict) -> dict:
@@ -169,7 +262,12 @@ def run_job(job: dict) -> dict:
 
     device = torch.device(job["device"])
     cuda = device.type == "cuda"
+    if cuda and job.get("gpu_memory"):
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, job["gpu_memory"] * GIB / total), device)
     label, model, optimizer = build(job)
+    if cuda:  # what building freed (a bf16 weight quantized, a model saved for Unsloth) goes back to the device
+        torch.cuda.empty_cache()
     out = {**job, "label": label, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "params": sum(p.numel() for p in model.parameters()),
            "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
@@ -194,52 +292,48 @@ def run_job(job: dict) -> dict:
     offloader = offloader_of(model)
     if offloader is not None:
         out.update(host_bytes=offloader.host_bytes, peak_host_bytes=offloader.peak_host_bytes)
+    if job["provider"].startswith("unsloth"):  # its site's versions, not the parent's
+        out["versions"] = package_versions(UNSLOTH_PACKAGES)
     return out
 
 
-def job_main(line: str) -> int:
-    job = json.loads(line)
-    started = time.perf_counter()
-    try:
-        result = run_job(job)
-    except Exception as exc:  # an error is a result: out of memory is what the search looks for
-        oom = e2e._is_oom(exc)
-        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        result = {**job, "error": "out of memory" if oom else f"{type(exc).__name__}: {first_line}", "oom": oom}
-    result["wall_s"] = time.perf_counter() - started
-    print(RESULT_MARK + json.dumps(result), flush=True)
-    return 0
+def package_versions(names) -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
-def probe(job: dict, timeout: int) -> dict:
-    """Run ``job`` in a fresh Python process; its result line, or the error that ended it."""
-    started = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, __file__, "--job", json.dumps(job)], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**job, "error": f"timed out after {timeout} s", "wall_s": time.perf_counter() - started}
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    errors = done.stderr.strip().splitlines()
-    return {**job, "error": f"exited with status {done.returncode}: {' | '.join(errors[-3:])[:400]}",
-            "wall_s": time.perf_counter() - started}
+def probe(job: dict, timeout: int, *, unsloth_site: Path) -> dict:
+    """Run ``job`` in a fresh worker process (benchmarks/e2e.py's, this file's :func:`run_job`); an Unsloth
+    provider's with ``unsloth_site`` first on its path and Unsloth imported first. Its result, or the error
+    that ended it."""
+    unsloth = job["provider"].startswith("unsloth")
+    if unsloth and not has_unsloth(unsloth_site):
+        return {**job, "error": f"Unsloth is not in --unsloth-site {unsloth_site}", "wall_s": 0.0}
+    env = unsloth_models.worker_env(unsloth_site, ROOT / "src") if unsloth else None
+    return e2e.Worker(__file__, env, ("--unsloth",) if unsloth else ()).run(job, timeout)
 
 
 # ------------------------------------------------------------------------------------------- search
 
 
 PROBE_KEYS = ("seq", "error", "oom", "peak_bytes", "tokens_per_s", "host_bytes", "peak_host_bytes", "wall_s",
-              "device", "label", "losses")
+              "device", "label", "losses", "versions")
 
 
-def search(args, model: str, provider: str, run=probe, log=print) -> dict:
+def search(args, model: str, provider: str, run=None, log=print) -> dict:
+    run = run or functools.partial(probe, unsloth_site=args.unsloth_site)
     probes = []
 
     def trains(seq: int) -> bool:
         job = {"model": model, "provider": provider, "seq": seq, "steps": STEPS, "device": args.device,
-               "tiny": args.tiny}
+               "tiny": args.tiny, "gpu_memory": args.gpu_memory, "unsloth_dir": args.unsloth_dir}
         result = run(job, args.timeout)
         probes.append({k: result.get(k) for k in PROBE_KEYS if k in result})
         log(probe_line(provider, result))
@@ -255,14 +349,15 @@ def search(args, model: str, provider: str, run=probe, log=print) -> dict:
         "tokens_per_s_at_longest": at_longest.get("tokens_per_s"),
         "peak_bytes_at_longest": at_longest.get("peak_bytes"),
         "host_bytes_at_longest": at_longest.get("host_bytes"),
-        "label": next((p["label"] for p in probes if p.get("label")), model),
+        "label": next((p["label"] for p in probes if p.get("label")), MODELS[model][0]),
         "device": next((p["device"] for p in probes if p.get("device")), None),
+        "versions": next((p["versions"] for p in probes if p.get("versions")), None),
         "probes": sorted(probes, key=lambda p: p["seq"]),
     }
 
 
 def probe_line(provider: str, result: dict) -> str:
-    head = f"{result['model']:>14} {provider:>11} {result['seq']:>7} tokens: "
+    head = f"{result['model']:>14} {provider:>12} {result['seq']:>7} tokens: "
     if "error" in result:
         return head + result["error"]
     line = f"{result['tokens_per_s']:.0f} tokens/s"
@@ -272,7 +367,6 @@ def probe_line(provider: str, result: dict) -> str:
         line += f", host {result['host_bytes'] / GIB:.1f} GiB"
     return head + line + f" ({result.get('wall_s', 0):.0f} s)"
 
-
 # ------------------------------------------------------------------------------------------- output
 
 
@@ -280,14 +374,33 @@ def _cell(value, fmt) -> str:
     return "—" if value is None else fmt.format(value)
 
 
+def _longest(row: dict) -> str:
+    if not row["longest_seq"]:
+        return "none"
+    # No failure: the search stopped at --max-tokens, which trained; the provider may reach further.
+    return f"≥ {row['longest_seq']}" if row["first_failure"] is None else str(row["longest_seq"])
+
+
+def published_line() -> str:
+    """Unsloth's published context lengths (``PUBLISHED``), as the page cites them."""
+    figures = "; ".join(f"{gb} GB: {ours:,} tokens with Unsloth" + (f" vs {hf:,} with Hugging Face + FA2" if hf else "")
+                        for gb, (ours, hf) in PUBLISHED.items())
+    return (f"Published, not measured here: Unsloth's benchmarks ({UNSLOTH_DOCS}), \"Llama 3.1 (8B) max. context "
+            f"length\", 4-bit QLoRA r=32 on all linear layers, batch 1, A100/H100 — {figures}.")
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Longest context at batch 1 — {result['device']} — {result['date']}", ""]
     versions = result.get("versions") or {}
     if versions:
         lines += [", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    if result.get("unsloth_versions"):
+        lines += ["Unsloth's probes (their own site): "
+                  + ", ".join(f"{k} {v}" for k, v in result["unsloth_versions"].items() if v), ""]
     settings = result.get("settings", {})
+    cap = f"; GPU memory capped at {settings['gpu_memory']:g} GiB" if settings.get("gpu_memory") else ""
     lines += [f"Lengths: multiples of {settings.get('step')} up to {settings.get('max_tokens')}; a length counts "
-              f"when {STEPS} optimizer steps train; tokens/s from the second step.", ""]
+              f"when {STEPS} optimizer steps train; tokens/s from the second step{cap}.", ""]
     for model in dict.fromkeys(r["model"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["model"] == model]
         lines += [f"## {rows[0]['label']}", "",
@@ -297,12 +410,14 @@ def markdown(result: dict) -> str:
         for r in rows:
             failure = "—" if r["first_failure"] is None else f"{r['first_failure']}: {r['failure']}"
             lines.append(
-                f"| {PROVIDER_TITLES[r['provider']]} | {r['longest_seq'] or 'none'} "
+                f"| {PROVIDER_TITLES[r['provider']]} | {_longest(r)} "
                 f"| {_cell(r['tokens_per_s_at_32k'], '{:.0f}')} | {_cell(r['tokens_per_s_at_longest'], '{:.0f}')} "
                 f"| {_cell(r['peak_bytes_at_longest'] and r['peak_bytes_at_longest'] / GIB, '{:.1f}')} "
                 f"| {_cell(r['host_bytes_at_longest'] and r['host_bytes_at_longest'] / GIB, '{:.1f}')} "
-                f"| {failure} |")
+                f"| {failure.replace('|', '/')} |")  # a worker's error joins its last lines with " | "
         lines.append("")
+        if MODELS[model][2] == "qlora" and not settings.get("tiny"):
+            lines += [published_line(), ""]
     if settings.get("skipped"):
         lines += [f"Skipped: {', '.join(settings['skipped'])}.", ""]
     return "\n".join(lines)
@@ -346,9 +461,12 @@ def save(result: dict, out_dir: Path, log=print) -> list[Path]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # a probe (e2e.Worker): imports, then one job from stdin
+        rest = [a for a in argv[1:] if a != "--unsloth"]
+        return e2e.worker_main(rest[0] if rest else None, run=run_job,
+                               imports=("unsloth",) if "--unsloth" in argv else ())
     args = parse_args(argv)
-    if args.job is not None:
-        return job_main(args.job)
     import torch
 
     if args.device == "cpu":
@@ -360,15 +478,19 @@ def main(argv=None) -> int:
     from tigon.bench.harness import versions
 
     started = time.perf_counter()
-    rows = [search(args, model, provider) for model in args.models for provider in args.providers]
+    with tempfile.TemporaryDirectory(prefix="tigon-context-unsloth-") as folder:
+        args.unsloth_dir = folder
+        rows = [search(args, model, provider) for model in args.models for provider in args.providers]
     named = [r["device"] for r in rows if r.get("device") not in (None, "cuda", "cpu")]
     result = {
         "kind": "context", "rows": rows, "device": next(iter(named), args.device),
         "date": _dt.date.today().isoformat(), "versions": versions(),
+        "unsloth_versions": next((r["versions"] for r in rows if r.get("versions")), None),
         "settings": {"models": args.models, "providers": args.providers, "skipped": args.skipped,
                      "step": args.step, "start": args.start, "max_tokens": args.max_tokens, "tiny": args.tiny,
-                     "steps": STEPS, "lr": LR, "seed": SEED, "lora": {"r": LORA_RANK, "alpha": LORA_ALPHA,
-                                                                       "targets": LORA_TARGETS}},
+                     "gpu_memory": args.gpu_memory, "steps": STEPS, "lr": LR, "seed": SEED,
+                     "adapters": {kind: {"r": r, "alpha": alpha, "targets": LORA_TARGETS}
+                                  for kind, (r, alpha) in ADAPTERS.items()}},
         "wall_s": time.perf_counter() - started,
     }
     paths = save(result, args.out)

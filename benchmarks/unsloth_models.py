@@ -1,4 +1,5 @@
-"""Unsloth as a provider of the LoRA benchmark: the same random-init model, loaded the way Unsloth's users load one.
+"""Unsloth as a provider of the LoRA and context benchmarks: the same random-init model, loaded the way Unsloth's users
+load one.
 
 Unsloth (``unsloth`` and ``unsloth_zoo`` 2026.10.9) patches transformers, PEFT and TRL when it is imported and pins
 their versions (transformers <= 5.17, TRL <= 1.15, datasets < 5), so it runs in its own worker processes: their
@@ -8,11 +9,14 @@ their versions (transformers <= 5.17, TRL <= 1.15, datasets < 5), so it runs in 
 Its entry point takes a model folder, not a model object: ``FastLanguageModel.from_pretrained(folder, ...)`` loads the
 weights (bf16, or 4-bit nf4 through bitsandbytes for QLoRA) and a tokenizer, then
 ``FastLanguageModel.get_peft_model`` adds the adapters (its own LoRA autograd for the MLP and q/k/v/o, with
-``use_gradient_checkpointing="unsloth"``: checkpoints offloaded to host memory). The worker builds the benchmark's
-model as every provider does (``lora.build``'s weights, drawn by name), saves it with a word-level tokenizer of the
-model's vocabulary (there is no network on the GPU machine, and the benchmark feeds token ids, never text) into a
-temporary folder, loads it through Unsloth offline, and draws the adapters by name as the other providers do, so
-that losses and adapter gradients compare with stock PEFT's.
+``use_gradient_checkpointing="unsloth"``: checkpoints offloaded to host memory) (:func:`load_lora`); with
+``full_finetuning=True`` it trains every weight instead (:func:`load_full`); ``unsloth_tiled_mlp=True`` runs each MLP
+over chunks of tokens. The worker builds the benchmark's model as every provider does (benchmarks/lora.py: its weights
+drawn by name; benchmarks/context.py: drawn from the seed), saves it with a word-level tokenizer of the model's
+vocabulary (there is no network on the GPU machine, and the benchmarks feed token ids, never text) into a folder
+(lora.py: a temporary one a job; context.py: one a run, shared by its probes), loads it through Unsloth offline, and
+(lora.py) draws the adapters by name as the other providers do, so that losses and adapter gradients compare with
+stock PEFT's.
 """
 
 from __future__ import annotations
@@ -56,19 +60,38 @@ def save_model(model, folder: Path) -> None:
 
 
 def load_lora(folder: Path, *, seq: int, qlora: bool, checkpointing: bool, rank: int, alpha: float,
-              targets, seed: int):
+              targets, seed: int, tiled_mlp: bool = False):
     """Unsloth's PEFT model of ``folder``: bf16 base weights (or bitsandbytes 4-bit nf4 with ``qlora``), LoRA
     r=``rank`` α=``alpha`` (dropout 0, no bias) on ``targets``, Unsloth's offloaded checkpointing with
-    ``checkpointing`` (none otherwise), in training mode."""
+    ``checkpointing`` (none otherwise), its tiled MLP with ``tiled_mlp`` (``unsloth_tiled_mlp``: the MLP over
+    chunks of tokens, forward and backward), in training mode."""
     import torch
     from unsloth import FastLanguageModel
 
     model, _ = FastLanguageModel.from_pretrained(
         model_name=str(folder), max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=qlora,
         load_in_16bit=not qlora, full_finetuning=False, local_files_only=True,
-        use_gradient_checkpointing="unsloth" if checkpointing else False, random_state=seed)
+        use_gradient_checkpointing="unsloth" if checkpointing else False, unsloth_tiled_mlp=tiled_mlp,
+        random_state=seed)
     model = FastLanguageModel.get_peft_model(
         model, r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=list(targets),
         use_gradient_checkpointing="unsloth" if checkpointing else False, random_state=seed)
     FastLanguageModel.for_training(model)
+    return model
+
+
+def load_full(folder: Path, *, seq: int, checkpointing: bool, seed: int, tiled_mlp: bool = False):
+    """Unsloth's model of ``folder`` for full fine-tuning (``full_finetuning=True``, which its
+    ``FastLanguageModel`` hands to ``FastModel``): loaded in bf16, every parameter trainable and upcast to fp32
+    (``float32_mixed_precision=True``: fp32 weights under bf16 autocast, as the other providers train), with
+    ``checkpointing`` and ``tiled_mlp`` as in :func:`load_lora`, in training mode."""
+    import torch
+    from unsloth import FastLanguageModel, FastModel
+
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=str(folder), max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=False,
+        full_finetuning=True, float32_mixed_precision=True, local_files_only=True,
+        use_gradient_checkpointing="unsloth" if checkpointing else False, unsloth_tiled_mlp=tiled_mlp,
+        random_state=seed)
+    FastModel.for_training(model)
     return model

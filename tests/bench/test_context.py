@@ -1,5 +1,7 @@
-"""``benchmarks/context.py``: its options, the search over lengths, one probe's job on the CPU, and the
-report (markdown, JSON, plot). The GPU run itself is the lead's."""
+"""``benchmarks/context.py``: its options, the search over lengths, the probes' workers (Unsloth's with its own
+site), one probe's job on the CPU (full fine-tuning, LoRA, QLoRA; an Unsloth job as far as it goes without Unsloth),
+and the report (markdown, JSON, plot; Unsloth's rows, an error row, its published figures). The GPU run itself is the
+lead's."""
 
 from __future__ import annotations
 
@@ -9,19 +11,61 @@ import pytest
 from benchmarks import context
 
 
-def test_defaults_and_limits():
-    args = context.parse_args([])
+def test_defaults_and_limits(tmp_path):
+    args = context.parse_args(["--unsloth-site", str(tmp_path)])
     assert (args.step, args.start, args.max_tokens) == (8192, 8192, 262144)
-    assert args.models == list(context.MODELS)
-    assert set(args.providers) | {"liger+ckpt"} == set(context.PROVIDERS)
+    assert args.models == ["llama-1b", "llama-8b-lora", "llama-8b-qlora"] == list(context.MODELS)
+    assert set(args.providers) | {"liger+ckpt"} == set(context.PROVIDERS)  # no Unsloth in the site
+    assert args.gpu_memory is None and args.unsloth_dir is None
     limited = context.parse_args(["--models", "llama-8b-lora", "--providers", "stock", "tigon+long",
-                                  "--max-tokens", "65536"])
+                                  "--max-tokens", "65536", "--gpu-memory", "79.5"])
     assert limited.models == ["llama-8b-lora"] and limited.providers == ["stock", "tigon+long"]
-    assert limited.max_tokens == 65536
-    with pytest.raises(SystemExit):
-        context.parse_args(["--max-tokens", "4096"])  # below one step
-    with pytest.raises(SystemExit):
-        context.parse_args(["--providers", "compile"])
+    assert limited.max_tokens == 65536 and limited.gpu_memory == 79.5
+    for bad in (["--max-tokens", "4096"],  # below one step
+                ["--providers", "compile"], ["--providers", "stock", "stock"], ["--gpu-memory", "0"]):
+        with pytest.raises(SystemExit):
+            context.parse_args(bad)
+
+
+def test_unsloth_providers_join_the_defaults_where_the_site_holds_unsloth(tmp_path):
+    (tmp_path / "unsloth").mkdir()
+    (tmp_path / "unsloth" / "__init__.py").write_text("")
+    args = context.parse_args(["--unsloth-site", str(tmp_path)])
+    assert args.providers[-3:] == ["unsloth", "unsloth+ckpt", "unsloth+long"] == list(context.UNSLOTH_PROVIDERS)
+    named = context.parse_args(["--unsloth-site", str(tmp_path / "elsewhere"), "--providers", "unsloth+long"])
+    assert named.providers == ["unsloth+long"]  # asked for by name: it runs, and its error is its row
+
+
+def test_an_unsloth_probe_without_unsloth_in_its_site_is_an_error_row(tmp_path):
+    args = context.parse_args(["--unsloth-site", str(tmp_path), "--providers", "unsloth"])
+    row = context.search(args, "llama-8b-qlora", "unsloth", log=lambda line: None)
+    assert row["longest_seq"] == 0 and row["first_failure"] == 8192
+    assert row["failure"] == f"Unsloth is not in --unsloth-site {tmp_path}"
+    assert row["label"] == context.MODELS["llama-8b-qlora"][0]
+
+
+def test_probes_run_in_workers_with_unsloths_site_first_for_its_providers(tmp_path, monkeypatch):
+    (tmp_path / "unsloth").mkdir()
+    (tmp_path / "unsloth" / "__init__.py").write_text("")
+    started = []
+
+    class Recorder:  # e2e.Worker's interface: what the probe starts, and the job it hands over
+        def __init__(self, script, env, args):
+            started.append((script, env, args))
+
+        def run(self, job, timeout):
+            return {**job, "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(context.e2e, "Worker", Recorder)
+    for provider in ("tigon+long", "unsloth+ckpt"):
+        job = {"model": "llama-8b-qlora", "provider": provider, "seq": 8192}
+        assert context.probe(job, 60, unsloth_site=tmp_path)["tokens_per_s"] == 1.0
+    (script, env, args), (unsloth_script, unsloth_env, unsloth_args) = started
+    assert script == unsloth_script == context.__file__
+    assert env is None and args == ()
+    assert unsloth_args == ("--unsloth",)
+    path = unsloth_env["PYTHONPATH"].split(":")
+    assert path[:2] == [str(tmp_path), str(context.ROOT / "src")] and unsloth_env["HF_HUB_OFFLINE"] == "1"
 
 
 def test_the_search_finds_the_longest_length_and_reports_it():
@@ -51,6 +95,37 @@ def test_a_probe_job_trains_two_steps_on_the_cpu():
     assert 0 < lora["trained_params"] < lora["params"]
 
 
+def test_the_qlora_row_trains_adapters_on_4bit_bases():
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    job = {"model": "llama-8b-qlora", "provider": "stock", "seq": 16, "steps": 1, "device": "cpu", "tiny": True}
+    label, model, _ = context.build(job)
+    assert label == "tiny llama-8b-qlora"
+    bases = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(bases) == 7 * model.config.num_hidden_layers
+    ranks = {p.shape[0] for n, p in model.named_parameters() if "lora_A" in n}
+    assert ranks == {context.ADAPTERS["qlora"][0]} == {32}
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_an_unsloth_job_saves_the_rows_weights_once_for_its_loader(tmp_path):
+    """Where Unsloth cannot import (here: not installed), the job fails at the import, after the first probe
+    has left the model and a tokenizer in the run's folder, under the name every later probe reads."""
+    job = {"model": "llama-8b-lora", "provider": "unsloth+long", "seq": 16, "steps": 1, "device": "cpu",
+           "tiny": True, "unsloth_dir": str(tmp_path)}
+    with pytest.raises(ImportError, match="unsloth"):
+        context.run_job(job)
+    folder = tmp_path / "tiny-llama-3.1-8b-bf16"
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    with pytest.raises(ImportError, match="unsloth"):
+        context.run_job({**job, "provider": "unsloth", "seq": 32})  # a later probe: reads what is there
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == written
+
+
 def _result():
     rows = []
     for provider, longest in (("stock", 40960), ("tigon+long", 262144)):
@@ -62,8 +137,22 @@ def _result():
                      "peak_bytes_at_longest": 60 * 2**30,
                      "host_bytes_at_longest": 32 * 2**30 if provider == "tigon+long" else None,
                      "label": "Llama-1B", "device": "GPU", "probes": probes})
+    qlora = context.MODELS["llama-8b-qlora"][0]
+    probes = [{"seq": s, "tokens_per_s": 3000.0 - s / 1000, "peak_bytes": 70 * 2**30, "label": qlora}
+              for s in (8192, 16384, 32768, 65536, 131072, 262144)]
+    rows.append({"model": "llama-8b-qlora", "provider": "unsloth+ckpt", "longest_seq": 262144, "first_failure": None,
+                 "failure": None, "tokens_per_s_at_32k": 2967.2, "tokens_per_s_at_longest": 2737.9,
+                 "peak_bytes_at_longest": 70 * 2**30, "host_bytes_at_longest": None, "label": qlora, "device": "GPU",
+                 "probes": probes, "versions": {"unsloth": "2026.10.9", "transformers": "5.17.0"}})
+    error = "worker exited with status 1: Traceback | ValueError: Unsloth: no tiled MLP for this model"
+    rows.append({"model": "llama-8b-qlora", "provider": "unsloth+long", "longest_seq": 0, "first_failure": 8192,
+                 "failure": error, "tokens_per_s_at_32k": None, "tokens_per_s_at_longest": None,
+                 "peak_bytes_at_longest": None, "host_bytes_at_longest": None, "label": qlora, "device": None,
+                 "probes": [{"seq": 8192, "error": error}]})
     return {"kind": "context", "rows": rows, "device": "NVIDIA H200", "date": "2026-12-04", "versions": {},
-            "settings": {"step": 8192, "max_tokens": 262144, "skipped": ["liger+ckpt (liger_kernel does not import)"]}}
+            "unsloth_versions": {"unsloth": "2026.10.9", "transformers": "5.17.0", "bitsandbytes": None},
+            "settings": {"step": 8192, "max_tokens": 262144, "gpu_memory": 79.0,
+                         "skipped": ["liger+ckpt (liger_kernel does not import)"]}}
 
 
 def test_report_files(tmp_path):
@@ -77,4 +166,24 @@ def test_report_files(tmp_path):
     assert long_row in text
     assert "| stock | 40960 | 8672 | 7000 | 60.0 | — |" in text
     assert "Skipped: liger+ckpt" in text
+    assert "tokens/s from the second step; GPU memory capped at 79 GiB." in text
+    assert "Unsloth's probes (their own site): unsloth 2026.10.9, transformers 5.17.0\n" in text
     assert paths[2].stat().st_size > 10_000
+
+
+def test_the_page_shows_unsloths_rows_its_errors_and_its_published_figures():
+    text = context.markdown(_result())
+    section = text[text.index("## Llama-3.1-8B-shaped, QLoRA"):]
+    # --max-tokens trained: the provider may reach further
+    assert "| Unsloth + offloaded checkpointing | ≥ 262144 | 2967 | 2738 | 70.0 | — | — |" in section
+    assert ("| Unsloth + offloaded checkpointing + tiled MLP | none | — | — | — | — | 8192: worker exited with "
+            "status 1: Traceback / ValueError: Unsloth: no tiled MLP for this model |") in section
+    published = ("Published, not measured here: Unsloth's benchmarks "
+                 "(https://unsloth.ai/docs/basics/unsloth-benchmarks), "
+                 '"Llama 3.1 (8B) max. context length", 4-bit QLoRA r=32 on all linear layers, batch 1, A100/H100 — '
+                 "80 GB: 342,733 tokens with Unsloth vs 28,454 with Hugging Face + FA2; 48 GB: 191,728 tokens with "
+                 "Unsloth; 40 GB: 153,977 tokens with Unsloth.")
+    assert section.count(published) == 1 and text.count("Published, not measured here") == 1
+    assert section.index("tiled MLP | none") < section.index(published)
+    tiny = context.markdown({**_result(), "settings": {**_result()["settings"], "tiny": True}})
+    assert "Published" not in tiny  # a tiny model's figures are not Llama 3.1 (8B)'s
