@@ -17,8 +17,8 @@ DPO and GRPO trainers on two ranks, stock TRL against a tigon-patched model with
     entropy, token accuracy, …) and, for GRPO, the completions each rank generated.
 ``zero3``
     DeepSpeed ZeRO-3: ``DPOTrainer.train()`` with a stage-3 config (every parameter partitioned; the
-    reference model prepared by TRL as a ZeRO-3 inference engine). Saved per run: the logged losses and
-    metrics, and the final weights (gathered).
+    reference model prepared by TRL as a ZeRO-3 inference engine), on the tiny Llama and on one with
+    tied embeddings. Saved per run: the logged losses and metrics, and the final weights (gathered).
 
 Each group trains the stock tiny Llama with TRL's own head (run ``trl``) and a copy patched with
 ``tigon.patch`` under ``tigon.patch_trl()`` (run ``tigon``), from the same weights on the same data.
@@ -112,11 +112,11 @@ def trl_args(config_cls, out_dir, **extra):
     )
 
 
-def fresh_pair(patched: bool):
-    """The policy (tiny Llama, weights from seed 0, on this rank's device) and a copy for the reference;
-    both patched with ``tigon.patch`` for the tigon run."""
+def fresh_pair(patched: bool, **config):
+    """The policy (tiny Llama with ``config``'s overrides, weights from seed 0, on this rank's device) and
+    a copy for the reference; both patched with ``tigon.patch`` for the tigon run."""
     torch.manual_seed(0)
-    policy = tiny_model("llama").to(device())
+    policy = tiny_model("llama", **config).to(device())
     ref = copy.deepcopy(policy)
     if patched:
         tigon.patch(policy)
@@ -256,7 +256,12 @@ def zero3_dpo(policy, ref, out_dir: str) -> dict:
                                 for r in rows))}
 
 
-GROUPS = {"fsdp2": {"dpo": fsdp2_dpo, "grpo": fsdp2_grpo}, "zero3": {"dpo": zero3_dpo}}
+# group -> run name -> (run, the model's config overrides). ``dpo_tied``: the head's weight is the
+# embedding's, which ZeRO-3 keeps gathered through the embedding's use (TRL's gather is then a no-op).
+GROUPS = {
+    "fsdp2": {"dpo": (fsdp2_dpo, {}), "grpo": (fsdp2_grpo, {})},
+    "zero3": {"dpo": (zero3_dpo, {}), "dpo_tied": (zero3_dpo, {"tie_word_embeddings": True})},
+}
 
 
 def main(group: str, out_path: str) -> None:
@@ -267,9 +272,10 @@ def main(group: str, out_path: str) -> None:
     out_dir = os.path.dirname(out_path)
     # Every model is built before the first Trainer: a ZeRO-3 Trainer leaves transformers' ZeRO-3 switch
     # on, under which a model built later would be built partitioned (zero.Init).
-    models = {(name, patched): fresh_pair(patched) for name in GROUPS[group] for patched in (False, True)}
+    models = {(name, patched): fresh_pair(patched, **config)
+              for name, (_, config) in GROUPS[group].items() for patched in (False, True)}
     results = {}
-    for name, run in GROUPS[group].items():
+    for name, (run, _) in GROUPS[group].items():
         results[name] = {"trl": run(*models[name, False], os.path.join(out_dir, f"{name}_trl"))}
         with tigon.patch_trl():
             results[name]["tigon"] = run(*models[name, True], os.path.join(out_dir, f"{name}_tigon"))

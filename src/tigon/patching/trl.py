@@ -160,6 +160,11 @@ class _GatheredInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, *args):
         ctx.set_materialize_grads(False)
+        # The inner graph starts at a detached copy of the hidden states: built on ``hidden`` itself, it
+        # would reach back through the backbone, and with tied embeddings (the head's weight also the
+        # embedding's) the backward's ``autograd.grad`` to the weight would run the whole backbone's
+        # backward inside this node (freeing its graph before the outer backward gets there).
+        hidden = hidden.detach().requires_grad_(hidden.requires_grad)
         with torch.enable_grad():
             ctx.outputs = _token_stats(hidden, weight, bias, *args)
         ctx.inputs = (hidden, weight, bias)
