@@ -128,11 +128,10 @@ def _check_sharded_steps(runs, name: str, tolerance: float) -> None:
 
 
 def _print_throughput(runs, what: str) -> None:
+    """Tokens per second of each step (the first includes the kernels' compilation), over both ranks."""
     for name, pair in runs.items():
         for run, result in pair.items():
-            seconds = result["seconds"] if isinstance(result["seconds"], list) else [result["seconds"]]
-            tokens = result["tokens"] if isinstance(result["tokens"], list) else [result["tokens"]]
-            rates = ", ".join(f"{t / s:,.0f}" for t, s in zip(tokens, seconds, strict=True))
+            rates = ", ".join(f"{t / s:,.0f}" for t, s in zip(result["tokens"], result["seconds"], strict=True))
             print(f"{what} {name} {run}: tokens/s per step (both ranks) {rates}")
 
 

@@ -41,6 +41,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.fsdp import fully_shard
 
 import tigon
@@ -55,6 +56,8 @@ PAIRS = 2  # DPO pairs per rank and step (four sequences a forward)
 LR = 1e-2
 # bookkeeping whose value is not computed by the head
 SKIPPED_METRICS = ("num_tokens", "step_time")
+# logged by the Trainer, not computed by the head
+ZERO3_BOOKKEEPING = ("epoch", "learning_rate", "train_", "num_tokens")
 # the tokens a step runs through the model: DPO's sequences, GRPO's prompts and completions
 MASKS = ("attention_mask", "prompt_mask", "completion_mask")
 # ZeRO-3 as tests/patching/hf_deepspeed_worker.py configures it: every parameter partitioned and
@@ -102,13 +105,13 @@ def reward(completions, **_):
 
 
 def trl_args(config_cls, out_dir, **extra):
-    """The configs' shared arguments; bf16 on the GPU (accelerate then runs the reference and GRPO's
-    scoring under autocast), explicitly off on the CPU, where transformers would otherwise pick bf16."""
+    """The configs' shared arguments. bf16 on the GPU (accelerate then runs the reference and GRPO's
+    scoring under autocast); off on the CPU, said explicitly, as TRL's configs default to bf16=True on
+    every device."""
     return config_cls(
         output_dir=str(out_dir), max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not ON_CUDA, bf16=ON_CUDA, fp16=False, seed=0,
-        data_seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False, **extra,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not ON_CUDA, bf16=ON_CUDA, fp16=False,
+        seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False, **extra,
     )
 
 
@@ -230,6 +233,23 @@ def fsdp2_grpo(policy, ref, out_dir: str) -> dict:
     return sharded_steps(trainer, policy, batches)
 
 
+class StepTimer(transformers.TrainerCallback):
+    """Each optimizer step's wall time (forward, backward and step on this rank)."""
+
+    def __init__(self):
+        self.seconds, self.start = [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if ON_CUDA:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if ON_CUDA:
+            torch.cuda.synchronize()
+        self.seconds.append(time.perf_counter() - self.start)
+
+
 def zero3_dpo(policy, ref, out_dir: str) -> dict:
     import datasets
     import deepspeed
@@ -239,21 +259,21 @@ def zero3_dpo(policy, ref, out_dir: str) -> dict:
 
     rows = preference_rows()
     args = trl_args(trl.DPOConfig, out_dir, per_device_train_batch_size=PAIRS, deepspeed=ZERO3)
+    timer = StepTimer()
     trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                             processing_class=_word_tokenizer())
-    start = time.perf_counter()
+                             processing_class=_word_tokenizer(), callbacks=[timer])
     trainer.train()
-    seconds = time.perf_counter() - start
     params = list(policy.parameters())
     assert all(p.numel() == 0 for p in params), "the model is not partitioned: ZeRO-3 did not run"
     with deepspeed.zero.GatheredParameters(params):
         state = {name: p.detach().float().cpu().clone() for name, p in policy.named_parameters()}
-    logs = [{k: v for k, v in entry.items() if isinstance(v, float) and not k.startswith(("epoch", "learning_rate",
-                                                                                          "train_", "num_tokens"))}
-            for entry in trainer.state.log_history if "loss" in entry]
-    return {"logs": logs, "state": state, "seconds": seconds,
-            "tokens": float(sum(len(r["prompt"].split()) + len(r["chosen"].split()) + len(r["rejected"].split())
-                                for r in rows))}
+    entries = [entry for entry in trainer.state.log_history if "loss" in entry]
+    logs = [{k: v for k, v in entry.items() if isinstance(v, float) and not k.startswith(ZERO3_BOOKKEEPING)}
+            for entry in entries]
+    # TRL logs the tokens trained so far, over the ranks
+    seen = [0.0] + [float(entry["num_tokens"]) for entry in entries]
+    return {"logs": logs, "state": state, "seconds": timer.seconds,
+            "tokens": [b - a for a, b in zip(seen, seen[1:], strict=False)]}
 
 
 # group -> run name -> (run, the model's config overrides). ``dpo_tied``: the head's weight is the
