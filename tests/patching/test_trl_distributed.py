@@ -14,8 +14,9 @@ run on the CPU with gloo and the Triton interpreter, fp32:
 * ZeRO-3: ``DPOTrainer.train()`` with a stage-3 config, untied and tied embeddings. Compared: the
   logged losses and metrics and the final weights.
 
-On a machine with two GPUs the same runs go again under NCCL in bf16 (``@pytest.mark.gpu``), compared
-within the API's bf16 tolerance, and print each step's tokens per second.
+On a machine with two GPUs the same runs go again under NCCL in bf16 (``@pytest.mark.gpu``), with
+``DPOTrainer.train()`` under accelerate's FSDP2 plugin besides, compared within the API's bf16
+tolerance; each prints its steps' tokens per second (``pytest -s`` shows them).
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def gpu_fsdp2_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gpu_fsdp2_trainer_runs(tmp_path_factory):
+    return _gpu("fsdp2_trainer", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def gpu_zero3_runs(tmp_path_factory):
     pytest.importorskip("deepspeed", reason="the ZeRO-3 runs need deepspeed, which is not installed")
     return _gpu("zero3", tmp_path_factory)
@@ -127,6 +133,20 @@ def _check_sharded_steps(runs, name: str, tolerance: float) -> None:
     _check_metrics(got["metrics"], want["metrics"], tolerance, name)
 
 
+def _check_trainer_runs(runs, name: str, tolerance: float) -> None:
+    """A Trainer's logged loss, gradient norm and metrics every step, and its final weights."""
+    got, want = runs[name]["tigon"], runs[name]["trl"]
+    assert len(got["logs"]) == len(want["logs"]) == 2
+    for step, (g, w) in enumerate(zip(got["logs"], want["logs"], strict=True)):
+        assert g.keys() == w.keys() and "grad_norm" in w, step
+        assert abs(g["loss"] - w["loss"]) <= tolerance * abs(w["loss"]), (name, step, g["loss"], w["loss"])
+        for key, value in w.items():
+            assert _close(g[key], value, tolerance), (name, step, key, g[key], value)
+    assert want["logs"][1]["loss"] != want["logs"][0]["loss"]
+    for param, w in want["state"].items():
+        assert _rel(got["state"][param], w) <= tolerance, (name, param)
+
+
 def _print_throughput(runs, what: str) -> None:
     """Tokens per second of each step (the first includes the kernels' compilation), over both ranks."""
     for name, pair in runs.items():
@@ -165,16 +185,7 @@ def test_zero3_dpo_trainer_matches_trl(zero3_runs, name):
     the head's weight is the embedding's, so the head's gradient to it is one of two; tigon's
     re-gathering backward (``_GatheredInBackward``) must add only the head's part and leave the
     backbone's graph to the outer backward."""
-    got, want = zero3_runs[name]["tigon"], zero3_runs[name]["trl"]
-    assert len(got["logs"]) == len(want["logs"]) == 2
-    for step, (g, w) in enumerate(zip(got["logs"], want["logs"], strict=True)):
-        assert g.keys() == w.keys() and "grad_norm" in w, step
-        assert abs(g["loss"] - w["loss"]) <= TOLERANCE["cpu"] * abs(w["loss"]), (step, g["loss"], w["loss"])
-        for key, value in w.items():
-            assert _close(g[key], value, TOLERANCE["cpu"]), (step, key, g[key], value)
-    assert want["logs"][1]["loss"] != want["logs"][0]["loss"]
-    for name, w in want["state"].items():
-        assert _rel(got["state"][name], w) <= TOLERANCE["cpu"], name
+    _check_trainer_runs(zero3_runs, name, TOLERANCE["cpu"])
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -193,12 +204,14 @@ def test_fsdp2_on_two_gpus_matches_trl(gpu_fsdp2_runs, name):
 
 
 @pytest.mark.gpu
+def test_fsdp2_dpo_trainer_on_two_gpus_matches_trl(gpu_fsdp2_trainer_runs):
+    """``DPOTrainer.train()`` with accelerate's FSDP2 plugin (which it turns on for GPUs only)."""
+    _check_trainer_runs(gpu_fsdp2_trainer_runs, "dpo", TOLERANCE["cuda"])
+    _print_throughput(gpu_fsdp2_trainer_runs, "FSDP2 Trainer")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["dpo", "dpo_tied"])
 def test_zero3_dpo_trainer_on_two_gpus_matches_trl(gpu_zero3_runs, name):
-    got, want = gpu_zero3_runs[name]["tigon"], gpu_zero3_runs[name]["trl"]
-    for step, (g, w) in enumerate(zip(got["logs"], want["logs"], strict=True)):
-        for key, value in w.items():
-            assert _close(g[key], value, TOLERANCE["cuda"]), (step, key, g[key], value)
-    for name, w in want["state"].items():
-        assert _rel(got["state"][name], w) <= TOLERANCE["cuda"], name
+    _check_trainer_runs(gpu_zero3_runs, name, TOLERANCE["cuda"])
     _print_throughput({name: gpu_zero3_runs[name]}, "ZeRO-3")

@@ -20,6 +20,10 @@ DPO and GRPO trainers on two ranks, stock TRL against a tigon-patched model with
     reference model prepared by TRL as a ZeRO-3 inference engine), on the tiny Llama and on one with
     tied embeddings. Saved per run: the logged losses and metrics, and the final weights (gathered).
 
+``fsdp2_trainer`` (GPU only: accelerate's FSDP plugin is for GPU-like devices)
+    ``DPOTrainer.train()`` with accelerate's FSDP2 plugin. Saved per run: the logged losses and metrics,
+    and the final weights (gathered).
+
 Each group trains the stock tiny Llama with TRL's own head (run ``trl``) and a copy patched with
 ``tigon.patch`` under ``tigon.patch_trl()`` (run ``tigon``), from the same weights on the same data.
 
@@ -57,7 +61,7 @@ LR = 1e-2
 # bookkeeping whose value is not computed by the head
 SKIPPED_METRICS = ("num_tokens", "step_time")
 # logged by the Trainer, not computed by the head
-ZERO3_BOOKKEEPING = ("epoch", "learning_rate", "train_", "num_tokens")
+TRAINER_BOOKKEEPING = ("epoch", "learning_rate", "train_", "num_tokens")
 # the tokens a step runs through the model: DPO's sequences, GRPO's prompts and completions
 MASKS = ("attention_mask", "prompt_mask", "completion_mask")
 # ZeRO-3 as tests/patching/hf_deepspeed_worker.py configures it: every parameter partitioned and
@@ -267,13 +271,38 @@ def zero3_dpo(policy, ref, out_dir: str) -> dict:
     assert all(p.numel() == 0 for p in params), "the model is not partitioned: ZeRO-3 did not run"
     with deepspeed.zero.GatheredParameters(params):
         state = {name: p.detach().float().cpu().clone() for name, p in policy.named_parameters()}
+    return {**trainer_logs(trainer), "state": state, "seconds": timer.seconds}
+
+
+def trainer_logs(trainer) -> dict:
+    """The logged values of each step, and each step's tokens over the ranks (TRL logs the running total)."""
     entries = [entry for entry in trainer.state.log_history if "loss" in entry]
-    logs = [{k: v for k, v in entry.items() if isinstance(v, float) and not k.startswith(ZERO3_BOOKKEEPING)}
+    logs = [{k: v for k, v in entry.items() if isinstance(v, float) and not k.startswith(TRAINER_BOOKKEEPING)}
             for entry in entries]
-    # TRL logs the tokens trained so far, over the ranks
     seen = [0.0] + [float(entry["num_tokens"]) for entry in entries]
-    return {"logs": logs, "state": state, "seconds": timer.seconds,
-            "tokens": [b - a for a, b in zip(seen, seen[1:], strict=False)]}
+    return {"logs": logs, "tokens": [b - a for a, b in zip(seen, seen[1:], strict=False)]}
+
+
+def fsdp2_trainer_dpo(policy, ref, out_dir: str) -> dict:
+    """GPU only: ``DPOTrainer.train()`` with accelerate's FSDP2 plugin (decoder layers wrapped, then the
+    root; the reference sharded by TRL's ``prepare_fsdp``)."""
+    import datasets
+    import trl
+
+    from tests.patching.test_frameworks import _word_tokenizer
+
+    rows = preference_rows()
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    args = trl_args(trl.DPOConfig, out_dir, per_device_train_batch_size=PAIRS, fsdp=True, fsdp_config=fsdp_config)
+    timer = StepTimer()
+    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=_word_tokenizer(), callbacks=[timer])
+    trainer.train()
+    assert trainer.is_fsdp_enabled and any(hasattr(p, "full_tensor") for p in trainer.model.parameters()), \
+        "the model is not sharded: FSDP2 did not run"
+    state = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+             for name, p in trainer.model.named_parameters()}
+    return {**trainer_logs(trainer), "state": state, "seconds": timer.seconds}
 
 
 # group -> run name -> (run, the model's config overrides). ``dpo_tied``: the head's weight is the
@@ -281,6 +310,7 @@ def zero3_dpo(policy, ref, out_dir: str) -> dict:
 GROUPS = {
     "fsdp2": {"dpo": (fsdp2_dpo, {}), "grpo": (fsdp2_grpo, {})},
     "zero3": {"dpo": (zero3_dpo, {}), "dpo_tied": (zero3_dpo, {"tie_word_embeddings": True})},
+    "fsdp2_trainer": {"dpo": (fsdp2_trainer_dpo, {})},
 }
 
 
