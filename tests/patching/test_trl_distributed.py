@@ -61,10 +61,11 @@ def _cpu(group, tmp_path_factory) -> dict:
                    TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
 
 
-def _gpu(group, tmp_path_factory) -> dict:
+def _gpu(group, tmp_path_factory, **env) -> dict:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    return _launch(group, tmp_path_factory.mktemp(f"trl_{group}_gpu") / "results.pt", TIGON_DIST_DEVICE="cuda")
+    return _launch(group, tmp_path_factory.mktemp(f"trl_{group}_gpu") / "results.pt", TIGON_DIST_DEVICE="cuda",
+                   **env)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,9 @@ def zero3_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpu_fsdp2_runs(tmp_path_factory):
-    return _gpu("fsdp2", tmp_path_factory)
+    # GRPO generates in fp32 in both runs, which must sample the same completions: Triton's fp32 dots
+    # in IEEE fp32 (not its default TF32), as cuBLAS computes torch's fp32 matmuls
+    return _gpu("fsdp2", tmp_path_factory, TRITON_F32_DEFAULT="ieee")
 
 
 @pytest.fixture(scope="module")
