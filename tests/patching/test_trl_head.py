@@ -372,7 +372,8 @@ def test_grpo_trainer(tmp_path):
 
 def test_zero3_head(tmp_path):
     """DeepSpeed ZeRO-3 (one process, tests/patching/trl_zero3_worker.py): the head's weight gathered
-    by TRL around the call; the same losses, outputs and weights with TRL's function and tigon's."""
+    by TRL around the call; the same losses, outputs and weights with TRL's function and tigon's, with
+    separate and with tied embeddings."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "results.pt"
     env = {
@@ -385,14 +386,16 @@ def test_zero3_head(tmp_path):
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     runs = torch.load(out)
-    want, got = runs["trl"], runs["tigon"]
-    for g, w in zip(got["losses"], want["losses"], strict=True):
-        assert abs(g - w) <= TRAIN_TOLERANCE * abs(w)
-    for step_got, step_want in zip(got["fields"], want["fields"], strict=True):
-        _assert_outputs_match([step_got[n] for n in ALL_OUTPUTS], [step_want[n] for n in ALL_OUTPUTS],
-                              torch.float32, "zero3 ")
-    for name, w in want["state"].items():
-        assert rel(got["state"][name], w) <= TRAIN_TOLERANCE, name
+    for suffix in ("", "_tied"):
+        want, got = runs["trl" + suffix], runs["tigon" + suffix]
+        for g, w in zip(got["losses"], want["losses"], strict=True):
+            assert abs(g - w) <= TRAIN_TOLERANCE * abs(w), suffix
+        for step_got, step_want in zip(got["fields"], want["fields"], strict=True):
+            _assert_outputs_match([step_got[n] for n in ALL_OUTPUTS], [step_want[n] for n in ALL_OUTPUTS],
+                                  torch.float32, f"zero3{suffix} ")
+        for name, w in want["state"].items():
+            assert rel(got["state"][name], w) <= TRAIN_TOLERANCE, (suffix, name)
+    assert "lm_head.weight" not in runs["trl_tied"]["state"]  # tied: the head's weight is the embedding's
 
 
 # ------------------------------------------------------------------------------------ the patch itself

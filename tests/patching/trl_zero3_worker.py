@@ -8,12 +8,17 @@ A tiny Llama with TRL's head (every output, a temperature) trains STEPS SGD step
 loss that uses log_probs and entropy. Writes each run's per-step losses, per-token outputs and
 final weights (gathered) to the file named on the command line.
 
+The same again with tied embeddings (the head's weight is the embedding's, which ZeRO-3 keeps gathered
+through the embedding's use, so TRL's gather is a no-op): the head's gradient to it is one of two, and
+tigon's re-gathering backward must add only its own part, leaving the backbone to the outer backward.
+
 A process of its own: transformers' ZeRO-3 switch (``HfDeepSpeedConfig``, which TRL's gather reads)
 stays on while it lives. The models are built before it, so not under ``zero.Init``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -66,15 +71,18 @@ def main(out_path: str) -> None:
 
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(name, value)
-    torch.manual_seed(0)
-    stock = tiny_model("llama")
-    patched = copy.deepcopy(stock)
-    for model in (stock, patched):
+    models = {}
+    for suffix, tied in (("", False), ("_tied", True)):
+        torch.manual_seed(0)
+        models["trl" + suffix] = tiny_model("llama", tie_word_embeddings=tied)
+        models["tigon" + suffix] = copy.deepcopy(models["trl" + suffix])
+    for model in models.values():
         trl.trainer.utils.add_fused_lm_head(model, temperature=0.8, outputs=OUTPUTS)
     zero3 = HfDeepSpeedConfig(ZERO3)  # noqa: F841 (transformers' ZeRO-3 switch, on while it lives)
-    results = {"trl": train(stock)}
-    with tigon.patch_trl():
-        results["tigon"] = train(patched)
+    results = {}
+    for name, model in models.items():
+        with tigon.patch_trl() if name.startswith("tigon") else contextlib.nullcontext():
+            results[name] = train(model)
     torch.save(results, out_path)
 
 

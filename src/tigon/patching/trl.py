@@ -55,6 +55,8 @@ inside ``_GatheredInBackward``, whose backward enters TRL's ``maybe_gather_lm_he
 the op's own backward inside it: the weight is gathered exactly when TRL's function would have it
 gathered. (DeepSpeed 0.19 also registers a weight read outside its module with the running root
 module, which keeps it gathered through that module's backward; the re-gather does not rely on it.)
+The op's graph there starts at the hidden states detached, so that its backward's gradient to a weight
+tied to the input embedding is the head's part only (the backbone's part is the outer backward's).
 Other weights (plain ones, FSDP2's gathered ``full_tensor()``) go to the op directly.
 
 Recognising the head: ``patch_trl`` reads TRL's source (through ``inspect.unwrap``, so decorators do
@@ -160,6 +162,11 @@ class _GatheredInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, *args):
         ctx.set_materialize_grads(False)
+        # The inner graph starts at a detached copy of the hidden states: built on ``hidden`` itself, it
+        # would reach back through the backbone, and with tied embeddings (the head's weight also the
+        # embedding's) the backward's ``autograd.grad`` to the weight would run the whole backbone's
+        # backward inside this node (freeing its graph before the outer backward gets there).
+        hidden = hidden.detach().requires_grad_(hidden.requires_grad)
         with torch.enable_grad():
             ctx.outputs = _token_stats(hidden, weight, bias, *args)
         ctx.inputs = (hidden, weight, bias)
