@@ -14,7 +14,8 @@ what ran:
   ``Patch.replaced``'s attention line says "in eager training"), so q/k/v/o run PEFT's forwards in the
   compiled graph (bitsandbytes' own autograd Function over 4-bit bases), which Dynamo traces with the
   rest. On the CPU the eager attention runs its own forward too (the node's devices: fused_attention.DEVICES),
-  so eager and compiled make the same products.
+  so eager and compiled make the same products; the QLoRA test runs the node eagerly in fp32 on the CPU
+  (tiny_lora.node_in_fp32_here), and the compiled model still does not call it.
 
 The adapters are read at every call (:func:`tigon.nn.lora.lora_projection`); under torch.compile Dynamo
 guards on what that reads, so ``disable_adapter()`` recompiles and the compiled model computes the base alone
@@ -31,7 +32,7 @@ from torch._dynamo.utils import counters
 import tigon
 from tests.helpers import DEVICE
 from tests.patching.tiny import batch, grads, rel, tiny_model
-from tests.patching.tiny_lora import base_model, lora
+from tests.patching.tiny_lora import base_model, count_node_calls, lora, node_in_fp32_here
 
 peft = pytest.importorskip("peft")
 
@@ -153,19 +154,24 @@ def qlora_model(checkpoint, targets):
     return peft.get_peft_model(model, lora_config)
 
 
-def test_compiled_qlora_model_matches_eager(checkpoint):
+def test_compiled_qlora_model_matches_eager(checkpoint, monkeypatch):
     """4-bit bases under every projection, adapters on all but up_proj (a bare ``Linear4bit`` in the node): the
-    compiled step equals the eager one; the MLP node is traced with bitsandbytes' dequantization inside it, the
-    attention's projections run PEFT's and bitsandbytes' forwards in the graph."""
+    compiled step equals the eager one, which runs the attention node (in fp32 on the CPU here); the MLP node
+    is traced with bitsandbytes' dequantization inside it, the attention's projections run PEFT's and
+    bitsandbytes' forwards in the graph."""
     pytest.importorskip("bitsandbytes")
+    node_in_fp32_here(monkeypatch)
     model = qlora_model(checkpoint, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
     handle = tigon.patch(model)
     assert ("LoRA adapters (r=4) of gate_proj/down_proj run inside the MLP node; bases bitsandbytes 4-bit nf4, "
             "compute float32, double quant (2 modules)") in handle.replaced, handle.replaced
+    calls = count_node_calls(monkeypatch)
     want = step(model)
+    assert calls == {"attention": 2, "MLP": 2}
     _, capture, got = compiled_step(model)
     assert_equal_steps(got, want)
     assert len(capture.graphs) == 1 and not counters["graph_break"]
+    assert calls["attention"] == 2  # not called while Dynamo traced
     (gm,) = capture.graphs
     layers = model.get_base_model().config.num_hidden_layers
     assert_mlp_node_traced(gm, layers, quantized_bases=True)
