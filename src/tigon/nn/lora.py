@@ -217,12 +217,14 @@ def lora_projections(modules) -> tuple | str:
     return tuple(out)
 
 
-def adapter_lines(modules, node: str, fallback: str) -> list:
+def adapter_lines(modules, node: str, fallback: str, scope: str = "") -> list:
     """For ``Patch.replaced``: which of ``modules`` (a dict: name -> module of one attention or MLP) are
     PEFT LoRA linears whose adapters run inside the ``node`` node, and for each that cannot, why (its
     PEFT forward runs; ``fallback`` says what the module does then); bitsandbytes 4-bit bases that run
     inside it are named with their quant type. What holds at patch time: the node reads the layers
-    again at every call."""
+    again at every call. ``scope`` follows "inside the ``node`` node" (which layers or calls run it), its
+    ``{forwards}`` the owner of the forwards that run otherwise ("PEFT's", or "bitsandbytes'" for bare
+    4-bit bases)."""
     fused, ranks, bases, lines = [], [], {}, []
     for name, module in modules.items():
         peft = _peft_lora(module)
@@ -241,10 +243,11 @@ def adapter_lines(modules, node: str, fallback: str) -> list:
     label = quant_label(bases.values())
     if fused:
         rank = "/".join(str(r) for r in dict.fromkeys(ranks))
-        line = f"LoRA adapters (r={rank}) of {'/'.join(fused)} run inside the {node} node"
-        lines.insert(0, line if label is None else f"{line}; bases {label}")
+        line = f"LoRA adapters (r={rank}) of {'/'.join(fused)} run inside the {node} node{scope}"
+        lines.insert(0, (line if label is None else f"{line}; bases {label}").replace("{forwards}", "PEFT's"))
     elif bases:
-        lines.insert(0, f"{'/'.join(bases)}: {label} bases run inside the {node} node")
+        lines.insert(0, f"{'/'.join(bases)}: {label} bases run inside the {node} node{scope}".replace(
+            "{forwards}", "bitsandbytes'"))
     return lines
 
 
