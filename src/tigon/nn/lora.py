@@ -57,6 +57,14 @@ the base output by the product itself (one rounding of the sum). Without autocas
 a bf16 model keeps fp32 adapters (``autocast_adapter_dtype``) and runs the adapter path in fp32; here
 it runs on bf16 operands with fp32 accumulation: within bf16's rounding of the sum.
 
+torch.compile: Dynamo traces :func:`lora_projection` as it traces any Python, so what it reads of the layers
+becomes the compiled graph's guards (switching, disabling, merging an adapter or changing its scaling
+recompiles, never reuses a graph made for other adapters), and the MLP node's autograd Function is traced
+into the graph with its :class:`~tigon.nn.quantized_base.QuantizedWeight` (a plain object; its dequantization
+is bitsandbytes' registered ops): no graph break in tigon's code, PEFT's or bitsandbytes'
+(``tests/patching/test_lora_compile.py``). The attention node runs in eager training only
+(:mod:`tigon.patching.fused_attention`): in a compiled model q, k, v and o run PEFT's forwards, traced.
+
 Reference: :func:`lora_linear_reference` (PEFT's forward on raw tensors).
 """
 
