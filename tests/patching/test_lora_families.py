@@ -32,7 +32,7 @@ import tigon
 from tests.patching import tiny
 from tests.patching.tiny import SEQ
 from tests.patching.tiny_lora import RANK, assert_step_matches, base_model, count_node_calls, lora, node_in_fp32_here
-from tigon.patching import band_attention
+from tigon.patching import band_attention, causal_mask
 from tigon.patching.engine import SWITCHES, resolve
 from tigon.patching.families import FAMILIES
 from tigon.patching.parts.attention import fuses_attention
@@ -162,12 +162,20 @@ def test_lora_step_matches_peft_with_adapters_in_the_nodes(model_type, node_call
     assert node_calls == modules  # once a module
 
 
-@pytest.mark.parametrize(("window", "sliding_calls"), [(SEQ // 2, 0), (SEQ, 0), (SEQ + 1, 1)])
-def test_banded_layers_keep_the_projections_forwards(window, sliding_calls, node_calls):
+@pytest.mark.parametrize(("window", "sliding_calls", "block_rows"),
+                         [(SEQ // 2, 0, None), (SEQ // 2, 0, SEQ // 4), (SEQ, 0, None), (SEQ + 1, 1, None)])
+def test_banded_layers_keep_the_projections_forwards(window, sliding_calls, block_rows, node_calls, monkeypatch):
     """A sliding window within the sequence (or as long: transformers masks a sequence of the window's length):
-    tigon's band attention runs the sliding layer (its projections through PEFT's forward), the full layer runs
-    the node; a window longer than the sequence leaves the sliding layer's call maskless, and the node runs it.
-    The step equals stock PEFT's either way, and ``Patch.replaced`` says which layers run the node when."""
+    tigon's band attention runs the sliding layer (its projections through PEFT's forward; with ``block_rows``
+    set, sdpa over the band's row blocks), the full layer runs the node; a window longer than the sequence
+    leaves the sliding layer's call maskless, and the node runs it. The step equals stock PEFT's either way,
+    and ``Patch.replaced`` says which layers run the node when."""
+    rectangles = []
+    if block_rows is not None:
+        monkeypatch.setattr(band_attention, "CONFIG", band_attention.BandConfig(block_rows=block_rows, min_blocks=2))
+        rectangle = causal_mask.BandMask.rectangle
+        monkeypatch.setattr(causal_mask.BandMask, "rectangle",
+                            lambda mask, *bounds: rectangles.append(bounds) or rectangle(mask, *bounds))
     base = base_model("ministral", sliding_window=window)
     assert base.config.layer_types == ["sliding_attention", "full_attention"]
     stock = lora(copy.deepcopy(base), "ministral")
@@ -177,6 +185,7 @@ def test_banded_layers_keep_the_projections_forwards(window, sliding_calls, node
         [sliding_line(window), FULL_LINE], handle.replaced
     assert_step_matches(patched, stock)
     assert node_calls == {"attention": 1 + sliding_calls, "MLP": 2}
+    assert len(rectangles) == (0 if block_rows is None else SEQ // block_rows)  # the sliding layer's row blocks
 
 
 def test_banded_lines_follow_the_switch_and_the_layers():
