@@ -37,6 +37,9 @@ from tests.patching.tiny_lora import base_model, count_node_calls, lora, node_in
 peft = pytest.importorskip("peft")
 
 MLP_NODE_SOURCE = "tigon/nn/lora_mlp.py"
+# the aot_eager tests: the interpreter's path (test_compile_cpu.py's); on a GPU the Inductor test below
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path; the GPU test "
+                                      "compiles with Inductor")
 
 
 class Capture:
@@ -105,6 +108,7 @@ def assert_mlp_node_traced(gm, layers, quantized_bases):
     assert projection_calls(gm, "mlp") == []
 
 
+@interpreter_only
 def test_compiled_lora_model_matches_eager():
     """Adapters on every linear layer: the compiled step equals the eager one; the MLP node is traced, the
     attention's projections are PEFT's in the graph; with adapters disabled the compiled model recompiles and
@@ -154,6 +158,7 @@ def qlora_model(checkpoint, targets):
     return peft.get_peft_model(model, lora_config)
 
 
+@interpreter_only
 def test_compiled_qlora_model_matches_eager(checkpoint, monkeypatch):
     """4-bit bases under every projection, adapters on all but up_proj (a bare ``Linear4bit`` in the node): the
     compiled step equals the eager one, which runs the attention node (in fp32 on the CPU here); the MLP node
