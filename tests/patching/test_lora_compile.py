@@ -145,12 +145,13 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def qlora_model(checkpoint, targets):
-    """The checkpoint loaded in 4-bit nf4 with double quant and fp32 compute, LoRA r = 4 on ``targets``."""
+def qlora_model(checkpoint, targets, compute=torch.float32):
+    """The checkpoint (fp32) loaded in 4-bit nf4 with double quant and ``compute`` as the compute dtype, LoRA
+    r = 4 on ``targets``."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=torch.float32)
+                                bnb_4bit_compute_dtype=compute)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config, device_map=str(DEVICE),
                                                  dtype=torch.float32, attn_implementation="sdpa").train()
     torch.manual_seed(1)
@@ -186,6 +187,40 @@ def test_compiled_qlora_model_matches_eager(checkpoint, monkeypatch):
     others = [trace for trace, _, _ in autograd_functions(gm) if MLP_NODE_SOURCE not in trace]
     assert sum("MatMul4Bit" in trace for trace in others) == 4 * layers - 3
     assert all("MatMul4Bit" in trace or "FusedLinearCrossEntropy" in trace for trace in others)
+
+
+@interpreter_only
+def test_compiled_qlora_mlp_bf16_compute_under_autocast(checkpoint):
+    """QLoRA's usual setting, bf16 compute under bf16 autocast over weights quantized from fp32: the MLP node
+    dequantizes into the compute dtype rather than the state's (a copy of the state with its dtype set, as
+    bitsandbytes' op is handed C), which Dynamo traces too. One MLP, ``fullgraph=True``: the same output and
+    gradients as eager, the node in the graph."""
+    pytest.importorskip("bitsandbytes")
+    model = qlora_model(checkpoint, ["gate_proj", "up_proj", "down_proj"], compute=torch.bfloat16)
+    tigon.patch(model)
+    mlp = model.get_base_model().model.layers[0].mlp
+    weight = mlp.gate_proj.base_layer.weight
+    assert weight.quant_state.dtype == torch.float32 and mlp.gate_proj.base_layer.compute_dtype == torch.bfloat16
+    x = torch.randn(2, 5, mlp.hidden_size, device=DEVICE, generator=torch.Generator().manual_seed(2))
+
+    def run(module):
+        inputs = x.clone().requires_grad_()
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            y = module(inputs)
+        y.float().square().sum().backward()
+        out = y.detach(), inputs.grad, grads(mlp)
+        mlp.zero_grad(set_to_none=True)
+        return out
+
+    want = run(mlp)
+    torch._dynamo.reset()
+    capture = Capture()
+    got = run(torch.compile(mlp, backend=capture, fullgraph=True))
+    assert rel(got[0], want[0]) <= 1e-6 and rel(got[1], want[1]) <= 1e-6
+    assert want[2] and got[2].keys() == want[2].keys() and all(rel(got[2][k], want[2][k]) <= 1e-6 for k in want[2])
+    (gm,) = capture.graphs
+    (node,) = autograd_functions(gm)
+    assert MLP_NODE_SOURCE in node[0] and "bitsandbytes.dequantize_4bit.default" in node[1]
 
 
 @pytest.mark.gpu
