@@ -12,14 +12,17 @@ what ran:
   backward); none of the MLP's projections is called in the graph (no PEFT forward ran there);
 - the attention node is eager only (``tigon.patching.fused_attention`` declines it while Dynamo traces:
   ``Patch.replaced``'s attention line says "in eager training"), so q/k/v/o run PEFT's forwards in the
-  compiled graph (bitsandbytes' own autograd Function over 4-bit bases), which Dynamo traces with the
-  rest. On the CPU the eager attention runs its own forward too (the node's devices: fused_attention.DEVICES),
-  so eager and compiled make the same products; the QLoRA test runs the node eagerly in fp32 on the CPU
-  (tiny_lora.node_in_fp32_here), and the compiled model still does not call it.
+  compiled graph (over 4-bit bases bitsandbytes' own product: its autograd Function where the input
+  requires grad), which Dynamo traces with the rest. On the CPU the eager attention runs its own forward too
+  (the node's devices: fused_attention.DEVICES), so eager and compiled make the same products; the QLoRA
+  test runs the node eagerly in fp32 on the CPU (tiny_lora.node_in_fp32_here), and the compiled model still
+  does not call it.
 
 The adapters are read at every call (:func:`tigon.nn.lora.lora_projection`); under torch.compile Dynamo
 guards on what that reads, so ``disable_adapter()`` recompiles and the compiled model computes the base alone
-as the eager one does. GPU: :func:`test_gpu_inductor_lora_and_qlora` compiles with Inductor.
+as the eager one does. QLoRA's usual bf16 compute under autocast: one MLP compiled with ``fullgraph=True``
+(:func:`test_compiled_qlora_mlp_bf16_compute_under_autocast`). GPU: :func:`test_gpu_inductor_lora_and_qlora`
+compiles with Inductor.
 """
 
 from __future__ import annotations
