@@ -198,6 +198,30 @@ def test_banded_lines_follow_the_switch_and_the_layers():
         in handle.replaced, handle.replaced
 
 
+def test_attention_that_never_runs_the_node_says_so(node_calls):
+    """An attention the node runs no call of as the model stands: eager attention (the node computes sdpa's),
+    Gemma-2's logit softcap. ``Patch.replaced`` says the attention runs its own forward and q/k/v/o PEFT's;
+    the eager model's step is stock PEFT's, the node not called."""
+    own = ("LlamaAttention: its own forward (the line above), not q/k/v, rotary, sdpa and o_proj as one autograd "
+           "node (fused_attention.py): the model's attention implementation is 'eager'; the node computes sdpa's "
+           "(2 modules)")
+    outside = "q_proj/k_proj/v_proj/o_proj: PEFT's forwards (the attention runs its own forward, the line above) " \
+              "(2 modules)"
+    base = tiny.tiny_model("llama")
+    stock = lora(copy.deepcopy(base))
+    patched = lora(base)
+    handle = tigon.patch(patched)
+    assert own in handle.replaced and outside in handle.replaced, handle.replaced
+    assert not any("inside the attention node" in line for line in handle.replaced), handle.replaced
+    assert_step_matches(patched, stock)
+    assert node_calls == {"attention": 0, "MLP": 2}
+    handle = tigon.patch(lora(base_model("gemma2", attn_logit_softcapping=50.0), "gemma2"))
+    assert ("Gemma2Attention: its own forward (the line above), not q/k/v, rotary, sdpa and o_proj as one autograd "
+            "node (fused_attention.py): a softcap on its attention logits (attn_logit_softcapping), which the node "
+            "does not apply (2 modules)") in handle.replaced, handle.replaced
+    assert outside in handle.replaced and not any("inside the attention node" in line for line in handle.replaced)
+
+
 def test_llama4_shared_expert_adapters_in_the_mlp_node(node_calls):
     """Llama-4's MoE block adds its routed experts' output into its shared expert's output in place: the MLP
     node's output, with the shared expert's adapters inside, is no view another tensor shares."""

@@ -259,10 +259,14 @@ def adapter_lines(modules, node: str, fallback: str, scope: str = "") -> list:
     return lines
 
 
-def outside_lines(modules, why: str) -> list:
+def outside_lines(modules, why: str, joined: bool = False) -> list:
     """For ``Patch.replaced``: one line for each of ``modules`` (a dict: name -> module) that is a PEFT LoRA
-    linear, saying its PEFT forward runs and ``why`` (the module's layout has no node that takes adapters)."""
-    return [f"{name}: PEFT's forward ({why})" for name, module in modules.items() if _peft_lora(module)]
+    linear, saying its PEFT forward runs and ``why`` (the module's layout has no node that takes adapters,
+    or the node does not run); ``joined``: one line naming them all."""
+    names = [name for name, module in modules.items() if _peft_lora(module)]
+    if joined and len(names) > 1:
+        return [f"{'/'.join(names)}: PEFT's forwards ({why})"]
+    return [f"{name}: PEFT's forward ({why})" for name in names]
 
 
 def check_adapter(projection: LoraProjection, name: str, device) -> None:

@@ -12,14 +12,17 @@
   dense mask wherever eager mode does (causal_mask.py); exactly the same attention.
 - ``fused_attention`` (with rope): where the class forward is transformers' own (fused_attention.SOURCES) with
   the rotate-half rotary, the attention runs as one autograd node (``tigon.nn.attention``) wherever that
-  computes what the forward would (fused_attention.py decides, at each call).
+  computes what the forward would (fused_attention.py decides, at each call). ``Patch.replaced`` says, at patch
+  time, where it runs: not in a model whose attention implementation is not sdpa or whose attention softcaps
+  its logits (fused_attention.never_runs; the projections' adapters then run PEFT's forwards), and in a model
+  whose sliding layers the band attention takes, in which layers and for which lengths (:func:`node_scope`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from tigon.nn.lora import adapter_lines
+from tigon.nn.lora import adapter_lines, outside_lines
 from tigon.patching import band_attention, causal_mask, decorator_chains, fused_attention, rotary, vision_language
 from tigon.patching.instance_methods import InstanceMethod, Recipe
 from tigon.patching.interface_marks import carried
@@ -41,7 +44,12 @@ def rope_line(classes, family=None):
     return line
 
 
-def fused_attention_line(classes):
+def fused_attention_line(classes, node=True):
+    """The fused_attention switch's line; with ``node`` False, where a model's attention never runs the node
+    (fused_attention.never_runs): its start, to which the reason is added."""
+    if not node:
+        return (f"{classes.attention.__name__}: its own forward (the line above), not q/k/v, rotary, sdpa and "
+                "o_proj as one autograd node (fused_attention.py)")
     return (f"{classes.attention.__name__}: q/k/v, rotary, sdpa and o_proj as one autograd node in eager training "
             "on the GPU, without a mask or a filled key/value cache (fused_attention.py; otherwise the line above)")
 
@@ -101,10 +109,17 @@ def _plan_rope(plan, root, family, classes, *, fused=None, banded=False):
         check_plain(old, classes.attention, path)
         plan.add(SetAttr(old, "forward", InstanceMethod(old, forward)), line)
         if fused is not None:
-            plan.note(fused_attention_line(classes))
-            for lora_line in adapter_lines({name: old._modules.get(name) for name in fused_attention.PROJECTIONS},
-                                           "attention", "the attention runs its own forward",
-                                           node_scope(old, banded)):
+            projections = {name: old._modules.get(name) for name in fused_attention.PROJECTIONS}
+            off = fused_attention.never_runs(old)
+            if off is None:
+                plan.note(fused_attention_line(classes))
+                lora_lines = adapter_lines(projections, "attention", "the attention runs its own forward",
+                                           node_scope(old, banded))
+            else:
+                plan.note(f"{fused_attention_line(classes, node=False)}: {off}")
+                lora_lines = outside_lines(projections, "the attention runs its own forward, the line above",
+                                           joined=True)
+            for lora_line in lora_lines:
                 plan.note(lora_line)
 
 
