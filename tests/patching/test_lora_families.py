@@ -188,14 +188,19 @@ def test_banded_layers_keep_the_projections_forwards(window, sliding_calls, bloc
     assert len(rectangles) == (0 if block_rows is None else SEQ // block_rows)  # the sliding layer's row blocks
 
 
-def test_banded_lines_follow_the_switch_and_the_layers():
+def test_banded_lines_follow_the_switch_and_the_layers(node_calls):
     """Mistral gives every layer the window (no ``layer_types``); with the sliding_window switch off the node
-    takes the masks itself, and the line is the plain one."""
+    takes the sliding layer's mask itself (it runs both layers), and the line is the plain one."""
     handle = tigon.patch(lora(base_model("mistral", sliding_window=SEQ // 2), "mistral"))
     assert f"{sliding_line(SEQ // 2)} (2 modules)" in handle.replaced, handle.replaced
-    handle = tigon.patch(lora(base_model("ministral", sliding_window=SEQ // 2), "ministral"), sliding_window=False)
+    base = base_model("ministral", sliding_window=SEQ // 2)
+    stock = lora(copy.deepcopy(base), "ministral")
+    patched = lora(base, "ministral")
+    handle = tigon.patch(patched, sliding_window=False)
     assert f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention node (2 modules)" \
         in handle.replaced, handle.replaced
+    assert_step_matches(patched, stock)
+    assert node_calls == {"attention": 2, "MLP": 2}
 
 
 def test_attention_that_never_runs_the_node_says_so(node_calls):
