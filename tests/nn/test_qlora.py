@@ -181,6 +181,14 @@ def test_lora_projection_reads_peft_linear4bit_and_bare_linear4bit():
     assert isinstance(gate.weight, QuantizedWeight) and gate.lora_a is None  # bare Linear4bit: its base alone
     assert adapter_lines({n: getattr(layers, n) for n in PROJECTIONS}, "MLP", "fallback") == [
         "LoRA adapters (r=4) of up_proj run inside the MLP node; bases bitsandbytes 4-bit fp4, compute float32"]
+    # a scope after the node's name, its {forwards} the owner of the forwards that run otherwise
+    scope = " in some layers ({forwards} elsewhere)"
+    assert adapter_lines({n: getattr(layers, n) for n in PROJECTIONS}, "MLP", "fallback", scope) == [
+        "LoRA adapters (r=4) of up_proj run inside the MLP node in some layers (PEFT's elsewhere); bases bitsandbytes "
+        "4-bit fp4, compute float32"]
+    assert adapter_lines({"gate_proj": layers.gate_proj}, "MLP", "fallback", scope) == [
+        "gate_proj: bitsandbytes 4-bit fp4, compute float32 bases run inside the MLP node in some layers "
+        "(bitsandbytes' elsewhere)"]
 
 
 # ------------------------------------------------------------------------------ the MLP node against stock

@@ -6,7 +6,9 @@ says so, and the nodes are called once a module), in PEFT's forward where it has
 Rank 5 on every linear layer (PEFT's ``all-linear``), ``init_lora_weights=False`` so that B ≠ 0 and the
 adapters change the loss. Sliding windows are wider than the sequence, as a training sequence shorter than
 Mistral's 4096 window is: the mask is then causal and the node runs in every layer;
-:func:`test_banded_layers_keep_the_projections_forwards` takes a window within the sequence.
+:func:`test_banded_layers_keep_the_projections_forwards` takes a window within the sequence. Where the model has
+sliding layers (which tigon's band attention takes), ``Patch.replaced`` names the full layers and the sliding
+ones apart: the latter run the node only on sequences shorter than their window.
 
 Where a family's projections are not those of tigon's nodes (:data:`NODES`), the adapters run in PEFT's own
 forward: Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` (its attention is not Llama's layout; its MLP is the
@@ -22,6 +24,7 @@ PEFT wraps them.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 
@@ -29,6 +32,7 @@ import tigon
 from tests.patching import tiny
 from tests.patching.tiny import SEQ
 from tests.patching.tiny_lora import RANK, assert_step_matches, base_model, count_node_calls, lora, node_in_fp32_here
+from tigon.patching import band_attention, causal_mask
 from tigon.patching.engine import SWITCHES, resolve
 from tigon.patching.families import FAMILIES
 from tigon.patching.parts.attention import fuses_attention
@@ -107,6 +111,29 @@ def _line(text, modules):
     return text if modules == 1 else f"{text} ({modules} modules)"
 
 
+def sliding_line(window):
+    return (f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention node in sliding-window "
+            f"layers (window {window}) for sequences shorter than {window} tokens; from {window} tokens on these "
+            "layers run their own attention forward under tigon's band attention (band_attention.py), with "
+            "q_proj/k_proj/v_proj/o_proj in PEFT's forwards")
+
+
+FULL_LINE = (f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention node in "
+             "full-attention layers")
+
+
+def attention_lines(model, cls):
+    """The attention's adapter lines: one for all its layers, or in a model with sliding layers (which the band
+    attention takes) one for the sliding ones (their window wider than the sequence here: the node runs them) and
+    one for the full ones."""
+    line = f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention node"
+    attentions = [m for m in model.modules() if type(m) is cls and hasattr(m._modules.get("q_proj"), "lora_A")]
+    if not band_attention.has_sliding_layers(model.config):
+        return [_line(line, len(attentions))]
+    windows = Counter(band_attention.layer_window(m) for m in attentions)
+    return [_line(FULL_LINE if window is None else sliding_line(window), n) for window, n in windows.items()]
+
+
 @pytest.mark.parametrize("model_type", sorted(NODES))
 def test_lora_step_matches_peft_with_adapters_in_the_nodes(model_type, node_calls):
     base = base_model(model_type)
@@ -126,8 +153,7 @@ def test_lora_step_matches_peft_with_adapters_in_the_nodes(model_type, node_call
 
     expected = []
     if modules["attention"]:
-        expected.append(_line(f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention "
-                              "node", modules["attention"]))
+        expected += attention_lines(patched, classes.attention)
     if modules["MLP"]:
         expected.append(_line(f"LoRA adapters (r={RANK}) of gate_proj/up_proj/down_proj run inside the MLP node",
                               modules["MLP"]))
@@ -136,16 +162,69 @@ def test_lora_step_matches_peft_with_adapters_in_the_nodes(model_type, node_call
     assert node_calls == modules  # once a module
 
 
-def test_banded_layers_keep_the_projections_forwards(node_calls):
-    """A sliding window within the sequence: tigon's band attention runs the sliding layer (its projections
-    through PEFT's forward), the full layer runs the node; the step equals stock PEFT's."""
+@pytest.mark.parametrize(("window", "sliding_calls", "block_rows"),
+                         [(SEQ // 2, 0, None), (SEQ // 2, 0, SEQ // 4), (SEQ, 0, None), (SEQ + 1, 1, None)])
+def test_banded_layers_keep_the_projections_forwards(window, sliding_calls, block_rows, node_calls, monkeypatch):
+    """A sliding window within the sequence (or as long: transformers masks a sequence of the window's length):
+    tigon's band attention runs the sliding layer (its projections through PEFT's forward; with ``block_rows``
+    set, sdpa over the band's row blocks), the full layer runs the node; a window longer than the sequence
+    leaves the sliding layer's call maskless, and the node runs it. The step equals stock PEFT's either way,
+    and ``Patch.replaced`` says which layers run the node when."""
+    rectangles = []
+    if block_rows is not None:
+        monkeypatch.setattr(band_attention, "CONFIG", band_attention.BandConfig(block_rows=block_rows, min_blocks=2))
+        rectangle = causal_mask.BandMask.rectangle
+        monkeypatch.setattr(causal_mask.BandMask, "rectangle",
+                            lambda mask, *bounds: rectangles.append(bounds) or rectangle(mask, *bounds))
+    base = base_model("ministral", sliding_window=window)
+    assert base.config.layer_types == ["sliding_attention", "full_attention"]
+    stock = lora(copy.deepcopy(base), "ministral")
+    patched = lora(base, "ministral")
+    handle = tigon.patch(patched)
+    assert [line for line in handle.replaced if line.startswith("LoRA adapters") and "attention" in line] == \
+        [sliding_line(window), FULL_LINE], handle.replaced
+    assert_step_matches(patched, stock)
+    assert node_calls == {"attention": 1 + sliding_calls, "MLP": 2}
+    assert len(rectangles) == (0 if block_rows is None else SEQ // block_rows)  # the sliding layer's row blocks
+
+
+def test_banded_lines_follow_the_switch_and_the_layers(node_calls):
+    """Mistral gives every layer the window (no ``layer_types``); with the sliding_window switch off the node
+    takes the sliding layer's mask itself (it runs both layers), and the line is the plain one."""
+    handle = tigon.patch(lora(base_model("mistral", sliding_window=SEQ // 2), "mistral"))
+    assert f"{sliding_line(SEQ // 2)} (2 modules)" in handle.replaced, handle.replaced
     base = base_model("ministral", sliding_window=SEQ // 2)
     stock = lora(copy.deepcopy(base), "ministral")
     patched = lora(base, "ministral")
-    tigon.patch(patched)
+    handle = tigon.patch(patched, sliding_window=False)
+    assert f"LoRA adapters (r={RANK}) of q_proj/k_proj/v_proj/o_proj run inside the attention node (2 modules)" \
+        in handle.replaced, handle.replaced
     assert_step_matches(patched, stock)
-    assert node_calls == {"attention": 1, "MLP": 2}
+    assert node_calls == {"attention": 2, "MLP": 2}
 
+
+def test_attention_that_never_runs_the_node_says_so(node_calls):
+    """An attention the node runs no call of as the model stands: eager attention (the node computes sdpa's),
+    Gemma-2's logit softcap. ``Patch.replaced`` says the attention runs its own forward and q/k/v/o PEFT's;
+    the eager model's step is stock PEFT's, the node not called."""
+    own = ("LlamaAttention: its own forward (the line above), not q/k/v, rotary, sdpa and o_proj as one autograd "
+           "node (fused_attention.py): the model's attention implementation is 'eager'; the node computes sdpa's "
+           "(2 modules)")
+    outside = "q_proj/k_proj/v_proj/o_proj: PEFT's forwards (the attention runs its own forward, the line above) " \
+              "(2 modules)"
+    base = tiny.tiny_model("llama")
+    stock = lora(copy.deepcopy(base))
+    patched = lora(base)
+    handle = tigon.patch(patched)
+    assert own in handle.replaced and outside in handle.replaced, handle.replaced
+    assert not any("inside the attention node" in line for line in handle.replaced), handle.replaced
+    assert_step_matches(patched, stock)
+    assert node_calls == {"attention": 0, "MLP": 2}
+    handle = tigon.patch(lora(base_model("gemma2", attn_logit_softcapping=50.0), "gemma2"))
+    assert ("Gemma2Attention: its own forward (the line above), not q/k/v, rotary, sdpa and o_proj as one autograd "
+            "node (fused_attention.py): a softcap on its attention logits (attn_logit_softcapping), which the node "
+            "does not apply (2 modules)") in handle.replaced, handle.replaced
+    assert outside in handle.replaced and not any("inside the attention node" in line for line in handle.replaced)
 
 
 def test_llama4_shared_expert_adapters_in_the_mlp_node(node_calls):

@@ -57,6 +57,14 @@ the base output by the product itself (one rounding of the sum). Without autocas
 a bf16 model keeps fp32 adapters (``autocast_adapter_dtype``) and runs the adapter path in fp32; here
 it runs on bf16 operands with fp32 accumulation: within bf16's rounding of the sum.
 
+torch.compile: Dynamo traces :func:`lora_projection` as it traces any Python, so what it reads of the layers
+becomes the compiled graph's guards (switching, disabling, merging an adapter or changing its scaling
+recompiles, never reuses a graph made for other adapters), and the MLP node's autograd Function is traced
+into the graph with its :class:`~tigon.nn.quantized_base.QuantizedWeight` (a plain object; its dequantization
+is bitsandbytes' registered ops): no graph break in tigon's code, PEFT's or bitsandbytes'
+(``tests/patching/test_lora_compile.py``). The attention node runs in eager training only
+(:mod:`tigon.patching.fused_attention`): in a compiled model q, k, v and o run PEFT's forwards, traced.
+
 Reference: :func:`lora_linear_reference` (PEFT's forward on raw tensors).
 """
 
@@ -217,12 +225,14 @@ def lora_projections(modules) -> tuple | str:
     return tuple(out)
 
 
-def adapter_lines(modules, node: str, fallback: str) -> list:
+def adapter_lines(modules, node: str, fallback: str, scope: str = "") -> list:
     """For ``Patch.replaced``: which of ``modules`` (a dict: name -> module of one attention or MLP) are
     PEFT LoRA linears whose adapters run inside the ``node`` node, and for each that cannot, why (its
     PEFT forward runs; ``fallback`` says what the module does then); bitsandbytes 4-bit bases that run
     inside it are named with their quant type. What holds at patch time: the node reads the layers
-    again at every call."""
+    again at every call. ``scope`` follows "inside the ``node`` node" (which layers or calls run it), its
+    ``{forwards}`` the owner of the forwards that run otherwise ("PEFT's", or "bitsandbytes'" for bare
+    4-bit bases)."""
     fused, ranks, bases, lines = [], [], {}, []
     for name, module in modules.items():
         peft = _peft_lora(module)
@@ -241,17 +251,22 @@ def adapter_lines(modules, node: str, fallback: str) -> list:
     label = quant_label(bases.values())
     if fused:
         rank = "/".join(str(r) for r in dict.fromkeys(ranks))
-        line = f"LoRA adapters (r={rank}) of {'/'.join(fused)} run inside the {node} node"
-        lines.insert(0, line if label is None else f"{line}; bases {label}")
+        line = f"LoRA adapters (r={rank}) of {'/'.join(fused)} run inside the {node} node{scope}"
+        lines.insert(0, (line if label is None else f"{line}; bases {label}").replace("{forwards}", "PEFT's"))
     elif bases:
-        lines.insert(0, f"{'/'.join(bases)}: {label} bases run inside the {node} node")
+        lines.insert(0, f"{'/'.join(bases)}: {label} bases run inside the {node} node{scope}".replace(
+            "{forwards}", "bitsandbytes'"))
     return lines
 
 
-def outside_lines(modules, why: str) -> list:
+def outside_lines(modules, why: str, joined: bool = False) -> list:
     """For ``Patch.replaced``: one line for each of ``modules`` (a dict: name -> module) that is a PEFT LoRA
-    linear, saying its PEFT forward runs and ``why`` (the module's layout has no node that takes adapters)."""
-    return [f"{name}: PEFT's forward ({why})" for name, module in modules.items() if _peft_lora(module)]
+    linear, saying its PEFT forward runs and ``why`` (the module's layout has no node that takes adapters,
+    or the node does not run); ``joined``: one line naming them all."""
+    names = [name for name, module in modules.items() if _peft_lora(module)]
+    if joined and len(names) > 1:
+        return [f"{'/'.join(names)}: PEFT's forwards ({why})"]
+    return [f"{name}: PEFT's forward ({why})" for name in names]
 
 
 def check_adapter(projection: LoraProjection, name: str, device) -> None:

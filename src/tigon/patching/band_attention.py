@@ -83,6 +83,22 @@ def has_sliding_layers(config) -> bool:
     return bool(getattr(config, "use_sliding_window", True))
 
 
+def layer_window(attention) -> int | None:
+    """The sliding window of ``attention``'s layer (its config's ``sliding_window``) where :func:`has_sliding_layers`
+    and the config's ``layer_types`` make it a sliding layer (every layer where the config has no
+    ``layer_types``: Mistral, Mixtral, Starcoder2), else None. For ``Patch.replaced``: a masked call of such a
+    layer in a marked model comes to the band wrapper, never to the fused attention node."""
+    config = getattr(attention, "config", None)
+    if config is None or not has_sliding_layers(config):
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        index = getattr(attention, "layer_idx", None)
+        if not isinstance(index, int) or not 0 <= index < len(types) or types[index] != "sliding_attention":
+            return None
+    return config.sliding_window
+
+
 def _blocks(length: int, window: int, rows: int):
     """(s, e, first key) of each row block."""
     return [(s, min(s + rows, length), max(0, s - window + 1)) for s in range(0, length, rows)]

@@ -289,6 +289,18 @@ def _node_arguments(attention, kwargs, installed: _Installed):
             cache, cache_arguments, installed.biases, *adapters, tuple(r.scaling for r in read))
 
 
+def never_runs(attention) -> str | None:
+    """Why the node runs no call of ``attention`` as its model stands (guards of :func:`_node_arguments` that hold
+    for every call), for ``Patch.replaced``; None where calls may run it. Read at patch time: a model switched
+    to sdpa afterwards runs the node, as the guards read the config at each call."""
+    implementation = getattr(getattr(attention, "config", None), "_attn_implementation", None)
+    if implementation != "sdpa":
+        return f"the model's attention implementation is {implementation!r}; the node computes sdpa's"
+    if getattr(attention, "attn_logit_softcapping", None) is not None:
+        return "a softcap on its attention logits (attn_logit_softcapping), which the node does not apply"
+    return None
+
+
 def projection(module) -> LoraProjection | str:
     """What a q/k/v/o projection computes (:func:`tigon.nn.lora.lora_projection`), or why the node cannot
     compute it: an ``nn.Linear`` running its class's forward or tigon's shared-cast one (the same product,

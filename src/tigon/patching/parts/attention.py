@@ -12,15 +12,18 @@
   dense mask wherever eager mode does (causal_mask.py); exactly the same attention.
 - ``fused_attention`` (with rope): where the class forward is transformers' own (fused_attention.SOURCES) with
   the rotate-half rotary, the attention runs as one autograd node (``tigon.nn.attention``) wherever that
-  computes what the forward would (fused_attention.py decides, at each call).
+  computes what the forward would (fused_attention.py decides, at each call). ``Patch.replaced`` says, at patch
+  time, where it runs: not in a model whose attention implementation is not sdpa or whose attention softcaps
+  its logits (fused_attention.never_runs; the projections' adapters then run PEFT's forwards), and in a model
+  whose sliding layers the band attention takes, in which layers and for which lengths (:func:`node_scope`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from tigon.nn.lora import adapter_lines
-from tigon.patching import causal_mask, decorator_chains, fused_attention, rotary, vision_language
+from tigon.nn.lora import adapter_lines, outside_lines
+from tigon.patching import band_attention, causal_mask, decorator_chains, fused_attention, rotary, vision_language
 from tigon.patching.instance_methods import InstanceMethod, Recipe
 from tigon.patching.interface_marks import carried
 from tigon.patching.parts import Part
@@ -41,7 +44,12 @@ def rope_line(classes, family=None):
     return line
 
 
-def fused_attention_line(classes):
+def fused_attention_line(classes, node=True):
+    """The fused_attention switch's line; with ``node`` False, where a model's attention never runs the node
+    (fused_attention.never_runs): its start, to which the reason is added."""
+    if not node:
+        return (f"{classes.attention.__name__}: its own forward (the line above), not q/k/v, rotary, sdpa and "
+                "o_proj as one autograd node (fused_attention.py)")
     return (f"{classes.attention.__name__}: q/k/v, rotary, sdpa and o_proj as one autograd node in eager training "
             "on the GPU, without a mask or a filled key/value cache (fused_attention.py; otherwise the line above)")
 
@@ -72,8 +80,25 @@ def rope_attention_forward(attention_cls, rotary_name, half_angles, autocast_out
     return forward if fused is None else fused_attention.fused_forward(forward, fused)
 
 
-def _plan_rope(plan, root, family, classes, *, fused=None):
-    """The rope switch on a decoder's attention (a vision tower's: vision.py)."""
+def node_scope(attention, banded: bool) -> str:
+    """What follows "inside the attention node" in ``attention``'s adapter line (tigon.nn.lora.adapter_lines):
+    nothing where ``banded`` is off (a model without sliding layers, or with the ``sliding_window`` switch off:
+    the node takes a sliding layer's mask); else which layers run the node. transformers hands a sliding layer
+    no mask for a sequence shorter than its window (the mask is causal then), and a mask from the window's
+    length on; in a banded model such a masked call is the band attention's (fused_attention's guards), so the
+    attention's own forward runs, and its projections their own (PEFT's) forwards: per call, by length."""
+    if not banded:
+        return ""
+    window = band_attention.layer_window(attention)
+    if window is None:
+        return " in full-attention layers"
+    return (f" in sliding-window layers (window {window}) for sequences shorter than {window} tokens; from {window} "
+            "tokens on these layers run their own attention forward under tigon's band attention "
+            "(band_attention.py), with q_proj/k_proj/v_proj/o_proj in {forwards} forwards")
+
+
+def _plan_rope(plan, root, family, classes, *, fused=None, banded=False):
+    """The rope switch on a decoder's attention (a vision tower's: vision.py). ``banded``: :func:`node_scope`'s."""
     check_rotary(family, classes)
     forward = Recipe(rope_attention_forward, (classes.attention, family.rotary, family.rotary_half_angles,
                                               family.rope_autocast_output, fused))
@@ -84,9 +109,17 @@ def _plan_rope(plan, root, family, classes, *, fused=None):
         check_plain(old, classes.attention, path)
         plan.add(SetAttr(old, "forward", InstanceMethod(old, forward)), line)
         if fused is not None:
-            plan.note(fused_attention_line(classes))
-            for lora_line in adapter_lines({name: old._modules.get(name) for name in fused_attention.PROJECTIONS},
-                                           "attention", "the attention runs its own forward"):
+            projections = {name: old._modules.get(name) for name in fused_attention.PROJECTIONS}
+            off = fused_attention.never_runs(old)
+            if off is None:
+                plan.note(fused_attention_line(classes))
+                lora_lines = adapter_lines(projections, "attention", "the attention runs its own forward",
+                                           node_scope(old, banded))
+            else:
+                plan.note(f"{fused_attention_line(classes, node=False)}: {off}")
+                lora_lines = outside_lines(projections, "the attention runs its own forward, the line above",
+                                           joined=True)
+            for lora_line in lora_lines:
                 plan.note(lora_line)
 
 
@@ -130,7 +163,10 @@ def plan_attention(plan, model, family, classes, switches):
     if _rope_off_by_config(family, model.config):
         return
     fused = fused_attention.variant(classes.attention) if fuses_attention(family, classes, switches) else None
-    _plan_rope(plan, model, family, classes, fused=fused)
+    # sliding layers whose masked calls the band attention takes (the sliding_window part marks the model)
+    banded = band_attention.has_sliding_layers(model.config) and (
+        switches["sliding_window"] or band_attention.marked(model.config))
+    _plan_rope(plan, model, family, classes, fused=fused, banded=banded)
     _plan_shared_cast(plan, model, family, classes)
     if not causal_mask.marked(model.config):
         for change in carried(model, causal_mask.MarkConfig(model.config)):
