@@ -224,6 +224,13 @@ def markdown(result: dict) -> str:
     for _, title, r in rows:
         lines.append(f"| {title} | {phases(r['first'])} | {phases(r['steady'])} | "
                      f"{r['first']['step'] / r['steady']['step']:.1f}x | {r['compiled_entries']} |")
+    cold, warm = result.get("cold"), result.get("warm")
+    if cold and warm:
+        ratio = {key: r["first"]["step"] / r["steady"]["step"] for key, _, r in rows}
+        stock = f"; stock: {ratio['stock']:.1f}x" if "stock" in ratio else ""
+        lines += ["", f"After warmup the first step takes {ratio['warm']:.1f}x a steady step (cold: "
+                  f"{ratio['cold']:.1f}x{stock}); warmup saved {cold['first']['step'] - warm['first']['step']:.1f} s "
+                  "of the first step."]
     started = result.get("warm_started", {}).get("start_libraries_s")
     if started is not None:
         lines += ["", f"Library start-up before the first step (row 3): {started:.3f} s."]

@@ -216,15 +216,16 @@ def test_benchmark_arguments_and_table():
     assert (args.seq, args.batch, args.steps, args.out, args.worker) == (1024, 1, 3, "x", False)
     with pytest.raises(SystemExit):
         parse_args(["--steps", "0"])
+    times = lambda step: {"forward": step / 4, "backward": step / 2, "optimizer": step / 4, "step": step}  # noqa: E731
     result = {
         "setup": {"model": "Llama-3.2-1B-shaped", "seq": 2048, "batch": 1, "steps": 5, "device": "NVIDIA H200",
                   "date": "2026-12-04", "versions": {"torch": "2.13.0", "triton": "3.9.0", "liger-kernel": None}},
-        "cold": {"first_step_s": 61.0, "steady_step_s": 0.2, "compiled_entries": 40},
+        "cold": {"first": times(61.0), "steady": times(0.2), "compiled_entries": 40},
         "warmup": {"process_s": 70.0, "compiled_entries": 41},
-        "warm": {"first_step_s": 1.0, "steady_step_s": 0.25, "compiled_entries": 0},
+        "warm": {"first": times(1.0), "steady": times(0.25), "compiled_entries": 0},
     }
     table = markdown(result)
-    assert "| cold: first step (compiles) | 61.00 | 40 |" in table
-    assert "| after warmup: first step | 1.00 | 0 |" in table
-    assert "4.0x a steady step" in table and "saved 60.0 s" in table
+    assert "| tigon, cold cache (the first step compiles) | 61.000 (15.250 / 30.500 / 15.250) |" in table
+    assert "| tigon, after `tigon warmup` | 1.000 (0.250 / 0.500 / 0.250) | 0.250" in table
+    assert "4.0x a steady step (cold: 305.0x); warmup saved 60.0 s" in table
     assert "torch 2.13.0, triton 3.9.0" in table and "liger" not in table
