@@ -5,12 +5,13 @@
 #   bash scripts/gpu-check.sh               # PART=suite: every test, on the machine's transformers
 #   bash scripts/gpu-check.sh top           # PART=top: tests/patching (the TRL head among them), the TRL step
 #                                           #   benchmark's, the demo's and the examples' tests on the release
-#                                           #   whose wheels are in .whl/top/ (the newest one)
+#                                           #   whose wheels are in .whl-top/ (the newest one)
 #   TESTS="tests/ops -k rms" bash scripts/gpu-check.sh       # another selection, in either part
 #   TESTS=none BENCH=all bash scripts/gpu-check.sh           # the benchmark harness only (BENCH="rms_norm jsd": some ops)
 #
-# Wheels in .whl/ (git-ignored: trl, datasets, peft, liger-kernel and what they need) go to $SITE (/tmp/site),
-# after src/ on PYTHONPATH, so the image's packages stay untouched. PART=top installs .whl/top/ (transformers and
+# Wheels in .whl/ (git-ignored: trl, datasets, peft, liger-kernel and what they need) and .whl-bnb/ (bitsandbytes,
+# for the QLoRA tests) go to $SITE (/tmp/site), after src/ on PYTHONPATH, so the image's packages stay untouched
+# (each folder is optional: the tests of a missing peer skip). PART=top installs .whl-top/ (transformers and
 # each requirement of it newer than the machine's or missing there: for 5.25 huggingface_hub, regex, accelerate and
 # kernels, which from_pretrained loads on a CUDA device) to $SITE-top, ahead of $SITE: the suite part tests the
 # machine's own transformers.
@@ -51,16 +52,18 @@ setup_rc=0
 install() {  # wheel folder, target folder
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
 }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  install .whl "$SITE" || setup_rc=1
-  PYTHONPATH=$PYTHONPATH:$SITE
-fi
+for wheels in .whl .whl-bnb; do
+  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    install "$wheels" "$SITE" || setup_rc=1
+  fi
+done
+[ -d "$SITE" ] && PYTHONPATH=$PYTHONPATH:$SITE
 if [ "$PART" = top ]; then
-  if ls .whl/top/*.whl >/dev/null 2>&1; then
-    install .whl/top "$SITE-top" || setup_rc=1
+  if ls .whl-top/*.whl >/dev/null 2>&1; then
+    install .whl-top "$SITE-top" || setup_rc=1
     PYTHONPATH=$PWD/src:$SITE-top${PYTHONPATH#"$PWD/src"}
   else
-    echo "PART=top needs the release's wheels in .whl/top/" >&2
+    echo "PART=top needs the release's wheels in .whl-top/" >&2
     setup_rc=1
   fi
 fi

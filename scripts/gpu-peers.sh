@@ -6,14 +6,13 @@
 #   bash scripts/gpu-peers.sh python3 benchmarks/lora.py --layers 8
 #
 # .whl/          trl, datasets, peft, liger-kernel and what they need   -> $SITE (/tmp/site)
-# .whl-bnb/      bitsandbytes                                            -> $SITE-bnb
-#                and Unsloth's requirements at the versions it pins (trl <= 1.15, datasets < 5, ...)
+# .whl-bnb/      bitsandbytes                                            -> $SITE
+# .whl-unsloth/  unsloth, unsloth_zoo and the versions they pin (trl <= 1.15, datasets < 5, ...)
 #                                                                        -> $SITE-unsloth
-# .whl-unsloth/  unsloth, unsloth_zoo, diffusers                         -> $SITE-unsloth
 #
 # A folder that is absent is skipped and what an earlier run installed from it stays, so the sets can arrive
-# one at a time. $SITE-unsloth is not on PYTHONPATH: benchmarks/lora.py puts it first for its Unsloth workers
-# only (--unsloth-site, which this passes on to a lora.py command).
+# one at a time. $SITE-unsloth is not on PYTHONPATH: benchmarks/lora.py
+# and context.py put it first for their Unsloth workers only (--unsloth-site, which this passes on to them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
@@ -25,18 +24,12 @@ install() {  # target folder, wheels...
 }
 shopt -s nullglob
 rc=0
-install "$SITE" .whl/*.whl || rc=1
-bnb=(.whl-bnb/bitsandbytes-*.whl)
-install "$SITE-bnb" "${bnb[@]}" || rc=1
-pinned=()
-for wheel in .whl-bnb/*.whl; do
-  case $wheel in .whl-bnb/bitsandbytes-*) ;; *) pinned+=("$wheel") ;; esac
-done
-install "$SITE-unsloth" "${pinned[@]}" .whl-unsloth/*.whl || rc=1
+install "$SITE" .whl/*.whl .whl-bnb/*.whl || rc=1
+install "$SITE-unsloth" .whl-unsloth/*.whl || rc=1
 [ $rc -eq 0 ] || { echo "gpu-peers.sh: a wheel set did not install" >&2; exit 1; }
-export PYTHONPATH=$PWD/src:$SITE:$SITE-bnb${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}
 [ $# -gt 0 ] || exit 0
-if [[ "$*" == *benchmarks/lora.py* ]]; then
+if [[ "$*" == *benchmarks/lora.py* || "$*" == *benchmarks/context.py* ]]; then
   exec "$@" --unsloth-site "$SITE-unsloth"
 fi
 exec "$@"
