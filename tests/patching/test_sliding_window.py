@@ -246,3 +246,26 @@ def test_mask_by_rows_is_transformers_mask(small_blocks, padded, length, window)
     assert calls == [min(BLOCK, length - s) for s in range(0, length, BLOCK)]
     assert got.shape == want.shape and torch.equal(got, want)
     assert (got.stride(0) == 0) == (want.stride(0) == 0)
+
+
+def test_a_model_collected_during_a_compile_leaves_the_wrapper_until_the_next_unmark():
+    """torch.compile's guards read the registered sdpa function after tracing through it: a patched model
+    collected in the middle of a compile must not swap the function back then (the guard on the wrapper's
+    closure could not be built); the next unmark outside a compile registers the original again."""
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    def sliding_model():
+        config = tiny_config("gemma3_text", sliding_window=5)
+        config._attn_implementation = "sdpa"
+        return transformers.AutoModelForCausalLM.from_config(config)  # (the model holds this config)
+
+    gc.collect()
+    dropped = tigon.patch(sliding_model())  # the handle holds the model, the model its marked config
+    assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_tigon", False)
+    with compile_context(CompileContext(CompileId(frame_id=0, frame_compile_id=0))):
+        del dropped
+        gc.collect()  # the model and its config go: the last mark
+        assert not band_attention._WRAPPER.any_marked() and getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_tigon", False)
+    other = tigon.patch(sliding_model())
+    other.revert()
+    assert not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_tigon", False)

@@ -14,7 +14,8 @@ holds that bookkeeping once for both:
   ``<original_key>`` and carries ``_tigon = True``;
 * a mark goes with ``undo`` or when its config is garbage-collected (its model with it), and with
   the last mark of every group the original function is registered again, if ours is still the one
-  registered (a function registered after ours stays);
+  registered (a function registered after ours stays) — except from a collection in the middle of a
+  torch.compile, whose guards read the registered function (then at the next mark or unmark);
 * a mark travels with its model (:func:`carried`): the patch also sets it as an attribute of the model it
   marks, so that a copy of the model (``pickle``, ``torch.save``/``torch.load``, ``copy.deepcopy``) marks its
   own config when it is made. A copy's mark goes with the copy's config.
@@ -81,8 +82,12 @@ class InterfaceWrapper:
             getattr(module, self.interface).register(self.name, getattr(current, self.original_key))
 
     def _forget(self, key: int, group: str) -> None:
-        """A marked config was garbage-collected: drop the mark."""
-        if self.groups[group].pop(key, None) is not None and not self.any_marked():
+        """A marked config was garbage-collected: drop the mark, and with the last one register the original
+        function again, unless torch.compile is compiling a frame. The collection can run in the middle of a
+        compile, whose guards read the registered function (the wrapper's closure) after tracing through it:
+        swapped meanwhile, the guard cannot be built. The wrapper then stays registered, passing every
+        unmarked call through, until the next mark or unmark, or the next collected mark outside a compile."""
+        if self.groups[group].pop(key, None) is not None and not self.any_marked() and not _compiling():
             self.uninstall()
 
     def mark(self, config, group: str = "") -> Mark:
@@ -110,8 +115,14 @@ class Mark:
         owner = self.owner
         if owner.marked(self.config, self.group):
             del owner.groups[self.group][id(self.config)]
-            if not owner.any_marked():
-                owner.uninstall()
+        if not owner.any_marked():  # (also a wrapper a collection during a compile left registered)
+            owner.uninstall()
+
+
+def _compiling() -> bool:
+    """torch.compile is compiling a frame (tracing it or building its guards)."""
+    guards = sys.modules.get("torch._guards")
+    return guards is not None and guards.CompileContext.try_get() is not None
 
 
 def _wrapper_at(module: str, attribute: str) -> InterfaceWrapper:
