@@ -66,3 +66,29 @@ def test_dynamic_shapes_and_an_in_place_gradient():
         assert torch.equal(got[0], want[0])
         for g, w in zip(got_grads, want_grads, strict=True):
             assert torch.equal(g, w)
+
+
+def test_norm_rope_and_glu_compile_once_for_every_length_from_their_tile():
+    """With dynamic shapes, a length at least the launch's row tile reads as a range (``pow2_at_most``), not a
+    number: one graph serves every such length, and each length's result is the eager one."""
+    from torch._dynamo.utils import counters
+
+    from tigon.ops import rope, swiglu
+
+    def layer(x, weight, cos, sin, gate):
+        h = rms_norm(x, weight, 1e-6)                                    # (B, T, H)
+        q = h.view(*h.shape[:2], 2, -1).transpose(1, 2)                   # (B, heads, T, d)
+        q, k = rope(q, q, cos, sin)
+        return swiglu((q + k).transpose(1, 2).reshape(h.shape), gate)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.rand(32, generator=gen) + 0.5
+    for length in (520, 648, 776):
+        x, gate = (torch.randn(1, length, 32, generator=gen) for _ in range(2))
+        angles = torch.rand(1, length, 8, generator=gen) * 6
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        assert torch.equal(compiled(x, weight, cos, sin, gate), layer(x, weight, cos, sin, gate))
+    assert counters["stats"]["unique_graphs"] == 1

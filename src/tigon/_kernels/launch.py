@@ -283,6 +283,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def pow2_at_most(n: int, cap: int) -> int:
+    """``min(cap, next_power_of_2(n))``, asking ``n >= cap`` first: for a symbolic size (torch.compile's
+    dynamic shapes) that comparison is a range guard, so one compiled graph serves every size from ``cap``
+    on, where ``next_power_of_2`` would read the size as a number and specialise the graph to it."""
+    if n >= cap:
+        return cap
+    return min(cap, next_power_of_2(n))
+
+
 @cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -30,6 +30,7 @@ from tigon._kernels.launch import (
     cdiv,
     next_power_of_2,
     persistent_programs,
+    pow2_at_most,
     tracing_active,
     wrap_triton,
 )
@@ -362,7 +363,7 @@ def tile_launch(num_rows: int, hidden: int, tuning: NormTuning) -> NormLaunch:
     block_n = next_power_of_2(hidden)
     if block_n > tuning.max_fused_hidden:
         return NormLaunch(1, tuning.chunk, warps_for(tuning.chunk, tuning), False)
-    block_m = max(1, min(tuning.tile_elements // block_n, next_power_of_2(num_rows)))
+    block_m = max(1, pow2_at_most(num_rows, tuning.tile_elements // block_n))
     return NormLaunch(block_m, block_n, warps_for(block_m * block_n, tuning), True)
 
 

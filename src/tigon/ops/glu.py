@@ -51,6 +51,7 @@ from tigon._kernels import (
     check_tensor,
     gate_activation,
     next_power_of_2,
+    pow2_at_most,
     wrap_triton,
 )
 
@@ -179,11 +180,11 @@ def glu_launch(num_rows: int, num_cols: int, *, flat: bool, config: GluConfig | 
 def _glu_launch(num_rows, num_cols, flat, config) -> GluLaunch:
     if flat:
         num_elements = num_rows * num_cols
-        block_n = min(config.tile_elements, next_power_of_2(num_elements))
+        block_n = pow2_at_most(num_elements, config.tile_elements)
         return GluLaunch(True, 1, block_n, 1, cdiv(num_elements, block_n),
                          max(1, min(block_n // config.elements_per_warp, config.max_warps)))
     block_n = min(next_power_of_2(num_cols), config.max_block_n)
-    block_m = max(1, min(config.tile_elements // block_n, next_power_of_2(num_rows)))
+    block_m = max(1, pow2_at_most(num_rows, config.tile_elements // block_n))
     col_blocks = cdiv(num_cols, block_n)
     num_warps = max(1, min(block_m * block_n // config.elements_per_warp, config.max_warps))
     num_programs = cdiv(num_rows, block_m) * col_blocks

@@ -82,6 +82,7 @@ from tigon._kernels import (
     head_block_rows,
     load_trig,
     next_power_of_2,
+    pow2_at_most,
     q_or_k,
     store_rotation,
     token_tile_rows,
@@ -333,7 +334,7 @@ def _rope_launch(seq_len, num_q_heads, num_k_heads, rot_dim, head_dim, same_dtyp
         per_warp, max_warps = config.token_elements_per_warp, config.token_max_warps
     else:
         tile, per_warp, max_warps = config.tile_elements, config.elements_per_warp, config.max_warps
-    block_t = min(_floor_power_of_2(tile // (block_h * row)), next_power_of_2(seq_len))
+    block_t = pow2_at_most(seq_len, _floor_power_of_2(tile // (block_h * row)))
     # A padded row of 2·block_half + block_pass need not be a power of two; Triton's warps must be.
     num_warps = _floor_power_of_2(max(1, min(block_h * block_t * row // per_warp, max_warps)))
     return RopeLaunch(token_tiling, block_h, block_t, block_half, block_pass, has_pass, num_warps)
