@@ -95,6 +95,19 @@ def repeatable_grads(fn, inputs, grad_outputs):
     return first
 
 
+def node_names(t: torch.Tensor) -> set:
+    """The class names of the autograd nodes that made ``t``, walking back from its ``grad_fn``."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo += [f for f, _ in fn.next_functions]
+    return names
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (for torchrun and process-group rendezvous)."""
     with socket.socket() as s:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import DEVICE, assert_close, fp64_reference, noncontiguous, randn
+from tests.helpers import DEVICE, assert_close, fp64_reference, node_names, noncontiguous, randn
 from tigon.nn import mlp
 from tigon.nn.lora import LoraProjection, lora_projection
 from tigon.nn.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
@@ -100,19 +100,6 @@ def assert_matches_stock(stock, ours, x, dy, dtype=torch.float32):
         assert got[name].dtype == g.dtype, name
         assert_close(got[name], g, dtype, f"d{name}")
     return got
-
-
-def node_names(y):
-    """The autograd nodes that made ``y`` (their class names), walking back from it."""
-    seen, todo, names = set(), [y.grad_fn], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(type(fn).__name__)
-        todo += [f for f, _ in fn.next_functions]
-    return names
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import DEVICE, assert_close, randn
+from tests.helpers import DEVICE, assert_close, node_names, randn
 from tigon.nn import quantized_base
 from tigon.nn.lora import adapter_lines, lora_projection
 from tigon.nn.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
@@ -98,18 +98,6 @@ def assert_matches_stock(stock, ours, x, dy, dtype=torch.float32):
         assert got[name].dtype == g.dtype, name
         assert_close(got[name], g, dtype, f"d{name}")
     return got
-
-
-def node_names(y):
-    seen, todo, names = set(), [y.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo += [f for f, _ in fn.next_functions]
-    return names
 
 
 # ------------------------------------------------------------------------------ bitsandbytes' products

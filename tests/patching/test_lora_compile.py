@@ -35,7 +35,14 @@ from torch._dynamo.utils import counters
 import tigon
 from tests.helpers import DEVICE
 from tests.patching.tiny import batch, grads, rel, tiny_model
-from tests.patching.tiny_lora import base_model, count_node_calls, lora, node_in_fp32_here
+from tests.patching.tiny_lora import (
+    base_model,
+    count_node_calls,
+    lora,
+    node_in_fp32_here,
+    quantized,
+    save_tiny_llama,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -141,22 +148,13 @@ def test_compiled_lora_model_matches_eager():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny Llama saved as a checkpoint (fp32), for from_pretrained to quantize."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    tiny_model("llama").save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def qlora_model(checkpoint, targets, compute=torch.float32):
     """The checkpoint (fp32) loaded in 4-bit nf4 with double quant and ``compute`` as the compute dtype, LoRA
     r = 4 on ``targets``."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=compute)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config, device_map=str(DEVICE),
-                                                 dtype=torch.float32, attn_implementation="sdpa").train()
+    model = quantized(checkpoint, compute=compute, kbit_prepare=False)
     torch.manual_seed(1)
     lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     return peft.get_peft_model(model, lora_config)

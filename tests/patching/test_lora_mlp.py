@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tigon
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, node_names
 from tests.patching.tiny import assert_grads_close, batch, rel, tiny_model, train
 from tigon.nn import SwiGLUMLP
 
@@ -26,18 +26,6 @@ def lora(model, **kwargs):
 
 def mlps(model):
     return [m for m in model.modules() if isinstance(m, SwiGLUMLP)]
-
-
-def node_names(loss):
-    seen, todo, names = set(), [loss.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo += [f for f, _ in fn.next_functions]
-    return names
 
 
 @pytest.mark.parametrize("order", ["patch_after_wrap", "patch_before_wrap"])

@@ -17,6 +17,7 @@ from torch import nn
 import tigon
 from tests.helpers import DEVICE, ON_GPU
 from tests.patching.tiny import assert_grads_close, batch, grads, rel, tiny_config, tiny_model, train
+from tests.patching.tiny_lora import node_in_fp32_here, step
 from tigon.patching import fused_attention
 
 peft = pytest.importorskip("peft")
@@ -27,8 +28,7 @@ ALL = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
 
 @pytest.fixture(autouse=True)
 def _node_in_fp32_on_this_device(monkeypatch):
-    monkeypatch.setattr(fused_attention, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(fused_attention, "_HALF", (torch.float16, torch.bfloat16, torch.float32))
+    node_in_fp32_here(monkeypatch)
 
 
 @pytest.fixture
@@ -57,15 +57,6 @@ def lora(model, r=4, targets=ALL, seed=1, **kwargs):
     torch.manual_seed(seed)  # the adapters' init: the same draw for stock and patched
     config = peft.LoraConfig(r=r, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kwargs)
     return peft.get_peft_model(model, config)
-
-
-def step(model, seed=0):
-    ids, labels = batch(seed)
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    out = loss.detach(), grads(model)
-    model.zero_grad(set_to_none=True)
-    return out
 
 
 def assert_matches(patched, stock, seed=0):

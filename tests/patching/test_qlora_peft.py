@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, node_names
 from tests.patching.tiny import assert_grads_close, batch, grads, rel, tiny_model
+from tests.patching.tiny_lora import node_in_fp32_here, quantized, save_tiny_llama, step
 from tigon.patching import fused_attention
 
 peft = pytest.importorskip("peft")
@@ -26,8 +27,7 @@ ALL = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
 
 @pytest.fixture(autouse=True)
 def _node_in_fp32_on_this_device(monkeypatch):
-    monkeypatch.setattr(fused_attention, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(fused_attention, "_HALF", (torch.float16, torch.bfloat16, torch.float32))
+    node_in_fp32_here(monkeypatch)
 
 
 @pytest.fixture
@@ -45,52 +45,13 @@ def node_calls(monkeypatch):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny Llama saved as a checkpoint (fp32), for from_pretrained to quantize."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    tiny_model("llama").save_pretrained(path)
-    return path
-
-
-def quantized(checkpoint, quant_type="nf4", nested=True, compute=torch.float32, kbit_prepare=True, **kwargs):
-    """The checkpoint loaded in 4-bit by transformers (quantized on its way to the device), in train mode;
-    through ``prepare_model_for_kbit_training`` (which turns on gradient checkpointing) where asked."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=nested,
-                                bnb_4bit_compute_dtype=compute)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config, device_map=str(DEVICE),
-                                                 dtype=torch.float32, attn_implementation="sdpa", **kwargs)
-    if kbit_prepare:
-        model = peft.prepare_model_for_kbit_training(model)
-    return model.train()
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def lora(model, r, targets, seed=1, **kwargs):
     torch.manual_seed(seed)  # the adapters' init: the same draw for stock and patched
     config = peft.LoraConfig(r=r, target_modules=targets, init_lora_weights=False, **{"lora_alpha": 2 * r, **kwargs})
     return peft.get_peft_model(model, config)
-
-
-def node_names(loss):
-    seen, todo, names = set(), [loss.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo += [f for f, _ in fn.next_functions]
-    return names
-
-
-def step(model, seed=0):
-    ids, labels = batch(seed)
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    out = loss.detach(), grads(model)
-    model.zero_grad(set_to_none=True)
-    return out
 
 
 def assert_matches(patched, stock, seed=0):

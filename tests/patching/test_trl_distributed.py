@@ -63,7 +63,7 @@ def _cpu(group, tmp_path_factory) -> dict:
 
 def _gpu(group, tmp_path_factory, **env) -> dict:
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+        pytest.skip("needs 2 GPUs: runs in scripts/gpu-check.sh on a machine with two or more")
     return _launch(group, tmp_path_factory.mktemp(f"trl_{group}_gpu") / "results.pt", TIGON_DIST_DEVICE="cuda",
                    **env)
 

@@ -93,3 +93,27 @@ def assert_step_matches(patched, stock, seed=0):
     assert rel(loss, loss_stock) <= 1e-5, (loss.item(), loss_stock.item())
     assert want and all("lora_" in name for name in want)
     assert_grads_close(got, want, 1e-4)
+
+
+def save_tiny_llama(path):
+    """A tiny Llama saved as a checkpoint (fp32) in ``path``, for from_pretrained to quantize; ``path``."""
+    torch.manual_seed(0)
+    tiny.tiny_model("llama").save_pretrained(path)
+    return path
+
+
+def quantized(checkpoint, quant_type="nf4", nested=True, compute=torch.float32, kbit_prepare=True, **kwargs):
+    """The checkpoint loaded in 4-bit by transformers (quantized on its way to the device), in train mode;
+    through ``prepare_model_for_kbit_training`` (which turns on gradient checkpointing) where asked."""
+    import peft
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tests.helpers import DEVICE
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=nested,
+                                bnb_4bit_compute_dtype=compute)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config, device_map=str(DEVICE),
+                                                 dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+    if kbit_prepare:
+        model = peft.prepare_model_for_kbit_training(model)
+    return model.train()
