@@ -347,6 +347,22 @@ def _check_one_dtype(tensors):
             )
 
 
+def projections_node(x, gate_proj, up_proj, down_proj, activation):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` as one recomputing node, or None where a projection's own
+    forward must run. Plain ``nn.Linear`` projections: :func:`gated_mlp`. PEFT LoRA linears and bitsandbytes
+    4-bit bases (and plain ones beside them): the adapters inside :func:`tigon.nn.lora_mlp.lora_gated_mlp`,
+    where every projection reads exactly and a quantized base's compute dtype is the node's for this input."""
+    if plain_linear(gate_proj) and plain_linear(up_proj) and plain_linear(down_proj):
+        return gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias,
+                         down_proj.bias, activation=activation)
+    projections = lora_projections({"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj})
+    if isinstance(projections, str) or compute_dtype_reason(x, [p.weight for p in projections]) is not None:
+        return None
+    from tigon.nn.lora_mlp import lora_gated_mlp  # (it imports this module)
+
+    return lora_gated_mlp(x, *projections, activation=activation)
+
+
 class _GatedMLP(nn.Module):
     """Shared body of SwiGLUMLP and GEGLUMLP: the three projections and the fused forward."""
 
@@ -371,18 +387,9 @@ class _GatedMLP(nn.Module):
                 f"{self.hidden_size}"
             )
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        if plain_linear(gate_proj) and plain_linear(up_proj) and plain_linear(down_proj):
-            return gated_mlp(
-                x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias, down_proj.bias,
-                activation=self.activation,
-            )
-        projections = lora_projections({"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj})
-        # PEFT LoRA linears, bitsandbytes 4-bit bases (and plain ones): adapters inside the node, where a
-        # quantized base's compute dtype is the node's for this input (tigon.nn.lora_mlp)
-        if not isinstance(projections, str) and compute_dtype_reason(x, [p.weight for p in projections]) is None:
-            from tigon.nn.lora_mlp import lora_gated_mlp  # (it imports this module)
-
-            return lora_gated_mlp(x, *projections, activation=self.activation)
+        y = projections_node(x, gate_proj, up_proj, down_proj, self.activation)
+        if y is not None:
+            return y
         # A projection that cannot be read exactly (a LoRA adapter with dropout, DoRA; an 8-bit linear)
         # or is split across ranks (tensor parallel): its own forward must run, so only the activation
         # is fused here.

@@ -49,30 +49,16 @@ def split_glu_forward(activation, gate_multiplier=None, down_multiplier=None, dr
     read from the module at each call (the attribute names given here; None: no such step). The
     multiplies and the dropout are the same torch ops as stock's, in the same order, so they round and
     draw random numbers as stock does. Without a gate multiplier, ``down_proj(act(gate) * up)`` is
-    tigon's recomputing node: ``tigon.nn.mlp.gated_mlp`` over plain ``nn.Linear`` projections, and
-    ``tigon.nn.lora_mlp.lora_gated_mlp`` with PEFT LoRA adapters or bitsandbytes 4-bit bases inside it
-    where they read exactly (as ``tigon.nn.SwiGLUMLP`` decides).
+    tigon's recomputing node where the projections read exactly (``tigon.nn.mlp.projections_node``, as
+    ``tigon.nn.SwiGLUMLP`` runs it).
     """
-    from tigon.nn.lora import lora_projections
-    from tigon.nn.mlp import gated_mlp, plain_linear
-    from tigon.nn.quantized_base import compute_dtype_reason
+    from tigon.nn.mlp import projections_node
     from tigon.ops.glu import glu
-
-    def node(x, gate_proj, up_proj, down_proj):
-        """The MLP's node output (..., H), or None where the projections' own forwards must run."""
-        if all(plain_linear(p) for p in (gate_proj, up_proj, down_proj)):
-            return gated_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias,
-                             down_proj.bias, activation=activation)
-        projections = lora_projections({"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj})
-        if isinstance(projections, str) or compute_dtype_reason(x, [p.weight for p in projections]) is not None:
-            return None
-        from tigon.nn.lora_mlp import lora_gated_mlp
-
-        return lora_gated_mlp(x, *projections, activation=activation)
 
     def forward(self, x):
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        y = None if gate_multiplier is not None else node(x, gate_proj, up_proj, down_proj)  # (..., H)
+        y = None if gate_multiplier is not None else projections_node(x, gate_proj, up_proj, down_proj,
+                                                                      activation)  # (..., H)
         if y is None:
             gate = gate_proj(x)  # (..., I)
             if gate_multiplier is not None:
