@@ -92,3 +92,67 @@ def test_norm_rope_and_glu_compile_once_for_every_length_from_their_tile():
         cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
         assert torch.equal(compiled(x, weight, cos, sin, gate), layer(x, weight, cos, sin, gate))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+@pytest.mark.parametrize("plan", ("one chunk", "by tokens", "by classes"))
+def test_loss_head_compiles_once_for_every_length(plan, reduction, monkeypatch):
+    """fused_linear_cross_entropy's chunk loop is one opaque op: with dynamic shapes one graph serves every
+    number of tokens, and each length runs the chunks eager mode runs (equal loss and gradients), whether
+    the loop goes by tokens, by classes or takes one chunk."""
+    from torch._dynamo.utils import counters
+
+    from tigon.ops import fused_linear_cross_entropy
+    from tigon.ops import fused_linear_cross_entropy as flce_function
+
+    flce_module = __import__("importlib").import_module(flce_function.__module__)
+    forced = {"by tokens": flce_module.ChunkPlan(True, 4), "by classes": flce_module.ChunkPlan(False, 4)}.get(plan)
+    if forced is not None:
+        monkeypatch.setattr(flce_module, "chunk_plan", lambda *args, **kwargs: forced)
+
+    def loss(x, w, b, t, class_weight, token_weight):
+        out = fused_linear_cross_entropy(x, w, t, linear_bias=b, weight=class_weight, label_smoothing=0.1,
+                                         z_loss=1e-3, reduction=reduction)
+        return out * token_weight if reduction == "none" else out  # "none": each token its own grad_output
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(11, 8, generator=gen), torch.randn(11, generator=gen)
+    class_weight = torch.rand(11, generator=gen) + 0.5
+    for tokens in (5, 9, 14):
+        x = torch.randn(tokens, 8, generator=gen)
+        t = torch.randint(0, 11, (tokens,), generator=gen)
+        t[1] = -100
+        token_weight = torch.rand(tokens, generator=gen) + 0.5
+        results = []
+        for f in (compiled, loss):
+            leaves = [x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+            out = f(*leaves, t, class_weight, token_weight)
+            results.append((out.detach(), torch.autograd.grad(out.sum(), leaves)))
+        (got, got_grads), (want, want_grads) = results
+        assert torch.equal(got, want)
+        for g, w_ in zip(got_grads, want_grads, strict=True):
+            assert torch.equal(g, w_)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_loss_head_ops_pass_opcheck():
+    """The loss head's opaque ops: schema, fake implementation (shapes from symbolic sizes), no aliasing."""
+    from tigon.ops import fused_linear_cross_entropy as flce_function
+
+    flce_module = __import__("importlib").import_module(flce_function.__module__)
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(7, 8, generator=gen), torch.randn(11, 8, generator=gen), torch.randn(11, generator=gen)
+    t = torch.randint(0, 11, (7,), generator=gen)
+    scales = torch.full((7,), 1 / 7)
+    options = (-100, 0.0, 0.0, None, 1.0)
+    dtypes = (torch.float32, torch.float32, torch.float32)
+    for now, keep_lse in (((True, True, True), False), ((False, False, False), True), ((True, False, False), False)):
+        torch.library.opcheck(flce_module.FLCE_PASSES.op, (x, w, b, t, None, scales, *options, *now, keep_lse, *dtypes))
+    lse = torch.randn(7, generator=gen)
+    torch.library.opcheck(
+        flce_module.FLCE_REGRAD.op, (x, w, None, t, None, scales, torch.rand(7, generator=gen), lse, *options,
+                                      True, True, False, torch.float32, torch.float32, None),
+    )

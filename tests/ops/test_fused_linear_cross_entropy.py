@@ -599,8 +599,8 @@ def test_flce_torch_compile_fullgraph(reduction):
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ("mean", "none"))
 def test_flce_fp32_dw_torch_compile_fullgraph(reduction, monkeypatch):
-    """The fp32 dW accumulator traced by torch.compile (no chunk buffer, plain matmuls) and run eagerly
-    (the matmul adding into fp32 itself): 4 chunks of 256 tokens, against the fp64 reference."""
+    """The fp32 dW accumulator in eager mode and under torch.compile (the chunk loop one opaque op, run as
+    in eager mode: the matmul adding into fp32 itself): 4 chunks of 256 tokens, against the fp64 reference."""
     monkeypatch.setattr(flce_module, "chunk_plan", lambda *a, **k: ChunkPlan(True, 256, fp32_dw=True))
     x, w, b = make_inputs((4, 256), 512, 32000, torch.bfloat16, bias=True)
     target = make_target((4, 256), 32000, ignored=9)
@@ -619,6 +619,42 @@ def test_flce_fp32_dw_torch_compile_fullgraph(reduction, monkeypatch):
         assert grads[1].dtype == torch.bfloat16
         for name, g in zip(("input", "linear_weight", "linear_bias"), grads, strict=True):
             assert_close(g, ref_grads[name], torch.bfloat16, f"d{name}")
+
+
+@pytest.mark.gpu
+def test_flce_inductor_one_graph_for_every_length_with_eager_gradients_and_memory():
+    """Inductor with dynamic shapes: one graph for 3 lengths; each length's gradients are the eager ones
+    bit for bit (the chunk loop is one opaque op, run as in eager mode) and its peak memory the eager peak
+    (the eager plan's chunk buffer, not one Inductor plans for the traced chunks)."""
+    from torch._dynamo.utils import counters
+
+    hidden, vocab = 1024, 65536
+    w = (torch.randn(vocab, hidden, device=DEVICE) * hidden**-0.5).to(torch.bfloat16).requires_grad_()
+
+    def f(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for tokens in (3000, 4500, 6100):
+        x = (torch.randn(tokens, hidden, device=DEVICE) * 0.5).to(torch.bfloat16).requires_grad_()
+        target = make_target((tokens,), vocab, ignored=50)
+        results = []
+        for fn in (f, compiled, f, compiled):  # the second of each pair is measured (cuBLAS, kernels warm)
+            x.grad = w.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            loss = fn(x, w, target)
+            loss.backward()
+            torch.cuda.synchronize()
+            results.append((loss.detach(), x.grad, w.grad, torch.cuda.max_memory_allocated() - start))
+        (loss_e, dx_e, dw_e, peak_e), (loss_c, dx_c, dw_c, peak_c) = results[2:]
+        assert_close(loss_c, loss_e, torch.float32, "loss")
+        assert torch.equal(dx_c, dx_e) and torch.equal(dw_c, dw_e)
+        assert peak_c <= peak_e * 1.02 + (16 << 20), f"{tokens} tokens: compiled peak {peak_c} > eager {peak_e}"
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.gpu

@@ -30,3 +30,22 @@ def test_compiled_patched_model_matches_stock():
     got.backward()
     for (name, p), (_, q) in zip(patched.named_parameters(), stock.named_parameters(), strict=True):
         assert rel(p.grad, q.grad) <= 1e-4, name
+
+
+def test_compiled_patched_model_recompiles_as_stock_does():
+    """New sequence lengths recompile a patched model as they do stock: the first length's graph, then one
+    dynamic graph for the lengths between two powers of two (the launches' row tiles below their size;
+    from it on, every length), the loss head's chunk loop included (one opaque op)."""
+    from torch._dynamo.utils import counters
+
+    stock, patched, _ = stock_and_patched("llama")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(patched, backend="aot_eager", fullgraph=True)
+    for seq in (22, 27, 32):
+        ids, labels = batch(seq, seq=seq)
+        got = compiled(input_ids=ids, labels=labels).loss
+        want = stock(input_ids=ids, labels=labels).loss
+        assert rel(got, want) <= 1e-5, seq
+        got.backward()  # the dynamic graph's backward runs too
+    assert counters["stats"]["unique_graphs"] == 2  # stock's count on these lengths

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from tigon._kernels.launch import cache_by_size, cdiv, next_power_of_2
+from tigon._kernels.launch import cache_by_size, cdiv, next_power_of_2, pow2_at_most
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def elementwise_tile_launch(num_rows: int, num_cols: int, *, config: TileConfig 
 @cache_by_size
 def _tile_launch(num_rows, num_cols, config) -> TileLaunch:
     block_n = min(next_power_of_2(num_cols), config.tile_elements)
-    block_m = max(1, min(config.tile_elements // block_n, next_power_of_2(num_rows)))
+    block_m = max(1, pow2_at_most(num_rows, config.tile_elements // block_n))
     num_warps = max(1, min(block_m * block_n // config.elements_per_warp, config.max_warps))
     col_tiles = cdiv(num_cols, block_n)
     return TileLaunch(block_m, block_n, num_warps, col_tiles, cdiv(num_rows, block_m) * col_tiles)

@@ -284,12 +284,16 @@ def next_power_of_2(n: int) -> int:
 
 
 def pow2_at_most(n: int, cap: int) -> int:
-    """``min(cap, next_power_of_2(n))``, asking ``n >= cap`` first: for a symbolic size (torch.compile's
-    dynamic shapes) that comparison is a range guard, so one compiled graph serves every size from ``cap``
-    on, where ``next_power_of_2`` would read the size as a number and specialise the graph to it."""
+    """``min(cap, next_power_of_2(n))``, found by comparisons only: for a symbolic size (torch.compile's
+    dynamic shapes) each comparison is a range guard, so one compiled graph serves every size from
+    ``cap`` on, and one every size between two powers of two below it, where ``next_power_of_2`` would
+    read the size as a number and specialise the graph to it."""
     if n >= cap:
         return cap
-    return min(cap, next_power_of_2(n))
+    power = 1 if n >= 1 else 2  # next_power_of_2(0) is 2
+    while power < n:
+        power *= 2
+    return min(cap, power)
 
 
 @cache
@@ -385,6 +389,38 @@ class TigonOp:
                 return self.op(*args)
             eager.append(a)
         return self.apply(*eager)
+
+
+class OpaqueOp:
+    """A host-side pipeline registered as one opaque torch op ``tigon::<name>``: its Python (a loop over
+    chunks whose count and bounds follow from the sizes, cuBLAS matmuls, kernel launches) runs on real
+    tensors only, never under tracing.
+
+    Traced op by op, such a loop bakes its chunk bounds into the graph: torch.compile guards on every
+    size the loop read and compiles the graph again for each new one (each sequence length of a loss
+    head). As one op, the graph holds a single call whose outputs' shapes ``fake`` gives from the
+    symbolic sizes without reading them as numbers, so one graph serves every size; when the compiled
+    graph runs, ``impl`` runs as in eager mode (the same chunks, buffers and roundings: compiled
+    results equal eager ones exactly). ``impl`` mutates none of its arguments and returns new tensors
+    (one of shape ``(0,)`` where an output is not wanted: an op returns no None).
+
+    In eager mode ``impl`` is called directly, without the dispatcher (:class:`TigonOp`'s reason); where
+    the call is traced (Dynamo, AOTAutograd, fake or meta tensors) the registered op is, whose Meta
+    kernel is ``fake``.
+    """
+
+    def __init__(self, name, impl, fake):
+        self.impl = impl
+        self.op = custom_op(f"tigon::{name}", impl, mutates_args=())
+        self.op.register_fake(fake)
+
+    def __call__(self, *args):
+        if tracing_active():
+            return self.op(*args)
+        for a in args:
+            if isinstance(a, torch.Tensor) and (type(a) not in PLAIN_TENSORS or a.is_meta):
+                return self.op(*args)
+        return self.impl(*args)
 
 
 def _fake_implementation(impl):

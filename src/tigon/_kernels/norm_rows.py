@@ -384,7 +384,7 @@ def backward_launch(
     else:
         target = max(1, round(tuning.stream_programs_per_sm * persistent_programs(device, 1)))
         split = max(1, min(tuning.stream_split, cdiv(hidden, tuning.chunk), target))
-        block_m = max(1, min(tuning.stream_rows, next_power_of_2(num_rows)))
+        block_m = max(1, pow2_at_most(num_rows, tuning.stream_rows))
         stages = tuning.stream_stages
     bands = max(1, min(target // split, cdiv(num_rows, block_m)))
     rows_per_band = cdiv(cdiv(num_rows, bands), block_m) * block_m

@@ -39,11 +39,11 @@ Three chunkings, chosen by :func:`chunk_plan` from the sizes alone:
   matmul reads and writes the accumulator, so chunks are as large as the budget allows: that
   traffic (8·V·H bytes a chunk) is what the plan pays over an unfused loss's single dW matmul
   (measured clearly slower at the small head than the same matmul into bf16 without accumulating;
-  docs/tuning.md, "Timings quoted in the source"). Off the GPU, and under torch.compile,
+  docs/tuning.md, "Timings quoted in the source"). Off the GPU
   the matmul cannot add into fp32 itself: each chunk's product is rounded to bf16 first, then
   summed in fp32 (the running sum is no longer rounded to bf16). The last chunk's matmul adds its
   product to the accumulator and rounds the sum to dW's dtype itself (``_kernels/add_round_matmul.py``,
-  ``ChunkPlan.sum_round``, in eager mode on a GPU with TMA): no cast kernel, and 6·V·H bytes fewer
+  ``ChunkPlan.sum_round``, on a GPU with TMA): no cast kernel, and 6·V·H bytes fewer
   (measured faster than cuBLAS's sum and the cast at the small head's last chunk; docs/tuning.md,
   "Timings quoted in the source"). It
   writes dW while it reads the chunk and the accumulator, so the plan cuts the last chunk to what
@@ -79,6 +79,13 @@ At N = 8192 in bf16:
   0.38 GB but made the logits twice: 4 matmuls against 3, and 33 class-chunk passes against 3
   full-row ones.
 
+Under torch.compile the chunked passes are one opaque op (``tigon::fused_linear_cross_entropy_passes``,
+and ``_regrad`` for the backward of reduction="none"; ``tigon._kernels.OpaqueOp``): the plan and its
+loop run when the compiled graph runs, on the real sizes, exactly as in eager mode (same chunks,
+buffers and roundings), and the graph, which sees only the outputs' shapes, serves every number of
+tokens. Traced, the loop would bake its chunk bounds into the graph and compile it again for each
+new sequence length.
+
 Under ``torch.autocast`` input, weight and bias are cast to the autocast dtype, as F.linear does;
 the loss math is fp32 regardless. Gradients come back in each argument's own dtype (an fp32 master
 weight gets an fp32 dW; by tokens it is accumulated from per-chunk partials in fp32, as the
@@ -98,6 +105,7 @@ from tigon._kernels import (
     VOCAB_CHUNK_GRAD,
     VOCAB_CHUNK_STATS,
     LossOptions,
+    OpaqueOp,
     RangeCheck,
     apply_grad_output,
     autocast_off,
@@ -460,6 +468,105 @@ def _by_classes(x, w, b, target, class_weight, scales, row_scale, need, opts, ch
     return loss_rows, lse, (dx32.to(dx_dtype) if need_dx else None), dw, db
 
 
+# ------------------------------------------------------------------------------ the passes as one op
+
+
+def _plan(x, w, dx_dtype, dw_dtype):
+    """The chunking of this head (chunk_plan), from the compute operands and the gradients' dtypes."""
+    return chunk_plan(
+        x.shape[0], w.shape[0], x.shape[1], x.element_size(), dx_size=dx_dtype.itemsize, dw_size=dw_dtype.itemsize,
+    )
+
+
+def _wanted(t, dtype, device):
+    """``t``, or an empty (0,) tensor where the output is not wanted (a registered op returns no None)."""
+    return t if t is not None else torch.empty(0, dtype=dtype, device=device)
+
+
+def _passes_impl(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, class_weight: torch.Tensor | None,
+    scales: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None,
+    logit_scale: float, need_dx: bool, need_dw: bool, need_db: bool, keep_lse: bool, dx_dtype: torch.dtype,
+    dw_dtype: torch.dtype, db_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's chunked passes over the compute operands x (N, H), w (V, H), b (V,): loss rows (N,)
+    fp32; lse (N,) fp32 where ``keep_lse`` (by classes: the rows' log-sum-exp, which the backward of
+    reduction="none" reuses; by tokens zeros, unused), else (0,); dx (N, H), dw (V, H), db (V,) in their
+    dtypes where needed (for grad_output = 1), else (0,)."""
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, logit_scale)
+    need, grad_dtypes = (need_dx, need_dw, need_db), (dx_dtype, dw_dtype, db_dtype)
+    plan = _plan(x, w, dx_dtype, dw_dtype)
+    with torch.no_grad(), autocast_off(x.device):
+        if plan.by_tokens:
+            loss_rows, dx, dw, db = _by_tokens(
+                x, w, b, target, class_weight, scales, None, need, opts, plan, grad_dtypes
+            )
+            lse = torch.zeros_like(loss_rows) if keep_lse else None
+        else:
+            loss_rows, lse, dx, dw, db = _by_classes(
+                x, w, b, target, class_weight, scales, None, need, opts, plan.size, grad_dtypes
+            )
+    return (
+        loss_rows, _wanted(lse if keep_lse else None, torch.float32, x.device), _wanted(dx, dx_dtype, x.device),
+        _wanted(dw, dw_dtype, x.device), _wanted(db, db_dtype or torch.float32, x.device),
+    )
+
+
+def _passes_fake(
+    x, w, b, target, class_weight, scales, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+    need_dx, need_dw, need_db, keep_lse, dx_dtype, dw_dtype, db_dtype,
+):
+    """The outputs' shapes from the symbolic sizes, none of them read as a number (no chunk plan)."""
+    (num_tokens, hidden), vocab = x.shape, w.shape[0]
+    f32 = torch.float32
+    return (
+        x.new_empty(num_tokens, dtype=f32), x.new_empty(num_tokens if keep_lse else 0, dtype=f32),
+        x.new_empty((num_tokens, hidden) if need_dx else (0,), dtype=dx_dtype),
+        x.new_empty((vocab, hidden) if need_dw else (0,), dtype=dw_dtype),
+        x.new_empty(vocab if need_db else 0, dtype=db_dtype or f32),
+    )
+
+
+def _regrad_impl(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, class_weight: torch.Tensor | None,
+    scales: torch.Tensor, row_scale: torch.Tensor, lse: torch.Tensor, ignore_index: int, label_smoothing: float,
+    z_loss: float, softcap: float | None, logit_scale: float, need_dx: bool, need_dw: bool, need_db: bool,
+    dx_dtype: torch.dtype, dw_dtype: torch.dtype, db_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of reduction="none": the gradient pass again, each token's dL weighed by its
+    ``row_scale`` (grad_output) before dW sums over tokens; by classes from the forward's ``lse``."""
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, logit_scale)
+    need, grad_dtypes = (need_dx, need_dw, need_db), (dx_dtype, dw_dtype, db_dtype)
+    plan = _plan(x, w, dx_dtype, dw_dtype)
+    with torch.no_grad(), autocast_off(x.device):
+        if plan.by_tokens:
+            _, dx, dw, db = _by_tokens(x, w, b, target, class_weight, scales, row_scale, need, opts, plan, grad_dtypes)
+        else:
+            _, _, dx, dw, db = _by_classes(
+                x, w, b, target, class_weight, scales, row_scale, need, opts, plan.size, grad_dtypes, lse=lse
+            )
+    return (
+        _wanted(dx, dx_dtype, x.device), _wanted(dw, dw_dtype, x.device),
+        _wanted(db, db_dtype or torch.float32, x.device),
+    )
+
+
+def _regrad_fake(
+    x, w, b, target, class_weight, scales, row_scale, lse, ignore_index, label_smoothing, z_loss, softcap,
+    logit_scale, need_dx, need_dw, need_db, dx_dtype, dw_dtype, db_dtype,
+):
+    return _passes_fake(
+        x, w, b, target, class_weight, scales, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+        need_dx, need_dw, need_db, False, dx_dtype, dw_dtype, db_dtype,
+    )[2:]
+
+
+# One opaque op each (OpaqueOp): traced, the chunk loop would specialise a compiled graph to the number
+# of tokens; as one op, one graph serves every length, and runs the chunks as eager mode does.
+FLCE_PASSES = OpaqueOp("fused_linear_cross_entropy_passes", _passes_impl, _passes_fake)
+FLCE_REGRAD = OpaqueOp("fused_linear_cross_entropy_regrad", _regrad_impl, _regrad_fake)
+
+
 # ------------------------------------------------------------------------------------------- autograd
 
 
@@ -471,43 +578,24 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx, input, linear_weight, linear_bias, target, weight, scales, ignore_index, label_smoothing,
         reduction, z_loss, softcap, logit_scale, compute_dtype, need_input, need_weight, need_bias,
     ):
-        opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, logit_scale)
         with autocast_off(input.device):
-            return FusedLinearCrossEntropyFunction._forward(
-                ctx, input, linear_weight, linear_bias, target, weight, scales, reduction, opts,
-                compute_dtype, (need_input, need_weight, need_bias),
-            )
-
-    @staticmethod
-    def _forward(
-        ctx, input, linear_weight, linear_bias, target, weight, scales, reduction, opts, compute_dtype, need
-    ):
-        """The forward with autocast off: operands are cast to the compute dtype explicitly."""
-        x, w, b = compute_operands(input, linear_weight, linear_bias, compute_dtype)
-        t = target.reshape(-1)
-        num_tokens, vocab = x.shape[0], w.shape[0]
-        plan = chunk_plan(
-            num_tokens, vocab, x.shape[1], x.element_size(),
-            dx_size=input.element_size(), dw_size=linear_weight.element_size(),
-        )
-        bias_dtype = linear_bias.dtype if linear_bias is not None else None
-        grad_dtypes = (input.dtype, linear_weight.dtype, bias_dtype)
+            x, w, b = compute_operands(input, linear_weight, linear_bias, compute_dtype)
+        options = (ignore_index, label_smoothing, z_loss, softcap, logit_scale)
+        need = (need_input, need_weight, need_bias)
+        grad_dtypes = (input.dtype, linear_weight.dtype, linear_bias.dtype if linear_bias is not None else None)
         grads_now = any(need) and reduction != "none"
         now = need if grads_now else (False, False, False)
-        if plan.by_tokens:
-            loss_rows, dx, dw, db = _by_tokens(x, w, b, t, weight, scales, None, now, opts, plan, grad_dtypes)
-            lse = None
-        else:
-            loss_rows, lse, dx, dw, db = _by_classes(
-                x, w, b, t, weight, scales, None, now, opts, plan.size, grad_dtypes
-            )
-        ctx.reduction, ctx.opts, ctx.plan, ctx.need = reduction, opts, plan, need
+        keep_lse = any(need) and not grads_now
+        loss_rows, lse, dx, dw, db = FLCE_PASSES(
+            x, w, b, target.reshape(-1), weight, scales, *options, *now, keep_lse, *grad_dtypes
+        )
+        ctx.reduction, ctx.options, ctx.need = reduction, options, need
         ctx.compute_dtype, ctx.grad_dtypes, ctx.input_shape = compute_dtype, grad_dtypes, input.shape
         if grads_now:
             applied = [
-                torch.ones(rows, dtype=torch.float32, device=x.device) for rows in (num_tokens, vocab, 1)
+                torch.ones(rows, dtype=torch.float32, device=x.device) for rows in (x.shape[0], w.shape[0], 1)
             ]
-            ctx.save_for_backward(dx, dw, db, *applied)
+            ctx.save_for_backward(*(g if n else None for g, n in zip((dx, dw, db), need, strict=True)), *applied)
         elif any(need):
             # reduction="none": each token's grad_output weighs its dL before dW sums over tokens, so
             # the backward recomputes the gradient pass (by classes it reuses lse).
@@ -517,29 +605,20 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        with autocast_off(grad_loss.device):
-            return FusedLinearCrossEntropyFunction._backward(ctx, grad_loss)
-
-    @staticmethod
-    def _backward(ctx, grad_loss):
         if ctx.reduction != "none":
             dx, dw, db, applied_x, applied_w, applied_b = ctx.saved_tensors
             dx, dw, db = apply_grad_output(ctx, grad_loss, [(dx, applied_x), (dw, applied_w), (db, applied_b)])
             dx = dx.view(ctx.input_shape) if dx is not None else None
             return (dx, dw, db) + (None,) * 13
         input, linear_weight, linear_bias, target, weight, scales, lse = ctx.saved_tensors
-        x, w, b = compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)
-        t = target.reshape(-1)
-        row_scale = grad_loss.reshape(-1)
-        if ctx.plan.by_tokens:
-            _, dx, dw, db = _by_tokens(
-                x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts, ctx.plan, ctx.grad_dtypes
-            )
-        else:
-            _, _, dx, dw, db = _by_classes(x, w, b, t, weight, scales, row_scale, ctx.need, ctx.opts,
-                                           ctx.plan.size, ctx.grad_dtypes, lse=lse)
-        dx = dx.view(ctx.input_shape) if dx is not None else None
-        return (dx, dw, db) + (None,) * 13
+        with autocast_off(grad_loss.device):
+            x, w, b = compute_operands(input, linear_weight, linear_bias, ctx.compute_dtype)
+        dx, dw, db = FLCE_REGRAD(
+            x, w, b, target.reshape(-1), weight, scales, grad_loss.reshape(-1), lse, *ctx.options, *ctx.need,
+            *ctx.grad_dtypes,
+        )
+        dx = dx.view(ctx.input_shape) if ctx.need[0] else None
+        return (dx, dw if ctx.need[1] else None, db if ctx.need[2] else None) + (None,) * 13
 
 
 # ------------------------------------------------------------------------------------ public function

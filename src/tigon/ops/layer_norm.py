@@ -88,6 +88,7 @@ from tigon._kernels import (
     norm_launch,
     part_chunks,
     persistent_programs,
+    pow2_at_most,
     publish_part_sums,
     read_row_sums,
     split_rows_scratch,
@@ -478,7 +479,7 @@ CONFIG = LayerNormConfig()
 
 def _fused_tile(num_rows, hidden, tile_elements, elements_per_warp, max_warps) -> NormLaunch:
     block_n = next_power_of_2(hidden)
-    block_m = max(1, min(tile_elements // block_n, next_power_of_2(num_rows)))
+    block_m = max(1, pow2_at_most(num_rows, tile_elements // block_n))
     warps = max(1, min(block_m * block_n // elements_per_warp, max_warps))
     return NormLaunch(block_m, block_n, warps, True)
 
