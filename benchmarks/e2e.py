@@ -322,6 +322,7 @@ def jobs_for(args) -> list[dict]:
 KERNEL_CATEGORIES = (
     ("inductor fused", r"^triton_(poi|red|per)_"),
     ("attention", r"flash|fmha|sdpa|attention"),
+    ("dequantize", r"dequantiz"),  # bitsandbytes' 4-bit bases (QLoRA), dequantized for their products
     ("matmul", r"gemm|gemv|cutlass|cublas|xmma|nvjet|wgmma|splitKreduce|^triton_tem_|^sum_round_tiles_kernel$"
                r"|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
     ("loss", r"cross_?entropy|nll_loss|log_?softmax|logsumexp|(?<![a-z])lse(?![a-z])|fused_linear"
@@ -847,9 +848,11 @@ def _ms(value) -> str:
     return "—" if value is None else f"{value:.1f}"
 
 
-def profile_markdown(rows: list[dict], *, top_kernels: bool = True) -> list[str]:
+def profile_markdown(rows: list[dict], *, top_kernels: bool = True, titles: dict | None = None) -> list[str]:
     """The "where the time goes" section: per model, categories x providers in ms per step, then
-    (``top_kernels``) each provider's most expensive kernels."""
+    (``top_kernels``) each provider's most expensive kernels; ``titles``: provider -> its column title
+    (default PROVIDER_TITLES)."""
+    titles = PROVIDER_TITLES if titles is None else titles
     profiled = [r for r in rows if "profile" in r or "profile_error" in r]
     if not profiled:
         return []
@@ -871,7 +874,7 @@ def profile_markdown(rows: list[dict], *, top_kernels: bool = True) -> list[str]
         ]
         title = _model_title(model_rows[0]) if "vocab" in model_rows[0] else model
         lines += ["", f"### {title}", "",
-                  "| ms per step | " + " | ".join(PROVIDER_TITLES[p] for p in profiles) + " |",
+                  "| ms per step | " + " | ".join(titles[p] for p in profiles) + " |",
                   "| --- |" + " --- |" * len(profiles)]
         for label, cell in table_rows:
             lines.append(f"| {label} | " + " | ".join("—" if p is None else cell(p) for p in profiles.values())
@@ -884,7 +887,7 @@ def profile_markdown(rows: list[dict], *, top_kernels: bool = True) -> list[str]
         for provider, prof in profiles.items():
             if prof is None:
                 continue
-            lines += ["", f"Top kernels, {model}, {PROVIDER_TITLES[provider]}:", "",
+            lines += ["", f"Top kernels, {model}, {titles[provider]}:", "",
                       "| ms per step | calls per step | category | kernel |", "| --- | --- | --- | --- |"]
             lines += [f"| {k['ms']:.2f} | {k['calls']:g} | {k['category']} | `{k['name'].replace('|', '/')}` |"
                       for k in prof["top_kernels"]]

@@ -59,6 +59,11 @@ Model flops a step (:func:`step_flops`), N = batch·seq tokens, L layers, H hidd
 The recomputed forward under checkpointing is not counted (it is the same model's work done twice),
 nor the norms, rotary, activation, softmax and optimizer, nor QLoRA's dequantizations.
 
+Profile (``--profile``): after its timed steps, each job trains ``e2e.PROFILE_STEPS`` more under
+``torch.profiler`` and the page gets benchmarks/e2e.py's "where the time goes" section: GPU time per step
+by kernel category (matmul, attention, 4-bit dequantization, norm, ...), busy / wall, the top kernels; what
+a target missed is explained from.
+
 Results: ``--out`` (default benchmarks/results/) gets ``lora-<device>-<date>.{json,md}``, and one line
 goes to ``benchmarks/results/history.jsonl`` (``--history PATH``; none for a smoke run); the markdown
 is printed last.
@@ -140,6 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama (pipeline smoke test)")
     p.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per job")
+    p.add_argument("--profile", action="store_true",
+                   help=f"after the timed steps, profile {e2e.PROFILE_STEPS} more: GPU time by kernel category")
     p.add_argument("--out", type=Path, default=e2e.OUT, help="folder for the JSON and markdown")
     history.add_argument(p)
     args = p.parse_args(argv)
@@ -322,11 +329,14 @@ def run_job(job: dict) -> dict:
     gen = torch.Generator(device=device).manual_seed(SEED)
     data = torch.randint(shape(job)["vocab_size"], (warmup + steps, batch, seq), device=device, generator=gen)
 
+    saved = []  # the first step's gradients, saved once (a profiled step may train on step 0's data again)
+
     def train_step(step) -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=data[step], labels=data[step]).loss
         loss.backward()
-        if step == 0 and job.get("grads_path"):
+        if not saved and job.get("grads_path"):
+            saved.append(step)
             names = [n for n, _ in trainable]
             flat = torch.cat([p.grad.detach().float().flatten() for _, p in trainable]).cpu()
             torch.save({"names": names, "grads": flat}, job["grads_path"])
@@ -351,6 +361,12 @@ def run_job(job: dict) -> dict:
     out["matmul_share"] = out["tflops"] / out["matmul_tflops"]
     if cuda:
         out.update(peak_bytes=torch.cuda.max_memory_allocated(), reserved_bytes=torch.cuda.max_memory_reserved())
+    if job.get("profile_steps"):
+        again = [warmup + i % steps for i in range(job["profile_steps"])]  # the timed steps' data again
+        try:
+            out["profile"] = e2e.profile_steps(train_step, again, cuda=cuda, timed_step_s=median)
+        except Exception as exc:  # keep the timed result when only the profile fails
+            out["profile_error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     return out
 
 
@@ -367,6 +383,7 @@ def jobs_for(args, grads_dir: Path) -> list[dict]:
     return [{"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
              "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha, "weights": args.weights,
              "warmup": args.warmup, "steps": args.steps, "matmul_size": args.matmul_size,
+             "profile_steps": e2e.PROFILE_STEPS if args.profile else 0,
              "grads_path": str(grads_dir / f"{provider}.pt")} for provider in args.providers]
 
 
@@ -490,6 +507,8 @@ def markdown(result: dict) -> str:
     flops = next((r["flops"] for r in rows if "flops" in r), None)
     if flops:
         lines += ["", "Flops a step: " + ", ".join(f"{k} {v / 1e12:.1f} T" for k, v in flops.items()) + "."]
+    lines += e2e.profile_markdown([{**r, "model": model} for r in rows if "error" not in r],
+                                  titles={r["provider"]: _title(r["provider"]) for r in rows})
     return "\n".join(lines) + "\n"
 
 

@@ -62,6 +62,9 @@ KERNELS = [
     ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::silu_kernel"
      "(at::TensorIteratorBase&)::{lambda()#1}::operator()() const::{lambda()#4}::operator()() const::"
      "{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int, ...)", "activation/glu"),
+    # bitsandbytes' 4-bit bases (QLoRA): the weight and, with double quant, its absmax dequantized
+    ("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, __nv_bfloat16*, "
+     "int, int)", "dequantize"),
     # losses: tigon's, Liger's and PyTorch's
     ("cross_entropy_fwd_kernel", "loss"),
     ("cross_entropy_chunk_stats_kernel", "loss"),

@@ -133,6 +133,19 @@ def test_tiny_steps_agree_in_process(tmp_path, bases):
     assert "loss_rel" not in rows[0]
 
 
+def test_profiled_steps_keep_the_first_steps_gradients_and_reach_the_page(tmp_path):
+    """--profile: profiled steps after the timed one (on step 0's data again, warmup 0) leave the first step's
+    saved gradients as they were, and the page gets the "where the time goes" section."""
+    plain = lora.run_job(tiny_job("peft", tmp_path))
+    first = torch.load(tmp_path / "peft.pt")["grads"]
+    row = lora.run_job(tiny_job("peft", tmp_path, profile_steps=2))
+    assert torch.equal(torch.load(tmp_path / "peft.pt")["grads"], first) and plain["losses"] == row["losses"]
+    assert row["profile"]["steps"] == 2 and row["profile"]["busy_ms"] > 0
+    settings = {**vars(lora.parse_args(["--tiny"])), "out": "out", "unsloth_site": "site"}
+    text = lora.markdown({"rows": [row], "device": "cpu", "date": "2026-12-05", "versions": {}, "settings": settings})
+    assert "## Where the time goes" in text and "| ms per step | stock PEFT |" in text
+
+
 def synthetic_rows(tmp_path):
     gen = torch.Generator().manual_seed(0)
     grads = torch.randn(100, generator=gen)
