@@ -1,7 +1,8 @@
 """Triton's CPU interpreter, for machines without a GPU: switching it on, and fixes to it.
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is *defined*, so the switch must happen before
-anything imports ``tigon.ops``. The fixes below change Triton's interpreter (never the compiled
+anything imports ``tigon.ops`` (Triton's own standard library, imported earlier by another package, is
+made interpreted by the fixes below). The fixes below change Triton's interpreter (never the compiled
 path) and are applied only by :func:`use_interpreter` / :func:`apply_interpreter_fixes`, which the
 test set-up (tests/conftest.py), the ``tigon`` command and the benchmark and test worker processes
 call when the interpreter is on. Importing ``tigon.ops`` applies nothing.
@@ -36,7 +37,39 @@ def apply_interpreter_fixes() -> bool:
         return False
     _numpy_compat()
     _bf16_rounding()
+    _language_interpreted()
     return True
+
+
+def _language_interpreted() -> None:
+    """Make ``triton.language``'s own ``@triton.jit`` functions (``tl.sum``, ``tl.max``, ``tl.sigmoid``, ...)
+    interpreted when ``triton.language`` was imported before the interpreter was switched on.
+
+    ``@triton.jit`` makes an interpreted function or a compiled one by the variable's value when it runs, so a
+    script that imports bitsandbytes (PEFT and transformers' quantizers do) before it sets
+    ``TRITON_INTERPRET=1`` gets Triton's standard library compiled-only, and every interpreted kernel that calls
+    one of its functions fails ("Cannot call @triton.jit'd outside of the scope of a kernel"). Each such
+    function is replaced, in every ``triton.language`` module that holds it, by the interpreted function of the
+    same Python function: what importing it with the interpreter on makes. Other packages' kernels are left as
+    they are (tigon's are defined after the switch). Only under ``TRITON_INTERPRET=1``.
+    """
+    import sys
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    interpreted = {}  # id of a compiled-only function -> its interpreted twin (one per function)
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if type(value) is JITFunction:
+                twin = interpreted.get(id(value))
+                if twin is None:
+                    twin = interpreted[id(value)] = InterpretedFunction(value.fn)
+                setattr(module, attr, twin)
 
 
 def _numpy_compat() -> None:
