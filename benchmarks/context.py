@@ -208,7 +208,7 @@ def build(job: dict):
             e2e.apply_liger("llama")
         model = new_model(config, kind, device)
         if kind == "qlora":
-            from benchmarks.lora import quantize_4bit
+            from tigon.bench.models import quantize_4bit
 
             quantize_4bit(model, device)
         if kind != "full":

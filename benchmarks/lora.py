@@ -27,7 +27,7 @@ Providers: ``peft`` (stock transformers + PEFT), ``tigon`` (``tigon.patch`` on t
 rope, SwiGLU and fused linear cross-entropy, PEFT's LoRA forwards), each also with ``+ckpt``:
 transformers' gradient checkpointing (non-reentrant) on every decoder layer. QLoRA: ``peft+4bit`` and
 ``tigon+4bit`` (each also ``+ckpt``) train the same model with its decoder projections bitsandbytes 4-bit
-(:func:`quantize_4bit`: nf4, double quant, bf16 compute, what ``from_pretrained(quantization_config=
+(:func:`tigon.bench.models.quantize_4bit`: nf4, double quant, bf16 compute, what ``from_pretrained(quantization_config=
 BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
 bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16 weights) after
 ``peft.prepare_model_for_kbit_training`` (fp32 norms, embeddings and head; its checkpointing left to
@@ -88,6 +88,7 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, th
 
 from benchmarks import e2e, unsloth_models  # noqa: E402  (worker pool, OOM detection, formatting; Unsloth)
 from tigon.bench import history  # noqa: E402
+from tigon.bench.models import quantize_4bit  # noqa: E402
 
 # Llama-3.1-8B as published (rope scaling aside)
 LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -231,32 +232,6 @@ def init_by_name(model, names=None) -> None:
             p.copy_(values)
 
 
-def quantize_4bit(model, device) -> None:
-    """QLoRA's base (module docs): each decoder projection of ``model`` a bitsandbytes ``Linear4bit`` (nf4,
-    double quant, bf16 compute) quantized on ``device`` from the projection's weight, the model marked as
-    transformers marks a 4-bit model (PEFT then wraps them in its ``Linear4bit``); then
-    ``peft.prepare_model_for_kbit_training`` without its checkpointing."""
-    import bitsandbytes as bnb
-    import peft
-    import torch
-
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, linear in list(parent.named_children()):
-                if type(linear) is not torch.nn.Linear:
-                    continue
-                quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                              compute_dtype=torch.bfloat16, compress_statistics=True,
-                                              quant_type="nf4", device="meta")
-                quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
-                                                     compress_statistics=True, module=quantized)
-                if linear.bias is not None:
-                    quantized.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
-                setattr(parent, name, quantized.to(device))  # quantizes
-    model.is_loaded_in_4bit = True
-    peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-
-
 def apply_liger() -> None:
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -283,7 +258,7 @@ def build(job: dict, device):
     if "unsloth" in parts:
         return unsloth_lora(job, model)
     if "4bit" in parts:
-        quantize_4bit(model, device)
+        quantize_4bit(model, device, torch.bfloat16)
     lora = peft.LoraConfig(r=job["rank"], lora_alpha=job["alpha"], lora_dropout=0.0, target_modules=list(TARGETS))
     model = peft.get_peft_model(model, lora)
     init_by_name(model, {n for n, p in model.named_parameters() if p.requires_grad})

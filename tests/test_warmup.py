@@ -131,6 +131,27 @@ def test_warmup_runs_a_patched_training_step_under_the_interpreter(tiny_llama, t
     assert os.environ.get("TRITON_CACHE_DIR") == cache_before
 
 
+@pytest.mark.parametrize("flags, lines", [
+    (("--lora", "4"), ("LoRA r=4 on every linear layer but the head",
+                       "LoRA adapters (r=4) of q_proj/k_proj/v_proj/o_proj run inside the attention node")),
+    (("--qlora",), ("LoRA r=16 on every linear layer but the head; bitsandbytes 4-bit nf4 bases",
+                    "LoRA adapters (r=16) of gate_proj/up_proj/down_proj run inside the MLP node; bases bitsandbytes "
+                    "4-bit nf4, compute bfloat16, double quant")),
+])
+def test_warmup_with_lora_adapters_and_4bit_bases(tiny_llama, flags, lines):
+    """--lora / --qlora: the step LoRA training runs (PEFT's adapters on every linear layer but the head, the base
+    frozen; with --qlora on bitsandbytes 4-bit bases), its adapters inside tigon's nodes."""
+    pytest.importorskip("peft")
+    if "--qlora" in flags:
+        pytest.importorskip("bitsandbytes")
+    code, out, err = warmup_cpu(tiny_llama, "--seq", "16", *flags)
+    assert code == 0, err
+    for line in lines:
+        assert line in out
+    code, _, err = warmup_cpu(tiny_llama, "--qlora", "--dtype", "fp32")
+    assert code == 2 and "bf16 or fp16" in err
+
+
 def test_a_model_that_refuses_sdpa_warms_with_eager_attention(tmp_path):
     folder = tmp_path / "gemma2"  # Gemma-2 as published: attention-logit softcap on, which sdpa cannot apply
     transformers.Gemma2Config(**TINY, num_hidden_layers=4).save_pretrained(folder)
@@ -181,6 +202,44 @@ def test_publish_moves_each_entry_whole_and_points_its_group_at_the_target(tmp_p
     _fake_entry(other, "KEYC", "swiglu_kernel")
     assert publish(other, target) == ["KEYC"]
     assert cache_entries(target) == {"KEYA", "KEYB", "KEYC"}
+
+
+LORA_TRAIN = """
+import sys, torch, transformers, peft, tigon
+from tigon.bench.models import quantize_4bit
+config = transformers.AutoConfig.from_pretrained(sys.argv[1])
+model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().train()
+if sys.argv[2] == "qlora":
+    quantize_4bit(model, torch.device("cuda"), torch.bfloat16)
+lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+model = peft.get_peft_model(model, lora).train()
+tigon.patch(model)
+ids = torch.randint(300, (1, 64), device="cuda")
+model(input_ids=ids, labels=ids).loss.backward()
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_a_lora_training_step_after_warmup_compiles_nothing(tiny_llama, tmp_path, kind):
+    """As below, for LoRA (bf16 base, fp32 adapters) and QLoRA (4-bit bases) training and ``--lora`` / ``--qlora``."""
+    pytest.importorskip("peft")
+    if kind == "qlora":
+        pytest.importorskip("bitsandbytes")
+    cache = tmp_path / "triton-cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_CACHE_DIR", None)
+    flags = ["--lora", "8"] + (["--qlora"] if kind == "qlora" else [])
+    done = subprocess.run([sys.executable, "-m", "tigon.cli", "warmup", str(tiny_llama), "--seq", "64", *flags,
+                           "--cache-dir", str(cache)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    warmed = cache_entries(cache)
+    assert warmed
+    done = subprocess.run([sys.executable, "-c", LORA_TRAIN, str(tiny_llama), kind],
+                          env={**env, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert cache_entries(cache) == warmed
 
 
 @pytest.mark.gpu

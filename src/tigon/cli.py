@@ -151,7 +151,8 @@ def cmd_warmup(args) -> int:
 
     try:
         result = warmup(args.model, seqs=args.seq, batch=args.batch, dtype=args.dtype, autocast=args.autocast,
-                        switches=parse_switches(args.switch), device=args.device, cache_dir=args.cache_dir)
+                        switches=parse_switches(args.switch), device=args.device, cache_dir=args.cache_dir,
+                        lora=args.lora, qlora=args.qlora)
     except WarmupError as err:
         args.parser.error(str(err))
     report(result)
@@ -208,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--switch", action="append", metavar="NAME=VALUE",
                    help="a tigon.patch switch, as training passes it (repeatable; e.g. recompute_norms=true)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="with PEFT LoRA adapters of rank R on every linear layer but the head, as LoRA training runs")
+    p.add_argument("--qlora", action="store_true",
+                   help="those layers bitsandbytes 4-bit (nf4, double quant) under the adapters (rank 16 without "
+                        "--lora)")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="publish the compiled kernels into DIR, one atomic rename per kernel (default: write into "
                         "Triton's cache, TRITON_CACHE_DIR or ~/.triton/cache)")

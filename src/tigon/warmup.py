@@ -255,10 +255,13 @@ def train_steps(model, *, seqs, batch: int, dtype: torch.dtype, autocast: bool, 
         torch.cuda.synchronize(device)
 
 
-def build_warmup_model(config, *, device: torch.device, dtype: torch.dtype, autocast: bool, switches: dict):
+def build_warmup_model(config, *, device: torch.device, dtype: torch.dtype, autocast: bool, switches: dict,
+                       lora: int = 0, qlora: bool = False):
     """The model at the layers warmup needs, random weights on ``device`` (fp32 under autocast, else
     ``dtype``), patched. sdpa attention as the benchmarks build it, or eager attention where the model
-    refuses sdpa (Gemma-2 with its attention-logit softcap), as transformers then runs it."""
+    refuses sdpa (Gemma-2 with its attention-logit softcap), as transformers then runs it. ``lora``: PEFT
+    LoRA adapters of that rank on every linear layer but the head (its base frozen: the backward makes no
+    weight gradients, other kernels); ``qlora``: those layers bitsandbytes 4-bit first (:func:`with_adapters`)."""
     import transformers
 
     import tigon
@@ -274,6 +277,8 @@ def build_warmup_model(config, *, device: torch.device, dtype: torch.dtype, auto
             raise WarmupError(f"{type(config).__name__}: transformers cannot build it ({err})") from err
     if not autocast:
         model = model.to(dtype)
+    if lora or qlora:
+        model = with_adapters(model, rank=lora or QLORA_RANK, qlora=qlora, device=device, dtype=dtype)
     try:
         patch = tigon.patch(model, **switches)
     except (TypeError, ValueError) as err:
@@ -281,16 +286,44 @@ def build_warmup_model(config, *, device: torch.device, dtype: torch.dtype, auto
     return model, patch
 
 
+QLORA_RANK = 16  # --qlora's adapters without --lora (TRL's and PEFT's examples use 16)
+
+
+def with_adapters(model, *, rank: int, qlora: bool, device: torch.device, dtype: torch.dtype):
+    """``model`` as LoRA trains it: with ``qlora`` its linear layers but the head bitsandbytes 4-bit (nf4, double
+    quant, ``dtype`` compute) and prepared as TRL prepares a 4-bit model; then a PEFT ``PeftModel`` with adapters
+    of ``rank`` (α = 2·rank, no dropout) on those layers, PEFT's fp32 adapters over a 16-bit base."""
+    try:
+        import peft
+    except ImportError as err:
+        raise WarmupError("--lora and --qlora need PEFT (pip install peft)") from err
+    if qlora:
+        if dtype == torch.float32:
+            raise WarmupError("--qlora: 4-bit bases compute in bf16 or fp16 (--dtype)")
+        try:
+            from tigon.bench.models import quantize_4bit
+
+            quantize_4bit(model, device, dtype)
+        except ImportError as err:
+            raise WarmupError("--qlora needs bitsandbytes (pip install bitsandbytes)") from err
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+    return peft.get_peft_model(model, config).train()
+
+
 def warmup(name: str, *, seqs=(2048,), batch: int = 1, dtype: str = "bf16", autocast: bool = False,
-           switches=None, device: str = "cuda", cache_dir: str | None = None, log=print) -> WarmupResult:
+           switches=None, device: str = "cuda", cache_dir: str | None = None, lora: int = 0, qlora: bool = False,
+           log=print) -> WarmupResult:
     """Compile every kernel a training step of ``name`` launches into the Triton cache (see the module
-    docstring); ``cache_dir``: publish into that folder rather than write into Triton's cache in place."""
+    docstring); ``cache_dir``: publish into that folder rather than write into Triton's cache in place;
+    ``lora``, ``qlora``: with adapters of that rank, on 4-bit bases (:func:`build_warmup_model`)."""
     from tigon._interpreter import interpreter_active
 
     if dtype not in DTYPES:
         raise WarmupError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if batch < 1 or not seqs or min(seqs) < 1:
         raise WarmupError("batch and every seq must be positive")
+    if lora < 0:
+        raise WarmupError(f"--lora {lora}: a LoRA rank is positive")
     switches = dict(switches or {})
     start = time.perf_counter()
     label, config = resolve_config(name)
@@ -308,11 +341,13 @@ def warmup(name: str, *, seqs=(2048,), batch: int = 1, dtype: str = "bf16", auto
     before = cache_entries(compiled_into)
     log(f"tigon warmup: {label}, {layers} of {config.get_text_config().num_hidden_layers} decoder layers "
         f"(one of each kind), {'fp32 weights under ' + dtype + ' autocast' if autocast else dtype + ' weights'}, "
-        f"batch {batch} x seq {', '.join(map(str, seqs))}, on {device}")
+        f"batch {batch} x seq {', '.join(map(str, seqs))}, on {device}"
+        + (f"; LoRA r={lora or QLORA_RANK} on every linear layer but the head" if lora or qlora else "")
+        + ("; bitsandbytes 4-bit nf4 bases" if qlora else ""))
     try:
         dev = torch.device(device)
         model, patch = build_warmup_model(small, device=dev, dtype=DTYPES[dtype], autocast=autocast,
-                                          switches=switches)
+                                          switches=switches, lora=lora, qlora=qlora)
         for line in patch.replaced:
             log(f"  patched: {line}")
         train_steps(model, seqs=seqs, batch=batch, dtype=DTYPES[dtype], autocast=autocast, device=dev)

@@ -216,3 +216,38 @@ def parameter_count(model) -> int:
 
 
 GPU_BATCH_OVERRIDES = {"gemma2": 2}  # Gemma-2-2B-shaped at batch 4 x 2048 does not fit stock in 80 GB
+
+
+# ------------------------------------------------------------------------------------- LoRA and QLoRA
+
+
+def decoder_linears(model):
+    """``(parent, name, linear)`` for every plain ``nn.Linear`` of ``model`` but its LM head: what PEFT's
+    ``target_modules="all-linear"`` adapts and transformers' 4-bit loading quantizes."""
+    head = model.get_output_embeddings()
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is torch.nn.Linear and child is not head]
+
+
+def quantize_4bit(model, device, compute_dtype=torch.bfloat16) -> None:
+    """QLoRA's base: each decoder projection of ``model`` a bitsandbytes ``Linear4bit`` (nf4, double quant,
+    ``compute_dtype``) quantized on ``device`` from the projection's weight, and the model marked as
+    transformers marks a 4-bit model (PEFT then wraps them in its ``Linear4bit``) — what ``from_pretrained(
+    quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype))`` makes of the same weights; then
+    ``peft.prepare_model_for_kbit_training`` without its checkpointing (fp32 norms, embeddings and head), as
+    TRL's trainers prepare a 4-bit model."""
+    import bitsandbytes as bnb
+    import peft
+
+    for parent, name, linear in decoder_linears(model):
+        quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+        quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
+                                             compress_statistics=True, module=quantized)
+        if linear.bias is not None:
+            quantized.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+        setattr(parent, name, quantized.to(device))  # quantizes
+    model.is_loaded_in_4bit = True
+    peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
