@@ -7,6 +7,7 @@
   lives in ``tigon._kernels`` under a public name). ``tigon._interpreter`` is the exception: the switch
   that must run before any kernel is defined cannot live in a package whose import defines kernels.
 - Imports point down the layers: _kernels ← ops ← nn, losses ← patching ← bench ← demo, check, cli, warmup.
+- No source file is over 700 lines.
 """
 
 from __future__ import annotations
@@ -100,3 +101,12 @@ def test_imports_point_down_the_layers(path):
         and not (source == "tigon" and all(n.startswith("__") for n in names))  # tigon.__version__
     ]
     assert not upward, f"{module} (layer {layer}) imports from above: " + "; ".join(upward)
+
+
+MAX_LINES = 700  # a file past this holds more than one concern: split it along them
+
+
+def test_every_source_file_is_at_most_700_lines():
+    long = {str(p.relative_to(SRC)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, long

@@ -65,26 +65,13 @@ accumulator (dX in its own dtype is made from it after the chunk buffer is freed
 accumulator takes its place in the budget). With the fp32 dW accumulator (:func:`fp32_dw_peak_bytes`):
 dX + accumulator + one chunk + the loss rows while chunks are made; dX + accumulator + dW + the last
 chunk while the add-and-round matmul rounds dW (or without the last chunk, freed before the cast).
-At N = 8192 in bf16:
-
-* H = 4096, V = 128256 → 7 token chunks of 1280 in bf16, peak ≈ 1.12 GB of gradients + 0.33 GB.
-  The accumulator alone (2.10 GB) passes 0.6 of the 2.10 GB of logits (1.26 GB).
-* H = 2304, V = 256000 → 8 token chunks of 1024 in bf16 (the budget alone gives 768: 11 chunks,
-  4% slower), peak ≈ 1.43× the 1.22 GB of gradients. The accumulator (2.36 GB) passes the 1.5 GiB
-  cap (1.61 GB).
-* H = 896, V = 151936 → token chunks of 3072, 3072 and 2048 with the fp32 accumulator: 15 MB of
-  dX + 545 MB of accumulator + 934 MB of chunk = 1.49 GB while chunks are made (0.6 of the 2.49 GB
-  of logits), 1.45 GB while the last chunk's matmul rounds dW (+ 272 MB; even chunks of 2816 would
-  have needed 1.61 GB there); torch.compile's peak is 4.98 GB. By classes it took
-  0.38 GB but made the logits twice: 4 matmuls against 3, and 33 class-chunk passes against 3
-  full-row ones.
+The plans this makes at the benchmark heads (N = 8192, bf16), with their peaks: docs/tuning.md,
+"fused_linear_cross_entropy".
 
 Under torch.compile the chunked passes are one opaque op (``tigon::fused_linear_cross_entropy_passes``,
-and ``_regrad`` for the backward of reduction="none"; ``tigon._kernels.OpaqueOp``): the plan and its
-loop run when the compiled graph runs, on the real sizes, exactly as in eager mode (same chunks,
-buffers and roundings), and the graph, which sees only the outputs' shapes, serves every number of
-tokens. Traced, the loop would bake its chunk bounds into the graph and compile it again for each
-new sequence length.
+``_regrad`` for reduction="none"'s backward; ``tigon._kernels.OpaqueOp``): planned and run on the real
+sizes when the graph runs, exactly as in eager mode, so one graph serves every number of tokens (traced,
+the loop would bake its chunk bounds into the graph: a recompile per sequence length).
 
 Under ``torch.autocast`` input, weight and bias are cast to the autocast dtype, as F.linear does;
 the loss math is fp32 regardless. Gradients come back in each argument's own dtype (an fp32 master
@@ -561,8 +548,7 @@ def _regrad_fake(
     )[2:]
 
 
-# One opaque op each (OpaqueOp): traced, the chunk loop would specialise a compiled graph to the number
-# of tokens; as one op, one graph serves every length, and runs the chunks as eager mode does.
+# One opaque op each: one compiled graph for every number of tokens (module docs, "Under torch.compile")
 FLCE_PASSES = OpaqueOp("fused_linear_cross_entropy_passes", _passes_impl, _passes_fake)
 FLCE_REGRAD = OpaqueOp("fused_linear_cross_entropy_regrad", _regrad_impl, _regrad_fake)
 
