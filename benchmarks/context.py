@@ -49,6 +49,9 @@ passes it); at the longest, the longest probe's ("≥" where ``--max-tokens`` it
 Published, not measured here: Unsloth's own figures for Llama 3.1 (8B) QLoRA (:data:`PUBLISHED`), printed
 under the ``llama-8b-qlora`` table.
 
+A run too long for one device call is split by model or provider; ``--merge`` gives the later part the earlier
+parts' result files, for one page with every row (a model and provider searched again replaces its earlier row).
+
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
 length, one line per provider, its longest marked.
 """
@@ -143,6 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="cap each probe's PyTorch GPU memory at GIB (default: the whole device)")
     parser.add_argument("--timeout", type=int, default=PROBE_TIMEOUT_S, help="seconds per probe")
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON, markdown and plot")
+    parser.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
+                        help="earlier runs' result files whose rows join this run's page (a run split over device "
+                             "calls)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
     args = parser.parse_args(argv)
@@ -460,6 +466,20 @@ def save(result: dict, out_dir: Path, log=print) -> list[Path]:
     return e2e.write_result(result, out_dir, "context", markdown, plot, log)
 
 
+# What the runs merged into one page must share (--merge): the search and the training step.
+MERGE_SAME = ("step", "start", "max_tokens", "tiny", "gpu_memory", "steps", "lr", "seed", "adapters")
+
+
+def merge(result: dict, earlier) -> None:
+    """Earlier runs' rows (``--merge``) into ``result``, one row per model and provider (this run's replacing an
+    earlier one); the settings list every model and provider of the page."""
+    e2e.merge_runs(result, earlier, key=lambda row: (row["model"], row["provider"]), same=MERGE_SAME)
+    settings = result["settings"]
+    for name in ("models", "providers"):
+        names = [row[name[:-1]] for row in result["rows"]]
+        settings[name] = list(dict.fromkeys(names))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # a probe (e2e.Worker): imports, then one job from stdin
@@ -493,6 +513,8 @@ def main(argv=None) -> int:
                                   for kind, (r, alpha) in ADAPTERS.items()}},
         "wall_s": time.perf_counter() - started,
     }
+    if args.merge:
+        merge(result, args.merge)
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
     print(markdown(result))

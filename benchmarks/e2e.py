@@ -1063,6 +1063,33 @@ def write_result(result: dict, out_dir: Path, kind: str, to_markdown, to_plot=No
     return paths
 
 
+def merge_runs(result: dict, earlier, *, key, same: tuple) -> None:
+    """Rows of earlier runs (their result JSON files, ``earlier``) join ``result``'s, for one page made by several
+    runs (a benchmark too long for one device call, split by provider or model): the earlier rows first, a row
+    of this run replacing an earlier one with the same ``key(row)``. The runs must be of the same kind, on the
+    same device, with the same settings named in ``same``: a ValueError names the first that differs.
+    ``result["merged"]`` lists the files."""
+    rows = []
+    for path in earlier:
+        other = json.loads(Path(path).read_text())
+        if other.get("kind") != result["kind"] or other.get("device") != result["device"]:
+            raise ValueError(f"{path}: a {other.get('kind')} run on {other.get('device')}, not a "
+                             f"{result['kind']} run on {result['device']}")
+        for name in same:
+            if other["settings"].get(name) != result["settings"].get(name):
+                raise ValueError(f"{path}: its {name} is {other['settings'].get(name)!r}, this run's "
+                                 f"{result['settings'].get(name)!r}")
+        rows += other["rows"]
+    mine = {key(row) for row in result["rows"]}
+    kept, seen = [], set()
+    for row in rows:
+        if key(row) not in mine and key(row) not in seen:
+            kept.append(row)
+            seen.add(key(row))
+    result["rows"] = kept + result["rows"]
+    result["merged"] = [str(path) for path in earlier]
+
+
 def save(result: dict, out_dir: Path, log=print) -> list[Path]:
     kind = {"longest_context": "e2e-context", "memory_speed": "e2e-memory-speed"}.get(result["kind"], "e2e")
     return write_result(result, out_dir, kind, markdown, plot, log)

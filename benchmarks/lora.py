@@ -64,6 +64,10 @@ Profile (``--profile``): after its timed steps, each job trains ``e2e.PROFILE_ST
 by kernel category (matmul, attention, 4-bit dequantization, norm, ...), busy / wall, the top kernels; what
 a target missed is explained from.
 
+A run too long for one device call is split by provider, each part with the reference it is compared with
+(``peft`` or ``peft+4bit``), and ``--merge`` gives the later part the earlier parts' result files: one page
+with every row (a provider measured again replaces its earlier row).
+
 Results: ``--out`` (default benchmarks/results/) gets ``lora-<device>-<date>.{json,md}``, and one line
 goes to ``benchmarks/results/history.jsonl`` (``--history PATH``; none for a smoke run); the markdown
 is printed last.
@@ -146,6 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama (pipeline smoke test)")
     p.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per job")
+    p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
+                   help="earlier runs' result files whose rows join this run's page (a run split over device calls)")
     p.add_argument("--profile", action="store_true",
                    help=f"after the timed steps, profile {e2e.PROFILE_STEPS} more: GPU time by kernel category")
     p.add_argument("--out", type=Path, default=e2e.OUT, help="folder for the JSON and markdown")
@@ -354,6 +360,10 @@ def worker_main(ready_path: str | None = None, unsloth: bool = False) -> int:
 # ----------------------------------------------------------------------------------------- parent
 
 
+# What the runs merged into one page must share (--merge): the model, the step and its measurement.
+MERGE_SAME = ("layers", "batch", "seq", "rank", "alpha", "weights", "tiny", "warmup", "steps", "matmul_size")
+
+
 def jobs_for(args, grads_dir: Path) -> list[dict]:
     return [{"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
              "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha, "weights": args.weights,
@@ -521,15 +531,19 @@ def main(argv=None) -> int:
         return 2
     started = time.perf_counter()
     result = run(args)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings = {k: ([str(p) for p in v] if k == "merge" else str(v) if isinstance(v, Path) else v)
+                for k, v in vars(args).items()}
     result.update(device=next((r["device"] for r in result["rows"] if "error" not in r), "unknown-GPU"),
                   date=_dt.date.today().isoformat(), versions=versions(), settings=settings,
                   wall_s=time.perf_counter() - started)
+    target = history.script_path(args)
+    if target is not None:  # this run's rows only: the merged ones are in the history already
+        history.append(result, benchmark="lora", path=target)
+    if args.merge:
+        e2e.merge_runs(result, args.merge, key=lambda row: row["provider"], same=MERGE_SAME)
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
-    target = history.script_path(args)
     if target is not None:
-        history.append(result, benchmark="lora", path=target)
         print(f"appended the run to {target}\n")
     print(markdown(result))
     return 0

@@ -187,3 +187,21 @@ def test_the_page_shows_unsloths_rows_its_errors_and_its_published_figures():
     assert section.index("tiled MLP | none") < section.index(published)
     tiny = context.markdown({**_result(), "settings": {**_result()["settings"], "tiny": True}})
     assert "Published" not in tiny  # a tiny model's figures are not Llama 3.1 (8B)'s
+
+
+def test_a_search_split_over_device_calls_merges_into_one_page(tmp_path):
+    """--merge: the earlier run's rows first, one row per model and provider, the settings naming them all."""
+    settings = {name: 1 for name in context.MERGE_SAME}
+    earlier = {"kind": "context", "device": "NVIDIA H200", "settings": {**settings, "models": ["llama-1b"],
+                                                                      "providers": ["stock", "tigon"]},
+               "rows": [{"model": "llama-1b", "provider": "stock"}, {"model": "llama-1b", "provider": "tigon"}]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    result = {"kind": "context", "device": "NVIDIA H200",
+              "settings": {**settings, "models": ["llama-8b-lora"], "providers": ["stock"]},
+              "rows": [{"model": "llama-8b-lora", "provider": "stock"}]}
+    context.merge(result, [path])
+    assert [(r["model"], r["provider"]) for r in result["rows"]] == [
+        ("llama-1b", "stock"), ("llama-1b", "tigon"), ("llama-8b-lora", "stock")]
+    assert result["settings"]["models"] == ["llama-1b", "llama-8b-lora"]
+    assert result["settings"]["providers"] == ["stock", "tigon"]

@@ -196,3 +196,27 @@ def test_markdown_and_files(tmp_path):
     assert [p.name for p in paths] == ["lora-NVIDIA-H200-2026-12-04.json", "lora-NVIDIA-H200-2026-12-04.md"]
     assert json.loads(paths[0].read_text())["rows"][1]["provider"] == "tigon"
     assert paths[1].read_text() == text
+
+
+def test_runs_split_over_device_calls_merge_into_one_page(tmp_path):
+    """--merge: an earlier run's rows join this run's page (earlier first; a provider measured again replaces its
+    row); a run with other settings or on another device is refused, naming what differs."""
+    from benchmarks import e2e
+
+    settings = {k: str(v) if not isinstance(v, (int, float, str, list, type(None))) else v
+                for k, v in vars(lora.parse_args([])).items()}
+    earlier = {"kind": "lora", "device": "NVIDIA H200", "settings": settings,
+               "rows": [{"provider": "peft", "tokens_per_s": 1.0}, {"provider": "tigon", "tokens_per_s": 2.0}]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    result = {"kind": "lora", "device": "NVIDIA H200", "settings": dict(settings),
+              "rows": [{"provider": "peft", "tokens_per_s": 1.1}, {"provider": "unsloth", "tokens_per_s": 2.5}]}
+    e2e.merge_runs(result, [path], key=lambda row: row["provider"], same=lora.MERGE_SAME)
+    assert [(r["provider"], r["tokens_per_s"]) for r in result["rows"]] == [("tigon", 2.0), ("peft", 1.1),
+                                                                              ("unsloth", 2.5)]
+    assert result["merged"] == [str(path)]
+    for change, message in (({"settings": {**settings, "seq": 2048}}, "its seq is 4096"),
+                            ({"device": "NVIDIA H100 80GB HBM3"}, "on NVIDIA H200")):
+        other = {**result, "rows": [], **change}
+        with pytest.raises(ValueError, match=message):
+            e2e.merge_runs(other, [path], key=lambda row: row["provider"], same=lora.MERGE_SAME)
