@@ -12,7 +12,9 @@ A storage is charged whole: a saved view of a bigger buffer keeps the whole buff
 ``python -m tigon.bench.saved`` prints the table for a Llama shaped in proportion to Llama-3.2-1B
 (hidden 256, intermediate 1024, 4/1 heads of 64, 2 layers): stock, patched, patched with
 recompute_norms, bf16 autocast, per token of its second decoder layer (the difference between two
-lengths), times 8: bytes per token per layer scale with the widths, so these are the 1B's.
+lengths), times 8: bytes per token per layer scale with the widths, so these are the 1B's. With
+``--lora``: PEFT LoRA at Llama-3.1-8B's widths (and rank) divided by 8, stock PEFT and patched, on bf16 and
+on 4-bit bases, by graph node (module hooks would make the fused nodes stand aside).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import collections
 import collections.abc
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -225,9 +228,77 @@ def per_token_layer_rows(model, layer: str, seq: int, *, scale: float):
     return {k: v for k, v in rows.items() if abs(v) >= 1}
 
 
+# Llama-3.1-8B divided by 8 in its widths (hidden, intermediate, heads), head_dim as the 8B's, untied head;
+# LoRA's rank divided by 8 too (r = 2 here is r = 16 there), so every saved width scales by 8.
+PROPORTIONAL_LLAMA_8B = dict(vocab_size=1024, hidden_size=512, intermediate_size=1792, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=128, max_position_embeddings=4096,
+                             tie_word_embeddings=False)
+LORA_RANK_8B = 16
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_PROVIDERS = {"PEFT": (False, False), "tigon": (True, False),
+                  "PEFT, 4-bit bases (QLoRA)": (False, True), "tigon, 4-bit bases (QLoRA)": (True, True)}
+
+
+@contextlib.contextmanager
+def attention_node_on_the_cpu():
+    """The fused attention node runs on the CPU while active, as it does on a GPU (it keeps the separate
+    products there otherwise, tigon.patching.fused_attention): what it saves is what it saves on the GPU."""
+    from tigon.patching import fused_attention
+
+    devices = fused_attention.DEVICES
+    fused_attention.DEVICES = (*devices, "cpu")
+    try:
+        yield
+    finally:
+        fused_attention.DEVICES = devices
+
+
+def lora_model(layers: int, *, patched: bool, qlora: bool):
+    """PROPORTIONAL_LLAMA_8B with ``layers`` layers, bf16 weights (4-bit nf4 bases with ``qlora``, prepared as
+    TRL prepares them), PEFT LoRA of rank LORA_RANK_8B / SCALE_TO_1B on the seven projections, patched or not."""
+    import peft
+    import transformers
+
+    import tigon
+    from tigon.bench.models import quantize_4bit
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**PROPORTIONAL_LLAMA_8B, num_hidden_layers=layers)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
+    model.config._attn_implementation = "sdpa"
+    if qlora:
+        quantize_4bit(model, torch.device("cpu"), torch.bfloat16)
+    rank = LORA_RANK_8B // SCALE_TO_1B
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                       target_modules=list(LORA_TARGETS))).train()
+    if patched:
+        tigon.patch(model)
+    return model
+
+
+def per_token_layer_by_node(build, seq: int, *, scale: float) -> dict:
+    """``{node: bytes}`` per token of one decoder layer, without module hooks (hooks make the fused nodes stand
+    aside): the saved bytes of 2 layers less 1, at ``2·seq`` tokens less ``seq``, over ``seq``, times ``scale``;
+    ``build(layers)`` makes the model."""
+    rows = collections.Counter()
+    for layers, layer_sign in ((2, 1), (1, -1)):
+        model = build(layers)
+        for length, sign in ((2 * seq, 1), (seq, -1)):
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(model.config.vocab_size, (1, length), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            for node, nbytes in saved_bytes(loss, list(model.parameters())).by_node.items():
+                rows[node] += layer_sign * sign * nbytes * scale / seq
+    return {node: b for node, b in rows.items() if abs(b) >= 1}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="saved-for-backward bytes per token per decoder layer")
     parser.add_argument("--seq", type=int, default=128, help="tokens (and twice as many) to measure at")
+    parser.add_argument("--lora", action="store_true",
+                        help="LoRA r=16 on the seven projections at Llama-3.1-8B's widths instead: PEFT and tigon, "
+                             "on bf16 and on bitsandbytes 4-bit bases")
     args = parser.parse_args(argv)
     import os
 
@@ -238,6 +309,19 @@ def main(argv=None) -> int:
     from tigon._interpreter import apply_interpreter_fixes
 
     apply_interpreter_fixes()
+    if args.lora:
+        print(f"Bytes saved for the backward per token per decoder layer, LoRA r={LORA_RANK_8B} on the seven "
+              f"projections, bf16 autocast over bf16 bases, at Llama-3.1-8B's widths (a Llama of 1/{SCALE_TO_1B} "
+              f"its widths and rank measured, times {SCALE_TO_1B}); by the graph node that holds each storage.")
+        with attention_node_on_the_cpu():
+            for provider, (patched, qlora) in LORA_PROVIDERS.items():
+                build = functools.partial(lora_model, patched=patched, qlora=qlora)
+                rows = per_token_layer_by_node(build, args.seq, scale=SCALE_TO_1B)
+                print(f"\n{provider}\n\n| node | bytes/token |\n| --- | --- |")
+                for node, b in sorted(rows.items(), key=lambda kv: -kv[1]):
+                    print(f"| {node} | {b:.0f} |")
+                print(f"| **total** | **{sum(rows.values()):.0f}** |")
+        return 0
     config = transformers.LlamaConfig(**PROPORTIONAL_LLAMA)
     print(f"Bytes saved for the backward per token per decoder layer, bf16 autocast, at Llama-3.2-1B's widths "
           f"(a Llama of 1/{SCALE_TO_1B} its widths measured, times {SCALE_TO_1B}); (module, node) that holds "
