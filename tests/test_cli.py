@@ -33,6 +33,7 @@ def test_env_reports_versions_and_interpreter(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "triton" in out and "interpreter" in out
+    assert all(f"\n{name} " in out for name in ("peft", "bitsandbytes", "accelerate", "deepspeed"))
 
 
 def test_env_reports_the_families_whose_attention_runs_as_one_node(capsys):

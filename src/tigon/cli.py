@@ -20,15 +20,25 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+ENV_PEERS = ("peft", "bitsandbytes", "accelerate", "deepspeed")
+
+
 def cmd_env(_args) -> int:
     import torch
 
     from tigon._interpreter import interpreter_active
     from tigon.bench.harness import versions
 
+    from importlib import metadata
+
     print(f"tigon {__version__}")
     for name, version in versions().items():
         print(f"{name:<13} {version or 'not installed'}")
+    for name in ENV_PEERS:  # what LoRA, QLoRA and the distributed engines bring, for a bug report
+        try:
+            print(f"{name:<13} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            print(f"{name:<13} not installed")
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         print(f"device        {props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)")
