@@ -24,12 +24,12 @@ ENV_PEERS = ("peft", "bitsandbytes", "accelerate", "deepspeed")
 
 
 def cmd_env(_args) -> int:
+    from importlib import metadata
+
     import torch
 
     from tigon._interpreter import interpreter_active
     from tigon.bench.harness import versions
-
-    from importlib import metadata
 
     print(f"tigon {__version__}")
     for name, version in versions().items():
