@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU measurement under the interpreter")
 from tigon.bench import saved  # noqa: E402
 
 

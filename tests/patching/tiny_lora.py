@@ -73,7 +73,9 @@ def base_model(model_type="llama", **overrides):
     window = {"sliding_window": 2 * SEQ} if getattr(tiny.tiny_config(model_type), "sliding_window", None) else {}
     model = tiny.tiny_model(model_type, **{**sdpa_config_overrides(model_type), **window, **overrides})
     model.config._attn_implementation = "sdpa"
-    return model
+    from tests.helpers import DEVICE
+
+    return model.to(DEVICE)  # where batch() puts the tokens
 
 
 def step(model, seed=0):
