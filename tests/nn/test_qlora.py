@@ -308,10 +308,13 @@ def test_attention_node_over_quantized_weights_is_the_node_over_their_dequantize
     """tigon.nn.attention.AttentionNode given QuantizedWeights for q, k, v, o (q and v with adapters, k and o
     bare): bitwise the node given the dequantized weights (state quantized from the compute dtype: forward
     and backward read the same W), the adapters' and the input's gradients too; nothing of a weight's shape
-    saved."""
+    saved. The node computes in fp32 on the CPU (sdpa's CPU flash backend) and in bf16 on the GPU, as under
+    autocast: sdpa takes fp32 with grouped heads to its math fallback there, which the node does not call
+    (it raises NotCalledHere, and tigon.patching.fused_attention runs the attention's own forward)."""
     from tigon.nn.attention import ATTENTION_NODE
 
     heads, kv_heads, head_dim, hidden, batch, seq = 4, 2, 16, HIDDEN, 2, 9
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
     outs = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim, "o": hidden}
     ins = {"q": hidden, "k": hidden, "v": hidden, "o": heads * head_dim}
     torch.manual_seed(0)
@@ -334,7 +337,7 @@ def test_attention_node_over_quantized_weights_is_the_node_over_their_dequantize
         leaf = x.detach().requires_grad_()
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
-            y = ATTENTION_NODE(leaf, cos, sin, None, torch.float32, shape, *params, None, None, None, *lora, scalings)
+            y = ATTENTION_NODE(leaf, cos, sin, None, dtype, shape, *params, None, None, None, *lora, scalings)
         grads = torch.autograd.grad(y, [leaf, *(t for t in lora if t is not None)], dy)
         results.append((y, grads, saved))
     (y, grads, saved), (y_plain, grads_plain, _) = results

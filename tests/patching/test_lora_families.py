@@ -29,6 +29,7 @@ from collections import Counter
 import pytest
 
 import tigon
+from tests.helpers import DEVICE
 from tests.patching import tiny
 from tests.patching.tiny import SEQ
 from tests.patching.tiny_lora import RANK, assert_step_matches, base_model, count_node_calls, lora, node_in_fp32_here
@@ -212,7 +213,7 @@ def test_attention_that_never_runs_the_node_says_so(node_calls):
            "(2 modules)")
     outside = "q_proj/k_proj/v_proj/o_proj: PEFT's forwards (the attention runs its own forward, the line above) " \
               "(2 modules)"
-    base = tiny.tiny_model("llama")
+    base = tiny.tiny_model("llama").to(DEVICE)  # where batch() puts the tokens
     stock = lora(copy.deepcopy(base))
     patched = lora(base)
     handle = tigon.patch(patched)

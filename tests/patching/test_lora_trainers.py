@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import tigon
+from tests.helpers import DEVICE
 from tests.patching.test_frameworks import _word_tokenizer
 from tests.patching.tiny import SEQ, VOCAB, batch, rel
 from tests.patching.tiny_lora import (
@@ -62,15 +63,18 @@ def _lora_lines():
 
 def _sft_trainer(model, out_dir):
     """TRL's SFTTrainer on ``model`` with a LoRA ``peft_config`` (TRL's defaults otherwise: gradient
-    checkpointing on), fp32 on the CPU, a constant learning rate, a loss logged each step, nothing saved."""
+    checkpointing on), fp32 on the test device, a constant learning rate, a loss logged each step, nothing
+    saved. The trainer moves the model to its own device, so ``use_cpu`` only where the tests run on the CPU: on a
+    GPU machine it would move the model to the CPU, whose tensors tigon's compiled kernels refuse."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(3, VOCAB, (STEPS * BATCH, SEQ), generator=gen)
     args = trl.SFTConfig(
         output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        bf16=False, fp16=False, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True, max_length=SEQ,
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=DEVICE.type == "cpu", bf16=False, fp16=False, seed=0, data_seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, max_length=SEQ,
     )
     torch.manual_seed(1)  # the adapters' init (TRL's get_peft_model): the same draw for stock and patched
     return trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": ids.tolist()}),
@@ -135,8 +139,9 @@ def test_dpo_trainer_with_peft_config_matches_stock(tmp_path, node_calls):
     def trainer(model, name):
         args = trl.DPOConfig(
             output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
-            lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-            bf16=False, fp16=False, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+            lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+            use_cpu=DEVICE.type == "cpu", bf16=False, fp16=False, seed=0, data_seed=0, dataloader_num_workers=0,
+            disable_tqdm=True,
         )
         torch.manual_seed(1)
         return trl.DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=_word_tokenizer(),
