@@ -52,6 +52,7 @@ import argparse
 import datetime as _dt
 import gc
 import importlib.util
+import inspect
 import json
 import os
 import shlex
@@ -203,10 +204,19 @@ def flops_per_token(config, seq: int) -> dict:
 
 def apply_tensor_parallel(model, tp_mesh) -> None:
     """transformers' tensor-parallel plan of the model's class over ``tp_mesh`` (what
-    ``from_pretrained(tp_plan="auto")`` applies before loading): the plan's wildcards expanded to the
-    layers, each weight split as a DTensor, each split module's forward set to redistribute."""
+    ``from_pretrained(tp_plan="auto")`` applies before loading): each weight split as a DTensor (each rank
+    keeps its shard of the weights it built: every rank built the same ones), each split module's forward
+    set to redistribute.
+
+    transformers changed the function between the releases tigon supports: 5.17's
+    ``apply_tensor_parallelism(model, tp_mesh)`` reads ``model.tp_plan`` and matches its wildcards itself;
+    5.25's takes the plan, its wildcards expanded to the layers by the caller (``model._expand_parallel_plan``,
+    which 5.17 lacks), and reads ``model._mesh_manager``. The function's own parameters say which it is."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
+    if "tp_plan" not in inspect.signature(apply_tensor_parallelism).parameters:
+        apply_tensor_parallelism(model, tp_mesh)
+        return
     model._mesh_manager = None  # read by the expert-parallel styles only; the Llama plan has none
     apply_tensor_parallelism(model, tp_mesh, model._expand_parallel_plan(dict(model.tp_plan)))
 

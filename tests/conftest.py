@@ -77,3 +77,20 @@ def pytest_runtest_logreport(report):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_tensor_hooks_left_on():
+    """A test leaves no saved-tensor hooks switched on. In torch 2.11, a function that raises inside
+    non-reentrant ``checkpoint`` leaves the checkpoint's hooks on for as long as the exception's traceback is
+    kept (pytest keeps it), and every later backward in that process re-runs the failed function: one failure
+    would fail unrelated tests after it on the same worker. The hooks are switched off here and the test that
+    left them fails, so a failure is reported where it happened."""
+    yield
+    left = 0
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        left += 1
+    if left:
+        pytest.fail(f"the test left {left} saved-tensor hook pair(s) switched on (an exception inside "
+                    "torch.utils.checkpoint?); switched off here", pytrace=False)

@@ -4,6 +4,7 @@ and the report's arithmetic. The timed runs are on 1 to 8 GPUs (benchmarks/resul
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -36,7 +37,9 @@ def _torchrun(out: Path, *options: str, ranks: int = 2, device: str = "cpu") -> 
            device, "--model", "tiny", "--precision", precision, "--providers", "stock", "tigon", "--warmup", "1",
            "--steps", "1", "--seq", "16", "--out", str(out), *options]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    # a provider that failed on every rank exits 1 after printing the page: its row's line says why
+    errors = [text for text in done.stdout.splitlines() if " error: " in text and not text.startswith("|")]
+    assert done.returncode == 0, (errors, done.stdout[-3000:], done.stderr[-3000:])
 
 
 def _rows(out: Path) -> tuple[dict, Path]:
@@ -87,6 +90,42 @@ def test_nccl_ranks_measure_memory(tmp_path):
         if row["provider"] == "tigon":
             # bf16 parameters: tigon's and stock's products round differently (as tests/bench/test_e2e_tp.py).
             assert row["max_loss_rel_diff"] <= BF16_LOSS_TOLERANCE
+
+
+@pytest.mark.parametrize("api", ["plan", "model"])
+def test_tensor_parallel_on_either_transformers_api(monkeypatch, api):
+    """``apply_tensor_parallel`` on one gloo rank (a "tp" mesh of 1): the split weights become DTensors holding the
+    weights the rank built, and the model computes the same loss. transformers' ``apply_tensor_parallelism``
+    takes the plan expanded to the layers in 5.25 ("plan"); 5.17's reads the model's plan itself ("model",
+    played here by a function of its signature over the installed one)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed import tensor_parallel
+
+    from tests.helpers import one_rank_group
+    from tigon.bench.models import build_model
+
+    installed = tensor_parallel.apply_tensor_parallelism
+    if api == "model":
+        if "tp_plan" not in inspect.signature(installed).parameters:
+            pytest.skip("the installed transformers has the model-plan function itself")
+
+        def model_plan(model, tp_mesh):  # 5.17's signature
+            model._mesh_manager = None
+            return installed(model, tp_mesh, model._expand_parallel_plan(dict(model.tp_plan)))
+
+        monkeypatch.setattr(tensor_parallel, "apply_tensor_parallelism", model_plan)
+    torch.manual_seed(0)
+    model = build_model(distributed.model_config("tiny"), device="cpu")
+    ids = torch.randint(model.config.vocab_size, (1, 16))
+    want = model(input_ids=ids, labels=ids).loss
+    weight = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    with one_rank_group("gloo"):
+        distributed.apply_tensor_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+        split = model.model.layers[0].self_attn.q_proj.weight
+        assert isinstance(split, DTensor) and torch.equal(split.full_tensor(), weight)
+        assert torch.allclose(model(input_ids=ids, labels=ids).loss, want, rtol=1e-6)
 
 
 def test_options():

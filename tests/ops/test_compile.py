@@ -156,3 +156,35 @@ def test_loss_head_ops_pass_opcheck():
         flce_module.FLCE_REGRAD.op, (x, w, None, t, None, scales, torch.rand(7, generator=gen), lse, *options,
                                       True, True, False, torch.float32, torch.float32, None),
     )
+
+
+def test_loss_head_keeps_the_hidden_size_symbolic():
+    """With dynamic shapes the hidden size stays a symbol through the loss head's backward (its row-scaling launch
+    reads the gradient's width by comparisons, ``pow2_at_most``): one graph serves widths between two powers of
+    two. Read as a number there, the width was specialised while Dynamo traced the autograd.Function's backward,
+    after its forward had handed the width on as a symbol: a graph per width here, and torch 2.11's Dynamo
+    refused the Function (an AssertionError in ``overwrite_tensor_vt_proxy``)."""
+    from torch._dynamo.utils import counters
+
+    from tigon.ops import fused_linear_cross_entropy
+
+    def loss(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    for tokens, hidden in ((30, 40), (45, 48), (20, 56)):
+        w = torch.randn(96, hidden, generator=gen)
+        x = torch.randn(tokens, hidden, generator=gen)
+        t = torch.randint(0, 96, (tokens,), generator=gen)
+        results = []
+        for f in (compiled, loss):
+            leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+            out = f(*leaves, t)
+            results.append((out.detach(), torch.autograd.grad(out, leaves)))
+        (got, got_grads), (want, want_grads) = results
+        assert torch.equal(got, want)
+        assert all(torch.equal(g, w_) for g, w_ in zip(got_grads, want_grads, strict=True))
+    assert counters["stats"]["unique_graphs"] == 1

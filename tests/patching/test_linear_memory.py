@@ -14,6 +14,10 @@ without a padding mask, with an all-ones one, and with ``position_ids`` given (C
 them: transformers 5.25's Gemma-2 refuses sdpa (its attention-logit softcap), and eager attention builds
 the ``(B, H, T, T)`` scores by design (flash_attention_2 applies the softcap and window in O(T)).
 
+On the GPU these models run fp32, where sdpa's kernels for grouped key/value heads without a mask are flash and
+cuDNN (fp16/bf16 only) and, left to sdpa, its math kernel with the ``(B·H, T, T)`` scores: the patched model hands
+sdpa the heads repeated instead (band_attention.py, "Grouped heads"); a CPU test replays that choice.
+
 The GPU tests measure the peak memory of a Llama-3.1-8B-shaped and a Mistral-shaped (4096-token window)
 attention at 65,536 tokens, forward and backward, against a linear bound far below the 8 GiB a bf16
 ``T × T`` mask bias takes there.
@@ -26,6 +30,7 @@ import copy
 import pytest
 import torch
 import transformers
+from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers.masking_utils import create_sliding_window_causal_mask, sdpa_mask, sliding_window_causal_mask_function
@@ -123,6 +128,56 @@ def test_the_fused_loss_heads_step_holds_nothing_quadratic():
         model(**inputs, labels=inputs["input_ids"]).loss.backward()
     elements, func, shape = largest.largest
     assert elements <= LINEAR * TOKENS, f"{func} made {shape}: {elements} elements > {LINEAR}·T"
+
+
+def _cuda_fp32_choice(query, key, value, dropout, causal, scale):
+    """torch 2.11's sdpa choice for a maskless fp32 call on an H100/H200 (``sdp_utils.cpp``): flash and cuDNN take
+    fp16/bf16 only, the memory-efficient kernel takes fp32 but no grouped heads, so a grouped call falls to math."""
+    return band_attention.MATH if key.shape[1] != query.shape[1] else SDPBackend.EFFICIENT_ATTENTION.value
+
+
+def _flash_choice(query, key, value, dropout, causal, scale):
+    """A choice that takes grouped heads (flash in fp16/bf16 on the GPU, or in fp32 on the CPU)."""
+    return SDPBackend.FLASH_ATTENTION.value
+
+
+@pytest.mark.parametrize("variant", ["none", "positions"])
+def test_grouped_heads_leave_sdpas_math_kernel(monkeypatch, variant):
+    """The GPU's fp32 case on any device, through the choice the sdpa wrapper asks (``_cuda_fp32_choice``): a
+    patched model's maskless grouped calls reach transformers' sdpa function with k and v repeated to the 4 query
+    heads (sdpa then runs the memory-efficient kernel over them, not math's ``(B·H, T, T)`` scores), with stock's
+    loss and gradients. Under a choice that takes grouped heads (``_flash_choice``) the patched model, and an
+    unpatched one beside it under any choice, hand it the 2 key/value heads as they are."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    stock = _sdpa_model("llama")
+    patched = copy.deepcopy(stock)
+    tigon.patch(patched)
+    heads = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        heads.append((key.shape[1], value.shape[1], attention_mask))
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    installed = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+    original = getattr(installed, band_attention._ORIGINAL_KEY)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", band_attention._wrap(recording))
+    inputs = _inputs(variant, 41, seed=1)
+    layers = patched.config.num_hidden_layers
+    monkeypatch.setattr(band_attention, "_sdpa_choice", _flash_choice)
+    patched(**inputs)
+    assert heads == [(2, 2, None)] * layers
+    heads.clear()
+    monkeypatch.setattr(band_attention, "_sdpa_choice", _cuda_fp32_choice)
+    loss = patched(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+    assert heads == [(4, 4, None)] * layers
+    heads.clear()
+    want = stock(**inputs, labels=inputs["input_ids"]).loss  # not marked: transformers' call as it is
+    want.backward()
+    assert heads == [(2, 2, None)] * layers
+    assert rel(loss, want) <= 1e-5
+    assert_same_grads(patched, stock, 1e-5)
 
 
 def test_stock_sliding_window_models_do_build_the_square():

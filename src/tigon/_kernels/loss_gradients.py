@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from tigon._kernels.inputs import autocast_off
-from tigon._kernels.launch import TigonOp, next_power_of_2, wrap_triton
+from tigon._kernels.launch import TigonOp, pow2_at_most, wrap_triton
 
 # The row-scaling kernel: one program per row, this many elements per load round.
 SCALE_ROWS_BLOCK = 4096
@@ -58,7 +58,9 @@ def launch_scale_rows(rows, grad_output, applied):
     num_rows, num_cols = rows.shape
     if num_rows == 0 or num_cols == 0:
         return
-    block = min(SCALE_ROWS_BLOCK, next_power_of_2(num_cols))
+    # by comparisons: under torch.compile with dynamic shapes a loss's backward is traced with the gradient's
+    # width (the hidden size) symbolic, and reading it as a number here would specialise it (pow2_at_most)
+    block = pow2_at_most(num_cols, SCALE_ROWS_BLOCK)
     wrap_triton(scale_rows_kernel)[(num_rows,)](
         rows, rows.stride(0), rows.stride(1),
         grad_output, grad_output.stride(0),

@@ -20,16 +20,16 @@ The mask itself is the one transformers made (padding, packing, every custom pat
 rows are sliced from it, nothing is rebuilt.
 
 When. The wrapper stands in for transformers' ``"sdpa"`` attention function while a patched model is
-marked (``patch(..., sliding_window=True)``, the default), and takes the band path only for a marked
-model's attention that passes ``sliding_window`` (transformers' sliding layers do), with a dense bool
-mask ``[B or 1, 1, L, L]`` (queries and keys of one length: training and prefill, not decoding), no
-position bias, no dropout, at least ``min_blocks`` blocks, eagerly (not while torch.compile traces
-or a CUDA graph is captured), and only once the mask has been checked to hold no True outside the
-rectangles (a pattern that reaches further, such as a bidirectional image block longer than the
-window, keeps the dense call). The check reads the mask once (a reduction per block and side, one
-host sync) and is remembered for that mask tensor while its version is unchanged: the layers of one
-forward share one mask, so one check a forward. Everything else goes to transformers' function as
-before.
+marked (for the band path by ``patch(..., sliding_window=True)``, the default; for grouped heads, below,
+by the ``rope`` part), and takes the band path only for a model marked for it whose attention passes
+``sliding_window`` (transformers' sliding layers do), with a dense bool mask ``[B or 1, 1, L, L]``
+(queries and keys of one length: training and prefill, not decoding), no position bias, no dropout, at
+least ``min_blocks`` blocks, eagerly (not while torch.compile traces or a CUDA graph is captured), and
+only once the mask has been checked to hold no True outside the rectangles (a pattern that reaches
+further, such as a bidirectional image block longer than the window, keeps the dense call). The check
+reads the mask once (a reduction per block and side, one host sync) and is remembered for that mask
+tensor while its version is unchanged: the layers of one forward share one mask, so one check a
+forward. Everything else goes to transformers' function as before.
 
 Where transformers asks for its plain sliding-window causal mask (no custom or packed-sequence
 pattern; padding allowed), the layers receive no dense mask at all but a
@@ -40,6 +40,26 @@ L² bytes. The rectangles use the mask's own window (transformers' ``local_size`
 ``sliding_window``). Otherwise the mask those layers receive is transformers' dense one, built by row
 blocks (:func:`tigon.patching.causal_mask.mask_by_rows`, planned by the same switch), so that making it
 never holds more than the mask itself and one block's overlays.
+
+Grouped heads. The same wrapper takes one more call, of the models the ``rope`` part marks
+(:func:`GroupedHeadsMark`): a layer's call with grouped key/value heads and no mask (causal training without
+padding). transformers' sdpa function hands sdpa that call with ``enable_gqa=True`` and ``Hk < Hq`` heads
+(where the key's and value's head sizes are one and at most :data:`GQA_HEAD_DIM`). On CUDA, sdpa takes grouped
+heads on its flash and cuDNN kernels, which take fp16/bf16 only; its memory-efficient kernel takes fp32 but,
+in PyTorch 2.11, no grouped heads (``sdp_utils.cpp``: ``can_use_mem_efficient_attention`` asks for equal
+query, key and value heads; on an H200, an fp32 grouped call's choice is math, the same call with k and v
+repeated the memory-efficient kernel). Left to sdpa, an fp32 model on the GPU runs that call on its math
+kernel, which repeats k and v and makes the ``(B·Hq, T, T)`` scores and their softmax, kept for the backward:
+O(T²) memory without any mask (at 64K tokens and 32 heads, 512 GiB of fp32 scores). Where
+``torch._fused_sdp_choice`` says so (math for the grouped call, another kernel for the call with k and v
+repeated to the query heads), in eager mode (a compiled model's call is traced as transformers makes it), the
+wrapper repeats them as transformers' ``repeat_kv`` does, an O(T) copy each, and hands transformers' function
+the repeated ones. It still passes ``enable_gqa`` (the head sizes are unchanged); over equal heads the
+memory-efficient kernel's check asks only that they are equal, and sdpa runs that kernel. The same attention:
+query head h reads key/value head ``h // groups`` either way; only the kernel's order of summation differs, as
+between two sdpa backends. The choice is asked at each call, not assumed: the CPU's flash kernel takes grouped
+heads in fp32, a GPU in fp16/bf16 runs flash or cuDNN, and a PyTorch whose memory-efficient kernel takes
+grouped heads chooses it for the grouped call; none of them is changed.
 """
 
 from __future__ import annotations
@@ -48,7 +68,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend
 
+from tigon.nn.attention import repeat_heads
 from tigon.patching.causal_mask import BandMask
 from tigon.patching.interface_marks import InterfaceWrapper
 
@@ -65,10 +87,17 @@ class BandConfig:
 
 CONFIG = BandConfig()
 _ORIGINAL_KEY = "_tigon_original_sdpa_attention"
+# Marks: "" (the band path of sliding-window layers), "grouped" (grouped heads off sdpa's math kernel).
+GROUPED = "grouped"
+# the id torch._fused_sdp_choice returns for sdpa's math kernel (the one that makes the T × T scores)
+MATH = SDPBackend.MATH.value
+# the largest key/value head size with which transformers' sdpa function hands sdpa grouped heads without a mask
+# (use_gqa_in_sdpa, 5.17 to 5.25); above it, it repeats k and v itself
+GQA_HEAD_DIM = 256
 
 
-def marked(config) -> bool:
-    return _WRAPPER.marked(config)
+def marked(config, group: str = "") -> bool:
+    return _WRAPPER.marked(config, group)
 
 
 def has_sliding_layers(config) -> bool:
@@ -142,6 +171,40 @@ def _dense(mask: BandMask) -> torch.Tensor:
     return mask.dense()
 
 
+def _sdpa_choice(query, key, value, dropout, causal, scale):
+    """The kernel sdpa chooses for a maskless call with ``enable_gqa`` (an id of ``SDPBackend``), or None where it
+    has none (every allowed kernel refuses the call: sdpa raises the same; a device without the choice)."""
+    try:
+        return torch._fused_sdp_choice(query, key, value, None, dropout, causal, scale=scale, enable_gqa=True)
+    except RuntimeError:
+        return None
+
+
+def _repeated_heads(module, query, key, value, attention_mask, kwargs):
+    """``(key, value)`` with each head repeated to the query heads it serves, where a marked model's maskless call
+    with grouped heads would run on sdpa's math kernel and the repeated one would not (module docs, "Grouped
+    heads"); else None."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    length = query.shape[2]
+    if (attention_mask is not None or not isinstance(groups, int) or groups < 2
+            or not marked(getattr(module, "config", None), GROUPED)
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or key.shape[1] * groups != query.shape[1] or value.shape[1] != key.shape[1]
+            or key.shape[2] != length or length < 2
+            or not key.shape[-1] == value.shape[-1] <= GQA_HEAD_DIM):
+        return None
+    # transformers' call: is_causal from the keywords, else the module's (true for every decoder layer)
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    dropout, scale = kwargs.get("dropout", 0.0), kwargs.get("scaling")
+    if _sdpa_choice(query, key, value, dropout, causal, scale) != MATH:
+        return None
+    key, value = repeat_heads(key, groups), repeat_heads(value, groups)           # (B, Hq, T, D) each
+    if _sdpa_choice(query, key, value, dropout, causal, scale) in (None, MATH):
+        return None
+    return key, value
+
+
 def _wrap(original):
     checks = _BandChecks()
 
@@ -185,13 +248,17 @@ def _wrap(original):
                 return torch.cat(outputs, dim=1), None
         if type(attention_mask) is BandMask:  # a guard declined the band path: the dense mask, once
             attention_mask = _dense(attention_mask)
+        if not torch.compiler.is_compiling() and args == ():
+            repeated = _repeated_heads(module, query, key, value, attention_mask, kwargs)
+            if repeated is not None:
+                return original(module, query, *repeated, attention_mask, **kwargs)
         return original(module, query, key, value, attention_mask, *args, **kwargs)
 
     return sdpa_attention_forward
 
 
 _WRAPPER = InterfaceWrapper("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "sdpa",
-                            _wrap, _ORIGINAL_KEY, home=(__name__, "_WRAPPER"))
+                            _wrap, _ORIGINAL_KEY, groups=("", GROUPED), home=(__name__, "_WRAPPER"))
 _MARKED = _WRAPPER.groups[""]
 
 
@@ -204,3 +271,9 @@ def unwrapped(function):
 def MarkConfig(config):  # noqa: N802  (a patch change, built like a class)
     """The patch change (``apply``/``undo``): the attention of ``config``'s model takes the band path."""
     return _WRAPPER.mark(config)
+
+
+def GroupedHeadsMark(config):  # noqa: N802  (a patch change, built like a class)
+    """The patch change (``apply``/``undo``): a maskless call with grouped heads of ``config``'s model leaves sdpa's
+    math kernel where another takes it with the heads repeated (module docs, "Grouped heads")."""
+    return _WRAPPER.mark(config, GROUPED)

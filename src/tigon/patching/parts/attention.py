@@ -9,7 +9,10 @@
   (``tigon.nn.shared_cast_linear``); bitwise the same results (on the GPU, fp32 gradients are written in fp32
   by the matmuls, not rounded to bf16).
 - with rope: the model's config is marked so that, under torch.compile, sdpa attention runs causal without a
-  dense mask wherever eager mode does (causal_mask.py); exactly the same attention.
+  dense mask wherever eager mode does (causal_mask.py); exactly the same attention. It is marked too so that a
+  maskless call with grouped key/value heads runs on sdpa's memory-efficient kernel with the heads repeated where
+  sdpa would run it on its math kernel, which makes the T × T scores (fp32 on the GPU: band_attention.py,
+  "Grouped heads"); the same attention.
 - ``fused_attention`` (with rope): where the class forward is transformers' own (fused_attention.SOURCES) with
   the rotate-half rotary, the attention runs as one autograd node (``tigon.nn.attention``) wherever that
   computes what the forward would (fused_attention.py decides, at each call). ``Patch.replaced`` says, at patch
@@ -170,6 +173,9 @@ def plan_attention(plan, model, family, classes, switches):
     _plan_shared_cast(plan, model, family, classes)
     if not causal_mask.marked(model.config):
         for change in carried(model, causal_mask.MarkConfig(model.config)):
+            plan.add(change)
+    if not band_attention.marked(model.config, band_attention.GROUPED):
+        for change in carried(model, band_attention.GroupedHeadsMark(model.config)):
             plan.add(change)
 
 
