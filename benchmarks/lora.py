@@ -40,9 +40,18 @@ fresh process (benchmarks/e2e.py's worker pool).
 
 Reported: tokens/s; achieved TFLOP/s, the model's flops a step over the median step time, against a
 bf16 ``--matmul-size``³ matmul timed in the same process (the rate the device's large products reach);
-peak allocated memory over the timed steps; agreement with ``peft``: the relative difference of the
-first step's loss, and ‖g − g_peft‖ / ‖g_peft‖ of all adapter gradients of the first step,
-concatenated (bf16 products: within API.md's 3e-2).
+peak allocated memory over the timed steps; agreement with an fp32 reference: the relative difference of
+the first step's loss, and ‖g − g_fp32‖ / ‖g_fp32‖ of all adapter gradients of the first step, concatenated.
+The reference (``peft+fp32``; ``peft+4bit+fp32`` on 4-bit bases) is stock PEFT computing the same model in
+fp32: fp32 base weights holding the values the providers' bases hold (drawn, rounded to ``--weights``, cast),
+fp32 adapters, no autocast (4-bit: the same nf4 weights, bitsandbytes' compute dtype fp32), the same data; one
+untimed step, checkpointed (recomputing gives the same values and keeps fp32 activations within the device's
+memory). A run adds it for each kind of bases (plain, 4-bit) whose stock PEFT run it makes; it is no row of the
+table and no ``--providers`` choice. Through a whole bf16 model rounding moves the gradients further than one
+op's bound, and two exact implementations that round differently are about as far from each other as each is
+from fp32; so a row is judged by its distance from fp32 next to stock PEFT's own. It agrees when its first loss
+is within BF16_TOLERANCE (3e-2, the ops' bf16 bound in docs/api/README.md) of fp32's and its gradients within
+max(BF16_TOLERANCE, PEFT_SLACK (1.25) × stock PEFT's bf16 gradients' distance from fp32's) (:func:`agrees`).
 
 Model flops a step (:func:`step_flops`), N = batch·seq tokens, L layers, H hidden, T = seq::
 
@@ -64,9 +73,10 @@ Profile (``--profile``): after its timed steps, each job trains ``e2e.PROFILE_ST
 by kernel category (matmul, attention, 4-bit dequantization, norm, ...), busy / wall, the top kernels; what
 a target missed is explained from.
 
-A run too long for one device call is split by provider, each part with the reference it is compared with
-(``peft`` or ``peft+4bit``), and ``--merge`` gives the later part the earlier parts' result files: one page
-with every row (a provider measured again replaces its earlier row).
+A run too long for one device call is split by provider, each part with the stock PEFT run it is compared with
+(``peft`` or ``peft+4bit``, which brings its fp32 reference), and ``--merge`` gives the later part the earlier
+parts' result files: one page with every row (a provider measured again replaces its earlier row; an earlier
+row keeps the agreement it was given in its own run).
 
 Results: ``--out`` (default benchmarks/results/) gets ``lora-<device>-<date>.{json,md}``, and one line
 goes to ``benchmarks/results/history.jsonl`` (``--history PATH``; none for a smoke run); the markdown
@@ -77,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import math
 import os
 import statistics
@@ -107,8 +118,9 @@ PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "liger+ckpt", 
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+4bit", "unsloth+4bit+ckpt")
 PROVIDER_TITLES = {"peft": "stock PEFT", "tigon": "tigon.patch(PeftModel)", "liger": "Liger-Kernel + PEFT",
                    "unsloth": "Unsloth"}
-VARIANT_TITLES = {"4bit": " on 4-bit nf4 bases (QLoRA)", "ckpt": " + checkpointing"}
+VARIANT_TITLES = {"4bit": " on 4-bit nf4 bases (QLoRA)", "ckpt": " + checkpointing", "fp32": " in fp32"}
 REFERENCE = "peft"
+FP32 = "fp32"  # the variant of REFERENCE that is the fp32 reference (added by the run, not a --providers choice)
 LAYERS = 8
 BATCH = 2
 SEQ = 4096
@@ -124,7 +136,10 @@ MATMUL_SIZE = 8192
 TINY_MATMUL_SIZE = 128
 MATMUL_REPS = 20
 JOB_TIMEOUT_S = 300
-BF16_TOLERANCE = 3e-2  # API.md's bf16 bound, on the first loss and the adapter gradients
+BF16_TOLERANCE = 3e-2  # docs/api/README.md's bf16 bound: on the first loss, and the least bound on the gradients
+# How much further from fp32 a row's adapter gradients may be than stock PEFT's bf16 run's: bf16 rounding through
+# a whole model, not one op, sets their distance, and an exact implementation rounds differently, not less.
+PEFT_SLACK = 1.25
 RESULT_MARK = e2e.RESULT_MARK  # e2e.Worker.run reads the result line by it
 
 
@@ -172,6 +187,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len(set(args.providers)) != len(args.providers):
         p.error("--providers: each at most once")
     return args
+
+
+def is_reference(provider: str) -> bool:
+    """Whether ``provider`` is an fp32 reference (one untimed step, no row of the table)."""
+    return FP32 in provider.split("+")
 
 
 def shape(job: dict) -> dict:
@@ -245,7 +265,8 @@ def apply_liger() -> None:
 
 
 def build(job: dict, device):
-    """The PeftModel of the job (provider's patches applied), in train mode."""
+    """The PeftModel of the job (provider's patches applied), in train mode. The fp32 reference
+    (``+fp32``) is the same model held and computed in fp32, checkpointed."""
     import peft
     import torch
     import transformers
@@ -253,6 +274,7 @@ def build(job: dict, device):
     import tigon
 
     parts = job["provider"].split("+")
+    reference = is_reference(job["provider"])
     if "liger" in parts:
         apply_liger()
     config = transformers.LlamaConfig(**shape(job))
@@ -263,14 +285,18 @@ def build(job: dict, device):
     init_by_name(model)
     if "unsloth" in parts:
         return unsloth_lora(job, model)
-    if "4bit" in parts:
-        quantize_4bit(model, device, torch.bfloat16)
+    if "4bit" in parts:  # quantized from the same weights: the same nf4 values, dequantized to the compute dtype
+        quantize_4bit(model, device, torch.float32 if reference else torch.bfloat16)
+    elif reference:  # cast after drawing: the providers' model, its weights rounded to --weights, held in fp32
+        model.float()
     lora = peft.LoraConfig(r=job["rank"], lora_alpha=job["alpha"], lora_dropout=0.0, target_modules=list(TARGETS))
     model = peft.get_peft_model(model, lora)
     init_by_name(model, {n for n, p in model.named_parameters() if p.requires_grad})
     if "tigon" in parts:
         tigon.patch(model)
-    if "ckpt" in parts:
+    # The reference is checkpointed whatever the runs it is compared with do: recomputing gives the same values,
+    # and it keeps the fp32 activations of many layers within the memory that the bf16 runs fit in.
+    if "ckpt" in parts or reference:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
@@ -294,13 +320,16 @@ def unsloth_lora(job: dict, model):
 
 def run_job(job: dict) -> dict:
     """Build, train ``warmup + steps`` steps, save the first step's adapter gradients to
-    ``job["grads_path"]``; runs inside a fresh worker process (or in-process for a CPU test)."""
+    ``job["grads_path"]``; runs inside a fresh worker process (or in-process for a CPU test). The fp32
+    reference trains one step without autocast and is not timed: its loss and gradients are what it is for."""
     import torch
 
     device = torch.device(job["device"])
     cuda = device.type == "cuda"
-    out = {**job, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "matmul_tflops": matmul_tflops(device, job["matmul_size"])}
+    reference = is_reference(job["provider"])
+    out = {**job, "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    if not reference:
+        out["matmul_tflops"] = matmul_tflops(device, job["matmul_size"])
     torch.manual_seed(SEED)
     model = build(job, device)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -313,7 +342,7 @@ def run_job(job: dict) -> dict:
     saved = []  # the first step's gradients, saved once (a profiled step may train on step 0's data again)
 
     def train_step(step) -> float:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not reference):
             loss = model(input_ids=data[step], labels=data[step]).loss
         loss.backward()
         if not saved and job.get("grads_path"):
@@ -325,6 +354,9 @@ def run_job(job: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss.item()  # synchronises: the step time is the device's
 
+    if reference:
+        out["losses"] = [train_step(0)]
+        return out
     losses, seconds = [], []
     for step in range(warmup + steps):
         if step == warmup:
@@ -364,12 +396,27 @@ def worker_main(ready_path: str | None = None, unsloth: bool = False) -> int:
 MERGE_SAME = ("layers", "batch", "seq", "rank", "alpha", "weights", "tiny", "warmup", "steps", "matmul_size")
 
 
+def fp32_reference(provider: str) -> str:
+    """The fp32 reference ``provider`` is compared with: stock PEFT in fp32 on the same bases (4-bit or not)."""
+    return "+".join([REFERENCE, *(["4bit"] if "4bit" in provider.split("+") else []), FP32])
+
+
+def references_for(providers) -> list[str]:
+    """The fp32 references a run adds: one for each kind of bases whose stock PEFT run is among ``providers``."""
+    return list(dict.fromkeys(fp32_reference(p) for p in providers if p.split("+")[0] == REFERENCE))
+
+
 def jobs_for(args, grads_dir: Path) -> list[dict]:
-    return [{"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
-             "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha, "weights": args.weights,
-             "warmup": args.warmup, "steps": args.steps, "matmul_size": args.matmul_size,
-             "profile_steps": e2e.PROFILE_STEPS if args.profile else 0,
-             "grads_path": str(grads_dir / f"{provider}.pt")} for provider in args.providers]
+    """The timed providers' jobs, then their fp32 references' (one step, no warm-up, no profile)."""
+    def job(provider, **step):
+        return {"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
+                "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha,
+                "weights": args.weights, "warmup": args.warmup, "steps": args.steps, "matmul_size": args.matmul_size,
+                "profile_steps": e2e.PROFILE_STEPS if args.profile else 0,
+                "grads_path": str(grads_dir / f"{provider}.pt"), **step}
+
+    return ([job(provider) for provider in args.providers]
+            + [job(name, warmup=0, steps=1, profile_steps=0) for name in references_for(args.providers)])
 
 
 def rel(a, b) -> float:
@@ -378,7 +425,7 @@ def rel(a, b) -> float:
 
 
 def reference_names(provider: str) -> tuple:
-    """The runs ``provider`` is compared with, in order: stock PEFT on the same bases (4-bit or not) with the
+    """The stock PEFT bf16 runs ``provider`` is compared with, in order: on the same bases (4-bit or not) with the
     same checkpointing, then with the other."""
     variants = provider.split("+")[1:]
     bases = [REFERENCE, *(v for v in variants if v != "ckpt")]
@@ -386,22 +433,29 @@ def reference_names(provider: str) -> tuple:
     return "+".join(bases + ["ckpt"] * ckpt), "+".join(bases + ["ckpt"] * (not ckpt))
 
 
-def add_agreement(rows: list[dict]) -> None:
-    """Each row's first loss and first-step adapter gradients against the reference run with the same bases
-    and checkpointing (or, when that one failed, the other checkpointing): ``loss_rel``, ``grad_rel``,
-    ``agrees``."""
+def grad_bound(peft_grad_rel: float | None) -> float:
+    """The most a row's adapter gradients may differ from fp32's (relative): BF16_TOLERANCE, or PEFT_SLACK times
+    stock PEFT's bf16 run's distance where that is more; BF16_TOLERANCE where stock PEFT's is unknown."""
+    return BF16_TOLERANCE if peft_grad_rel is None else max(BF16_TOLERANCE, PEFT_SLACK * peft_grad_rel)
+
+
+def agrees(loss_rel: float, grad_rel: float, peft_grad_rel: float | None = None) -> bool:
+    """The agreement rule: the first loss within BF16_TOLERANCE of fp32's (relative), and the first step's
+    adapter gradients within :func:`grad_bound` of fp32's."""
+    return loss_rel <= BF16_TOLERANCE and grad_rel <= grad_bound(peft_grad_rel)
+
+
+def add_agreement(rows: list[dict], references: list[dict]) -> None:
+    """Each row's first loss and first-step adapter gradients against the fp32 reference on its bases (``against``,
+    ``loss_rel``, ``grad_rel``), the same distance of stock PEFT's bf16 run with the same bases and
+    checkpointing (or, when that one failed, the other checkpointing; ``peft``, ``peft_grad_rel``), and the
+    verdict of :func:`agrees` (``agrees``; a row whose gradients could not be compared disagrees)."""
     import torch
 
-    def reference(row):
-        for name in reference_names(row["provider"]):
-            ref = next((r for r in rows if r["provider"] == name and "losses" in r), None)
-            if ref is not None:
-                return ref
-        return None
-
+    done = {r["provider"]: r for r in references if "losses" in r}
     for row in rows:
-        ref = reference(row)
-        if "losses" not in row or ref is None or ref is row:
+        ref = done.get(fp32_reference(row["provider"]))
+        if "losses" not in row or ref is None:
             continue
         row["against"] = ref["provider"]
         row["loss_rel"] = abs(row["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
@@ -410,7 +464,14 @@ def add_agreement(rows: list[dict]) -> None:
             got, want = (torch.load(p) for p in paths)
             if got["names"] == want["names"]:
                 row["grad_rel"] = rel(got["grads"], want["grads"])
-        row["agrees"] = row["loss_rel"] <= BF16_TOLERANCE and row.get("grad_rel", math.inf) <= BF16_TOLERANCE
+    compared = {r["provider"]: r for r in rows if "grad_rel" in r}
+    for row in rows:
+        if "loss_rel" not in row:
+            continue
+        peft = next((compared[n] for n in reference_names(row["provider"]) if n in compared), None)
+        if peft is not None:
+            row["peft"], row["peft_grad_rel"] = peft["provider"], peft["grad_rel"]
+        row["agrees"] = agrees(row["loss_rel"], row.get("grad_rel", math.inf), row.get("peft_grad_rel"))
 
 
 def run(args, log=print) -> dict:
@@ -418,7 +479,7 @@ def run(args, log=print) -> dict:
         jobs = jobs_for(args, Path(grads_dir))
         # Unsloth's jobs last, in workers of their own (its pinned packages first on their path)
         jobs.sort(key=lambda job: job["provider"].startswith("unsloth"))
-        pools, rows = {}, []
+        pools, rows, references = {}, [], []
         try:
             for job in jobs:
                 unsloth = job["provider"].startswith("unsloth")
@@ -428,21 +489,36 @@ def run(args, log=print) -> dict:
                     env = unsloth_models.worker_env(args.unsloth_site, ROOT / "src") if unsloth else None
                     pools[unsloth] = e2e.WorkerPool(args.timeout, __file__, env, ("--unsloth",) if unsloth else ())
                 row = pools[unsloth].run(job)
-                rows.append(row)
+                (references if is_reference(job["provider"]) else rows).append(row)
                 log(row_line(row))
         finally:
             for pool in pools.values():
                 pool.close()
-        add_agreement(rows)
-    for row in rows:
+        add_agreement(rows, references)
+    for row in rows + references:
         row.pop("grads_path", None)
-    return {"kind": "lora", "rows": rows}
+    for ref in references:  # the history drops it from rows only: a temporary file of this run
+        ref.pop("quiet_path", None)
+    return {"kind": "lora", "rows": rows, "references": references}
+
+
+def merge_references(result: dict, earlier) -> None:
+    """--merge: the fp32 references of the earlier runs' files that this run did not make again join
+    ``result["references"]`` (for the page's list of them; the earlier rows keep their own agreement)."""
+    kept = {}
+    for path in earlier:
+        for ref in json.loads(Path(path).read_text()).get("references", []):
+            kept.setdefault(ref["provider"], ref)
+    mine = {ref["provider"] for ref in result["references"]}
+    result["references"] = [ref for name, ref in kept.items() if name not in mine] + result["references"]
 
 
 def row_line(row: dict) -> str:
     head = f"{row['provider']:<11}"
     if "error" in row:
         return f"{head} {row['error']}"
+    if is_reference(row["provider"]):
+        return f"{head} fp32 reference (untimed)  loss {row['losses'][0]:.5g}"
     return (f"{head} {e2e._si(row['tokens_per_s']):>7} tok/s  {row['tflops']:.0f} TFLOP/s "
             f"({row['matmul_share']:.0%} of {row['matmul_tflops']:.0f})  peak {e2e._gib(row.get('peak_bytes'))} GiB  "
             f"loss {row['losses'][0]:.5g}")
@@ -471,24 +547,40 @@ def markdown(result: dict) -> str:
         f"{s['steps']} steps after {s['warmup']}. TFLOP/s: the model's flops a step (benchmarks/lora.py: base forward "
         "and input gradients, adapters, attention over the full square; no recompute) over the step time; "
         f"matmul: a bf16 {s['matmul_size']}³ product in the same process"
-        + (f" ({min(matmul):.0f}–{max(matmul):.0f} TFLOP/s)" if matmul else "") + ". Loss Δ: the first step's, "
-        "relative; grad Δ: all adapter gradients of the first step, relative; against stock PEFT with the same "
-        "bases and checkpointing (QLoRA: nf4, double quant, bf16 compute). Each run in a fresh process.", "",
-        "| provider | tokens/s | vs PEFT | TFLOP/s | of matmul | step ms | peak GiB | loss Δ | grad Δ | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        + (f" ({min(matmul):.0f}–{max(matmul):.0f} TFLOP/s)" if matmul else "") + "; vs PEFT: tokens/s over stock "
+        "PEFT's with the same bases and checkpointing (QLoRA: nf4, double quant, bf16 compute). Each run in a "
+        "fresh process.", "",
+        "Agreement, against the fp32 reference: stock PEFT on the same bases computing the same model in fp32 "
+        "(fp32 base weights holding the same values, fp32 adapters, no autocast; 4-bit: the same nf4 weights "
+        "with fp32 compute), one untimed step on the same data. Loss Δ: the first step's loss, relative; grad Δ: "
+        "all adapter gradients of the first step, ‖g − g_fp32‖ / ‖g_fp32‖; PEFT's grad Δ: stock PEFT's bf16 "
+        "run's grad Δ (same bases and checkpointing). "
+        f"A row agrees when its loss Δ is at most {BF16_TOLERANCE:g} and its grad Δ at most max({BF16_TOLERANCE:g}, "
+        f"{PEFT_SLACK:g} × PEFT's grad Δ) ({BF16_TOLERANCE:g} where PEFT's is not known), and is marked "
+        "**disagrees** otherwise.", "",
+        "| provider | tokens/s | vs PEFT | TFLOP/s | of matmul | step ms | peak GiB | loss Δ vs fp32 | "
+        "grad Δ vs fp32 | PEFT's grad Δ vs fp32 | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     speeds = {r["provider"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
     for row in rows:
         if "error" in row:
-            lines.append(f"| {_title(row['provider'])} | — | — | — | — | — | — | — | — | {row['error']} |")
+            lines.append(f"| {_title(row['provider'])} | — | — | — | — | — | — | — | — | — | {row['error']} |")
             continue
         ref = speeds.get(reference_names(row["provider"])[0])
         speed = f"{row['tokens_per_s'] / ref:.2f}x" if ref else "—"
-        note = "" if row.get("agrees", True) else "**disagrees**"
+        # A merged row that was compared with stock PEFT's bf16 run, not with fp32, has none of these columns.
+        agreement = row if is_reference(row.get("against", "")) else {}
+        note = "" if agreement.get("agrees", True) else "**disagrees**"
         lines.append(
             f"| {_title(row['provider'])} | {row['tokens_per_s']:.0f} | {speed} | {row['tflops']:.0f} | "
             f"{row['matmul_share']:.0%} | {row['median_step_s'] * 1e3:.0f} | {e2e._gib(row.get('peak_bytes'))} | "
-            f"{_fmt(row.get('loss_rel'), '.1e')} | {_fmt(row.get('grad_rel'), '.1e')} | {note} |")
+            f"{_fmt(agreement.get('loss_rel'), '.1e')} | {_fmt(agreement.get('grad_rel'), '.1e')} | "
+            f"{_fmt(agreement.get('peft_grad_rel'), '.1e')} | {note} |")
+    references = [f"{_title(r['provider'])}: " + (r["error"] if "error" in r else f"first loss {r['losses'][0]:.6g}")
+                  for r in result.get("references", [])]
+    lines += ["", "fp32 references: " + ("; ".join(references) if references else
+                                          "none (no stock PEFT run on these bases: no agreement)") + "."]
     flops = next((r["flops"] for r in rows if "flops" in r), None)
     if flops:
         lines += ["", "Flops a step: " + ", ".join(f"{k} {v / 1e12:.1f} T" for k, v in flops.items()) + "."]
@@ -541,6 +633,7 @@ def main(argv=None) -> int:
         history.append(result, benchmark="lora", path=target)
     if args.merge:
         e2e.merge_runs(result, args.merge, key=lambda row: row["provider"], same=MERGE_SAME)
+        merge_references(result, args.merge)
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
     if target is not None:

@@ -1,7 +1,9 @@
 """``benchmarks/lora.py`` without a GPU: its arguments, the flop count (against the parameters a real PeftModel
-holds), the agreement check and the table it writes, and one tiny step run in-process for stock PEFT and
-tigon, which must agree, on plain and on bitsandbytes 4-bit (QLoRA) bases."""
+holds), the fp32 reference it adds, the agreement rule and the table it writes, one tiny step run in-process for
+stock PEFT, tigon and the fp32 reference, which must agree, on plain and on bitsandbytes 4-bit (QLoRA) bases, and
+whole runs (their workers in-process) merged into one page."""
 
+import copy
 import json
 import math
 
@@ -24,9 +26,10 @@ def test_arguments():
                                                                                           "tigon+4bit+ckpt"]
     assert lora.reference_names("tigon+4bit+ckpt") == ("peft+4bit+ckpt", "peft+4bit")
     assert lora.reference_names("liger") == ("peft", "peft+ckpt")
+    assert lora.fp32_reference("tigon+4bit+ckpt") == "peft+4bit+fp32" and lora.fp32_reference("liger") == "peft+fp32"
     assert args.seq == lora.TINY_SEQ and args.matmul_size == lora.TINY_MATMUL_SIZE
     for bad in (["--layers", "0"], ["--providers", "unsloth+liger"], ["--providers", "peft", "peft"],
-                ["--warmup", "-1"]):
+                ["--warmup", "-1"], ["--providers", "peft+fp32"]):
         with pytest.raises(SystemExit):
             lora.parse_args(bad)
 
@@ -82,6 +85,37 @@ def tiny_job(provider, tmp_path=None, **extra):
     return {**job, **extra}
 
 
+def test_jobs_add_one_untimed_fp32_reference_for_each_bases_with_stock_peft(tmp_path):
+    """A run with a stock PEFT bf16 run on some bases gets that bases' fp32 reference: one step, no warm-up,
+    no profile, after the timed jobs; bases without a stock PEFT run get none."""
+    args = lora.parse_args(["--tiny", "--profile", "--providers", "tigon", "peft+ckpt", "tigon+4bit", "peft+4bit",
+                            "peft+4bit+ckpt", "liger"])
+    jobs = {job["provider"]: job for job in lora.jobs_for(args, tmp_path)}
+    assert list(jobs) == args.providers + ["peft+fp32", "peft+4bit+fp32"]
+    for name in ("peft+fp32", "peft+4bit+fp32"):
+        assert (jobs[name]["warmup"], jobs[name]["steps"], jobs[name]["profile_steps"]) == (0, 1, 0)
+    assert (jobs["tigon"]["warmup"], jobs["tigon"]["steps"]) == (lora.WARMUP, lora.STEPS)
+    assert jobs["tigon"]["profile_steps"] > 0
+    assert lora.references_for(["tigon", "tigon+4bit", "liger"]) == []
+
+
+def test_fp32_reference_is_the_same_model_in_fp32():
+    """The reference holds the bf16 model's values in fp32 (the weights drawn, rounded to bf16, then cast), its
+    adapters the same, every layer checkpointed; on 4-bit bases the same nf4 weights with fp32 compute."""
+    bf16, fp32 = (lora.build(tiny_job(p, weights="bf16"), DEVICE) for p in ("peft", "peft+fp32"))
+    got, want = dict(fp32.named_parameters()), dict(bf16.named_parameters())
+    assert got.keys() == want.keys() and all(p.dtype == torch.float32 for p in got.values())
+    assert all(torch.equal(got[n], want[n].float()) for n in got)
+    assert want["base_model.model.lm_head.weight"].dtype == torch.bfloat16
+    assert all(layer.gradient_checkpointing for layer in fp32.base_model.model.model.layers)
+    pytest.importorskip("bitsandbytes")
+    bf16, fp32 = (lora.build(tiny_job(p, weights="bf16"), DEVICE) for p in ("peft+4bit", "peft+4bit+fp32"))
+    for a, b in zip(bf16.get_base_model().model.layers, fp32.get_base_model().model.layers, strict=True):
+        got, want = b.mlp.down_proj.get_base_layer(), a.mlp.down_proj.get_base_layer()
+        assert got.compute_dtype == torch.float32 and want.compute_dtype == torch.bfloat16
+        assert torch.equal(got.weight.data, want.weight.data)
+
+
 def test_qlora_build_quantizes_the_projections():
     """+4bit: every decoder projection a bitsandbytes Linear4bit under PEFT's LoRA Linear4bit, nf4 with double
     quant and bf16 compute; norms and head fp32 (prepare_model_for_kbit_training); the adapters trainable."""
@@ -121,16 +155,22 @@ def test_same_weights_for_every_provider():
 
 @pytest.mark.parametrize("bases", ("", "+4bit"))
 def test_tiny_steps_agree_in_process(tmp_path, bases):
+    """Stock PEFT and tigon in bf16 autocast against the fp32 reference, a run of one untimed step."""
     if bases:
         pytest.importorskip("bitsandbytes")
     rows = [lora.run_job(tiny_job(p + bases, tmp_path)) for p in ("peft", "tigon")]
     for row in rows:
         assert len(row["losses"]) == 1 and row["tokens_per_s"] > 0 and row["adapter_params"] > 0
         assert row["tflops"] == pytest.approx(row["flops"]["total"] / row["median_step_s"] / 1e12)
-    lora.add_agreement(rows)
-    assert rows[1]["against"] == "peft" + bases and rows[1]["agrees"], rows[1]
-    assert rows[1]["grad_rel"] <= lora.BF16_TOLERANCE and rows[1]["loss_rel"] <= lora.BF16_TOLERANCE
-    assert "loss_rel" not in rows[0]
+    reference = lora.run_job(tiny_job(f"peft{bases}+fp32", tmp_path))
+    assert len(reference["losses"]) == 1 and reference["adapter_params"] == rows[0]["adapter_params"]
+    assert not {"tokens_per_s", "median_step_s", "matmul_tflops", "peak_bytes"} & reference.keys()
+    lora.add_agreement(rows, [reference])
+    peft, tigon = rows
+    assert tigon["against"] == f"peft{bases}+fp32" and tigon["peft"] == "peft" + bases and tigon["agrees"], tigon
+    assert tigon["peft_grad_rel"] == peft["grad_rel"] > 0  # bf16 autocast against fp32: not the same
+    assert tigon["grad_rel"] <= lora.BF16_TOLERANCE and tigon["loss_rel"] <= lora.BF16_TOLERANCE
+    assert peft["agrees"] and peft["peft_grad_rel"] == peft["grad_rel"]
 
 
 def test_profiled_steps_keep_the_first_steps_gradients_and_reach_the_page(tmp_path):
@@ -147,51 +187,97 @@ def test_profiled_steps_keep_the_first_steps_gradients_and_reach_the_page(tmp_pa
 
 
 def synthetic_rows(tmp_path):
+    """Timed rows and fp32 references whose first-step gradients are the reference's plus an error of a set
+    relative size: stock PEFT 4e-2 off (more than BF16_TOLERANCE, as bf16 through a whole model is), tigon 4.5e-2
+    (within 1.25x PEFT's), tigon+ckpt 1e-1; on 4-bit bases PEFT 2e-2 off, tigon 2.8e-2 (within BF16_TOLERANCE)."""
     gen = torch.Generator().manual_seed(0)
-    grads = torch.randn(100, generator=gen)
+    exact = {"": torch.randn(100, generator=gen), "+4bit": torch.randn(100, generator=gen)}
+    noise = torch.randn(100, generator=gen)
+
+    def grads(bases, off):
+        g = exact[bases]
+        return g + noise * (off * g.norm() / noise.norm())
+
+    def save(provider, g):
+        path = tmp_path / f"{provider}.pt"
+        torch.save({"names": ["a"], "grads": g}, path)
+        return str(path)
+
+    timed = {"tflops": 400.0, "matmul_tflops": 800.0, "matmul_share": 0.5, "median_step_s": 0.5,
+             "peak_bytes": 3 * 2**30, "device": "NVIDIA H200", "flops": {"base": 1e12, "total": 2e12}}
     rows = []
-    for provider, scale, loss in (("peft", 1.0, 2.0), ("tigon", 1.001, 2.002), ("peft+ckpt", 1.0, 2.0),
-                                  ("tigon+ckpt", 1.1, 2.0)):
-        path = tmp_path / f"{provider}.pt"
-        torch.save({"names": ["a"], "grads": grads * scale}, path)
-        rows.append({"provider": provider, "grads_path": str(path), "losses": [loss, 1.0],
-                     "tokens_per_s": 1000.0 * scale, "tflops": 400.0, "matmul_tflops": 800.0, "matmul_share": 0.5,
-                     "median_step_s": 0.5, "peak_bytes": 3 * 2**30, "device": "NVIDIA H200",
-                     "flops": {"base": 1e12, "total": 2e12}})
+    for provider, speed, loss, off in (("peft", 1.0, 2.0, 4e-2), ("tigon", 1.001, 2.002, 4.5e-2),
+                                       ("peft+ckpt", 1.0, 2.0, 4e-2), ("tigon+ckpt", 1.1, 2.0, 1e-1)):
+        rows.append({**timed, "provider": provider, "grads_path": save(provider, grads("", off)),
+                     "losses": [loss, 1.0], "tokens_per_s": 1000.0 * speed})
     rows.append({"provider": "liger", "error": "ModuleNotFoundError: No module named 'liger_kernel'"})
-    for provider, scale in (("peft+4bit", 0.9), ("tigon+4bit", 1.0)):
-        path = tmp_path / f"{provider}.pt"
-        torch.save({"names": ["a"], "grads": grads * (1.2 if provider == "peft+4bit" else 1.2002)}, path)
-        rows.append({**rows[0], "provider": provider, "grads_path": str(path), "tokens_per_s": 1000.0 * scale})
-    return rows
+    for provider, speed, off in (("peft+4bit", 0.9, 2e-2), ("tigon+4bit", 1.0, 2.8e-2)):
+        rows.append({**timed, "provider": provider, "grads_path": save(provider, grads("+4bit", off)),
+                     "losses": [2.0, 1.0], "tokens_per_s": 1000.0 * speed})
+    references = [{"provider": f"peft{bases}+fp32", "grads_path": save(f"peft{bases}+fp32", exact[bases]),
+                   "losses": [2.001]} for bases in ("", "+4bit")]
+    return rows, references
 
 
-def test_agreement_pairs_checkpointing_and_flags_disagreement(tmp_path):
-    rows = synthetic_rows(tmp_path)
-    lora.add_agreement(rows)
+def test_agreement_rule():
+    """A row agrees when its loss is within BF16_TOLERANCE of fp32's and its gradients within
+    max(BF16_TOLERANCE, 1.25 x stock PEFT's bf16 distance from fp32) of fp32's."""
+    assert lora.grad_bound(4e-2) == pytest.approx(5e-2) and lora.grad_bound(1e-3) == lora.BF16_TOLERANCE
+    assert lora.grad_bound(None) == lora.BF16_TOLERANCE
+    assert lora.agrees(1e-3, 4.7e-2, 4.5e-2)  # an exact kernel rounding differently: as far as PEFT, no further
+    assert lora.agrees(1e-3, 5.6e-2, 4.5e-2) and not lora.agrees(1e-3, 5.7e-2, 4.5e-2)  # bound 5.625e-2
+    assert lora.agrees(1e-3, 3e-2, 1e-3) and not lora.agrees(1e-3, 3.1e-2, 1e-3)  # the floor
+    assert lora.agrees(0.0, 3e-2) and not lora.agrees(0.0, 3.1e-2)  # no stock PEFT run to compare with
+    assert not lora.agrees(3.1e-2, 0.0, 1e-1)  # the loss has no slack
+    assert not lora.agrees(1e-3, math.inf, 1e-1) and not lora.agrees(1e-3, math.nan, 1e-1)
+
+
+def test_agreement_against_fp32_pairs_checkpointing_and_flags_disagreement(tmp_path):
+    rows, references = synthetic_rows(tmp_path)
+    fresh = copy.deepcopy(rows)
+    lora.add_agreement(rows, references)
     by = {r["provider"]: r for r in rows}
-    assert by["tigon"]["against"] == "peft" and by["tigon+ckpt"]["against"] == "peft+ckpt"
-    assert math.isclose(by["tigon"]["loss_rel"], 1e-3) and math.isclose(by["tigon"]["grad_rel"], 1e-3, rel_tol=1e-3)
-    assert by["tigon"]["agrees"] and not by["tigon+ckpt"]["agrees"]  # grads 10 % off
-    assert "agrees" not in by["liger"] and "loss_rel" not in by["peft"]
-    assert by["tigon+4bit"]["against"] == "peft+4bit" and by["tigon+4bit"]["agrees"]
+    assert by["tigon"]["against"] == "peft+fp32" and by["tigon+ckpt"]["against"] == "peft+fp32"
+    assert by["tigon"]["peft"] == "peft" and by["tigon+ckpt"]["peft"] == "peft+ckpt"
+    assert math.isclose(by["tigon"]["loss_rel"], 1e-3 / 2.001)
+    assert math.isclose(by["tigon"]["grad_rel"], 4.5e-2, rel_tol=1e-6)
+    assert math.isclose(by["tigon"]["peft_grad_rel"], 4e-2, rel_tol=1e-6)
+    assert by["peft"]["agrees"] and by["tigon"]["agrees"]  # both past BF16_TOLERANCE, tigon within 1.25x PEFT's
+    assert not by["tigon+ckpt"]["agrees"]  # grads 10 % off
+    assert "agrees" not in by["liger"]
+    assert by["tigon+4bit"]["against"] == "peft+4bit+fp32" and by["tigon+4bit"]["peft"] == "peft+4bit"
+    assert by["tigon+4bit"]["agrees"]  # 2.8e-2: within the floor, above 1.25 x PEFT's 2e-2
+    lora.add_agreement(fresh, references[:1])  # no 4-bit reference: no agreement on 4-bit bases
+    by = {r["provider"]: r for r in fresh}
+    assert "loss_rel" not in by["tigon+4bit"] and "agrees" not in by["tigon+4bit"] and by["tigon"]["agrees"]
 
 
 def test_markdown_and_files(tmp_path):
-    rows = synthetic_rows(tmp_path)
-    lora.add_agreement(rows)
+    rows, references = synthetic_rows(tmp_path)
+    lora.add_agreement(rows, references)
     settings = vars(lora.parse_args([]))
-    result = {"kind": "lora", "rows": rows, "device": "NVIDIA H200", "date": "2026-12-04",
+    result = {"kind": "lora", "rows": rows, "references": references, "device": "NVIDIA H200", "date": "2026-12-04",
               "versions": {"torch": "2.13.0", "peft": "0.21.2"},
               "settings": {k: str(v) if not isinstance(v, (int, float, str, list, type(None))) else v
                            for k, v in settings.items()}}
     text = lora.markdown(result)
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 2 + len(rows)  # the header, the rule, one line a row
+    assert len(table) == 2 + len(rows)  # the header, the rule, one line a row: the references are none of them
+    assert "| loss Δ vs fp32 | grad Δ vs fp32 | PEFT's grad Δ vs fp32 | note |" in table[0]
+    assert ("A row agrees when its loss Δ is at most 0.03 and its grad Δ at most max(0.03, 1.25 × PEFT's grad Δ)"
+            in text)
     assert "Llama-3.1-8B-shaped, 8 of 32 layers" in text and "8192³" in text
-    assert "| tigon.patch(PeftModel) + checkpointing | 1100 | 1.10x |" in text and "**disagrees**" in text
+    assert "| tigon.patch(PeftModel) | 1001 | 1.00x |" in text
+    assert "| 4.5e-02 | 4.0e-02 |  |" in text  # tigon: past 3e-2, agreeing
+    assert "| tigon.patch(PeftModel) + checkpointing | 1100 | 1.10x |" in text and "| **disagrees** |" in text
     assert "No module named 'liger_kernel'" in text
     assert "| tigon.patch(PeftModel) on 4-bit nf4 bases (QLoRA) | 1000 | 1.11x |" in text
+    assert ("fp32 references: stock PEFT in fp32: first loss 2.001; stock PEFT on 4-bit nf4 bases (QLoRA) in fp32: "
+            "first loss 2.001.") in text
+    # a row merged from a file whose rows were compared with stock PEFT's bf16 run: no fp32 columns, no verdict
+    old = {**rows[3], "against": "peft+ckpt", "loss_rel": 0.0, "grad_rel": 0.1, "agrees": False}
+    text_old = lora.markdown({**result, "rows": [old]})
+    assert "| — | — | — |  |" in text_old and "| **disagrees** |" not in text_old
     paths = lora.save(result, tmp_path / "out")
     assert [p.name for p in paths] == ["lora-NVIDIA-H200-2026-12-04.json", "lora-NVIDIA-H200-2026-12-04.md"]
     assert json.loads(paths[0].read_text())["rows"][1]["provider"] == "tigon"
@@ -220,3 +306,52 @@ def test_runs_split_over_device_calls_merge_into_one_page(tmp_path):
         other = {**result, "rows": [], **change}
         with pytest.raises(ValueError, match=message):
             e2e.merge_runs(other, [path], key=lambda row: row["provider"], same=lora.MERGE_SAME)
+
+
+class InProcessPool:
+    """e2e.WorkerPool's part that lora.run uses, each job run in this process (an error a result, as a worker's)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def run(self, job):
+        try:
+            return lora.run_job(job)
+        except Exception as exc:
+            return {**job, "error": f"{type(exc).__name__}: {exc}"}
+
+    def close(self):
+        pass
+
+
+def test_whole_runs_add_the_fp32_reference_and_merge(tmp_path, monkeypatch, capsys):
+    """A run (its jobs in this process) adds the fp32 reference, which is no row of the page nor of the tokens/s
+    comparison and gives the rows their agreement; a later part merged with it (--merge) adds its rows, the earlier
+    rows keep the agreement they were given and the earlier reference stays on the page."""
+    monkeypatch.setattr(lora.e2e, "WorkerPool", InProcessPool)  # without a GPU, conftest set TRITON_INTERPRET=1 as
+    common = ["--device", DEVICE.type, "--tiny", "--layers", "2", "--seq", "8", "--rank", "3",  # main does
+              "--warmup", "0", "--steps", "1", "--matmul-size", "64"]
+    assert lora.main([*common, "--providers", "peft", "tigon", "--out", str(tmp_path / "first")]) == 0
+    [first] = (tmp_path / "first").glob("*.json")
+    result = json.loads(first.read_text())
+    peft, tigon = result["rows"]
+    [reference] = result["references"]
+    assert (peft["provider"], tigon["provider"], reference["provider"]) == ("peft", "tigon", "peft+fp32")
+    assert "tokens_per_s" not in reference and not {"grads_path", "quiet_path"} & reference.keys()
+    assert tigon["against"] == "peft+fp32" and tigon["peft"] == "peft" and tigon["agrees"]
+    assert tigon["peft_grad_rel"] == peft["grad_rel"] > 0
+    text = first.with_suffix(".md").read_text()
+    assert len([line for line in text.splitlines() if line.startswith("| ")]) == 2 + 2
+    assert "fp32 references: stock PEFT in fp32: first loss " in text
+
+    assert lora.main([*common, "--providers", "tigon+ckpt", "--merge", str(first),
+                      "--out", str(tmp_path / "merged")]) == 0
+    [merged] = (tmp_path / "merged").glob("*.json")
+    result = json.loads(merged.read_text())
+    assert [r["provider"] for r in result["rows"]] == ["peft", "tigon", "tigon+ckpt"]
+    assert result["rows"][:2] == [peft, tigon] and result["references"] == [reference]
+    assert "agrees" not in result["rows"][2]  # no stock PEFT run in its part: nothing to compare it with
+    text = merged.with_suffix(".md").read_text()
+    assert "fp32 references: stock PEFT in fp32: first loss " in text
+    assert f"| {tigon['loss_rel']:.1e} | {tigon['grad_rel']:.1e} | {tigon['peft_grad_rel']:.1e} |  |" in text
+    capsys.readouterr()
