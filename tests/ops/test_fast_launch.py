@@ -159,6 +159,19 @@ def test_launch_hooks_take_tritons_path(fake_cuda, monkeypatch):
     assert len(kernel.slow_calls) == 2 and not kernel.fast_calls
 
 
+def test_tritons_path_waits_for_the_compiler_key_and_a_direct_launch_does_not(fake_cuda, monkeypatch):
+    # Triton's lookup needs the key the prehash thread may be hashing (tigon/_kernels/triton_key.py)
+    kernel = FakeKernel()
+    launch = FastLaunch(kernel)
+    waits = []
+    monkeypatch.setattr(_launch, "wait_for_triton_key", lambda: waits.append(len(kernel.slow_calls)))
+    x = torch.randn(8)
+    launch[(1,)](x, x, 96, 0.5, True, BLOCK=64)                  # a miss: Triton's path
+    launch[(1,)](x, x, 96, 0.5, True, BLOCK=64)                  # a hit: direct
+    launch[lambda meta: (1,)](x, x, 96, 0.5, True, BLOCK=64)     # not keyed: Triton's path
+    assert waits == [0, 1] and len(kernel.fast_calls) == 1       # each wait before Triton's launch
+
+
 def test_missing_argument_is_a_clear_error(fake_cuda):
     class Compiles(FakeKernel):
         pass

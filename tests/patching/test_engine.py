@@ -24,6 +24,7 @@ from tests.patching.tiny import (
     tiny_model,
 )
 from tigon.nn import RMSNorm
+from tigon.patching import engine
 from tigon.patching.engine import SWITCHES
 
 LOSS_TOLERANCE = 1e-4
@@ -63,11 +64,12 @@ def test_switch_defaults_are_the_contract():
     # keeps or how it launches off by default; the band attention of sliding-window layers (the same
     # softmax terms, summed in another order, as any two sdpa kernels) and the Qwen-VL vision attention's
     # segments in one sdpa call (the same per-segment attention) on, and the attention as one node (the
-    # same products and sdpa call) on.
+    # same products and sdpa call) on; Triton's compiler key hashed ahead (the same key) on.
     assert SWITCHES == {"rope": True, "rms_norm": True, "layer_norm": True, "mlp": True,
                         "cross_entropy": False, "fused_linear_cross_entropy": True, "cuda_graphs": False,
                         "recompute_norms": False, "sliding_window": True, "vision_attention": True,
-                        "fused_attention": True, "offload_activations": False, "tiled_mlp": False}
+                        "fused_attention": True, "offload_activations": False, "tiled_mlp": False,
+                        "prehash": True}
 
 
 def test_unknown_model_type_lists_supported():
@@ -139,6 +141,20 @@ def test_all_switches_off_is_stock():
     assert handle.replaced == [] and not handle.active
     ids, labels = batch(0)
     assert torch.equal(patched(input_ids=ids, labels=labels).loss, stock(input_ids=ids, labels=labels).loss)
+
+
+def test_prehash_is_handed_the_patched_models_device_unless_switched_off(monkeypatch):
+    # Whether that device starts the hash is triton_key's to decide (tests/ops/test_triton_key.py); a patch
+    # that replaces nothing starts nothing, since no tigon kernel will run.
+    devices = []
+    monkeypatch.setattr(engine, "prehash_triton_key", devices.append)
+    model = tiny_model("llama")
+    handle = tigon.patch(model)
+    assert devices == [next(model.parameters()).device]
+    tigon.patch(model)  # already patched: nothing to replace
+    handle.revert()
+    tigon.patch(model, prehash=False)
+    assert len(devices) == 1
 
 
 def test_replacements_are_logged_once_at_info(caplog):

@@ -22,6 +22,7 @@ every other package imports from here. Each module says what it holds:
 - ``norm_launch``: RMSNorm's launch config, whose geometry layer_norm and the norm joins share
 - ``rotary``: rotary embeddings' argument checks, strides and tables
 - ``glu_activations``: the gated units' activations and their derivatives, in kernels
+- ``triton_key``: Triton's compiler key, hashed on a background thread before the first kernel lookup
 """
 
 from tigon._kernels.add_round_matmul import (
@@ -243,6 +244,10 @@ from tigon._kernels.softmax_rows import (
     tanh_parts,
     target_terms,
 )
+from tigon._kernels.triton_key import (
+    prehash_triton_key,
+    wait_for_triton_key,
+)
 from tigon._kernels.vocab_chunks import (
     VOCAB_CHUNK_GRAD,
     VOCAB_CHUNK_STATS,
@@ -280,7 +285,7 @@ __all__ = [
     "load_scaled_with_slope", "load_tile", "load_trig", "local_column", "logprobs_chunk_grad_kernel",
     "logprobs_chunk_stats_kernel", "logprobs_tiles_combine_kernel", "logprobs_tiles_kernel",
     "matmul_accumulate", "matmul_to", "next_power_of_2", "pow2_at_most", "norm_backward_launch", "norm_launch",
-    "option_flags", "part_chunks", "part_rows", "partial_rows_sum_kernel", "persistent_programs",
+    "option_flags", "part_chunks", "part_rows", "partial_rows_sum_kernel", "persistent_programs", "prehash_triton_key",
     "programs_per_sm", "publish_part_sums", "q_or_k", "read_row_sums", "reciprocal_1_to_2",
     "reduction_scales_kernel", "rms_norm_forward_launch", "rms_norm_output_dtype", "row_launch", "row_loss",
     "row_scale_args", "rows_counted", "scale_lazily", "scale_rows_kernel", "scaled_logits",
@@ -290,5 +295,5 @@ __all__ = [
     "streamed_launch", "sum_partial_rows", "sum_round", "sum_round_available", "sum_round_reference",
     "sum_round_tiles_kernel", "sum_rows_to", "tanh_parts", "target_terms", "tile_indices", "tile_launch",
     "tile_position", "tile_programs", "tiles_available", "tma_operands", "tma_rows", "token_tile_rows",
-    "tracing_active", "warps_for", "wrap_triton",
+    "tracing_active", "wait_for_triton_key", "warps_for", "wrap_triton",
 ]

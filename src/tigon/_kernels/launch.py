@@ -26,6 +26,7 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from tigon._interpreter import interpreter_active
+from tigon._kernels.triton_key import wait_for_triton_key
 
 # The interpreter runs programs one after another, each slowly (docs/tuning.md, "Timings quoted in the
 # source"): a handful is plenty.
@@ -148,13 +149,13 @@ class FastLaunch:
     def launch(self, grid, args, kwargs):
         key = _specialization_key(args, kwargs, self.constexpr_positions)
         if key is None or type(grid) is not tuple or not _launch_hooks_idle():
-            return self.kernel[grid](*args, **kwargs)
+            return self._through_triton(grid, args, kwargs)
         try:
             entry = self.cache.get(key)
         except TypeError:  # an unhashable keyword value
-            return self.kernel[grid](*args, **kwargs)
+            return self._through_triton(grid, args, kwargs)
         if entry is None:
-            compiled = self.kernel[grid](*args, **kwargs)  # compiles or finds it, and launches
+            compiled = self._through_triton(grid, args, kwargs)  # compiles or finds it, and launches
             if compiled is not None and hasattr(compiled, "packed_metadata"):
                 self.cache[key] = self._entry(compiled, len(args), kwargs)
             return compiled
@@ -164,6 +165,13 @@ class FastLaunch:
         run(*grid, *_GRID_PADDING[len(grid)], torch._C._cuda_getCurrentRawStream(key[0]), function, metadata,
             None, None, None, *args, *values)
         return None
+
+    def _through_triton(self, grid, args, kwargs):
+        """Triton's own launch, which looks the kernel up (and compiles it on a miss). The first lookup of
+        the process needs Triton's compiler key: this waits for the thread that may be hashing it already
+        (triton_key.py) rather than hash it a second time alongside."""
+        wait_for_triton_key()
+        return self.kernel[grid](*args, **kwargs)
 
     def _entry(self, compiled, num_positional, kwargs):
         """What a cached launch needs: the launcher, and the parameters after the positional

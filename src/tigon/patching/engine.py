@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tigon._interpreter import interpreter_active
+from tigon._kernels import prehash_triton_key
 from tigon.patching import decorator_chains, loss_forward, peft_unload, vision_language
 from tigon.patching.families import FAMILIES, Family
 from tigon.patching.parts import vision
@@ -62,6 +63,7 @@ SWITCHES = {
     "fused_attention": True,
     "offload_activations": False,
     "tiled_mlp": False,
+    "prehash": True,
 }
 
 # The parts, in the order they are planned: recompute after the norms (its hooks go on the tigon norms that
@@ -294,6 +296,9 @@ def _patch_instance(obj, switches, *, log_level=logging.INFO) -> Patch:
     else:
         _warn_off_the_gpu(model, target)
     patch = apply_plan(plan, target, log_level)
+    parameter = next(model.parameters(), None)
+    if plan.changes and switches["prehash"] and parameter is not None:
+        prehash_triton_key(parameter.device)  # on a CUDA model only (_kernels/triton_key.py)
     if holder is not None:
         holder.patch = patch
     return patch
@@ -353,8 +358,8 @@ def patch(target, **switches) -> Patch:
 
     Switches (defaults): ``rope=True, rms_norm=True, layer_norm=True, mlp=True, cross_entropy=False,
     fused_linear_cross_entropy=True, cuda_graphs=False, recompute_norms=False, sliding_window=True,
-    vision_attention=True, fused_attention=True, offload_activations=False, tiled_mlp=False``. A switch is a
-    no-op where the family has no such part.
+    vision_attention=True, fused_attention=True, offload_activations=False, tiled_mlp=False, prehash=True``. A
+    switch is a no-op where the family has no such part.
 
     - ``rope``: the attention's rotary as ``tigon.ops.rope``, its projections sharing one autocast cast.
     - ``rms_norm`` / ``layer_norm``: norms as ``tigon.nn`` modules adopting the same parameters, and the
@@ -375,6 +380,9 @@ def patch(target, **switches) -> Patch:
       its input) waits in pinned host memory, back a layer ahead in the backward (parts/long_context.py).
     - ``tiled_mlp``: the MLP forward and backward over chunks of tokens, so its (tokens, intermediate)
       activations never exist whole (parts/long_context.py).
+    - ``prehash``: replaces nothing; on a CUDA model, Triton's compiler key (a hash of its own installation,
+      which the first kernel lookup of a process computes) is hashed on a background thread from here, so
+      that the first forward finds it done (_kernels/triton_key.py).
     """
     chosen = check_switches(switches)
     if isinstance(target, str):
