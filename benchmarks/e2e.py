@@ -1063,13 +1063,14 @@ def write_result(result: dict, out_dir: Path, kind: str, to_markdown, to_plot=No
     return paths
 
 
-def merge_runs(result: dict, earlier, *, key, same: tuple) -> None:
+def merge_runs(result: dict, earlier, *, key, same: tuple, fields: tuple = ("rows",)) -> None:
     """Rows of earlier runs (their result JSON files, ``earlier``) join ``result``'s, for one page made by several
     runs (a benchmark too long for one device call, split by provider or model): the earlier rows first, a row
-    of this run replacing an earlier one with the same ``key(row)``. The runs must be of the same kind, on the
-    same device, with the same settings named in ``same``: a ValueError names the first that differs.
+    of this run replacing an earlier one with the same ``key(row)``, and of earlier rows with one key the first
+    file's. Each list named in ``fields`` merges so (a file without it adds none). The runs must be of the same
+    kind, on the same device, with the same settings named in ``same``: a ValueError names the first that differs.
     ``result["merged"]`` lists the files."""
-    rows = []
+    others = []
     for path in earlier:
         other = json.loads(Path(path).read_text())
         if other.get("kind") != result["kind"] or other.get("device") != result["device"]:
@@ -1079,14 +1080,15 @@ def merge_runs(result: dict, earlier, *, key, same: tuple) -> None:
             if other["settings"].get(name) != result["settings"].get(name):
                 raise ValueError(f"{path}: its {name} is {other['settings'].get(name)!r}, this run's "
                                  f"{result['settings'].get(name)!r}")
-        rows += other["rows"]
-    mine = {key(row) for row in result["rows"]}
-    kept, seen = [], set()
-    for row in rows:
-        if key(row) not in mine and key(row) not in seen:
-            kept.append(row)
-            seen.add(key(row))
-    result["rows"] = kept + result["rows"]
+        others.append(other)
+    for field in fields:
+        mine = {key(row) for row in result.get(field, [])}
+        kept, seen = [], set()
+        for row in (row for other in others for row in other.get(field, [])):
+            if key(row) not in mine and key(row) not in seen:
+                kept.append(row)
+                seen.add(key(row))
+        result[field] = kept + result.get(field, [])
     result["merged"] = [str(path) for path in earlier]
 
 

@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import statistics
@@ -502,17 +501,6 @@ def run(args, log=print) -> dict:
     return {"kind": "lora", "rows": rows, "references": references}
 
 
-def merge_references(result: dict, earlier) -> None:
-    """--merge: the fp32 references of the earlier runs' files that this run did not make again join
-    ``result["references"]`` (for the page's list of them; the earlier rows keep their own agreement)."""
-    kept = {}
-    for path in earlier:
-        for ref in json.loads(Path(path).read_text()).get("references", []):
-            kept.setdefault(ref["provider"], ref)
-    mine = {ref["provider"] for ref in result["references"]}
-    result["references"] = [ref for name, ref in kept.items() if name not in mine] + result["references"]
-
-
 def row_line(row: dict) -> str:
     head = f"{row['provider']:<11}"
     if "error" in row:
@@ -632,8 +620,9 @@ def main(argv=None) -> int:
     if target is not None:  # this run's rows only: the merged ones are in the history already
         history.append(result, benchmark="lora", path=target)
     if args.merge:
-        e2e.merge_runs(result, args.merge, key=lambda row: row["provider"], same=MERGE_SAME)
-        merge_references(result, args.merge)
+        # the fp32 references too: the page lists them (the earlier rows keep their own agreement)
+        e2e.merge_runs(result, args.merge, key=lambda row: row["provider"], same=MERGE_SAME,
+                       fields=("rows", "references"))
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
     if target is not None:

@@ -123,8 +123,9 @@ def cmd_bench(args) -> int:
         return 2
     check_op_names(args, checkable=False)
     from tigon.bench.harness import markdown, run
+    from tigon.bench.history import NONE
 
-    history = None if args.history == "none" else args.history
+    history = None if args.history == NONE else args.history
     result = run(args.ops or None, out_dir=Path(args.out), quick=args.quick, providers=args.providers,
                  history=history, command=" ".join(["tigon", *sys.argv[1:]]), log=print)
     print()

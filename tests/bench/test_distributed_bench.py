@@ -109,7 +109,8 @@ def test_tensor_parallel_on_either_transformers_api(monkeypatch, api):
     installed = tensor_parallel.apply_tensor_parallelism
     if api == "model":
         if "tp_plan" not in inspect.signature(installed).parameters:
-            pytest.skip("the installed transformers has the model-plan function itself")
+            pytest.skip("the installed transformers (5.17's API) has the model-plan function itself: the plan "
+                        "case runs it; this case runs where transformers 5.25's is installed")
 
         def model_plan(model, tp_mesh):  # 5.17's signature
             model._mesh_manager = None

@@ -69,6 +69,7 @@ def test_script_records_and_smoke_runs(tmp_path):
     assert history.script_path(parser.parse_args([])) == history.default_path()
     assert history.script_path(parser.parse_args(["--tiny"])) is None
     assert history.script_path(parser.parse_args(["--device", "cpu", "--history", str(path)])) == path
+    assert history.script_path(parser.parse_args(["--history", "none"])) is None  # as `tigon bench --history none`
 
 
 def test_a_record_without_device_is_refused(tmp_path):

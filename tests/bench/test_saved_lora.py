@@ -9,7 +9,9 @@ import pytest
 import torch
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU measurement under the interpreter")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a measurement of the CPU interpreter's saved bytes: runs on machines without a "
+                                      "GPU (CI)")
 from tigon.bench import saved  # noqa: E402
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 REQUIRED = ("date", "device", "versions", "benchmark", "command", "rows")
 FILE_NAME = "history.jsonl"
+NONE = "none"  # as ``--history``: append the run nowhere (tigon bench and the benchmark scripts alike)
 # Keys of a result that are the record's own, or that only name a temporary directory of the run.
 _DROPPED_ROW_KEYS = ("quiet_path",)
 
@@ -108,15 +109,15 @@ def read(path: Path | str) -> list[dict]:
 def add_argument(parser) -> None:
     """``--history PATH`` on a benchmark script's argument parser."""
     parser.add_argument("--history", type=Path, default=None,
-                        help="JSON-lines file the run is appended to (default: benchmarks/results/history.jsonl; "
-                        "none for a --tiny or --device cpu smoke run unless named)")
+                        help="JSON-lines file the run is appended to, or 'none' (default: "
+                        "benchmarks/results/history.jsonl; none for a --tiny or --device cpu smoke run unless named)")
 
 
 def script_path(args) -> Path | None:
-    """Where a benchmark script's run is appended: ``--history`` when given; otherwise the checkout's
-    history file, except for smoke runs (``--tiny`` or ``--device cpu``), whose numbers are no result."""
+    """Where a benchmark script's run is appended: ``--history`` when given (nowhere for ``none``); otherwise the
+    checkout's history file, except for smoke runs (``--tiny`` or ``--device cpu``), whose numbers are no result."""
     if getattr(args, "history", None) is not None:
-        return args.history
+        return None if str(args.history) == NONE else args.history
     if getattr(args, "tiny", False) or getattr(args, "device", "cuda") == "cpu":
         return None
     return default_path()
