@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from tigon.nn.activation_offload import LayerOffload, LayerScope, OffloadConfig, Offloader
+from tigon.nn.activation_offload import LayerOffload, LayerScope, OffloadConfig, Offloader, piece_sizes
 
 ON_CPU = OffloadConfig(device_types=("cpu",), min_bytes=0, bucket_bytes=1)
 
 
-def _pow2(nbytes):
-    """The host buffer a copy of ``nbytes`` takes: the next power of two."""
-    return 1 << (nbytes - 1).bit_length()
+def _held(nbytes):
+    """The host bytes a copy of ``nbytes`` takes."""
+    return sum(piece_sizes(nbytes, ON_CPU))
 
 
 class Block(nn.Module):
@@ -100,7 +100,7 @@ def test_views_of_one_storage_are_copied_once_and_come_back_with_their_geometry(
     scope = _scope(offloader)
     views = [base, base[:, 1:5], base.t(), base.view(6, 8)[2:]]
     handles = [scope.pack(v) for v in views]
-    assert offloader.pool.in_use_bytes == _pow2(base.numel() * base.element_size())
+    assert offloader.pool.in_use_bytes == _held(base.numel() * base.element_size())
     for handle, view in zip(handles, views, strict=True):
         back = scope.unpack(handle)
         assert torch.equal(back, view) and back.stride() == view.stride() and back.shape == view.shape
@@ -111,7 +111,7 @@ def test_a_small_view_of_a_large_storage_copies_its_span_only():
     big = torch.randn(1000)
     scope = _scope(offloader)
     handle = scope.pack(big[100:110])
-    assert offloader.pool.in_use_bytes == _pow2(10 * 4)
+    assert offloader.pool.in_use_bytes == _held(10 * 4)
     assert torch.equal(scope.unpack(handle), big[100:110])
 
 
@@ -133,7 +133,7 @@ def test_a_tensor_written_in_place_between_saves_is_copied_again():
     before = t.clone()
     t.add_(1)
     second = scope.pack(t)
-    assert offloader.pool.in_use_bytes == 2 * _pow2(t.numel() * 4)
+    assert offloader.pool.in_use_bytes == 2 * _held(t.numel() * 4)
     assert torch.equal(scope.unpack(first), before) and torch.equal(scope.unpack(second), t)
 
 
@@ -165,8 +165,34 @@ def test_off_without_grad_under_other_hooks_and_for_other_devices():
     assert default.host_bytes == 0
 
 
+@pytest.mark.parametrize("nbytes", [1, 7, 192, 1000, 4097, 2**20 + 3, 342_733 * 4096 * 2, 3 * 2**33 - 1])
+@pytest.mark.parametrize("piece_bits, bucket_bytes", [(4, 1), (4, 1 << 21), (0, 1), (2, 3000)])
+def test_pieces_are_powers_of_two_whose_sum_wastes_under_one_granule(nbytes, piece_bits, bucket_bytes):
+    config = OffloadConfig(piece_bits=piece_bits, bucket_bytes=bucket_bytes)
+    sizes = piece_sizes(nbytes, config)
+    granule = max(1 << max(nbytes.bit_length() - 1 - piece_bits, 0), 1 << (bucket_bytes - 1).bit_length())
+    assert all(s & (s - 1) == 0 and s >= granule for s in sizes) and sizes == sorted(set(sizes), reverse=True)
+    assert nbytes <= sum(sizes) < nbytes + granule and sum(sizes) % granule == 0
+    assert len(sizes) <= piece_bits + 1
+    if piece_bits == 0:  # one buffer: the next power of two (at least the bucket)
+        assert sizes == [max(1 << (nbytes - 1).bit_length(), granule)]
+
+
+def test_storages_in_several_pieces_come_back_bitwise():
+    offloader = Offloader(ON_CPU)
+    t = torch.randn(4099, dtype=torch.float64)[3:]  # over half its storage: the storage goes, 32,792 bytes
+    odd = torch.randn(1000, 37)[:, 1:30]  # 29 of 37 columns, strided: its storage goes, 148,000 bytes
+    scope = _scope(offloader)
+    handles = [scope.pack(t), scope.pack(odd)]
+    sizes = [piece_sizes(4099 * 8, ON_CPU), piece_sizes(37000 * 4, ON_CPU)]
+    assert [len(s) for s in sizes] == [2, 3]  # 32 KiB + 2 KiB; 128 KiB + 16 KiB + 8 KiB
+    assert offloader.pool.in_use_bytes == sum(map(sum, sizes))
+    back = [scope.unpack(h) for h in handles]
+    assert torch.equal(back[0], t) and torch.equal(back[1], odd) and back[1].stride() == odd.stride()
+
+
 @pytest.mark.parametrize("field, value", [("device_types", ()), ("min_bytes", -1), ("bucket_bytes", 0),
-                                          ("min_bytes", 1.5)])
+                                          ("min_bytes", 1.5), ("piece_bits", -1), ("piece_bits", True)])
 def test_config_checks_its_fields(field, value):
     with pytest.raises(ValueError, match=field):
         OffloadConfig(**{field: value})

@@ -42,14 +42,20 @@ that a stock ``nn.Linear`` saves (bf16 of an fp32 weight) is a tensor of its own
 activation; tigon's patched projections and MLPs cast their weights again in the backward instead of
 saving such copies.
 
-Host buffers are pinned (page-locked, so that the copies are asynchronous DMA) and pooled by size,
-rounded up to a power of two (at least ``bucket_bytes``): pinning is slow (``cudaHostAlloc`` maps
-pages), the sizes repeat from step to step, and torch's pinned allocator rounds every block up to a
-power of two anyway, so the pool's sizes are the memory pinned. A buffer returns to the pool when the
-last handle on its bytes is freed (the graph node that saved it ran its backward, or the graph was
-dropped); its next writer is a copy on the same side stream, so it is stream-ordered after every read
-of it. :attr:`Offloader.host_bytes` is the
-pinned memory held; :meth:`Offloader.release` frees what the pool holds unused.
+Host buffers are pinned (page-locked, so that the copies are asynchronous DMA) and pooled by size.
+Pinning is slow (``cudaHostAlloc`` maps pages) and the sizes repeat from step to step, so buffers are
+reused; torch's pinned allocator rounds every block up to a power of two, so the pool's sizes are
+powers of two and are the memory pinned. One buffer per copy would waste up to half of it (a layer
+input of 2.8 GB, 8B widths at 342K tokens, would pin 4 GiB). So a copy of n bytes takes several
+buffers (:func:`piece_sizes`): n is rounded up to a multiple of a granule g, a power of two at least
+``bucket_bytes`` and at least 2^(⌊log₂ n⌋ − ``piece_bits``), and the set bits of that multiple are the
+pieces, the largest first. Unused bytes are under g, at most n / 2^``piece_bits`` (1/16 by default)
+beyond the smallest bucket, and a copy takes at most ``piece_bits`` + 1 buffers (one each way per
+piece; a 2.8 GB input: 2 GiB + 512 MiB + 128 MiB). A buffer returns to the pool when the last handle
+on its bytes is freed (the graph node that saved it ran its backward, or the graph was dropped); its
+next writer is a copy on the same side stream, so it is stream-ordered after every read of it.
+:attr:`Offloader.host_bytes` is the pinned memory held; :meth:`Offloader.release` frees what the
+pool holds unused.
 
 Bandwidth: each offloaded byte crosses PCIe twice (a PCIe 5 x16 link moves about 50 GB/s each way).
 With gradient checkpointing that is 2·4·H bytes a token a layer against a layer's recompute and
@@ -74,16 +80,25 @@ class OffloadConfig:
 
     device_types: tuple[str, ...] = ("cuda",)  # tensors on these device types are offloaded
     min_bytes: int = 1 << 20  # smaller saved tensors stay where they are
-    bucket_bytes: int = 1 << 21  # the smallest host buffer (sizes round up to powers of two, pooled by size)
+    bucket_bytes: int = 1 << 21  # the smallest host buffer (rounded up to a power of two)
+    piece_bits: int = 4  # a copy of n bytes leaves < n / 2**piece_bits unused, in ≤ piece_bits + 1 buffers
     pin_memory: bool = True  # page-locked host buffers (where CUDA is available; plain ones otherwise)
 
     def __post_init__(self):
         if not self.device_types or not all(isinstance(d, str) for d in self.device_types):
             raise ValueError(f"device_types must be a non-empty tuple of device type names, got {self.device_types!r}")
-        for name in ("min_bytes", "bucket_bytes"):
+        for name, least in (("min_bytes", 0), ("bucket_bytes", 1), ("piece_bits", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "bucket_bytes"):
-                raise ValueError(f"{name} must be a non-negative integer (bucket_bytes ≥ 1), got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer ≥ {least}, got {value!r}")
+
+
+def piece_sizes(nbytes: int, config: OffloadConfig) -> list[int]:
+    """The host buffers a copy of ``nbytes`` takes: powers of two, the largest first, summing to ``nbytes``
+    rounded up to a multiple of the granule 2^max(⌊log₂ nbytes⌋ − piece_bits, ⌈log₂ bucket_bytes⌉)."""
+    granule_bits = max(max(nbytes, 1).bit_length() - 1 - config.piece_bits, (config.bucket_bytes - 1).bit_length())
+    total = -(-max(nbytes, 1) >> granule_bits) << granule_bits  # ceil(nbytes / granule) · granule
+    return [1 << bit for bit in range(total.bit_length() - 1, granule_bits - 1, -1) if total >> bit & 1]
 
 
 def _hooks_active() -> bool:
@@ -111,23 +126,22 @@ class HostPool:
         self.peak_in_use_bytes = 0
         self.lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        size = max(self.config.bucket_bytes, 1 << max(nbytes - 1, 0).bit_length())
+    def take(self, nbytes: int) -> list[torch.Tensor]:
+        """Buffers for a copy of ``nbytes`` (:func:`piece_sizes`), from the pool where it has them."""
+        sizes = piece_sizes(nbytes, self.config)
         with self.lock:
-            buffer = self.free[size].pop() if self.free[size] else None
-            if buffer is None:
-                self.host_bytes += size
-            self.in_use_bytes += size
+            buffers = [self.free[size].pop() if self.free[size] else size for size in sizes]
+            self.host_bytes += sum(b for b in buffers if isinstance(b, int))
+            self.in_use_bytes += sum(sizes)
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        if buffer is None:
-            pin = self.config.pin_memory and torch.cuda.is_available()
-            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        return buffer
+        pin = self.config.pin_memory and torch.cuda.is_available()
+        return [torch.empty(b, dtype=torch.uint8, pin_memory=pin) if isinstance(b, int) else b for b in buffers]
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffers: list[torch.Tensor]) -> None:
         with self.lock:
-            self.free[buffer.numel()].append(buffer)
-            self.in_use_bytes -= buffer.numel()
+            for buffer in buffers:
+                self.free[buffer.numel()].append(buffer)
+                self.in_use_bytes -= buffer.numel()
 
     def release(self) -> None:
         with self.lock:
@@ -156,8 +170,18 @@ class _Stored:
         self.restored = None  # strong reference (prefetched, awaited by a handle)
         self.restored_weak = None
         self.ready = None  # CUDA event: the restore's copy is done
-        offloader.copy(self.host[: self.nbytes], _bytes_of(source.untyped_storage(), source.device)[lo:hi])
+        offloader.copy(self.pairs(_bytes_of(source.untyped_storage(), source.device)[lo:hi], to_host=True))
         weakref.finalize(self, offloader.pool.give, self.host)
+
+    def pairs(self, device_bytes: torch.Tensor, to_host: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) of each host piece and its span of ``device_bytes``."""
+        pairs, start = [], 0
+        for piece in self.host:
+            n = min(piece.numel(), self.nbytes - start)
+            span, held = device_bytes[start: start + n], piece[:n]
+            pairs.append((held, span) if to_host else (span, held))
+            start += n
+        return pairs
 
     def live_copy(self):
         if self.restored is not None:
@@ -169,7 +193,7 @@ class _Stored:
         device_bytes = self.live_copy()
         if device_bytes is None:
             device_bytes = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            self.ready = self.offloader.copy(device_bytes, self.host[: self.nbytes])
+            self.ready = self.offloader.copy(self.pairs(device_bytes, to_host=False))
             self.restored = device_bytes
         return device_bytes
 
@@ -232,20 +256,25 @@ class Offloader:
             stream = self.streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        """``dst.copy_(src)``; between host and a CUDA device on the side stream, after the compute
-        stream's work so far, returning the event that marks its end (None for a plain copy)."""
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        """``dst.copy_(src)`` for each (dst, src) pair, all between the host and one device (the pieces
+        of one span); to or from a CUDA device on the side stream, after the compute stream's work so far,
+        returning the event that marks the end of the last (None for plain copies)."""
+        dst, src = pairs[0]
         device = dst.device if dst.device.type == "cuda" else src.device
         if device.type != "cuda":
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
             return None
         compute, side = torch.cuda.current_stream(device), self.side_stream(device)
         side.wait_stream(compute)
         with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        # The allocator may hand either device block to another tensor only after the side stream's copy.
+        # The allocator may hand the device block to another tensor only after the side stream's copies
+        # (the spans are views of one block: recording one records the block).
         (src if src.device.type == "cuda" else dst).record_stream(side)
         return done
 
