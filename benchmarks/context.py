@@ -24,7 +24,8 @@ checkpointing, non-reentrant, on every decoder layer), ``liger+ckpt`` (Liger-Ker
 ``apply_liger_kernel_to_llama()`` before the model is built, with checkpointing; when ``liger_kernel``
 imports), ``tigon`` (``tigon.patch(model)``), ``tigon+long`` (``tigon.patch(model, offload_activations=True,
 tiled_mlp=True)`` with checkpointing: each layer's input waits in pinned host memory, the MLP runs over
-chunks of tokens). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
+chunks of tokens), ``tigon+tiled`` (the same without the offload: ``tiled_mlp=True`` with checkpointing; at 32K
+tokens ``tigon+long`` against it is what the offload costs, printed under each model's table). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
 run and loaded as Unsloth's users load a model, ``FastLanguageModel.from_pretrained`` (the LoRA rows: bf16,
 or 4-bit nf4 for QLoRA, then its ``get_peft_model`` with the row's rank on the same layers; ``llama-1b``:
 ``full_finetuning=True``, bf16 loaded and every parameter upcast to fp32 by its ``float32_mixed_precision``):
@@ -76,20 +77,21 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, th
 
 from benchmarks import e2e, unsloth_models  # noqa: E402  (probes, the search, OOM detection; Unsloth)
 
-PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+long")
+PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+long")
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+long")
 PROVIDER_TITLES = {
     "stock": "stock",
     "stock+ckpt": "stock + checkpointing",
     "liger+ckpt": "Liger-Kernel + checkpointing",
     "tigon": "tigon",
+    "tigon+tiled": "tigon + checkpointing + tiled MLP",
     "tigon+long": "tigon + checkpointing + offload + tiled MLP",
     "unsloth": "Unsloth",
     "unsloth+ckpt": "Unsloth + offloaded checkpointing",
     "unsloth+long": "Unsloth + offloaded checkpointing + tiled MLP",
 }
 COLOURS = {"stock": "tab:gray", "stock+ckpt": "tab:cyan", "liger+ckpt": "tab:green", "tigon": "tab:orange",
-           "tigon+long": "tab:red", "unsloth": "tab:purple", "unsloth+ckpt": "tab:pink", "unsloth+long": "tab:brown"}
+           "tigon+tiled": "tab:olive", "tigon+long": "tab:red", "unsloth": "tab:purple", "unsloth+ckpt": "tab:pink", "unsloth+long": "tab:brown"}
 LLAMA_3_1_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -115,6 +117,7 @@ START = 8192
 MAX_TOKENS = 262144
 THROUGHPUT_SEQ = 32768
 STEPS = 2
+OFFLOAD_COST_TARGET = 0.90  # tigon+long's tokens/s at 32K over tigon+tiled's: the offload costs at most 10%
 LR = 1e-4
 SEED = 0
 PROBE_TIMEOUT_S = 300
@@ -224,8 +227,8 @@ def build(job: dict):
             model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS))
         if "tigon" in parts:
             long = "long" in parts
-            tigon.patch(model, offload_activations=long, tiled_mlp=long)
-        if "ckpt" in parts or "long" in parts:
+            tigon.patch(model, offload_activations=long, tiled_mlp=long or "tiled" in parts)
+        if parts & {"ckpt", "long", "tiled"}:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -395,6 +398,14 @@ def published_line() -> str:
             f"length\", 4-bit QLoRA r=32 on all linear layers, batch 1, A100/H100 — {figures}.")
 
 
+def offload_cost(rows: list[dict]) -> float | None:
+    """tigon+long's tokens/s at 32K over tigon+tiled's (the same switches without the offload), where both
+    were measured."""
+    at_32k = {r["provider"]: r["tokens_per_s_at_32k"] for r in rows}
+    with_offload, without = at_32k.get("tigon+long"), at_32k.get("tigon+tiled")
+    return with_offload / without if with_offload and without else None
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Longest context at batch 1 — {result['device']} — {result['date']}", ""]
     versions = result.get("versions") or {}
@@ -422,6 +433,11 @@ def markdown(result: dict) -> str:
                 f"| {_cell(r['host_bytes_at_longest'] and r['host_bytes_at_longest'] / GIB, '{:.1f}')} "
                 f"| {failure.replace('|', '/')} |")  # a worker's error joins its last lines with " | "
         lines.append("")
+        cost = offload_cost(rows)
+        if cost is not None:
+            verdict = "within" if cost >= OFFLOAD_COST_TARGET else "outside"
+            lines += [f"The offload at 32K tokens: {PROVIDER_TITLES['tigon+long']} runs at {cost:.3f}× the tokens/s of "
+                      f"{PROVIDER_TITLES['tigon+tiled']} ({verdict} the target of ≥ {OFFLOAD_COST_TARGET:.2f}×).", ""]
         if MODELS[model][2] == "qlora" and not settings.get("tiny"):
             lines += [published_line(), ""]
     if settings.get("skipped"):
