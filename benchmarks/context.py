@@ -25,7 +25,9 @@ checkpointing, non-reentrant, on every decoder layer), ``liger+ckpt`` (Liger-Ker
 imports), ``tigon`` (``tigon.patch(model)``), ``tigon+long`` (``tigon.patch(model, offload_activations=True,
 tiled_mlp=True)`` with checkpointing: each layer's input waits in pinned host memory, the MLP runs over
 chunks of tokens), ``tigon+tiled`` (the same without the offload: ``tiled_mlp=True`` with checkpointing; at 32K
-tokens ``tigon+long`` against it is what the offload costs, printed under each model's table). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
+tokens ``tigon+long`` against it is what the offload costs, printed under each model's table), ``tigon+long+kept``
+(``tigon+long`` with ``keep_attention=True``: the recompute takes the attention kernel's outputs of the forward
+back, which stay on the GPU). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
 run and loaded as Unsloth's users load a model, ``FastLanguageModel.from_pretrained`` (the LoRA rows: bf16,
 or 4-bit nf4 for QLoRA, then its ``get_peft_model`` with the row's rank on the same layers; ``llama-1b``:
 ``full_finetuning=True``, bf16 loaded and every parameter upcast to fp32 by its ``float32_mixed_precision``):
@@ -43,7 +45,7 @@ process holds on the GPU would be missing from the probe's), so that an out-of-m
 the next try. An error is a result: a provider that cannot
 run a model gets a row with its error. ``--gpu-memory`` caps each probe's PyTorch allocations
 (``torch.cuda.set_per_process_memory_fraction``) to compare with figures from a smaller GPU. Reported per
-length that trained: the second step's tokens/s, the peak allocated GPU memory, and for ``tigon+long`` the
+length that trained: the second step's tokens/s, the peak allocated GPU memory, and for ``tigon+long*`` the
 pinned host memory its offloader holds. tokens/s at 32K is the 32,768-token probe's (doubling from 8192
 passes it); at the longest, the longest probe's ("≥" where ``--max-tokens`` itself trained).
 
@@ -77,7 +79,7 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, th
 
 from benchmarks import e2e, unsloth_models  # noqa: E402  (probes, the search, OOM detection; Unsloth)
 
-PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+long")
+PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+long", "tigon+long+kept")
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+long")
 PROVIDER_TITLES = {
     "stock": "stock",
@@ -86,12 +88,14 @@ PROVIDER_TITLES = {
     "tigon": "tigon",
     "tigon+tiled": "tigon + checkpointing + tiled MLP",
     "tigon+long": "tigon + checkpointing + offload + tiled MLP",
+    "tigon+long+kept": "tigon + checkpointing + offload + tiled MLP + kept attention",
     "unsloth": "Unsloth",
     "unsloth+ckpt": "Unsloth + offloaded checkpointing",
     "unsloth+long": "Unsloth + offloaded checkpointing + tiled MLP",
 }
 COLOURS = {"stock": "tab:gray", "stock+ckpt": "tab:cyan", "liger+ckpt": "tab:green", "tigon": "tab:orange",
-           "tigon+tiled": "tab:olive", "tigon+long": "tab:red", "unsloth": "tab:purple", "unsloth+ckpt": "tab:pink", "unsloth+long": "tab:brown"}
+           "tigon+tiled": "tab:olive", "tigon+long": "tab:red", "tigon+long+kept": "tab:blue", "unsloth": "tab:purple",
+           "unsloth+ckpt": "tab:pink", "unsloth+long": "tab:brown"}
 LLAMA_3_1_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -227,7 +231,8 @@ def build(job: dict):
             model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS))
         if "tigon" in parts:
             long = "long" in parts
-            tigon.patch(model, offload_activations=long, tiled_mlp=long or "tiled" in parts)
+            tigon.patch(model, offload_activations=long, tiled_mlp=long or "tiled" in parts,
+                        keep_attention="kept" in parts)
         if parts & {"ckpt", "long", "tiled"}:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -26,6 +26,9 @@ def test_arguments():
                                                                                           "tigon+4bit+ckpt"]
     assert lora.reference_names("tigon+4bit+ckpt") == ("peft+4bit+ckpt", "peft+4bit")
     assert lora.reference_names("liger") == ("peft", "peft+ckpt")
+    assert lora.reference_names("tigon+ckpt+kept") == ("peft+ckpt", "peft")
+    assert lora.fp32_reference("tigon+ckpt+kept") == "peft+fp32"
+    assert lora._title("tigon+ckpt+kept") == "tigon.patch(PeftModel) + checkpointing + kept attention"
     assert lora.fp32_reference("tigon+4bit+ckpt") == "peft+4bit+fp32" and lora.fp32_reference("liger") == "peft+fp32"
     assert args.seq == lora.TINY_SEQ and args.matmul_size == lora.TINY_MATMUL_SIZE
     for bad in (["--layers", "0"], ["--providers", "unsloth+liger"], ["--providers", "peft", "peft"],

@@ -12,8 +12,8 @@ import torch
 import tigon
 from tests.helpers import LOSS_TOLERANCE, TOLERANCE
 from tests.patching.tiny import DEVICE, assert_grads_close, batch, grads, rel, tiny_model
-from tigon.nn.activation_offload import (CHECKPOINT_ATTR, LayerOffload, OffloadConfig, Offloader, ScopedCheckpoint,
-                                         piece_sizes)
+from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader, ScopedCheckpoint, piece_sizes
+from tigon.nn.checkpoint_chain import CHECKPOINT_ATTR
 from tigon.nn.tiled_mlp import TiledForward
 from tigon.patching.parts import long_context
 

@@ -73,6 +73,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tigon.nn.checkpoint_chain import CheckpointWrap, CheckpointWrapper
+
 
 @dataclass(frozen=True)
 class OffloadConfig:
@@ -377,11 +379,9 @@ class LayerScope(torch.autograd.graph.saved_tensors_hooks):
                 del live[key]
 
 
-CHECKPOINT_ATTR = "_gradient_checkpointing_func"  # transformers' checkpoint function, on each layer
-
-
-class ScopedCheckpoint:
-    """A layer's ``_gradient_checkpointing_func`` that runs the checkpoint call inside the layer's scope.
+class ScopedCheckpoint(CheckpointWrapper):
+    """A layer's checkpoint function that runs the checkpoint call inside the layer's scope (its ``owner``: the
+    layer's :class:`LayerOffload`).
 
     transformers 5.17–5.22 checkpoint in ``GradientCheckpointingLayer.__call__``, around
     ``Module.__call__``: the layer's forward hooks (where :class:`LayerOffload` enters its scope) run inside
@@ -389,12 +389,9 @@ class ScopedCheckpoint:
     the scope around the checkpoint call offloads that input. From 5.23 the checkpoint runs inside
     ``forward``, after the pre-hook: the scope is active already and this wrapper only calls through."""
 
-    def __init__(self, offload: LayerOffload, inner):
-        self.offload, self.inner = offload, inner
-
     def __call__(self, function, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
-        scope = None if torch.compiler.is_compiling() else self.offload.scope_for(hidden)
+        scope = None if torch.compiler.is_compiling() else self.owner.scope_for(hidden)
         if scope is None:
             return self.inner(function, *args, **kwargs)
         scope.__enter__()
@@ -405,16 +402,18 @@ class ScopedCheckpoint:
             scope.close()
 
 
-class LayerOffload:
+class LayerOffload(CheckpointWrap):
     """The switch on one layer: a scope around each of its training forwards (forward hooks, the
     pre-hook prepended so that it runs before any other scope's, recompute_norms' included, which then
     stays off), and around the checkpoint call where transformers checkpoints outside the hooks
-    (:class:`ScopedCheckpoint`). ``gradient_checkpointing_enable()`` sets the layer's checkpoint function
-    after the patch too, so ``owner`` (the module whose forward calls the layer) gets a forward pre-hook
-    that wraps it before each forward. ``apply`` registers the hooks, ``undo`` removes them and unwraps."""
+    (:class:`ScopedCheckpoint`, kept around the layer's checkpoint function by :class:`CheckpointWrap`:
+    ``caller``, the module whose forward calls the layer, gets a pre-hook that wraps the function
+    ``gradient_checkpointing_enable()`` sets after the patch). ``apply`` registers the hooks, ``undo`` removes
+    them and unwraps."""
 
-    def __init__(self, layer: torch.nn.Module, offloader: Offloader, owner: torch.nn.Module | None = None):
-        self.layer, self.offloader, self.owner, self.handles = layer, offloader, owner, []
+    def __init__(self, layer: torch.nn.Module, offloader: Offloader, caller: torch.nn.Module | None = None):
+        super().__init__(layer, caller)
+        self.offloader = offloader
         self.scopes = threading.local()
 
     def __getstate__(self):  # the per-thread scope stacks are not copied (between forwards they are empty)
@@ -424,43 +423,15 @@ class LayerOffload:
         vars(self).update(state)
         self.scopes = threading.local()
 
+    def wrapper(self, function) -> ScopedCheckpoint:
+        return ScopedCheckpoint(self, function)
+
     def apply(self):
         self.handles = [
             self.layer.register_forward_pre_hook(self.enter, with_kwargs=True, prepend=True),
             self.layer.register_forward_hook(self.exit, always_call=True),
         ]
-        if self.owner is not None:
-            self.handles.append(self.owner.register_forward_pre_hook(self.wrap_checkpoint))
-        self.wrap_checkpoint()
-
-    def undo(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        outer, wrapped = None, vars(self.layer).get(CHECKPOINT_ATTR)
-        while isinstance(wrapped, ScopedCheckpoint):  # take this switch's wrapper out of the chain
-            if wrapped.offload is self:
-                if outer is None:
-                    vars(self.layer)[CHECKPOINT_ATTR] = wrapped.inner
-                else:
-                    outer.inner = wrapped.inner
-                return
-            outer, wrapped = wrapped, wrapped.inner
-
-    def wrap_checkpoint(self, *_hook_args):
-        """Wrap the layer's checkpoint function (set by ``gradient_checkpointing_enable``) unless this
-        switch wrapped it already (another switch's wrapper may be outside or inside it). Not while
-        torch.compile traces (the scope stays off there anyway)."""
-        if torch.compiler.is_compiling():
-            return
-        function = vars(self.layer).get(CHECKPOINT_ATTR)
-        wrapped = function
-        while isinstance(wrapped, ScopedCheckpoint):
-            if wrapped.offload is self:
-                return
-            wrapped = wrapped.inner
-        if function is not None:
-            vars(self.layer)[CHECKPOINT_ATTR] = ScopedCheckpoint(self, function)
+        super().apply()
 
     def scope_for(self, hidden) -> LayerScope | None:
         """A new scope for a forward of the layer on ``hidden``, or None where it stays off."""

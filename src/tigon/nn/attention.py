@@ -82,6 +82,10 @@ backward sums dq with atomics: bitwise only up to their order, as between two sd
 caller saves every tensor the backward reads through ``save_for_backward``, where saved-tensor hooks
 (checkpointing, offloading) see it.
 
+Under non-reentrant gradient checkpointing with the ``keep_attention`` switch, the node's backend call goes through
+:func:`tigon.nn.kept_attention.attend`: the forward's outputs are kept, and the recompute in the backward takes
+them back instead of calling the backend again.
+
 Two calls are made here, the two transformers' sdpa interface makes for a decoder's self-attention
 over ``T ≥ 2`` queries:
 
@@ -113,6 +117,7 @@ the mask does. Not while a CUDA graph is captured (a replay runs no Python to tu
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -120,6 +125,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from tigon._kernels import cast_stacked, function_apply, matmul_to, sum_rows_to
+from tigon.nn import kept_attention
 from tigon.nn.lora import Adapters, adapters_forward, adapters_input_grads, adapters_weight_grads, cast_adapters
 from tigon.nn.quantized_base import backward_weights, forward_weight, forward_weights, joined, split_saved, unquantized
 from tigon.ops.rope import rope_into
@@ -285,8 +291,10 @@ class AttentionNode(torch.autograd.Function):
         # repeated to the query heads first (repeat_kv; the cache takes them as they were)
         groups = heads // kv_heads if mask is not None else 1
         k_attended, v_attended = (k, v) if groups == 1 else (repeat_heads(k, groups), repeat_heads(v, groups))
-        attended = attend(q, k_attended, v_attended, scale, gqa=mask is None and kv_heads != heads, mask=mask,
-                          biases=biases)
+        # under gradient checkpointing with keep_attention, the recompute takes the forward's kernel outputs back
+        compute = functools.partial(attend, q, k_attended, v_attended, scale, gqa=mask is None and kv_heads != heads,
+                                    mask=mask, biases=biases)
+        attended = kept_attention.attend(compute, q, k_attended, v_attended, mask)
         if attended is None:
             raise NotCalledHere  # before any side effect: the caller runs the attention's own forward
         out, saved, sizes = attended                                            # (B, Hq, T, D)

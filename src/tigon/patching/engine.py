@@ -38,7 +38,7 @@ from tigon.patching.parts import vision
 from tigon.patching.parts.attention import ATTENTION
 from tigon.patching.parts.experts import EXPERTS
 from tigon.patching.parts.graphs import GRAPHS
-from tigon.patching.parts.long_context import OFFLOAD, TILED_MLP
+from tigon.patching.parts.long_context import KEEP_ATTENTION, OFFLOAD, TILED_MLP
 from tigon.patching.parts.loss_head import LOSS_HEAD, loss_lines, plan_loss
 from tigon.patching.parts.mlp import MLPS
 from tigon.patching.parts.norms import LAYER_NORMS, RMS_NORMS
@@ -63,18 +63,19 @@ SWITCHES = {
     "fused_attention": True,
     "offload_activations": False,
     "tiled_mlp": False,
+    "keep_attention": False,
     "prehash": True,
 }
 
 # The parts, in the order they are planned: recompute after the norms (its hooks go on the tigon norms that
 # part swaps in), graphs after the joined layers (they replay the joined forward).
 PARTS = (RMS_NORMS, LAYER_NORMS, MLPS, EXPERTS, ATTENTION, LOSS_HEAD, GRAPHS, SLIDING_WINDOW, RECOMPUTE, OFFLOAD,
-         TILED_MLP)
+         TILED_MLP, KEEP_ATTENTION)
 # The switches of the parts a decoder has (the loss is the ForConditionalGeneration's). cuda_graphs replays the
 # language model's decoder layers; the vision tower stays eager (its attention reads cu_seqlens on the host,
 # which a captured graph cannot).
 DECODER_SWITCHES = ("rms_norm", "layer_norm", "mlp", "rope", "sliding_window", "cuda_graphs", "fused_attention",
-                    "offload_activations", "tiled_mlp")
+                    "offload_activations", "tiled_mlp", "keep_attention")
 
 
 def supported_models() -> list[str]:
@@ -104,6 +105,9 @@ def check_switches(switches: dict) -> dict:
         )
     if chosen["recompute_norms"] and not chosen["rms_norm"]:
         raise ValueError("recompute_norms remakes the outputs of tigon's norms: it needs rms_norm=True")
+    if chosen["keep_attention"] and not (chosen["rope"] and chosen["fused_attention"]):
+        raise ValueError("keep_attention keeps the outputs of tigon's attention node: it needs rope=True and "
+                         "fused_attention=True")
     if chosen["recompute_norms"] and chosen["cuda_graphs"]:
         raise ValueError("recompute_norms and cuda_graphs are exclusive (a captured layer's backward cannot "
                          "run the recompute's Python)")
@@ -358,7 +362,8 @@ def patch(target, **switches) -> Patch:
 
     Switches (defaults): ``rope=True, rms_norm=True, layer_norm=True, mlp=True, cross_entropy=False,
     fused_linear_cross_entropy=True, cuda_graphs=False, recompute_norms=False, sliding_window=True,
-    vision_attention=True, fused_attention=True, offload_activations=False, tiled_mlp=False, prehash=True``. A
+    vision_attention=True, fused_attention=True, offload_activations=False, tiled_mlp=False, keep_attention=False,
+    prehash=True``. A
     switch is a no-op where the family has no such part.
 
     - ``rope``: the attention's rotary as ``tigon.ops.rope``, its projections sharing one autocast cast.
@@ -380,6 +385,9 @@ def patch(target, **switches) -> Patch:
       its input) waits in pinned host memory, back a layer ahead in the backward (parts/long_context.py).
     - ``tiled_mlp``: the MLP forward and backward over chunks of tokens, so its (tokens, intermediate)
       activations never exist whole (parts/long_context.py).
+    - ``keep_attention``: under non-reentrant gradient checkpointing, the attention node's kernel output and
+      log-sum-exp are kept from the forward, and the recompute in the backward takes them back instead of running
+      the T² kernel again (tigon.nn.kept_attention; needs ``rope`` and ``fused_attention``).
     - ``prehash``: replaces nothing; on a CUDA model, Triton's compiler key (a hash of its own installation,
       which the first kernel lookup of a process computes) is hashed on a background thread from here, so
       that the first forward finds it done (_kernels/triton_key.py).

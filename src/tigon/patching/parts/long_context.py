@@ -15,8 +15,14 @@
 - ``tiled_mlp``: each gated MLP module (the family's class, or the tigon GLU module the ``mlp`` switch
   swaps in: found when the patch is applied) gets an instance forward, ``tigon.nn.tiled_mlp.TiledForward``,
   that runs its forward over chunks of tokens, forward and backward.
+- ``keep_attention``: each decoder layer's checkpoint function is wrapped
+  (``tigon.nn.kept_attention.LayerKeep``, kept wrapped as the offload's is) so that under non-reentrant
+  gradient checkpointing the recompute in the backward takes the attention kernel's outputs of the forward back
+  instead of running the T² kernel again (tigon.nn.kept_attention). Where the family's attention runs as tigon's
+  node (the attention part's ``fused_attention``): the engine refuses the switch without ``rope`` and
+  ``fused_attention``, and ``Patch.replaced`` says where a family's attention has no node.
 
-Both are changes that ``Patch.revert()`` undoes (hooks removed, instance forwards and attributes
+These are changes that ``Patch.revert()`` undoes (hooks removed, instance forwards and attributes
 restored); patching what is patched already is a no-op.
 """
 
@@ -25,14 +31,17 @@ from __future__ import annotations
 import torch
 
 from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
+from tigon.nn.kept_attention import LayerKeep
 from tigon.nn.tiled_mlp import TiledForward, TiledMLPConfig
 from tigon.patching.instance_methods import InstanceMethod, Recipe, class_forward
 from tigon.patching.parts import Part
+from tigon.patching.parts.attention import fuses_attention
 from tigon.patching.patch_handle import SetAttr
 from tigon.patching.sites import own_forward
 
 OFFLOAD_ATTR = "_tigon_offload"  # on a decoder layer: its LayerOffload
 OFFLOADER_ATTR = "_tigon_offloader"  # on the model: the Offloader its layers share
+KEEP_ATTR = "_tigon_keep_attention"  # on a decoder layer: its LayerKeep
 
 
 def check(switches) -> None:
@@ -160,5 +169,39 @@ def plan_tiled_mlp(plan, model, family, classes, switches, config: TiledMLPConfi
         plan.add(_TileMLP(parent, name, hidden_size, config), line)
 
 
+# ------------------------------------------------------------------------------------ kept attention
+
+
+def keep_attention_lines(family, classes, switches) -> list[str]:
+    if not fuses_attention(family, classes, switches):
+        return [f"keep_attention: {classes.attention.__name__} does not run as tigon's attention node in "
+                f"{family.model_type}: nothing is kept"]
+    return [f"{classes.decoder_layer.__name__}: under non-reentrant gradient checkpointing, the attention kernel's "
+            "output and log-sum-exp kept from the forward, for the recompute in the backward to take back instead "
+            "of running the kernel again (keep_attention)"]
+
+
+def plan_keep_attention(plan, model, family, classes, switches) -> None:
+    """The keep_attention switch on every decoder layer of ``model`` whose attention runs as tigon's node."""
+    line = keep_attention_lines(family, classes, switches)[0]
+    if not fuses_attention(family, classes, switches):
+        plan.note(line)
+        return
+    added = False
+    for layer, parent, _ in _modules_of(model, classes.decoder_layer):
+        if vars(layer).get(KEEP_ATTR) is not None:
+            continue
+        change = LayerKeep(layer, _caller_of(model, parent))
+        plan.add(change, line)
+        plan.add(SetAttr(layer, KEEP_ATTR, change))
+        added = True
+    parameter = next(model.parameters(), None)
+    if added and parameter is not None and parameter.device.type == "cpu":
+        plan.note("keep_attention: the model is on the CPU, where tigon's attention node does not run: nothing is "
+                  "kept")
+
+
 OFFLOAD = Part("offload_activations", lambda f, c: c.decoder_layer is not None, plan_offload, offload_lines)
+KEEP_ATTENTION = Part("keep_attention", lambda f, c: c.decoder_layer is not None and c.attention is not None,
+                      plan_keep_attention, keep_attention_lines)
 TILED_MLP = Part("tiled_mlp", lambda f, c: c.mlp is not None, plan_tiled_mlp, tiled_mlp_lines)

@@ -1,0 +1,117 @@
+r"""Attention kept through gradient checkpointing: the recompute in the backward reuses the attention kernel's
+output from the forward instead of running the kernel again.
+
+Non-reentrant checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, transformers'
+default) runs a layer's forward twice: in the forward pass, keeping only the layer's input, and again in the
+backward, to remake the tensors the layer's backward reads. For self-attention over T tokens that second run
+includes the T² kernel. Per layer, with F the kernel's forward flops (4·T²·Hq·D over the causal half: 2·T²·Hq·D),
+a step spends F forward, F again in the recompute and about 2.5·F in the kernel's backward (five products
+against the forward's two): the recompute is 1/4.5 of the attention's work, and at long context attention is
+most of a step (Llama-3.1-8B at 262,144 tokens: ~87% of the flops). What the backward needs from that kernel
+is small, the output O (B, T, Hq·D) in the compute dtype and its log-sum-exp L (B, Hq, T) in fp32: at
+Llama-3.1-8B's widths in bf16, 8 KB + 128 B a token a layer, about what the checkpoint keeps of the layer's
+input.
+
+:class:`KeptCall` is the function a checkpoint is handed, around the layer's forward (the same object runs in
+the forward and in the recompute). Each call makes it the current holder of this thread (:func:`current`) for
+its duration. In the first call, each attention node (``tigon.nn.attention.AttentionNode``) records what its
+kernel returned (:meth:`KeptCall.attend`: O, L and the backend's other outputs, in call order); in a later
+call, the recompute, each node takes its entry back instead of launching the kernel, after checking that the
+call is the same one (q, k, v shapes, dtypes and device; mask or none). A call that differs is computed and
+ends the replay for the rest of that run. The entries live as long as the checkpoint holds the function: its
+part of the autograd graph, freed after the backward (or with the graph, if no backward runs); a second
+backward through a retained graph replays them again.
+
+Exact: the recompute's q, k and v are the forward's bit for bit (the same products of the same input), and the
+kernel's output for them is the one kept, so the backward reads what an uncheckpointed step reads.
+
+Where nothing is kept: a reentrant checkpoint (its first run is without grad, where the node stands aside and
+stock attention runs; its recompute computes as without this), torch.compile (the node stands aside), an
+attention call outside a checkpoint. :class:`KeepingCheckpoint` wraps a decoder layer's checkpoint function
+(tigon.nn.checkpoint_chain) to hand the checkpoint a :class:`KeptCall`; :class:`LayerKeep` is the change that
+keeps it wrapped (the ``keep_attention`` switch of ``tigon.patch``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from tigon.nn.checkpoint_chain import CheckpointWrap, CheckpointWrapper
+
+_local = threading.local()  # .holders: this thread's KeptCalls, innermost last
+
+
+def current() -> KeptCall | None:
+    """The KeptCall whose function is running on this thread (the innermost), or None."""
+    holders = getattr(_local, "holders", None)
+    return holders[-1] if holders else None
+
+
+def _signature(q, k, v, mask) -> tuple:
+    return tuple((t.shape, t.dtype, t.device) for t in (q, k, v)) + (mask is None,)
+
+
+class KeptCall:
+    """``function`` as a checkpoint calls it, holding the attention kernels' outputs of its first call for the
+    later ones (module docs). ``runs``: how many times it ran; ``entries``: (signature, outputs) in call order."""
+
+    def __init__(self, function):
+        self.function = function
+        self.entries: list[tuple] = []
+        self.runs = 0
+        self.position = 0  # the next entry a replaying run takes
+        self.replaying = False
+
+    def __call__(self, *args, **kwargs):
+        self.replaying, self.position = self.runs > 0, 0
+        self.runs += 1
+        holders = getattr(_local, "holders", None)
+        if holders is None:
+            holders = _local.holders = []
+        holders.append(self)
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            holders.pop()
+
+    def attend(self, compute, q, k, v, mask):
+        """``compute()``'s result (an attention kernel's outputs for q, k, v and mask): computed and recorded in
+        the first run, the recorded one in a later run where the call is the same."""
+        signature = _signature(q, k, v, mask)
+        if not self.replaying:
+            outputs = compute()
+            if self.runs == 1:
+                self.entries.append((signature, outputs))
+            return outputs
+        if self.position < len(self.entries) and self.entries[self.position][0] == signature:
+            self.position += 1
+            return self.entries[self.position - 1][1]
+        self.replaying = False  # the run took another path: compute from here on
+        return compute()
+
+
+def attend(compute, q, k, v, mask):
+    """The attention kernel's outputs: kept or taken back by the current :class:`KeptCall`, else computed."""
+    holder = current()
+    return compute() if holder is None else holder.attend(compute, q, k, v, mask)
+
+
+class KeepingCheckpoint(CheckpointWrapper):
+    """A layer's checkpoint function that hands the checkpoint a :class:`KeptCall` around the layer's forward
+    (``owner``: the layer's :class:`LayerKeep`). Not while torch.compile traces."""
+
+    def __call__(self, function, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            function = KeptCall(function)
+        return self.inner(function, *args, **kwargs)
+
+
+class LayerKeep(CheckpointWrap):
+    """The ``keep_attention`` switch on one decoder layer: :class:`KeepingCheckpoint` around its checkpoint
+    function (``caller``: the module whose forward calls the layer, which wraps a function set after the
+    patch before each forward)."""
+
+    def wrapper(self, function) -> KeepingCheckpoint:
+        return KeepingCheckpoint(self, function)

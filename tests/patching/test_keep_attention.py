@@ -1,0 +1,248 @@
+"""The ``keep_attention`` switch (tigon.nn.kept_attention): under non-reentrant gradient checkpointing the recompute
+takes the attention kernel's outputs of the forward back instead of running the kernel again, and the step is
+bitwise the one without the switch.
+
+On the CPU the attention node is off by default (fused_attention.DEVICES, its dtypes): these tests add the CPU and
+fp32 to run it under the interpreter, with sdpa's CPU flash kernel. The GPU test counts the kernels launched."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+import tigon
+from tests.helpers import ON_GPU
+from tests.patching.tiny import DEVICE, batch, grads, tiny_model
+from tests.patching.tiny_lora import node_in_fp32_here
+from tigon.nn import attention, kept_attention
+from tigon.nn.activation_offload import ScopedCheckpoint
+from tigon.nn.checkpoint_chain import CHECKPOINT_ATTR
+from tigon.nn.kept_attention import KeepingCheckpoint, KeptCall
+
+# kernels alone: nothing but the attention patched (the norms, MLP and loss head stay stock)
+ONLY_ATTENTION = dict(rms_norm=False, mlp=False, fused_linear_cross_entropy=False)
+NON_REENTRANT = {"use_reentrant": False}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The node on this device, and a list that gets one entry per attention kernel the node launches."""
+    node_in_fp32_here(monkeypatch)
+    calls = []
+    attend = attention.attend
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "attend", counting)
+    return calls
+
+
+def _patched(layers=3, **switches):
+    """A tiny sdpa Llama with only its attention patched (and ``switches``), and the Patch."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=layers).to(DEVICE)
+    model.config._attn_implementation = "sdpa"
+    return model, tigon.patch(model, **ONLY_ATTENTION, **switches)
+
+
+def _model(layers=3, **switches):
+    return _patched(layers, **switches)[0]
+
+
+def _step(model, checkpointing=NON_REENTRANT, *, backwards=1):
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    ids, labels = batch(0, seq=16)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels).loss
+    for i in range(backwards):
+        loss.backward(retain_graph=i + 1 < backwards)
+    return loss.detach(), grads(model)
+
+
+def _assert_equal(got, want):
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys() and all(torch.equal(got[1][n], g) for n, g in want[1].items())
+
+
+def test_the_recompute_takes_the_kernels_outputs_back_bitwise(kernel_calls):
+    want = _step(_model(), None)  # no checkpointing: one kernel a layer
+    assert len(kernel_calls) == 3
+    kernel_calls.clear()
+    checkpointed = _step(_model())
+    assert len(kernel_calls) == 6  # forward and recompute
+    kernel_calls.clear()
+    got = _step(_model(keep_attention=True))
+    assert len(kernel_calls) == 3  # forward only
+    _assert_equal(got, checkpointed)
+    _assert_equal(got, want)
+
+
+def test_a_reentrant_checkpoint_keeps_nothing_and_computes_the_same(kernel_calls):
+    """Its first run is without grad, where the node stands aside (stock attention runs): the recompute's node
+    finds nothing kept and runs its kernel."""
+    want = _step(_model(), {"use_reentrant": True})
+    calls = len(kernel_calls)
+    kernel_calls.clear()
+    got = _step(_model(keep_attention=True), {"use_reentrant": True})
+    assert len(kernel_calls) == calls == 3
+    _assert_equal(got, want)
+
+
+def test_a_second_backward_through_a_retained_graph_replays_again(kernel_calls):
+    want = _step(_model(), backwards=2)
+    kernel_calls.clear()
+    got = _step(_model(keep_attention=True), backwards=2)
+    assert len(kernel_calls) == 3
+    _assert_equal(got, want)
+
+
+def test_what_is_kept_goes_with_the_graph(kernel_calls, monkeypatch):
+    """The kept outputs live as long as the checkpoint holds the function: after the backward they are freed,
+    though the loss (and its graph's nodes) is still referenced."""
+    kept = []
+    record = KeptCall.attend
+
+    def watching(self, compute, *args):
+        outputs = record(self, compute, *args)
+        kept.append(weakref.ref(outputs[0]))
+        return outputs
+
+    monkeypatch.setattr(KeptCall, "attend", watching)
+    model = _model(keep_attention=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    ids, labels = batch(0, seq=16)
+    loss = model(input_ids=ids, labels=labels).loss
+    assert len(kept) == 3 and all(ref() is not None for ref in kept)
+    loss.backward()
+    gc.collect()
+    assert all(ref() is None for ref in kept)
+    loss = model(input_ids=ids, labels=labels).loss
+    del loss  # no backward: freed with the graph
+    gc.collect()
+    assert all(ref() is None for ref in kept[3:])
+
+
+def test_a_replay_that_meets_another_call_computes_from_there():
+    computed = []
+
+    def compute(name):
+        computed.append(name)
+        return (name,)
+
+    q = torch.zeros(2, 3)
+    other = torch.zeros(2, 4)
+
+    def layer(first_shape):
+        a = kept_attention.attend(lambda: compute("a"), first_shape, first_shape, first_shape, None)
+        b = kept_attention.attend(lambda: compute("b"), q, q, q, None)
+        return a + b
+
+    call = KeptCall(layer)
+    assert call(q) == ("a", "b") and computed == ["a", "b"]
+    assert call(q) == ("a", "b") and computed == ["a", "b"]  # replayed: nothing computed
+    assert call(other) == ("a", "b") and computed == ["a", "b", "a", "b"]  # diverged at the first: both computed
+    assert len(call.entries) == 2 and kept_attention.current() is None
+    assert kept_attention.attend(lambda: compute("c"), q, q, q, None) == ("c",)  # no holder: computed
+
+
+def test_the_switch_composes_with_offload_and_reverts(kernel_calls):
+    want = _step(_model(layers=2))
+    model, handle = _patched(layers=2, keep_attention=True, offload_activations=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    function = vars(model.model.layers[0])[CHECKPOINT_ATTR]  # transformers' (the patch came before it)
+    kernel_calls.clear()
+    got = _step(model, None)  # checkpointing already on; the first forward wraps each layer's function
+    assert len(kernel_calls) == 2  # on the CPU the offload's scope stays off; keep_attention keeps
+    _assert_equal(got, want)
+    for layer in model.model.layers:
+        chain, wrapper = [], vars(layer)[CHECKPOINT_ATTR]
+        while isinstance(wrapper, (KeepingCheckpoint, ScopedCheckpoint)):
+            chain.append(type(wrapper).__name__)
+            wrapper = wrapper.inner
+        assert sorted(chain) == ["KeepingCheckpoint", "ScopedCheckpoint"] and wrapper is function
+    handle.revert()
+    assert all(vars(layer)[CHECKPOINT_ATTR] is function for layer in model.model.layers)
+    assert not any(k.startswith("_tigon") for layer in model.model.layers for k in vars(layer))
+
+
+def test_lora_adapters_in_the_node_train_the_same(kernel_calls):
+    """A PEFT LoRA model (adapters on q/k/v/o inside the node), checkpointed: the same step, half the kernels."""
+    pytest.importorskip("peft")
+    from tests.patching import tiny_lora
+
+    def lora_step(keep):
+        model = tiny_lora.lora(tiny_lora.base_model())
+        tigon.patch(model, keep_attention=keep)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+        kernel_calls.clear()
+        return tiny_lora.step(model), len(kernel_calls)
+
+    (want, calls), (got, kept_calls) = lora_step(False), lora_step(True)
+    assert (calls, kept_calls) == (4, 2)  # 2 layers
+    assert want[1] and all("lora_" in name for name in want[1])
+    _assert_equal(got, want)
+
+
+def test_copies_and_pickles_keep_it(kernel_calls):
+    """Copied before checkpointing is enabled (under it, transformers' own input hook is a local function, which
+    pickle refuses): the copies' layers wrap their checkpoint functions as the original's do."""
+    model = _model(keep_attention=True)
+    copies = (copy.deepcopy(model), pickle.loads(pickle.dumps(model)))
+    want = _step(model)
+    for copied in copies:
+        kernel_calls.clear()
+        _assert_equal(_step(copied), want)
+        assert len(kernel_calls) == 3
+
+
+def test_what_the_patch_says_and_refuses():
+    model = tiny_model("llama").to("cpu")
+    model.config._attn_implementation = "sdpa"
+    lines = tigon.patch(model, keep_attention=True, **ONLY_ATTENTION).replaced
+    assert any("(keep_attention)" in line and line.startswith("LlamaDecoderLayer") for line in lines)
+    assert "keep_attention: the model is on the CPU, where tigon's attention node does not run: nothing is kept" in lines
+    with pytest.raises(ValueError, match="keep_attention .* needs rope=True and fused_attention=True"):
+        tigon.patch(tiny_model("llama"), keep_attention=True, fused_attention=False)
+    phi3 = tigon.patch(tiny_model("phi3"), keep_attention=True).replaced  # q/k/v in one projection: no node
+    assert "keep_attention: Phi3Attention does not run as tigon's attention node in phi3: nothing is kept" in phi3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device: runs in scripts/gpu-check.sh on a GPU")
+def test_on_the_gpu_the_recompute_launches_no_attention_kernel():
+    """bf16 autocast, the node on sdpa's GPU kernels: the loss is bitwise the one without the switch, the gradients
+    within twice the distance between two runs without the switch (cuDNN's and flash's backward sum dq with
+    atomics, in an order that may change between runs; bitwise where the two runs are), and the backward launches no attention forward (the
+    profiler counts sdpa's forward ops: 3 layers, 6 without the switch)."""
+    def step(keep):
+        torch.manual_seed(0)
+        model = tiny_model("llama", num_hidden_layers=3, hidden_size=256, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64, intermediate_size=512).cuda()
+        model.config._attn_implementation = "sdpa"
+        tigon.patch(model, keep_attention=keep)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+        ids, labels = batch(0, seq=512, device="cuda")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+        forwards = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")
+                       and e.key.endswith("_attention"))
+        return loss.detach(), grads(model), forwards
+
+    def distance(a, b):
+        return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
+
+    (loss, want, forwards), (again_loss, again, _) = step(False), step(False)
+    got_loss, got, kept_forwards = step(True)
+    assert forwards == 6 and kept_forwards == 3
+    assert torch.equal(got_loss, loss) and torch.equal(again_loss, loss)
+    assert got.keys() == want.keys() and distance(got, want) <= 2 * distance(again, want)
