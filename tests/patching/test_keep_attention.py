@@ -1,9 +1,10 @@
 """The ``keep_attention`` switch (tigon.nn.kept_attention): under non-reentrant gradient checkpointing the recompute
 takes the attention kernel's outputs of the forward back instead of running the kernel again, and the step is
-bitwise the one without the switch.
+bitwise the one without the switch: in tigon's attention node, and through transformers' sdpa function where the
+node stands aside (tigon.nn.kept_sdpa).
 
-On the CPU the attention node is off by default (fused_attention.DEVICES, its dtypes): these tests add the CPU and
-fp32 to run it under the interpreter, with sdpa's CPU flash kernel. The GPU test counts the kernels launched."""
+On the CPU the attention node is off by default (fused_attention.DEVICES, its dtypes): the node's tests add the CPU
+and fp32 to run it under the interpreter, with sdpa's CPU flash kernel. The GPU test counts the kernels launched."""
 
 from __future__ import annotations
 
@@ -203,28 +204,64 @@ def test_copies_and_pickles_keep_it(kernel_calls):
         assert len(kernel_calls) == 3
 
 
-def test_what_the_patch_says_and_refuses():
-    model = tiny_model("llama").to("cpu")
+@pytest.mark.parametrize("model_type, switches, padded", [
+    ("qwen3", {}, False),                         # q/k norms: no node, transformers' sdpa function
+    ("phi3", {}, False),                          # one qkv projection: no node
+    ("llama", {"fused_attention": False}, False),
+    ("qwen3", {}, True),                          # a padding mask: k and v repeated, the boolean mask
+], ids=["qwen3", "phi3", "llama-unfused", "qwen3-padded"])
+def test_outside_the_node_transformers_sdpa_call_is_kept(monkeypatch, model_type, switches, padded):
+    """Where the attention does not run as tigon's node, its sdpa call (through tigon's wrapper of transformers'
+    function) is tigon.nn.kept_sdpa's node inside the checkpoint: bitwise what sdpa computes, and its kernel runs
+    in the forward only (on the CPU: sdpa's flash kernel, fp32)."""
+    calls = []
+    attend = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+
+    def run(keep):
+        torch.manual_seed(0)
+        model = tiny_model(model_type, num_hidden_layers=3).to(DEVICE)
+        model.config._attn_implementation = "sdpa"
+        tigon.patch(model, keep_attention=keep, **{**ONLY_ATTENTION, **switches})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+        ids, labels = batch(0, seq=16)
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[0, :5] = 0  # left padding in the first sequence
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = model(input_ids=ids, labels=labels, attention_mask=mask).loss
+        loss.backward()
+        return (loss.detach(), grads(model)), len(calls)
+
+    (want, stock_calls), (got, kept_calls) = run(False), run(True)
+    assert (stock_calls, kept_calls) == (0, 3)  # stock: sdpa itself; kept: 3 layers' forwards, no recompute
+    _assert_equal(got, want)
+
+
+def test_what_the_patch_says():
+    model = tiny_model("llama")
     model.config._attn_implementation = "sdpa"
-    lines = tigon.patch(model, keep_attention=True, **ONLY_ATTENTION).replaced
-    assert any("(keep_attention)" in line and line.startswith("LlamaDecoderLayer") for line in lines)
-    assert "keep_attention: the model is on the CPU, where tigon's attention node does not run: nothing is kept" in lines
-    with pytest.raises(ValueError, match="keep_attention .* needs rope=True and fused_attention=True"):
-        tigon.patch(tiny_model("llama"), keep_attention=True, fused_attention=False)
-    phi3 = tigon.patch(tiny_model("phi3"), keep_attention=True).replaced  # q/k/v in one projection: no node
-    assert "keep_attention: Phi3Attention does not run as tigon's attention node in phi3: nothing is kept" in phi3
+    lines = tigon.patch(model, keep_attention=True).replaced
+    assert any(line.startswith("LlamaDecoderLayer: under non-reentrant gradient checkpointing") and
+               "(tigon's attention node, or transformers' sdpa attention function where the node stands aside)" in line
+               for line in lines)
+    qwen3 = tigon.patch(tiny_model("qwen3"), keep_attention=True).replaced  # eager attention: nothing kept
+    assert any("kept from the forward (transformers' sdpa attention function)" in line for line in qwen3)
+    assert "keep_attention: the model's attention implementation is 'eager', not 'sdpa': nothing is kept" in qwen3
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device: runs in scripts/gpu-check.sh on a GPU")
-def test_on_the_gpu_the_recompute_launches_no_attention_kernel():
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # tigon's attention node; transformers' sdpa function
+def test_on_the_gpu_the_recompute_launches_no_attention_kernel(model_type):
     """bf16 autocast, the node on sdpa's GPU kernels: the loss is bitwise the one without the switch, the gradients
     within twice the distance between two runs without the switch (cuDNN's and flash's backward sum dq with
     atomics, in an order that may change between runs; bitwise where the two runs are), and the backward launches no attention forward (the
     profiler counts sdpa's forward ops: 3 layers, 6 without the switch)."""
     def step(keep):
         torch.manual_seed(0)
-        model = tiny_model("llama", num_hidden_layers=3, hidden_size=256, num_attention_heads=4,
+        model = tiny_model(model_type, num_hidden_layers=3, hidden_size=256, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=64, intermediate_size=512).cuda()
         model.config._attn_implementation = "sdpa"
         tigon.patch(model, keep_attention=keep)

@@ -60,6 +60,11 @@ query head h reads key/value head ``h // groups`` either way; only the kernel's 
 between two sdpa backends. The choice is asked at each call, not assumed: the CPU's flash kernel takes grouped
 heads in fp32, a GPU in fp16/bf16 runs flash or cuDNN, and a PyTorch whose memory-efficient kernel takes
 grouped heads chooses it for the grouped call; none of them is changed.
+
+Kept attention. A model the ``keep_attention`` part marks (:func:`KeptMark`) has its calls made inside a
+checkpointed decoder layer's ``tigon.nn.kept_attention.KeptCall`` (the band path aside) computed by
+``tigon.nn.kept_sdpa``'s node, where they are one of transformers' two decoder calls that its kernels take: the
+same kernels as sdpa, whose outputs the layer's recompute takes back instead of launching them again.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 
+from tigon.nn import kept_attention
 from tigon.nn.attention import repeat_heads
+from tigon.nn.kept_sdpa import kept_sdpa
 from tigon.patching.causal_mask import BandMask
 from tigon.patching.interface_marks import InterfaceWrapper
 
@@ -87,8 +94,10 @@ class BandConfig:
 
 CONFIG = BandConfig()
 _ORIGINAL_KEY = "_tigon_original_sdpa_attention"
-# Marks: "" (the band path of sliding-window layers), "grouped" (grouped heads off sdpa's math kernel).
+# Marks: "" (the band path of sliding-window layers), "grouped" (grouped heads off sdpa's math kernel), "kept"
+# (keep_attention: inside a checkpointed layer's KeptCall, the call as tigon.nn.kept_sdpa's node).
 GROUPED = "grouped"
+KEPT = "kept"
 # the id torch._fused_sdp_choice returns for sdpa's math kernel (the one that makes the T × T scores)
 MATH = SDPBackend.MATH.value
 # the largest key/value head size with which transformers' sdpa function hands sdpa grouped heads without a mask
@@ -248,6 +257,11 @@ def _wrap(original):
                 return torch.cat(outputs, dim=1), None
         if type(attention_mask) is BandMask:  # a guard declined the band path: the dense mask, once
             attention_mask = _dense(attention_mask)
+        if (not torch.compiler.is_compiling() and args == () and kept_attention.current() is not None
+                and marked(getattr(module, "config", None), KEPT)):
+            out = kept_sdpa(module, query, key, value, attention_mask, kwargs)
+            if out is not None:
+                return out, None
         if not torch.compiler.is_compiling() and args == ():
             repeated = _repeated_heads(module, query, key, value, attention_mask, kwargs)
             if repeated is not None:
@@ -258,7 +272,7 @@ def _wrap(original):
 
 
 _WRAPPER = InterfaceWrapper("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "sdpa",
-                            _wrap, _ORIGINAL_KEY, groups=("", GROUPED), home=(__name__, "_WRAPPER"))
+                            _wrap, _ORIGINAL_KEY, groups=("", GROUPED, KEPT), home=(__name__, "_WRAPPER"))
 _MARKED = _WRAPPER.groups[""]
 
 
@@ -277,3 +291,9 @@ def GroupedHeadsMark(config):  # noqa: N802  (a patch change, built like a class
     """The patch change (``apply``/``undo``): a maskless call with grouped heads of ``config``'s model leaves sdpa's
     math kernel where another takes it with the heads repeated (module docs, "Grouped heads")."""
     return _WRAPPER.mark(config, GROUPED)
+
+
+def KeptMark(config):  # noqa: N802  (a patch change, built like a class)
+    """The patch change (``apply``/``undo``): inside a checkpointed layer under ``keep_attention``, a call of
+    ``config``'s model goes to tigon.nn.kept_sdpa's node, whose kernel outputs the recompute takes back."""
+    return _WRAPPER.mark(config, KEPT)

@@ -105,9 +105,6 @@ def check_switches(switches: dict) -> dict:
         )
     if chosen["recompute_norms"] and not chosen["rms_norm"]:
         raise ValueError("recompute_norms remakes the outputs of tigon's norms: it needs rms_norm=True")
-    if chosen["keep_attention"] and not (chosen["rope"] and chosen["fused_attention"]):
-        raise ValueError("keep_attention keeps the outputs of tigon's attention node: it needs rope=True and "
-                         "fused_attention=True")
     if chosen["recompute_norms"] and chosen["cuda_graphs"]:
         raise ValueError("recompute_norms and cuda_graphs are exclusive (a captured layer's backward cannot "
                          "run the recompute's Python)")
@@ -387,7 +384,7 @@ def patch(target, **switches) -> Patch:
       activations never exist whole (parts/long_context.py).
     - ``keep_attention``: under non-reentrant gradient checkpointing, the attention node's kernel output and
       log-sum-exp are kept from the forward, and the recompute in the backward takes them back instead of running
-      the T² kernel again (tigon.nn.kept_attention; needs ``rope`` and ``fused_attention``).
+      the T² kernel again (tigon.nn.kept_attention: in tigon's attention node, or transformers' sdpa function).
     - ``prehash``: replaces nothing; on a CUDA model, Triton's compiler key (a hash of its own installation,
       which the first kernel lookup of a process computes) is hashed on a background thread from here, so
       that the first forward finds it done (_kernels/triton_key.py).

@@ -18,9 +18,9 @@
 - ``keep_attention``: each decoder layer's checkpoint function is wrapped
   (``tigon.nn.kept_attention.LayerKeep``, kept wrapped as the offload's is) so that under non-reentrant
   gradient checkpointing the recompute in the backward takes the attention kernel's outputs of the forward back
-  instead of running the T² kernel again (tigon.nn.kept_attention). Where the family's attention runs as tigon's
-  node (the attention part's ``fused_attention``): the engine refuses the switch without ``rope`` and
-  ``fused_attention``, and ``Patch.replaced`` says where a family's attention has no node.
+  instead of running the T² kernel again (tigon.nn.kept_attention): in tigon's attention node where the family's
+  attention runs as one, and through transformers' sdpa attention function otherwise (the model's config is
+  marked for tigon's wrapper of it, band_attention.KeptMark, which hands the call to tigon.nn.kept_sdpa).
 
 These are changes that ``Patch.revert()`` undoes (hooks removed, instance forwards and attributes
 restored); patching what is patched already is a no-op.
@@ -34,6 +34,8 @@ from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 from tigon.nn.kept_attention import LayerKeep
 from tigon.nn.tiled_mlp import TiledForward, TiledMLPConfig
 from tigon.patching.instance_methods import InstanceMethod, Recipe, class_forward
+from tigon.patching import band_attention
+from tigon.patching.interface_marks import carried
 from tigon.patching.parts import Part
 from tigon.patching.parts.attention import fuses_attention
 from tigon.patching.patch_handle import SetAttr
@@ -173,20 +175,17 @@ def plan_tiled_mlp(plan, model, family, classes, switches, config: TiledMLPConfi
 
 
 def keep_attention_lines(family, classes, switches) -> list[str]:
-    if not fuses_attention(family, classes, switches):
-        return [f"keep_attention: {classes.attention.__name__} does not run as tigon's attention node in "
-                f"{family.model_type}: nothing is kept"]
+    where = ("tigon's attention node, or transformers' sdpa attention function where the node stands aside"
+             if fuses_attention(family, classes, switches) else "transformers' sdpa attention function")
     return [f"{classes.decoder_layer.__name__}: under non-reentrant gradient checkpointing, the attention kernel's "
-            "output and log-sum-exp kept from the forward, for the recompute in the backward to take back instead "
-            "of running the kernel again (keep_attention)"]
+            f"output and log-sum-exp kept from the forward ({where}), for the recompute in the backward to take "
+            "back instead of running the kernel again (keep_attention)"]
 
 
 def plan_keep_attention(plan, model, family, classes, switches) -> None:
-    """The keep_attention switch on every decoder layer of ``model`` whose attention runs as tigon's node."""
+    """The keep_attention switch: every decoder layer of ``model`` hands its checkpoint a KeptCall, and the model is
+    marked for the sdpa wrapper's kept calls (band_attention.KeptMark)."""
     line = keep_attention_lines(family, classes, switches)[0]
-    if not fuses_attention(family, classes, switches):
-        plan.note(line)
-        return
     added = False
     for layer, parent, _ in _modules_of(model, classes.decoder_layer):
         if vars(layer).get(KEEP_ATTR) is not None:
@@ -195,10 +194,13 @@ def plan_keep_attention(plan, model, family, classes, switches) -> None:
         plan.add(change, line)
         plan.add(SetAttr(layer, KEEP_ATTR, change))
         added = True
-    parameter = next(model.parameters(), None)
-    if added and parameter is not None and parameter.device.type == "cpu":
-        plan.note("keep_attention: the model is on the CPU, where tigon's attention node does not run: nothing is "
-                  "kept")
+    if not band_attention.marked(model.config, band_attention.KEPT):
+        for change in carried(model, band_attention.KeptMark(model.config)):
+            plan.add(change)
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if added and implementation != "sdpa":
+        plan.note(f"keep_attention: the model's attention implementation is {implementation!r}, not 'sdpa': "
+                  "nothing is kept")
 
 
 OFFLOAD = Part("offload_activations", lambda f, c: c.decoder_layer is not None, plan_offload, offload_lines)

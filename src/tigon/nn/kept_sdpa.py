@@ -1,0 +1,103 @@
+"""transformers' sdpa attention call as one autograd node whose kernel outputs a checkpoint's recompute takes back:
+``keep_attention`` (tigon.nn.kept_attention) for attention that does not run as tigon's attention node.
+
+Families whose attention forward is not Llama's (Qwen3's and OLMo-2's q/k norms, Phi-3's fused qkv projection,
+Gemma-3, ...) or a patch with ``fused_attention=False`` reach sdpa through transformers' ``"sdpa"`` attention
+function, which tigon's wrapper of it (tigon.patching.band_attention) stands in front of. Inside a
+:class:`~tigon.nn.kept_attention.KeptCall` (a checkpointed decoder layer under ``keep_attention``) the wrapper hands
+the two calls transformers makes for a decoder's self-attention to :func:`kept_sdpa`:
+
+- no mask: ``sdpa(q, k, v, is_causal=True, scale, enable_gqa=Hk < Hq)`` (transformers passes grouped heads as
+  they are where the head size is at most 256, ``use_gqa_in_sdpa``);
+- a boolean mask ``(B or 1, 1, T, T)``: ``sdpa(q, repeat_kv(k), repeat_kv(v), attn_mask, is_causal=False, scale)``.
+
+:class:`KeptSdpa` makes the same backend calls as sdpa through ``tigon.nn.attention.attend`` (forward) and
+``attend_backward`` (its backward, the one sdpa's autograd formula calls), with the forward's call going through
+``kept_attention.attend``: the same values as sdpa and its backward, and no kernel in a recompute that finds
+the forward's outputs kept. Where sdpa would choose a backend ``attend`` does not call (its math fallback), or
+the call is another one (a float mask, a position bias, dropout, queries and keys of different lengths, inputs
+in a dtype autocast would cast, no gradient), :func:`kept_sdpa` returns None and transformers' function runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tigon.nn import attention, kept_attention
+
+# transformers' use_gqa_in_sdpa: grouped heads go to sdpa as they are up to this head size (else repeated)
+GQA_HEAD_DIM = 256
+
+
+class _NotCalled(Exception):
+    """sdpa would choose a backend ``attend`` does not call: raised before any side effect."""
+
+
+class KeptSdpa(torch.autograd.Function):
+    """sdpa over q ``(B, Hq, T, D)`` and k, v ``(B, Hk, T, D)``: causal with grouped heads where ``mask`` is None,
+    else with k and v repeated to the query heads and the boolean ``mask``; returns ``(B, Hq, T, D)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, groups):
+        if mask is not None and groups > 1:  # transformers' repeat_kv
+            k, v = attention.repeat_heads(k, groups), attention.repeat_heads(v, groups)
+        compute = functools.partial(attention.attend, q, k, v, scale, gqa=mask is None and groups > 1, mask=mask)
+        attended = kept_attention.attend(compute, q, k, v, mask)
+        if attended is None:
+            raise _NotCalled
+        out, saved, sizes = attended
+        ctx.save_for_backward(q, k, v, out, *saved)
+        ctx.meta = (scale, sizes, groups if mask is not None else 1)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, *saved = ctx.saved_tensors
+        scale, sizes, repeated = ctx.meta
+        dq, dk, dv = attention.attend_backward(dout, q, k, v, out, saved, sizes, scale)
+        if repeated > 1:  # repeat_kv's gradient
+            dk, dv = attention.sum_heads(dk, repeated), attention.sum_heads(dv, repeated)
+        return dq, dk, dv, None, None, None
+
+
+def _call_dtype(query, key, value):
+    """The dtype sdpa computes the call in (autocast's where it is on), or None where the inputs would be cast."""
+    dtype = query.dtype
+    if key.dtype != dtype or value.dtype != dtype:
+        return None
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != dtype:
+        return None
+    return dtype
+
+
+def kept_sdpa(module, query, key, value, attention_mask, kwargs) -> torch.Tensor | None:
+    """transformers' ``sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)`` output
+    ``(B, T, Hq, D)`` computed by :class:`KeptSdpa`, for the two calls of the module docs; None for any other."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    length = query.shape[2] if query.dim() == 4 else -1
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if (not torch.is_grad_enabled() or not isinstance(groups, int) or isinstance(groups, bool) or groups < 1
+            or length < 2 or key.dim() != 4 or value.shape != key.shape
+            or key.shape[2] != length or key.shape[0] != query.shape[0] or key.shape[1] * groups != query.shape[1]
+            or not query.shape[-1] == key.shape[-1] == value.shape[-1]
+            or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)
+            or _call_dtype(query, key, value) is None):
+        return None
+    mask = attention_mask
+    if mask is None:
+        if not causal or (groups > 1 and query.shape[-1] > GQA_HEAD_DIM):
+            return None
+    elif (type(mask) is not torch.Tensor or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
+          or mask.shape[0] not in (1, query.shape[0]) or tuple(mask.shape[2:]) != (length, length)):
+        return None
+    try:
+        out = KeptSdpa.apply(query, key, value, mask, kwargs.get("scaling"), groups)   # (B, Hq, T, D)
+    except _NotCalled:
+        return None
+    return out.transpose(1, 2).contiguous()                                            # (B, T, Hq, D)
