@@ -26,12 +26,12 @@ Providers: ``peft`` (stock transformers + PEFT), ``tigon`` (``tigon.patch`` on t
 ``liger`` (Liger-Kernel's ``apply_liger_kernel_to_llama()`` before the model is built: its RMSNorm,
 rope, SwiGLU and fused linear cross-entropy, PEFT's LoRA forwards), each also with ``+ckpt``:
 transformers' gradient checkpointing (non-reentrant) on every decoder layer; ``tigon+ckpt+kept`` adds
-``keep_attention=True`` (the recompute takes the attention kernel's outputs of the forward back). QLoRA: ``peft+4bit`` and
-``tigon+4bit`` (each also ``+ckpt``) train the same model with its decoder projections bitsandbytes 4-bit
-(:func:`tigon.bench.models.quantize_4bit`: nf4, double quant, bf16 compute, what ``from_pretrained(quantization_config=
-BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16 weights) after
-``peft.prepare_model_for_kbit_training`` (fp32 norms, embeddings and head; its checkpointing left to
+``keep_attention=True`` (the recompute takes the attention kernel's outputs of the forward back).
+QLoRA: ``peft+4bit`` and ``tigon+4bit`` (each also ``+ckpt``) train the same model with its decoder
+projections bitsandbytes 4-bit (:func:`tigon.bench.models.quantize_4bit`: nf4, double quant, bf16 compute,
+what ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16
+weights) after ``peft.prepare_model_for_kbit_training`` (fp32 norms, embeddings and head; its checkpointing left to
 ``+ckpt``), compared with ``peft+4bit``. ``unsloth`` (also ``+4bit``, ``+ckpt``): Unsloth's
 ``FastLanguageModel`` on the same weights, saved and loaded through its ``from_pretrained`` (4-bit: its nf4 load
 of them), its LoRA on the same projections, ``+ckpt`` its offloaded checkpointing

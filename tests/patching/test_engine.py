@@ -60,11 +60,12 @@ def test_supported_models_lists_the_table():
 
 
 def test_switch_defaults_are_the_contract():
-    # API.md's switches with their defaults, and tigon's own additions: those that change what a step
-    # keeps or how it launches off by default (keep_attention: GPU memory for the recompute's attention); the band attention of sliding-window layers (the same
-    # softmax terms, summed in another order, as any two sdpa kernels) and the Qwen-VL vision attention's
-    # segments in one sdpa call (the same per-segment attention) on, and the attention as one node (the
-    # same products and sdpa call) on; Triton's compiler key hashed ahead (the same key) on.
+    # API.md's switches with their defaults, and tigon's own additions: those that change what a step keeps
+    # or how it launches off by default (keep_attention: GPU memory for the recompute's attention); the band
+    # attention of sliding-window layers (the same softmax terms, summed in another order, as any two sdpa
+    # kernels) and the Qwen-VL vision attention's segments in one sdpa call (the same per-segment attention)
+    # on, and the attention as one node (the same products and sdpa call) on; Triton's compiler key hashed
+    # ahead (the same key) on.
     assert SWITCHES == {"rope": True, "rms_norm": True, "layer_norm": True, "mlp": True,
                         "cross_entropy": False, "fused_linear_cross_entropy": True, "cuda_graphs": False,
                         "recompute_norms": False, "sliding_window": True, "vision_attention": True,

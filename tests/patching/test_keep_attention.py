@@ -255,10 +255,11 @@ def test_what_the_patch_says():
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device: runs in scripts/gpu-check.sh on a GPU")
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # tigon's attention node; transformers' sdpa function
 def test_on_the_gpu_the_recompute_launches_no_attention_kernel(model_type):
-    """bf16 autocast, the node on sdpa's GPU kernels: the loss is bitwise the one without the switch, the gradients
-    within twice the distance between two runs without the switch (cuDNN's and flash's backward sum dq with
-    atomics, in an order that may change between runs; bitwise where the two runs are), and the backward launches no attention forward (the
-    profiler counts sdpa's forward ops: 3 layers, 6 without the switch)."""
+    """bf16 autocast, sdpa's GPU kernels (in tigon's node; in tigon.nn.kept_sdpa's for Qwen3): the loss is bitwise
+    the one without the switch, the gradients within twice the distance between two runs without the switch
+    (cuDNN's and flash's backward sum dq with atomics, in an order that may change between runs; bitwise where
+    the two runs are), and the backward launches no attention forward (the profiler counts sdpa's forward ops:
+    3 layers, 6 without the switch)."""
     def step(keep):
         torch.manual_seed(0)
         model = tiny_model(model_type, num_hidden_layers=3, hidden_size=256, num_attention_heads=4,

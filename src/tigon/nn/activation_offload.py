@@ -50,8 +50,8 @@ input of 2.8 GB, 8B widths at 342K tokens, would pin 4 GiB). So a copy of n byte
 buffers (:func:`piece_sizes`): n is rounded up to a multiple of a granule g, a power of two at least
 ``bucket_bytes`` and at least 2^(⌊log₂ n⌋ − ``piece_bits``), and the set bits of that multiple are the
 pieces, the largest first. Unused bytes are under g, at most n / 2^``piece_bits`` (1/16 by default)
-beyond the smallest bucket, and a copy takes at most ``piece_bits`` + 1 buffers (one each way per
-piece; a 2.8 GB input: 2 GiB + 512 MiB + 128 MiB). A buffer returns to the pool when the last handle
+beyond the smallest bucket, and a copy takes at most ``piece_bits`` + 1 buffers, one DMA copy each way
+a buffer (a 2.8 GB input: 2 GiB + 512 MiB + 128 MiB). A buffer returns to the pool when the last handle
 on its bytes is freed (the graph node that saved it ran its backward, or the graph was dropped); its
 next writer is a copy on the same side stream, so it is stream-ordered after every read of it.
 :attr:`Offloader.host_bytes` is the pinned memory held; :meth:`Offloader.release` frees what the

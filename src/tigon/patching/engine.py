@@ -360,8 +360,7 @@ def patch(target, **switches) -> Patch:
     Switches (defaults): ``rope=True, rms_norm=True, layer_norm=True, mlp=True, cross_entropy=False,
     fused_linear_cross_entropy=True, cuda_graphs=False, recompute_norms=False, sliding_window=True,
     vision_attention=True, fused_attention=True, offload_activations=False, tiled_mlp=False, keep_attention=False,
-    prehash=True``. A
-    switch is a no-op where the family has no such part.
+    prehash=True``. A switch is a no-op where the family has no such part.
 
     - ``rope``: the attention's rotary as ``tigon.ops.rope``, its projections sharing one autocast cast.
     - ``rms_norm`` / ``layer_norm``: norms as ``tigon.nn`` modules adopting the same parameters, and the

@@ -33,8 +33,8 @@ import torch
 from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 from tigon.nn.kept_attention import LayerKeep
 from tigon.nn.tiled_mlp import TiledForward, TiledMLPConfig
-from tigon.patching.instance_methods import InstanceMethod, Recipe, class_forward
 from tigon.patching import band_attention
+from tigon.patching.instance_methods import InstanceMethod, Recipe, class_forward
 from tigon.patching.interface_marks import carried
 from tigon.patching.parts import Part
 from tigon.patching.parts.attention import fuses_attention
