@@ -3,6 +3,7 @@
     python examples/sft_lora_trl.py --model meta-llama/Llama-3.1-8B --data corpus.txt --seq 4096 --batch 2 --out lora/
     python examples/sft_lora_trl.py --model meta-llama/Llama-3.1-8B --data corpus.txt --qlora --out qlora/
     python examples/sft_lora_trl.py --model meta-llama/Llama-3.1-8B --data corpus.txt --seq 131072 --batch 1 --long
+    python examples/sft_lora_trl.py --model Qwen/Qwen3-8B --data corpus.txt --seq 65536 --batch 1 --long --keep-attention
     python examples/sft_lora_trl.py --tiny --steps 2 --merge --out merged/        # smoke test, no download
 
 The base is loaded in bf16 on a GPU (fp32 on the CPU), or with ``--qlora`` as bitsandbytes 4-bit nf4 with double
@@ -12,7 +13,9 @@ checkpointing on. ``tigon.patch(trainer.model)`` then runs each layer's q/k/v/o 
 adapters inside tigon's fused attention and MLP nodes (4-bit bases dequantized there by bitsandbytes), under
 TRL's fused LM head, which ``tigon.patch_trl()`` computes with tigon (no ``[tokens, vocab]`` logits). It prints
 what it replaced. ``--long`` adds ``offload_activations=True`` (each layer's checkpointed input in pinned host
-memory) and ``tiled_mlp=True`` (the MLP over chunks of tokens): for sequences of 64K tokens and more. ``--out``
+memory) and ``tiled_mlp=True`` (the MLP over chunks of tokens): for sequences of 64K tokens and more.
+``--keep-attention`` adds ``keep_attention=True``: the checkpoint's recompute takes each layer's attention output
+back from the forward instead of running the attention kernel again (the output stays in GPU memory). ``--out``
 gets the adapters (``save_model``); with ``--merge`` (not with ``--qlora``) the adapters merged into the base and
 saved as a plain transformers checkpoint.
 """
@@ -58,6 +61,8 @@ def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--qlora", action="store_true", help="the base in bitsandbytes 4-bit (nf4, double quant)")
     p.add_argument("--long", action="store_true", help="offload checkpointed activations and tile the MLP")
+    p.add_argument("--keep-attention", action="store_true",
+                   help="reuse the forward's attention output in the checkpoint's recompute")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--merge", action="store_true", help="save the base with the adapters merged into it")
     p.set_defaults(lr=2e-4)
@@ -83,7 +88,8 @@ def main(argv=None) -> None:
         trainer = trl.SFTTrainer(model=load_base(args, folder), args=config, processing_class=tokenizer,
                                  train_dataset=datasets.Dataset.from_dict({"input_ids": rows.tolist()}),
                                  peft_config=lora)
-        handle = tigon.patch(trainer.model, offload_activations=args.long, tiled_mlp=args.long)
+        handle = tigon.patch(trainer.model, offload_activations=args.long, tiled_mlp=args.long,
+                             keep_attention=args.keep_attention)
         print("\n".join(handle.replaced))
         trainer.train()
     if args.out is None:
