@@ -3,7 +3,7 @@
     python examples/sft_lora_trl.py --model meta-llama/Llama-3.1-8B --data corpus.txt --seq 4096 --batch 2 --out lora/
     python examples/sft_lora_trl.py --model meta-llama/Llama-3.1-8B --data corpus.txt --qlora --out qlora/
     python examples/sft_lora_trl.py --model meta-llama/Llama-3.1-8B --data corpus.txt --seq 131072 --batch 1 --long
-    python examples/sft_lora_trl.py --model Qwen/Qwen3-8B --data corpus.txt --seq 65536 --batch 1 --long --keep-attention
+    python examples/sft_lora_trl.py --model Qwen/Qwen3-8B --data corpus.txt --seq 65536 --batch 1 --keep-attention
     python examples/sft_lora_trl.py --tiny --steps 2 --merge --out merged/        # smoke test, no download
 
 The base is loaded in bf16 on a GPU (fp32 on the CPU), or with ``--qlora`` as bitsandbytes 4-bit nf4 with double

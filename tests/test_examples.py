@@ -72,7 +72,8 @@ def test_example_trains_and_saves_a_stock_checkpoint(tmp_path, script, ranks):
 def test_lora_example_trains_inside_the_nodes_and_saves_a_merged_checkpoint(tmp_path):
     """examples/sft_lora_trl.py: TRL's SFTTrainer with a LoRA peft_config, the patch after it (the adapters in the
     attention and MLP nodes, TRL's head kept), the long-context switches and keep_attention on, and the merged
-    model saved as a stock checkpoint. (Its --qlora loads the base through bitsandbytes, as tests/patching/test_qlora_peft.py does.)"""
+    model saved as a stock checkpoint. (Its --qlora loads the base through bitsandbytes, as
+    tests/patching/test_qlora_peft.py does.)"""
     pytest.importorskip("trl", reason="examples/sft_lora_trl.py trains with TRL, which is not installed")
     pytest.importorskip("peft", reason="examples/sft_lora_trl.py trains LoRA adapters with PEFT, not installed")
     out = tmp_path / "merged"
