@@ -204,14 +204,18 @@ def test_copies_and_pickles_keep_it(kernel_calls):
         assert len(kernel_calls) == 3
 
 
-@pytest.mark.parametrize("model_type, switches, padded, backwards", [
-    ("qwen3", {}, False, 1),                         # q/k norms: no node, transformers' sdpa function
-    ("phi3", {}, False, 1),                          # one qkv projection: no node
-    ("llama", {"fused_attention": False}, False, 1),
-    ("qwen3", {}, True, 1),                          # a padding mask: k and v repeated, the boolean mask
-    ("qwen3", {}, True, 2),                          # a second backward through the retained graph
-], ids=["qwen3", "phi3", "llama-unfused", "qwen3-padded", "qwen3-padded-twice"])
-def test_outside_the_node_transformers_sdpa_call_is_kept(monkeypatch, model_type, switches, padded, backwards):
+@pytest.mark.parametrize("model_type, switches, padded, backwards, autocast", [
+    ("qwen3", {}, False, 1, False),                  # q/k norms: no node, transformers' sdpa function
+    ("phi3", {}, False, 1, False),                   # one qkv projection: no node
+    ("llama", {"fused_attention": False}, False, 1, False),
+    ("qwen3", {}, True, 1, False),                   # a padding mask: k and v repeated, the boolean mask
+    ("qwen3", {}, True, 2, False),                   # a second backward through the retained graph
+    ("qwen3", {}, False, 1, True),                   # bf16 autocast: fp32 q and k cast as autocast casts them
+    ("llama", {"fused_attention": False}, True, 1, True),
+], ids=["qwen3", "phi3", "llama-unfused", "qwen3-padded", "qwen3-padded-twice", "qwen3-autocast",
+        "llama-unfused-padded-autocast"])
+def test_outside_the_node_transformers_sdpa_call_is_kept(monkeypatch, model_type, switches, padded, backwards,
+                                                         autocast):
     """Where the attention does not run as tigon's node, its sdpa call (through tigon's wrapper of transformers'
     function) is tigon.nn.kept_sdpa's node inside the checkpoint: bitwise what sdpa computes, and its kernel runs
     in the forward only (on the CPU: sdpa's flash kernel, fp32)."""
@@ -231,7 +235,8 @@ def test_outside_the_node_transformers_sdpa_call_is_kept(monkeypatch, model_type
             mask[0, :5] = 0  # left padding in the first sequence
         model.zero_grad(set_to_none=True)
         calls.clear()
-        loss = model(input_ids=ids, labels=labels, attention_mask=mask).loss
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=labels, attention_mask=mask).loss
         for i in range(backwards):
             loss.backward(retain_graph=i + 1 < backwards)
         return (loss.detach(), grads(model)), len(calls)

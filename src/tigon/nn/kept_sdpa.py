@@ -13,10 +13,13 @@ the two calls transformers makes for a decoder's self-attention to :func:`kept_s
 
 :class:`KeptSdpa` makes the same backend calls as sdpa through ``tigon.nn.attention.attend`` (forward) and
 ``attend_backward`` (its backward, the one sdpa's autograd formula calls), with the forward's call going through
-``kept_attention.attend``: the same values as sdpa and its backward, and no kernel in a recompute that finds
+``kept_attention.attend``; the repeat of k and v and autocast's casts stay outside it, the same differentiable
+operations in the same order as transformers' and autocast's (so their backward sums the repeated heads'
+gradients after the cast back, as stock's does): the same values as sdpa and its backward, and no kernel in a recompute that finds
 the forward's outputs kept. Where sdpa would choose a backend ``attend`` does not call (its math fallback), or
-the call is another one (a float mask, a position bias, dropout, queries and keys of different lengths, inputs
-in a dtype autocast would cast, no gradient), :func:`kept_sdpa` returns None and transformers' function runs.
+the call is another one (a float mask, a position bias, dropout, queries and keys of different lengths, no
+gradient), :func:`kept_sdpa` returns None and transformers' function runs. Under autocast the inputs are cast
+first as autocast casts sdpa's (:func:`_as_sdpa_casts`).
 """
 
 from __future__ import annotations
@@ -36,42 +39,39 @@ class _NotCalled(Exception):
 
 
 class KeptSdpa(torch.autograd.Function):
-    """sdpa over q ``(B, Hq, T, D)`` and k, v ``(B, Hk, T, D)``: causal with grouped heads where ``mask`` is None,
-    else with k and v repeated to the query heads and the boolean ``mask``; returns ``(B, Hq, T, D)``."""
+    """sdpa over q ``(B, Hq, T, D)`` and k, v ``(B, Hk, T, D)``: causal, the heads grouped where ``gqa``, where
+    ``mask`` is None, else over the boolean ``mask`` (k and v repeated to the query heads already, by the caller,
+    as transformers repeats them); returns ``(B, Hq, T, D)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, groups):
-        if mask is not None and groups > 1:  # transformers' repeat_kv
-            k, v = attention.repeat_heads(k, groups), attention.repeat_heads(v, groups)
-        compute = functools.partial(attention.attend, q, k, v, scale, gqa=mask is None and groups > 1, mask=mask)
+    def forward(ctx, q, k, v, mask, scale, gqa):
+        compute = functools.partial(attention.attend, q, k, v, scale, gqa=gqa, mask=mask)
         attended = kept_attention.attend(compute, q, k, v, mask)
         if attended is None:
             raise _NotCalled
         out, saved, sizes = attended
         ctx.save_for_backward(q, k, v, out, *saved)
-        ctx.meta = (scale, sizes, groups if mask is not None else 1)
+        ctx.meta = (scale, sizes)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, *saved = ctx.saved_tensors
-        scale, sizes, repeated = ctx.meta
-        dq, dk, dv = attention.attend_backward(dout, q, k, v, out, saved, sizes, scale)
-        if repeated > 1:  # repeat_kv's gradient
-            dk, dv = attention.sum_heads(dk, repeated), attention.sum_heads(dv, repeated)
-        return dq, dk, dv, None, None, None
+        scale, sizes = ctx.meta
+        return (*attention.attend_backward(dout, q, k, v, out, saved, sizes, scale), None, None, None)
 
 
-def _call_dtype(query, key, value):
-    """The dtype sdpa computes the call in (autocast's where it is on), or None where the inputs would be cast."""
-    dtype = query.dtype
-    if key.dtype != dtype or value.dtype != dtype:
-        return None
+def _as_sdpa_casts(query, key, value):
+    """q, k and v in the dtype sdpa computes the call in: under autocast, cast as autocast casts sdpa's inputs (a
+    floating-point input other than fp64 in another dtype goes to autocast's; the same differentiable copy), or
+    None where they would still differ (sdpa refuses such a call)."""
     device = query.device.type
-    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != dtype:
-        return None
-    return dtype
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64) else t
+                             for t in (query, key, value))
+    return (query, key, value) if query.dtype == key.dtype == value.dtype else None
 
 
 def kept_sdpa(module, query, key, value, attention_mask, kwargs) -> torch.Tensor | None:
@@ -86,8 +86,7 @@ def kept_sdpa(module, query, key, value, attention_mask, kwargs) -> torch.Tensor
             or key.shape[2] != length or key.shape[0] != query.shape[0] or key.shape[1] * groups != query.shape[1]
             or not query.shape[-1] == key.shape[-1] == value.shape[-1]
             or kwargs.get("dropout", 0.0) or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)
-            or _call_dtype(query, key, value) is None):
+            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
         return None
     mask = attention_mask
     if mask is None:
@@ -96,8 +95,13 @@ def kept_sdpa(module, query, key, value, attention_mask, kwargs) -> torch.Tensor
     elif (type(mask) is not torch.Tensor or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
           or mask.shape[0] not in (1, query.shape[0]) or tuple(mask.shape[2:]) != (length, length)):
         return None
+    if mask is not None and groups > 1:  # transformers' repeat_kv, then autocast's casts: stock's graph
+        key, value = attention.repeat_heads(key, groups), attention.repeat_heads(value, groups)
+    inputs = _as_sdpa_casts(query, key, value)
+    if inputs is None:
+        return None
     try:
-        out = KeptSdpa.apply(query, key, value, mask, kwargs.get("scaling"), groups)   # (B, Hq, T, D)
+        out = KeptSdpa.apply(*inputs, mask, kwargs.get("scaling"), mask is None and groups > 1)  # (B, Hq, T, D)
     except _NotCalled:
         return None
     return out.transpose(1, 2).contiguous()                                            # (B, T, Hq, D)
