@@ -13,13 +13,13 @@ the two calls transformers makes for a decoder's self-attention to :func:`kept_s
 
 :class:`KeptSdpa` makes the same backend calls as sdpa through ``tigon.nn.attention.attend`` (forward) and
 ``attend_backward`` (its backward, the one sdpa's autograd formula calls), with the forward's call going through
-``kept_attention.attend``; the repeat of k and v and autocast's casts stay outside it, the same differentiable
-operations in the same order as transformers' and autocast's (so their backward sums the repeated heads'
-gradients after the cast back, as stock's does): the same values as sdpa and its backward, and no kernel in a recompute that finds
-the forward's outputs kept. Where sdpa would choose a backend ``attend`` does not call (its math fallback), or
-the call is another one (a float mask, a position bias, dropout, queries and keys of different lengths, no
-gradient), :func:`kept_sdpa` returns None and transformers' function runs. Under autocast the inputs are cast
-first as autocast casts sdpa's (:func:`_as_sdpa_casts`).
+``kept_attention.attend``: the same values as sdpa and its backward, and no kernel in a recompute that finds the
+forward's outputs kept. The repeat of k and v and, under autocast, the casts of sdpa's inputs
+(:func:`_as_sdpa_casts`) stay outside the node: the same differentiable operations, in the same order, as
+transformers' and autocast's, so that the backward sums the repeated heads' gradients after the cast back, as
+stock's does. Where sdpa would choose a backend ``attend`` does not call (its math fallback), or the call is
+another one (a float mask, a position bias, dropout, queries and keys of different lengths, no gradient),
+:func:`kept_sdpa` returns None and transformers' function runs.
 """
 
 from __future__ import annotations
