@@ -3,7 +3,8 @@ offloads what its own layers save, so the switch composes with the sharding. A g
 process (NCCL on the GPU, gloo on the CPU): the model patched with the switch, then sharded, trains
 bitwise as the same model sharded without it (offloading copies bytes to the host and back, nothing
 else), with and without gradient checkpointing; on the GPU the host pool shows the offload happened, on
-the CPU the patch says nothing is offloaded and nothing is."""
+the CPU the patch says nothing is offloaded and nothing is. ``keep_attention`` under FSDP2 on the CPU: bitwise, and
+the recompute launches no attention kernel."""
 
 from __future__ import annotations
 
@@ -124,3 +125,24 @@ def test_offload_on_a_cpu_model_under_fsdp2_on_gloo_changes_nothing_and_says_so(
         _assert_bitwise(got, want)
         offloader = long_context.offloader_of(patched)
         assert offloader.host_bytes == 0 and offloader.peak_host_bytes == 0
+
+
+def test_keep_attention_under_fsdp2_on_gloo_trains_bitwise_and_keeps(monkeypatch):
+    """``keep_attention`` composes with the sharding too: each rank's layers hand their checkpoints a KeptCall (on
+    the CPU through transformers' sdpa call, tigon.nn.kept_sdpa), the recompute launches no attention kernel, and
+    two AdamW steps are bitwise those of the same model sharded without it."""
+    from tigon.nn import attention
+
+    calls = []
+    attend = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    with one_rank_group("gloo"):
+        torch.manual_seed(0)
+        stock = tiny_model("llama")
+        stock.config._attn_implementation = "sdpa"
+        kept = copy.deepcopy(stock)
+        tigon.patch(kept, keep_attention=True, **PLAIN)
+        got = _train(_shard(kept), seq=12, autocast=False, checkpointing={"use_reentrant": False})
+        assert len(calls) == STEPS * len(kept.model.layers)  # the forwards' only
+        want = _train(_shard(stock), seq=12, autocast=False, checkpointing={"use_reentrant": False})
+        _assert_bitwise(got, want)
