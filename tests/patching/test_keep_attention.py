@@ -246,6 +246,32 @@ def test_outside_the_node_transformers_sdpa_call_is_kept(monkeypatch, model_type
     _assert_equal(got, want)
 
 
+def test_masked_calls_keep_one_bias_for_all_the_layers(monkeypatch):
+    """A padded batch's mask turned into one additive bias for every layer (the model's MaskBiases): what the
+    layers keep until the backward holds that one bias, not one a layer."""
+    outputs = []
+    record = KeptCall.attend
+
+    def watching(self, compute, *args):
+        result = record(self, compute, *args)
+        outputs.append(result)
+        return result
+
+    monkeypatch.setattr(KeptCall, "attend", watching)
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", num_hidden_layers=3).to(DEVICE)
+    model.config._attn_implementation = "sdpa"
+    tigon.patch(model, keep_attention=True, **ONLY_ATTENTION)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    ids, labels = batch(0, seq=16)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    model(input_ids=ids, labels=labels, attention_mask=mask).loss.backward()
+    biases = [saved[-1] for _, saved, _ in outputs]  # 3 layers' forwards, then their recomputes' (the last first)
+    assert len(biases) == 6 and biases[0] is not None and all(b is biases[0] for b in biases)
+    assert all(got is kept for got, kept in zip(outputs[3:], reversed(outputs[:3]), strict=True))
+
+
 def test_what_the_patch_says():
     model = tiny_model("llama")
     model.config._attn_implementation = "sdpa"

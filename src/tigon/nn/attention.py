@@ -163,6 +163,12 @@ class MaskBiases:
     def __init__(self):
         self.entries: dict[int, tuple] = {}
 
+    def __getstate__(self):  # a copy starts empty: its entries are the original's masks' (weak references)
+        return {}
+
+    def __setstate__(self, state):
+        self.entries = {}
+
     def get(self, mask, signature, make):
         """``make()``, or what it made for this mask and ``signature`` before."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -55,10 +55,13 @@ def _signature(q, k, v, mask) -> tuple:
 
 class KeptCall:
     """``function`` as a checkpoint calls it, holding the attention kernels' outputs of its first call for the
-    later ones (module docs). ``runs``: how many times it ran; ``entries``: (signature, outputs) in call order."""
+    later ones (module docs). ``runs``: how many times it ran; ``entries``: (signature, outputs) in call order;
+    ``biases``: where a masked call's bias is made, shared by the model's layers so that what they keep holds
+    one bias per mask, not one a layer."""
 
-    def __init__(self, function):
+    def __init__(self, function, biases=None):
         self.function = function
+        self.biases = biases  # a tigon.nn.attention.MaskBiases the layers of a model share, or None
         self.entries: list[tuple] = []
         self.runs = 0
         self.position = 0  # the next entry a replaying run takes
@@ -104,14 +107,19 @@ class KeepingCheckpoint(CheckpointWrapper):
 
     def __call__(self, function, *args, **kwargs):
         if not torch.compiler.is_compiling():
-            function = KeptCall(function)
+            function = KeptCall(function, self.owner.biases)
         return self.inner(function, *args, **kwargs)
 
 
 class LayerKeep(CheckpointWrap):
     """The ``keep_attention`` switch on one decoder layer: :class:`KeepingCheckpoint` around its checkpoint
     function (``caller``: the module whose forward calls the layer, which wraps a function set after the
-    patch before each forward)."""
+    patch before each forward); ``biases``: the model's masks' biases, one per mask for all its layers (a
+    ``tigon.nn.attention.MaskBiases``, or None)."""
+
+    def __init__(self, layer: torch.nn.Module, caller: torch.nn.Module | None = None, biases=None):
+        super().__init__(layer, caller)
+        self.biases = biases
 
     def wrapper(self, function) -> KeepingCheckpoint:
         return KeepingCheckpoint(self, function)

@@ -41,11 +41,12 @@ class _NotCalled(Exception):
 class KeptSdpa(torch.autograd.Function):
     """sdpa over q ``(B, Hq, T, D)`` and k, v ``(B, Hk, T, D)``: causal, the heads grouped where ``gqa``, where
     ``mask`` is None, else over the boolean ``mask`` (k and v repeated to the query heads already, by the caller,
-    as transformers repeats them); returns ``(B, Hq, T, D)``."""
+    as transformers repeats them), its bias made by ``biases`` (a ``MaskBiases``: one bias per mask for all the
+    layers) or here; returns ``(B, Hq, T, D)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, gqa):
-        compute = functools.partial(attention.attend, q, k, v, scale, gqa=gqa, mask=mask)
+    def forward(ctx, q, k, v, mask, scale, gqa, biases):
+        compute = functools.partial(attention.attend, q, k, v, scale, gqa=gqa, mask=mask, biases=biases)
         attended = kept_attention.attend(compute, q, k, v, mask)
         if attended is None:
             raise _NotCalled
@@ -59,7 +60,7 @@ class KeptSdpa(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, *saved = ctx.saved_tensors
         scale, sizes = ctx.meta
-        return (*attention.attend_backward(dout, q, k, v, out, saved, sizes, scale), None, None, None)
+        return (*attention.attend_backward(dout, q, k, v, out, saved, sizes, scale), None, None, None, None)
 
 
 def _as_sdpa_casts(query, key, value):
@@ -101,7 +102,9 @@ def kept_sdpa(module, query, key, value, attention_mask, kwargs) -> torch.Tensor
     if inputs is None:
         return None
     try:
-        out = KeptSdpa.apply(*inputs, mask, kwargs.get("scaling"), mask is None and groups > 1)  # (B, Hq, T, D)
+        holder = kept_attention.current()
+        out = KeptSdpa.apply(*inputs, mask, kwargs.get("scaling"), mask is None and groups > 1,      # (B, Hq, T, D)
+                             None if holder is None else holder.biases)
     except _NotCalled:
         return None
     return out.transpose(1, 2).contiguous()                                            # (B, T, Hq, D)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
+from tigon.nn.attention import MaskBiases
 from tigon.nn.kept_attention import LayerKeep
 from tigon.nn.tiled_mlp import TiledForward, TiledMLPConfig
 from tigon.patching import band_attention
@@ -186,11 +187,11 @@ def plan_keep_attention(plan, model, family, classes, switches) -> None:
     """The keep_attention switch: every decoder layer of ``model`` hands its checkpoint a KeptCall, and the model is
     marked for the sdpa wrapper's kept calls (band_attention.KeptMark)."""
     line = keep_attention_lines(family, classes, switches)[0]
-    added = False
+    added, biases = False, MaskBiases()  # the masks' biases, one per mask for all the layers (kept_sdpa's calls)
     for layer, parent, _ in _modules_of(model, classes.decoder_layer):
         if vars(layer).get(KEEP_ATTR) is not None:
             continue
-        change = LayerKeep(layer, _caller_of(model, parent))
+        change = LayerKeep(layer, _caller_of(model, parent), biases)
         plan.add(change, line)
         plan.add(SetAttr(layer, KEEP_ATTR, change))
         added = True
