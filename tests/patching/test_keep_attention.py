@@ -296,7 +296,8 @@ def test_on_the_gpu_the_recompute_launches_no_attention_kernel(model_type):
     def step(keep):
         torch.manual_seed(0)
         model = tiny_model(model_type, num_hidden_layers=3, hidden_size=256, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=64, intermediate_size=512).cuda()
+                           num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                           max_position_embeddings=512).cuda()
         model.config._attn_implementation = "sdpa"
         tigon.patch(model, keep_attention=keep)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
