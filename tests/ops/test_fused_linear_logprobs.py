@@ -154,15 +154,19 @@ def test_tiles_taken_where_the_operands_allow():
     check(x, w, make_target((9,), 257, ignored=2), b, config=TILES, **ALL_OPTIONS)
 
 
+TILE_OPTIONS = {"plain": dict(), "all": ALL_OPTIONS, "softcap_negative_scale": dict(softcap=2.0, logit_scale=-0.8),
+                "no_entropy": dict(temperature=2.5, entropy=False)}
+# Every option set in bf16; fp16, which differs only in the dtype its tiles load and store (each load upcast to
+# fp32), with every option at once.
+TILE_CASES = [(name, dtype) for name in TILE_OPTIONS for dtype in TILE_DTYPES
+              if dtype == torch.bfloat16 or name == "all"]
+
+
 @pytest.mark.parametrize("config", ("chunks", "one_chunk", "split"))
-@pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
-@pytest.mark.parametrize(
-    "options",
-    (dict(), ALL_OPTIONS, dict(softcap=2.0, logit_scale=-0.8), dict(temperature=2.5, entropy=False)),
-    ids=("plain", "all", "softcap_negative_scale", "no_entropy"),
-)
+@pytest.mark.parametrize("options,dtype", TILE_CASES, ids=[f"{name}-{dtype}" for name, dtype in TILE_CASES])
 def test_tiles_every_option(options, dtype, config):
     """37 tokens (three row tiles, the last one short), V = 1000 (odd chunks and tiles), bias."""
+    options = TILE_OPTIONS[options]
     config = {"chunks": TILES, "one_chunk": TILES_ONE_CHUNK, "split": TILES_SPLIT}[config]
     x, w, b = make_inputs((37,), 40, 1000, dtype, bias=True, scale=4.0)
     check(x, w, make_target((37,), 1000, ignored=3), b, config=config, **dict(options))

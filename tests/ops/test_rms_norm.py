@@ -238,13 +238,32 @@ MIXED_CASES = (  # (x, residual, weight, out_dtype): autocast's bf16/fp16 sublay
 )
 
 
+def use_streamed_tuning(monkeypatch):
+    """Make rows longer than 16 take the streamed forward and backward (16-wide chunks, no split rows)."""
+    forward, backward = (
+        dataclasses.replace(tuning, max_fused_hidden=STREAM_CHUNK, chunk=STREAM_CHUNK, split_max_hidden=0)
+        for tuning in (RMS_MODULE.CONFIG.forward, RMS_MODULE.CONFIG.backward)
+    )
+    set_tuning(monkeypatch, forward=forward, backward=backward)
+
+
+# add_rms_norm's three regimes at widths the interpreter runs in a fraction of a second: (hidden, tuning). The
+# default settings split rows past 32768 (forward) and 8192 (backward) and stream past 131072 and 65536
+# (test_add_rms_norm runs the dtypes at 32769); here 50 = 3·16 + 2 in four parts, 70 = 4·16 + 6 in five chunks.
+REGIMES = {"fused": (96, None), "split": (50, use_split_tuning), "streamed": (70, use_streamed_tuning)}
+
+
 @pytest.mark.parametrize("x_dtype,r_dtype,w_dtype,out_dtype", MIXED_CASES, ids=str)
-@pytest.mark.parametrize("hidden", (96, MAX_FUSED_HIDDEN_FWD + 1))  # fused; both passes streamed
+@pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("casting,offset", (("llama", 0.0), ("gemma", 1.0)))
-def test_add_rms_norm_mixed_dtypes(x_dtype, r_dtype, w_dtype, out_dtype, hidden, casting, offset):
+def test_add_rms_norm_mixed_dtypes(monkeypatch, x_dtype, r_dtype, w_dtype, out_dtype, regime, casting, offset):
     """s in torch's promotion of x and residual, as ``x + residual``; y and the gradients those of
     ``rms_norm(x + residual, out_dtype=...)`` composed by autograd (bitwise off the GPU), and near the
-    fp64 reference rounded where those dtypes round; each input's gradient in its own dtype."""
+    fp64 reference rounded where those dtypes round; each input's gradient in its own dtype. Rows fused,
+    split, and streamed (:data:`REGIMES`)."""
+    hidden, tuning = REGIMES[regime]
+    if tuning is not None:
+        tuning(monkeypatch)
     x = randn(2, 3, hidden, dtype=x_dtype, requires_grad=True)
     residual = randn(2, 3, hidden, dtype=r_dtype, requires_grad=True)
     w = randn(hidden, dtype=w_dtype, requires_grad=True)
