@@ -20,19 +20,23 @@ next forward (a forward pre-hook on the module whose forward calls the layers).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 CHECKPOINT_ATTR = "_gradient_checkpointing_func"  # transformers' checkpoint function, on each layer
 
 
-class CheckpointWrapper:
-    """A checkpoint function that acts around ``inner``, the function it wraps; ``owner``: the change that made it."""
+class CheckpointWrapper(ABC):
+    """A checkpoint function that acts around ``inner``, the function it wraps; ``owner``: the change that made it.
+    Subclasses say what it does around the call."""
 
     def __init__(self, owner, inner):
         self.owner, self.inner = owner, inner
 
+    @abstractmethod
     def __call__(self, function, *args, **kwargs):
-        raise NotImplementedError
+        """``inner(function, *args, **kwargs)``, with what the wrapper does around it."""
 
 
 def wrap(layer: torch.nn.Module, owner, make) -> None:
@@ -63,7 +67,7 @@ def unwrap(layer: torch.nn.Module, owner) -> None:
         outer, wrapped = wrapped, wrapped.inner
 
 
-class CheckpointWrap:
+class CheckpointWrap(ABC):
     """A change that keeps its wrapper (:meth:`wrapper`) around ``layer``'s checkpoint function: wrapped when
     applied, and again before each forward of ``caller`` (the module whose forward calls the layer; None: now
     only) where ``gradient_checkpointing_enable()`` has set a new function since. ``undo`` removes the hook and
@@ -72,8 +76,9 @@ class CheckpointWrap:
     def __init__(self, layer: torch.nn.Module, caller: torch.nn.Module | None = None):
         self.layer, self.caller, self.handles = layer, caller, []
 
+    @abstractmethod
     def wrapper(self, function) -> CheckpointWrapper:
-        raise NotImplementedError
+        """This change's wrapper around ``function``."""
 
     def apply(self):
         if self.caller is not None:

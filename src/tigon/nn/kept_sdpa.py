@@ -30,8 +30,16 @@ import torch
 
 from tigon.nn import attention, kept_attention
 
-# transformers' use_gqa_in_sdpa: grouped heads go to sdpa as they are up to this head size (else repeated)
+# the largest key/value head size with which transformers' sdpa function hands sdpa grouped heads without a mask
+# (use_gqa_in_sdpa, 5.17 to 5.25); above it, it repeats k and v itself
 GQA_HEAD_DIM = 256
+
+
+def transformers_causal(module, kwargs) -> bool:
+    """Whether transformers' sdpa function calls sdpa causal where it gets no mask: ``is_causal`` from the
+    keywords, else the module's (true for every decoder layer)."""
+    is_causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
 
 
 class _NotCalled(Exception):
@@ -80,8 +88,7 @@ def kept_sdpa(module, query, key, value, attention_mask, kwargs) -> torch.Tensor
     ``(B, T, Hq, D)`` computed by :class:`KeptSdpa`, for the two calls of the module docs; None for any other."""
     groups = getattr(module, "num_key_value_groups", 1)
     length = query.shape[2] if query.dim() == 4 else -1
-    is_causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = transformers_causal(module, kwargs)
     if (not torch.is_grad_enabled() or not isinstance(groups, int) or isinstance(groups, bool) or groups < 1
             or length < 2 or key.dim() != 4 or value.shape != key.shape
             or key.shape[2] != length or key.shape[0] != query.shape[0] or key.shape[1] * groups != query.shape[1]

@@ -77,7 +77,7 @@ from torch.nn.attention import SDPBackend
 
 from tigon.nn import kept_attention
 from tigon.nn.attention import repeat_heads
-from tigon.nn.kept_sdpa import kept_sdpa
+from tigon.nn.kept_sdpa import GQA_HEAD_DIM, kept_sdpa, transformers_causal
 from tigon.patching.causal_mask import BandMask
 from tigon.patching.interface_marks import InterfaceWrapper
 
@@ -100,9 +100,6 @@ GROUPED = "grouped"
 KEPT = "kept"
 # the id torch._fused_sdp_choice returns for sdpa's math kernel (the one that makes the T × T scores)
 MATH = SDPBackend.MATH.value
-# the largest key/value head size with which transformers' sdpa function hands sdpa grouped heads without a mask
-# (use_gqa_in_sdpa, 5.17 to 5.25); above it, it repeats k and v itself
-GQA_HEAD_DIM = 256
 
 
 def marked(config, group: str = "") -> bool:
@@ -202,9 +199,7 @@ def _repeated_heads(module, query, key, value, attention_mask, kwargs):
             or key.shape[2] != length or length < 2
             or not key.shape[-1] == value.shape[-1] <= GQA_HEAD_DIM):
         return None
-    # transformers' call: is_causal from the keywords, else the module's (true for every decoder layer)
-    is_causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = transformers_causal(module, kwargs)
     dropout, scale = kwargs.get("dropout", 0.0), kwargs.get("scaling")
     if _sdpa_choice(query, key, value, dropout, causal, scale) != MATH:
         return None
