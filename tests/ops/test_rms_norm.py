@@ -360,8 +360,13 @@ def test_add_rms_norm_streamed_backward(monkeypatch, dtype, case):
     check_add_rms_norm_grads(rows, hidden, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", SPLIT_CASES)
+# Every case in every dtype but fp16 at 19 rows (the slowest under the interpreter, 4 programs a row): fp16 differs
+# from bf16 only in the dtype its tiles load and store, each load upcast to fp32.
+RMS_SPLIT_CASES = [(case, dtype) for case in SPLIT_CASES for dtype in DTYPES
+                   if case != "19rows-4parts" or dtype != torch.float16]
+
+
+@pytest.mark.parametrize("case,dtype", RMS_SPLIT_CASES, ids=[f"{case}-{dtype}" for case, dtype in RMS_SPLIT_CASES])
 def test_rms_norm_split_rows(monkeypatch, dtype, case):
     """Rows split over programs that swap their partial sums: under the interpreter the first part
     of each row finds no partner yet and recomputes their sums, the later parts find them published."""
