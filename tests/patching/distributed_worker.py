@@ -45,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import tigon
+from tests.patching import worker_exit
 from tests.patching.tiny import tiny_model
 from tigon._interpreter import apply_interpreter_fixes
 
@@ -270,8 +271,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # The results are written and the group destroyed: leave without the interpreter's teardown, where a
-    # communication thread still being joined can abort the process (std::terminate) after a correct run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_exit.leave()  # results written, group destroyed

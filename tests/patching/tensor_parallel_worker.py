@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.patching import worker_exit
 from tigon._interpreter import apply_interpreter_fixes
 
 apply_interpreter_fixes()  # the parent sets TRITON_INTERPRET=1 on a machine without CUDA
@@ -220,8 +221,4 @@ def main(out_path: str, models_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # The results are written and the group destroyed: leave without the interpreter's teardown, where a
-    # communication thread still being joined can abort the process (std::terminate) after a correct run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_exit.leave()  # results written, group destroyed

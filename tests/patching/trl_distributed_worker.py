@@ -49,6 +49,7 @@ import transformers
 from torch.distributed.fsdp import fully_shard
 
 import tigon
+from tests.patching import worker_exit
 from tests.patching.tiny import VOCAB, tiny_model
 from tigon._interpreter import apply_interpreter_fixes
 
@@ -338,8 +339,4 @@ def main(group: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # The results are written and the group destroyed: leave without the interpreter's teardown, where a
-    # communication thread still being joined can abort the process (std::terminate) after a correct run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_exit.leave()  # results written, group destroyed
