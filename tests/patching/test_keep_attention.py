@@ -4,7 +4,10 @@ bitwise the one without the switch: in tigon's attention node, and through trans
 node stands aside (tigon.nn.kept_sdpa).
 
 On the CPU the attention node is off by default (fused_attention.DEVICES, its dtypes): the node's tests add the CPU
-and fp32 to run it under the interpreter, with sdpa's CPU flash kernel. The GPU test counts the kernels launched."""
+and fp32 to run it under the interpreter, with sdpa's CPU flash kernel. On the GPU the same tests run the tiny model
+in bf16 (DTYPE): there sdpa has no fused kernel for grouped heads in fp32, only its math fallback, which the node does
+not call (so nothing would be kept). At 16 tokens each backward kernel sums over one block of keys, so the GPU runs
+are bitwise too. The GPU test at the end counts the kernels launched at a training shape."""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from tigon.nn.activation_offload import ScopedCheckpoint
 from tigon.nn.checkpoint_chain import CHECKPOINT_ATTR
 from tigon.nn.kept_attention import KeepingCheckpoint, KeptCall
 
+# the tiny model's dtype: one the device has a fused sdpa kernel for, with grouped heads (module docs)
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 # kernels alone: nothing but the attention patched (the norms, MLP and loss head stay stock)
 ONLY_ATTENTION = dict(rms_norm=False, mlp=False, fused_linear_cross_entropy=False)
 NON_REENTRANT = {"use_reentrant": False}
@@ -48,7 +53,7 @@ def kernel_calls(monkeypatch):
 def _patched(layers=3, **switches):
     """A tiny sdpa Llama with only its attention patched (and ``switches``), and the Patch."""
     torch.manual_seed(0)
-    model = tiny_model("llama", num_hidden_layers=layers).to(DEVICE)
+    model = tiny_model("llama", num_hidden_layers=layers).to(DEVICE, DTYPE)
     model.config._attn_implementation = "sdpa"
     return model, tigon.patch(model, **ONLY_ATTENTION, **switches)
 
@@ -180,7 +185,7 @@ def test_lora_adapters_in_the_node_train_the_same(kernel_calls):
     from tests.patching import tiny_lora
 
     def lora_step(keep):
-        model = tiny_lora.lora(tiny_lora.base_model())
+        model = tiny_lora.lora(tiny_lora.base_model().to(DTYPE))
         tigon.patch(model, keep_attention=keep)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
         kernel_calls.clear()
