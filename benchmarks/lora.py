@@ -579,17 +579,21 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def versions() -> dict:
+def versions(providers=(), unsloth_site: Path | None = None) -> dict:
+    """The harness's versions, PEFT's, tigon's and bitsandbytes' (where installed), and Unsloth's from its site
+    where a provider ran it."""
     from importlib import metadata
 
     from tigon.bench.harness import versions as base
 
     out = base()
-    for name in ("peft", "tigon"):
+    for name in ("peft", "tigon", "bitsandbytes"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    if unsloth_site is not None and any(p.startswith("unsloth") for p in providers):
+        out.update(unsloth_models.versions(unsloth_site))
     return out
 
 
@@ -616,7 +620,7 @@ def main(argv=None) -> int:
     settings = {k: ([str(p) for p in v] if k == "merge" else str(v) if isinstance(v, Path) else v)
                 for k, v in vars(args).items()}
     result.update(device=next((r["device"] for r in result["rows"] if "error" not in r), "unknown-GPU"),
-                  date=_dt.date.today().isoformat(), versions=versions(), settings=settings,
+                  date=_dt.date.today().isoformat(), versions=versions(args.providers, args.unsloth_site), settings=settings,
                   wall_s=time.perf_counter() - started)
     target = history.script_path(args)
     if target is not None:  # this run's rows only: the merged ones are in the history already

@@ -37,6 +37,15 @@ def worker_env(site: str | Path, repo_src: str | Path) -> dict:
     return {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
 
 
+def versions(site: str | Path) -> dict:
+    """Unsloth's and unsloth_zoo's versions as installed in ``site`` (None where it holds neither): the benchmark
+    pages record them with the other providers' versions, though the parent process never imports them."""
+    from importlib import metadata
+
+    found = {dist.metadata["Name"].lower(): dist.version for dist in metadata.distributions(path=[str(site)])}
+    return {name: found.get(name) for name in ("unsloth", "unsloth_zoo")}
+
+
 def save_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer whose vocabulary is the model's (ids 0..vocab_size-1; 0 unknown, 1 beginning,
     2 end, 3 padding), saved where ``from_pretrained`` looks for one."""

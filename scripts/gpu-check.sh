@@ -29,7 +29,7 @@
 #
 # $OUT (./gpu-check-out unless set) gets env.txt, tests-{parallel,bigmem}.log, junit-{parallel,bigmem}.xml,
 # results-{parallel,bigmem}.txt (one "outcome nodeid" line per test, written as each ends, so a run stopped by
-# the budget still counts) and, with BENCH, bench.log and bench/<device>-<date>.{json,md,png}.
+# the budget still counts), memory-{parallel,bigmem}.txt (each test's peak reserved GPU memory above 1 GiB) and, with BENCH, bench.log and bench/<device>-<date>.{json,md,png}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-${PART:-suite}}
@@ -45,8 +45,12 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 OUT=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT/bench"
-rm -f "$OUT"/results-*.txt "$OUT"/junit-*.xml "$OUT"/tests-*.log
+rm -f "$OUT"/results-*.txt "$OUT"/memory-*.txt "$OUT"/junit-*.xml "$OUT"/tests-*.log
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+# transformers 5.25's from_pretrained on a CUDA device swaps layers for kernels it downloads from the Hugging Face
+# Hub (its `use_kernels` defaults to on); the GPU machine has no network, so the tests run with the Hub kernels off,
+# as an offline user's job does.
+export USE_HUB_KERNELS=0
 
 setup_rc=0
 install() {  # wheel folder, target folder
@@ -104,7 +108,7 @@ pytest_part() {  # name, then pytest's arguments: stops at the budget's end; the
   local name=$1 left=$(( BUDGET_S - SECONDS ))
   shift
   if [ $left -le 0 ]; then echo "no time left in the ${BUDGET_S} s budget" >"$OUT/tests-$name.log"; return 124; fi
-  TIGON_TEST_RECORD="$OUT/results-$name.txt" timeout -k 15 -s INT "$left" python3 -m pytest "$@" -q \
+  TIGON_TEST_RECORD="$OUT/results-$name.txt" TIGON_TEST_MEMORY="$OUT/memory-$name.txt" timeout -k 15 -s INT "$left" python3 -m pytest "$@" -q \
     --tb=short --junitxml="$OUT/junit-$name.xml" >"$OUT/tests-$name.log" 2>&1
 }
 
@@ -171,6 +175,10 @@ PY
     $1 == "skipped" || $1 == "xfailed" { s++ } END { print p + 0, f + 0, s + 0 }' "$OUT/results.txt")"
   grep -hE "^(FAILED|ERROR) " "$OUT"/tests-*.log | head -40
   grep -h "^SKIPPED " "$OUT"/tests-*.log | sort | uniq | head -15
+  if ls "$OUT"/memory-*.txt >/dev/null 2>&1; then
+    echo "the most GPU memory a test reserved (GiB):"
+    sort -rn "$OUT"/memory-*.txt | head -8
+  fi
   for name in parallel bigmem; do
     [ -f "$OUT/tests-$name.log" ] && echo "  $name: $(tail -n 1 "$OUT/tests-$name.log")"
   done

@@ -9,8 +9,10 @@ Two hooks serve scripts/gpu-check.sh: under ``--dist loadgroup`` the tests that 
 class-scoped fixture (a torchrun launch, a trained model) go to one worker, so that the fixture runs once
 while every other test is spread on its own; and with ``TIGON_TEST_RECORD`` set each test's outcome is
 appended to that file as the test ends, so that a run stopped by its time budget still counts what ran.
+A third keeps the GPU's memory shared between the workers (``_gpu_memory_given_back``).
 """
 
+import gc
 import os
 
 import pytest
@@ -30,6 +32,9 @@ if _WORKERS > 0:
 
 _SHARED_SCOPES = ("class", "module", "package")
 _RECORD = os.environ.get("TIGON_TEST_RECORD")
+_MEMORY_RECORD = os.environ.get("TIGON_TEST_MEMORY")
+_CACHE_KEPT = 2 << 30  # bytes a worker's allocator may keep reserved between tests
+_RECORDED_PEAK = 1 << 30  # the peaks TIGON_TEST_MEMORY lists
 
 
 def _shares_a_fixture(item) -> bool:
@@ -94,3 +99,26 @@ def _no_saved_tensor_hooks_left_on():
     if left:
         pytest.fail(f"the test left {left} saved-tensor hook pair(s) switched on (an exception inside "
                     "torch.utils.checkpoint?); switched off here", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_given_back(request):
+    """On a GPU, the memory a test leaves in its worker's cache goes back to the driver when it exceeds 2 GiB.
+    PyTorch's caching allocator keeps what a process once reserved: on scripts/gpu-check.sh's 12-14 workers each
+    would hold the high-water mark of the largest test it ran (20-25 GiB for some), and on an 80 GiB card the
+    tests running beside them then fail to allocate a few hundred MiB. With ``TIGON_TEST_MEMORY`` set, each test's
+    peak reserved memory above 1 GiB is appended to that file ("GiB nodeid"): where the suite's memory goes.
+    Nothing is done in a process where CUDA is not initialised (every CPU run, and the tests that fork or launch
+    workers before touching the GPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    peak = torch.cuda.max_memory_reserved()
+    if _MEMORY_RECORD and peak > _RECORDED_PEAK:
+        with open(_MEMORY_RECORD, "a") as record:
+            record.write(f"{peak / 2**30:.1f} {request.node.nodeid}\n")
+    if torch.cuda.memory_reserved() > _CACHE_KEPT:
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -50,6 +50,13 @@ def test_unsloth_providers_where_its_site_holds_it(tmp_path):
     assert lora._title("unsloth+4bit+ckpt") == "Unsloth on 4-bit nf4 bases (QLoRA) + checkpointing"
     env = lora.unsloth_models.worker_env(tmp_path, "/repo/src")
     assert env["PYTHONPATH"].split(":")[:2] == [str(tmp_path), "/repo/src"] and env["HF_HUB_OFFLINE"] == "1"
+    # the page's versions: Unsloth's as installed in its site, where a provider ran it
+    assert lora.versions(["peft"], tmp_path).get("unsloth") is None
+    assert lora.versions(["unsloth"], tmp_path)["unsloth"] is None  # the site holds no installed distribution
+    info = tmp_path / "unsloth-2026.10.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: unsloth\nVersion: 2026.10.9\n")
+    assert lora.versions(["unsloth+4bit"], tmp_path)["unsloth"] == "2026.10.9"
 
 
 def test_unsloth_model_folder_has_weights_and_a_tokenizer_of_its_vocabulary(tmp_path):
