@@ -32,7 +32,8 @@ projections bitsandbytes 4-bit (:func:`tigon.bench.models.quantize_4bit`: nf4, d
 what ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
 bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16
 weights) after ``peft.prepare_model_for_kbit_training`` (fp32 norms, embeddings and head; its checkpointing left to
-``+ckpt``), compared with ``peft+4bit``. ``unsloth`` (also ``+4bit``, ``+ckpt``): Unsloth's
+``+ckpt``), compared with ``peft+4bit``; with ``--kbit-rest bf16`` the norms, embeddings and head stay bf16 (no
+``prepare_model_for_kbit_training``), as Unsloth's 4-bit loader keeps them. ``unsloth`` (also ``+4bit``, ``+ckpt``): Unsloth's
 ``FastLanguageModel`` on the same weights, saved and loaded through its ``from_pretrained`` (4-bit: its nf4 load
 of them), its LoRA on the same projections, ``+ckpt`` its offloaded checkpointing
 (``use_gradient_checkpointing="unsloth"``); it runs where ``--unsloth-site`` holds Unsloth and its pinned
@@ -159,6 +160,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a folder with Unsloth and its pinned requirements, put first on its workers' PYTHONPATH "
                    "(default %(default)s)")
     p.add_argument("--weights", choices=("bf16", "fp32"), default="bf16", help="the base weights' dtype")
+    p.add_argument("--kbit-rest", choices=("fp32", "bf16"), default="fp32",
+                   help="QLoRA: the norms, embeddings and head in fp32 (peft.prepare_model_for_kbit_training, as "
+                        "TRL prepares a 4-bit model; the default) or left bf16 (as Unsloth's loader keeps them)")
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--matmul-size", type=int, default=None,
@@ -287,7 +291,8 @@ def build(job: dict, device):
     if "unsloth" in parts:
         return unsloth_lora(job, model)
     if "4bit" in parts:  # quantized from the same weights: the same nf4 values, dequantized to the compute dtype
-        quantize_4bit(model, device, torch.float32 if reference else torch.bfloat16)
+        quantize_4bit(model, device, torch.float32 if reference else torch.bfloat16,
+                      prepare=job.get("kbit_rest", "fp32") == "fp32")
     elif reference:  # cast after drawing: the providers' model, its weights rounded to --weights, held in fp32
         model.float()
     lora = peft.LoraConfig(r=job["rank"], lora_alpha=job["alpha"], lora_dropout=0.0, target_modules=list(TARGETS))
@@ -394,7 +399,8 @@ def worker_main(ready_path: str | None = None, unsloth: bool = False) -> int:
 
 
 # What the runs merged into one page must share (--merge): the model, the step and its measurement.
-MERGE_SAME = ("layers", "batch", "seq", "rank", "alpha", "weights", "tiny", "warmup", "steps", "matmul_size")
+MERGE_SAME = ("layers", "batch", "seq", "rank", "alpha", "weights", "kbit_rest", "tiny", "warmup", "steps",
+              "matmul_size")
 
 
 def fp32_reference(provider: str) -> str:
@@ -412,7 +418,7 @@ def jobs_for(args, grads_dir: Path) -> list[dict]:
     def job(provider, **step):
         return {"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
                 "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha,
-                "weights": args.weights, "warmup": args.warmup, "steps": args.steps, "matmul_size": args.matmul_size,
+                "weights": args.weights, "kbit_rest": args.kbit_rest, "warmup": args.warmup, "steps": args.steps, "matmul_size": args.matmul_size,
                 "profile_steps": e2e.PROFILE_STEPS if args.profile else 0,
                 "grads_path": str(grads_dir / f"{provider}.pt"), **step}
 
@@ -538,8 +544,10 @@ def markdown(result: dict) -> str:
         "and input gradients, adapters, attention over the full square; no recompute) over the step time; "
         f"matmul: a bf16 {s['matmul_size']}³ product in the same process"
         + (f" ({min(matmul):.0f}–{max(matmul):.0f} TFLOP/s)" if matmul else "") + "; vs PEFT: tokens/s over stock "
-        "PEFT's with the same bases and checkpointing (QLoRA: nf4, double quant, bf16 compute). Each run in a "
-        "fresh process.", "",
+        "PEFT's with the same bases and checkpointing (QLoRA: nf4, double quant, bf16 compute; "
+        + ("norms, embeddings and head fp32, peft.prepare_model_for_kbit_training" if s.get("kbit_rest", "fp32")
+           == "fp32" else "norms, embeddings and head bf16") + ", Unsloth's rows as its loader leaves them). "
+        "Each run in a fresh process.", "",
         "Agreement, against the fp32 reference: stock PEFT on the same bases computing the same model in fp32 "
         "(fp32 base weights holding the same values, fp32 adapters, no autocast; 4-bit: the same nf4 weights "
         "with fp32 compute), one untimed step on the same data. Loss Δ: the first step's loss, relative; grad Δ: "

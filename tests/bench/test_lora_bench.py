@@ -139,6 +139,13 @@ def test_qlora_build_quantizes_the_projections():
         assert base.weight.quant_state.quant_type == "nf4" and base.weight.quant_state.nested
     assert layer.input_layernorm.weight.dtype == torch.float32
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    # --kbit-rest bf16: the same quantized projections, the rest of the model left bf16 (as Unsloth's loader)
+    kept = lora.build(tiny_job("tigon+4bit", weights="bf16", kbit_rest="bf16"), DEVICE)
+    base = kept.get_base_model()
+    assert base.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    assert base.lm_head.weight.dtype == base.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert type(base.model.layers[0].mlp.down_proj.get_base_layer()).__name__ == "Linear4bit"
+    assert lora.parse_args(["--kbit-rest", "bf16"]).kbit_rest == "bf16" and lora.parse_args([]).kbit_rest == "fp32"
 
 
 def test_flops_count_the_models_parameters():

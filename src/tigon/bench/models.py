@@ -229,14 +229,15 @@ def decoder_linears(model):
             if type(child) is torch.nn.Linear and child is not head]
 
 
-def quantize_4bit(model, device, compute_dtype=torch.bfloat16) -> None:
+def quantize_4bit(model, device, compute_dtype=torch.bfloat16, *, prepare: bool = True) -> None:
     """QLoRA's base: each decoder projection of ``model`` a bitsandbytes ``Linear4bit`` (nf4, double quant,
     ``compute_dtype``) quantized on ``device`` from the projection's weight, and the model marked as
     transformers marks a 4-bit model (PEFT then wraps them in its ``Linear4bit``) — what ``from_pretrained(
     quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
     bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype))`` makes of the same weights; then
     ``peft.prepare_model_for_kbit_training`` without its checkpointing (fp32 norms, embeddings and head), as
-    TRL's trainers prepare a 4-bit model."""
+    TRL's trainers prepare a 4-bit model. ``prepare=False`` leaves the rest of the model in its dtype, as
+    Unsloth's 4-bit loader does (its embeddings and head bf16: about 3 GiB less at Llama-3.1-8B's vocabulary)."""
     import bitsandbytes as bnb
     import peft
 
@@ -250,4 +251,5 @@ def quantize_4bit(model, device, compute_dtype=torch.bfloat16) -> None:
             quantized.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
         setattr(parent, name, quantized.to(device))  # quantizes
     model.is_loaded_in_4bit = True
-    peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if prepare:
+        peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
