@@ -29,7 +29,8 @@
 #
 # $OUT (./gpu-check-out unless set) gets env.txt, tests-{parallel,bigmem}.log, junit-{parallel,bigmem}.xml,
 # results-{parallel,bigmem}.txt (one "outcome nodeid" line per test, written as each ends, so a run stopped by
-# the budget still counts), memory-{parallel,bigmem}.txt (each test's peak reserved GPU memory above 1 GiB) and, with BENCH, bench.log and bench/<device>-<date>.{json,md,png}.
+# the budget still counts), memory-{parallel,bigmem}.txt (each test's peak reserved GPU memory above 1 GiB),
+# gpu-durations.txt (the tests that took 8 s or more: tests/gpu_durations.txt's form, which orders a GPU run) and, with BENCH, bench.log and bench/<device>-<date>.{json,md,png}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-${PART:-suite}}
@@ -175,6 +176,20 @@ PY
     $1 == "skipped" || $1 == "xfailed" { s++ } END { print p + 0, f + 0, s + 0 }' "$OUT/results.txt")"
   grep -hE "^(FAILED|ERROR) " "$OUT"/tests-*.log | head -40
   grep -h "^SKIPPED " "$OUT"/tests-*.log | sort | uniq | head -15
+  # the tests that took 8 s or more, in tests/gpu_durations.txt's form (which a GPU run starts first)
+  python3 - "$OUT"/junit-*.xml >"$OUT/gpu-durations.txt" 2>/dev/null <<'PY'
+import sys
+import xml.etree.ElementTree as ElementTree
+
+rows = []
+for path in sys.argv[1:]:
+    for case in ElementTree.parse(path).iter("testcase"):
+        if case.get("name") and float(case.get("time") or 0) >= 8:
+            nodeid = case.get("classname").replace(".", "/") + ".py::" + case.get("name").split("@")[0]
+            rows.append((float(case.get("time")), nodeid))
+for seconds, nodeid in sorted(rows, reverse=True):
+    print(f"{seconds:.1f} {nodeid}")
+PY
   if ls "$OUT"/memory-*.txt >/dev/null 2>&1; then
     echo "the most GPU memory a test reserved (GiB):"
     sort -rn "$OUT"/memory-*.txt | head -8

@@ -9,11 +9,13 @@ Two hooks serve scripts/gpu-check.sh: under ``--dist loadgroup`` the tests that 
 class-scoped fixture (a torchrun launch, a trained model) go to one worker, so that the fixture runs once
 while every other test is spread on its own; and with ``TIGON_TEST_RECORD`` set each test's outcome is
 appended to that file as the test ends, so that a run stopped by its time budget still counts what ran.
-A third keeps the GPU's memory shared between the workers (``_gpu_memory_given_back``).
+On a GPU the tests that take longest there (tests/gpu_durations.txt) are collected first, and a fixture keeps
+the GPU's memory shared between the workers (``_gpu_memory_given_back``).
 """
 
 import gc
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +47,24 @@ def _shares_a_fixture(item) -> bool:
         for definition in definitions)
 
 
+GPU_DURATIONS = Path(__file__).with_name("gpu_durations.txt")
+
+
+def gpu_seconds(path: Path = GPU_DURATIONS) -> dict:
+    """``{nodeid: seconds}`` from a file of "seconds nodeid" lines ('#' starts a comment line)."""
+    if not path.is_file():
+        return {}
+    lines = (line.split(maxsplit=1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+    return {nodeid: float(seconds) for seconds, nodeid in lines}
+
+
+def longest_first(items, seconds: dict) -> None:
+    """Sorts ``items`` in place: the tests ``seconds`` lists first, the longest first, then the others in their
+    collected order. pytest-xdist hands tests to its workers in this order, so on scripts/gpu-check.sh's 14
+    workers the 1-2 minute compile tests start at once instead of extending the run's end."""
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     if config.getoption("loadgroup", False):  # set on pytest-xdist's workers under --dist loadgroup
@@ -52,6 +72,7 @@ def pytest_collection_modifyitems(config, items):
             if _shares_a_fixture(item):
                 item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
+        longest_first(items, gpu_seconds())
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: runs in scripts/gpu-check.sh on a GPU")
     for item in items:
