@@ -33,9 +33,9 @@ what ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True,
 bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16
 weights) after ``peft.prepare_model_for_kbit_training`` (fp32 norms, embeddings and head; its checkpointing left to
 ``+ckpt``), compared with ``peft+4bit``; with ``--kbit-rest bf16`` the norms, embeddings and head stay bf16 (no
-``prepare_model_for_kbit_training``), as Unsloth's 4-bit loader keeps them. ``unsloth`` (also ``+4bit``, ``+ckpt``): Unsloth's
-``FastLanguageModel`` on the same weights, saved and loaded through its ``from_pretrained`` (4-bit: its nf4 load
-of them), its LoRA on the same projections, ``+ckpt`` its offloaded checkpointing
+``prepare_model_for_kbit_training``), as Unsloth's 4-bit loader keeps them. ``unsloth`` (also ``+4bit``,
+``+ckpt``): Unsloth's ``FastLanguageModel`` on the same weights, saved and loaded through its ``from_pretrained``
+(4-bit: its nf4 load of them), its LoRA on the same projections, ``+ckpt`` its offloaded checkpointing
 (``use_gradient_checkpointing="unsloth"``); it runs where ``--unsloth-site`` holds Unsloth and its pinned
 requirements (benchmarks/unsloth_models.py) and is left out of the default providers otherwise. Each runs in a
 fresh process (benchmarks/e2e.py's worker pool).
@@ -418,7 +418,8 @@ def jobs_for(args, grads_dir: Path) -> list[dict]:
     def job(provider, **step):
         return {"provider": provider, "device": args.device, "tiny": args.tiny, "layers": args.layers,
                 "batch": args.batch, "seq": args.seq, "rank": args.rank, "alpha": args.alpha,
-                "weights": args.weights, "kbit_rest": args.kbit_rest, "warmup": args.warmup, "steps": args.steps, "matmul_size": args.matmul_size,
+                "weights": args.weights, "kbit_rest": args.kbit_rest, "warmup": args.warmup, "steps": args.steps,
+                "matmul_size": args.matmul_size,
                 "profile_steps": e2e.PROFILE_STEPS if args.profile else 0,
                 "grads_path": str(grads_dir / f"{provider}.pt"), **step}
 
@@ -628,7 +629,8 @@ def main(argv=None) -> int:
     settings = {k: ([str(p) for p in v] if k == "merge" else str(v) if isinstance(v, Path) else v)
                 for k, v in vars(args).items()}
     result.update(device=next((r["device"] for r in result["rows"] if "error" not in r), "unknown-GPU"),
-                  date=_dt.date.today().isoformat(), versions=versions(args.providers, args.unsloth_site), settings=settings,
+                  date=_dt.date.today().isoformat(), versions=versions(args.providers, args.unsloth_site),
+                  settings=settings,
                   wall_s=time.perf_counter() - started)
     target = history.script_path(args)
     if target is not None:  # this run's rows only: the merged ones are in the history already
