@@ -30,7 +30,8 @@
 # $OUT (./gpu-check-out unless set) gets env.txt, tests-{parallel,bigmem}.log, junit-{parallel,bigmem}.xml,
 # results-{parallel,bigmem}.txt (one "outcome nodeid" line per test, written as each ends, so a run stopped by
 # the budget still counts), memory-{parallel,bigmem}.txt (each test's peak reserved GPU memory above 1 GiB),
-# gpu-durations.txt (the tests that took 8 s or more: tests/gpu_durations.txt's form, which orders a GPU run) and, with BENCH, bench.log and bench/<device>-<date>.{json,md,png}.
+# gpu-durations.txt (the tests that took 8 s or more: tests/gpu_durations.txt's form, which orders a GPU run)
+# and, with BENCH, bench.log and bench/<device>-<date>.{json,md,png}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-${PART:-suite}}
@@ -109,8 +110,9 @@ pytest_part() {  # name, then pytest's arguments: stops at the budget's end; the
   local name=$1 left=$(( BUDGET_S - SECONDS ))
   shift
   if [ $left -le 0 ]; then echo "no time left in the ${BUDGET_S} s budget" >"$OUT/tests-$name.log"; return 124; fi
-  TIGON_TEST_RECORD="$OUT/results-$name.txt" TIGON_TEST_MEMORY="$OUT/memory-$name.txt" timeout -k 15 -s INT "$left" python3 -m pytest "$@" -q \
-    --tb=short --junitxml="$OUT/junit-$name.xml" >"$OUT/tests-$name.log" 2>&1
+  TIGON_TEST_RECORD="$OUT/results-$name.txt" TIGON_TEST_MEMORY="$OUT/memory-$name.txt" \
+    timeout -k 15 -s INT "$left" python3 -m pytest "$@" -q --tb=short --junitxml="$OUT/junit-$name.xml" \
+    >"$OUT/tests-$name.log" 2>&1
 }
 
 parallel_rc=0 bigmem_rc=0 bigmem_pid=""

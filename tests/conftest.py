@@ -35,6 +35,7 @@ if _WORKERS > 0:
 _SHARED_SCOPES = ("class", "module", "package")
 _RECORD = os.environ.get("TIGON_TEST_RECORD")
 _MEMORY_RECORD = os.environ.get("TIGON_TEST_MEMORY")
+_CUDA = torch.cuda.is_available()  # asked once: the per-test fixture below runs for every test
 _CACHE_KEPT = 2 << 30  # bytes a worker's allocator may keep reserved between tests
 _RECORDED_PEAK = 1 << 30  # the peaks TIGON_TEST_MEMORY lists
 
@@ -71,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if _shares_a_fixture(item):
                 item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    if torch.cuda.is_available():
+    if _CUDA:
         longest_first(items, gpu_seconds())
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: runs in scripts/gpu-check.sh on a GPU")
@@ -131,10 +132,10 @@ def _gpu_memory_given_back(request):
     peak reserved memory above 1 GiB is appended to that file ("GiB nodeid"): where the suite's memory goes.
     Nothing is done in a process where CUDA is not initialised (every CPU run, and the tests that fork or launch
     workers before touching the GPU)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _CUDA and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
     yield
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not (_CUDA and torch.cuda.is_initialized()):
         return
     peak = torch.cuda.max_memory_reserved()
     if _MEMORY_RECORD and peak > _RECORDED_PEAK:
