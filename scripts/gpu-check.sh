@@ -6,8 +6,8 @@
 #   bash scripts/gpu-check.sh top           # PART=top: tests/patching (the TRL head among them), the TRL step
 #                                           #   benchmark's, the demo's and the examples' tests on the release
 #                                           #   whose wheels are in .whl-top/ (the newest one)
-#   TESTS="tests/ops -k rms" bash scripts/gpu-check.sh       # another selection, in either part
-#   TESTS=none BENCH=all bash scripts/gpu-check.sh           # the benchmark harness only (BENCH="rms_norm jsd": some ops)
+#   TESTS="tests/ops -k rms" bash scripts/gpu-check.sh    # another selection, in either part
+#   TESTS=none BENCH=all bash scripts/gpu-check.sh        # the benchmark harness only (BENCH="rms_norm jsd": some ops)
 #
 # Wheels in .whl/ (git-ignored: trl, datasets, peft, liger-kernel and what they need) and .whl-bnb/ (bitsandbytes,
 # for the QLoRA tests) go to $SITE (/tmp/site), after src/ on PYTHONPATH, so the image's packages stay untouched
@@ -21,7 +21,8 @@
 # fixture stays on one worker, see tests/conftest.py). Tests marked bigmem (>2**31-element tensors, 1B-parameter
 # models) run one at a time in one process: alongside the parallel part where the card has >= 120 GiB (the
 # parallel tests hold a few GiB; the bigmem tests were sized for an 80 GiB card), after it otherwise
-# (BIGMEM=along|after|none overrides). Each worker compiles torch.compile's kernels in its own process
+# (BIGMEM=along|after|none|only overrides; on an 80 GiB card a whole part is two calls, BIGMEM=none then
+# BIGMEM=only, each with its verdict). Each worker compiles torch.compile's kernels in its own process
 # (TORCHINDUCTOR_COMPILE_THREADS=1: the workers already fill the cores, a compile pool each would oversubscribe
 # them). pytest-timeout stops any one test after TEST_TIMEOUT s (240: the torchrun launches of the distributed
 # tests, under the interpreter, take a minute or two), and every pytest stops BUDGET_S s (540) after the script
@@ -124,14 +125,16 @@ if [ "$TESTS" != none ] && [ $setup_rc -eq 0 ]; then
     pytest_part bigmem $TESTS -m bigmem -p no:xdist $bigmem_limits --durations=10 &
     bigmem_pid=$!
   fi
-  # shellcheck disable=SC2086
-  TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1} \
-    pytest_part parallel $TESTS -m "not bigmem" $parallel $limits --durations=30
-  parallel_rc=$?
+  if [ "$BIGMEM" != only ]; then
+    # shellcheck disable=SC2086
+    TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1} \
+      pytest_part parallel $TESTS -m "not bigmem" $parallel $limits --durations=30
+    parallel_rc=$?
+  fi
   if [ -n "$bigmem_pid" ]; then
     wait "$bigmem_pid"
     bigmem_rc=$?
-  elif [ "$BIGMEM" = after ]; then
+  elif [ "$BIGMEM" = after ] || [ "$BIGMEM" = only ]; then
     # shellcheck disable=SC2086
     pytest_part bigmem $TESTS -m bigmem -p no:xdist $bigmem_limits --durations=10
     bigmem_rc=$?
@@ -200,15 +203,22 @@ PY
     [ -f "$OUT/tests-$name.log" ] && echo "  $name: $(tail -n 1 "$OUT/tests-$name.log")"
   done
   note=""
+  case $BIGMEM in
+    none) note="; bigmem tests left out: BIGMEM=none" ;;
+    only) note="; bigmem tests only: BIGMEM=only" ;;
+  esac
+  stopped=""
   for rc in $parallel_rc $bigmem_rc; do
     case $rc in
       0) ;;
-      1) [ "$failed" -eq 0 ] && note="${note:-; a pytest process ended early: see tests-*.log}" ;;
-      124|137) note="; stopped by the ${BUDGET_S} s budget: tests left unrun" ;;
-      *) note="${note:-; pytest exited with $rc}" ;;
+      1) [ "$failed" -eq 0 ] && stopped="${stopped:-; a pytest process ended early: see tests-*.log}" ;;
+      124|137) stopped="; stopped by the ${BUDGET_S} s budget: tests left unrun" ;;
+      *) stopped="${stopped:-; pytest exited with $rc}" ;;
     esac
   done
-  if [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ] && [ -z "$note" ] && [ $parallel_rc -eq 0 ] && [ $bigmem_rc -eq 0 ]; then
+  note=$note$stopped
+  if [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ] && [ -z "$stopped" ] \
+    && [ $parallel_rc -eq 0 ] && [ $bigmem_rc -eq 0 ]; then
     result=PASS
   else
     result=FAIL; verdict_rc=1
