@@ -1,13 +1,17 @@
 """Where a part of a model sits and whether tigon may touch it: the helpers every part's planner shares.
 
 - :func:`sites`: every module of a class under a root, with all the places it sits in the tree.
-- :func:`check_plain`: a module runs its class's own forward (no subclass override, nothing on the instance).
+- :func:`check_plain`: a module runs its class's own forward (no subclass override, nothing on the instance but
+  a Hugging Face Hub kernel where tigon's module takes the module's place).
+- :func:`hub_kernel`: the Hub kernel that transformers' ``use_kernels`` set on a module, if any.
 - :func:`own_forward` / :func:`is_tigon`: the forward set on an instance, and whether tigon set it.
 - :func:`on_meta`, :func:`full_shape`: building tigon's modules that adopt a model's parameters.
 - :func:`transformers_version`: for the messages that say a release does not match tigon's table.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -29,17 +33,45 @@ def own_forward(module):
     return vars(module).get("forward")
 
 
-def check_plain(module, cls, path):
-    """``module`` must run ``cls.forward`` unchanged: no subclass override, no forward on the instance."""
+def hub_kernel(module):
+    """The Hugging Face Hub kernel whose forward runs on ``module`` in place of its class's, or None.
+
+    From transformers 5.25, ``from_pretrained`` calls the ``kernels`` library's ``kernelize`` by default
+    (``use_kernels``; off with ``USE_HUB_KERNELS=0``), and ``model.train()`` / ``model.eval()`` call it again. For
+    each module whose class transformers marked with ``use_kernel_forward_from_hub`` (its RMSNorm classes, the
+    activations) that has a kernel mapped for the model's device, kernelize binds the Hub layer's forward on the
+    instance and records the repository in the instance's ``_kernel_repo`` (on CUDA: Liger-Kernel's RMSNorm from
+    kernels-community/liger-kernels). Returns that repository; a forward set on the instance by anything else
+    (a hook wrapper) is not one."""
+    forward, repo = own_forward(module), vars(module).get("_kernel_repo")
+    if repo is not None and isinstance(forward, types.MethodType) and forward.__self__ is module:
+        return repo
+    return None
+
+
+def check_plain(module, cls, path, *, replaced_whole=False):
+    """``module`` must run ``cls.forward`` unchanged: no subclass override, no forward on the instance.
+
+    ``replaced_whole``: tigon's module takes this module's place in the tree (the norms), so a Hub kernel's forward
+    on the instance (:func:`hub_kernel`) goes with it: both compute the class's function, and tigon's module, whose
+    class the ``kernels`` library does not know, keeps its own forward when ``model.train()`` kernelizes again.
+    ``Patch.revert()`` puts the module back with the Hub kernel still on it."""
     if type(module).forward is not cls.forward:
         raise ValueError(
             f"{path} is a {type(module).__name__} whose forward overrides {cls.__name__}.forward; "
             "tigon patches only transformers' own modules"
         )
-    if own_forward(module) is not None:
+    if own_forward(module) is None or (replaced_whole and hub_kernel(module) is not None):
+        return
+    if hub_kernel(module) is not None:
         raise ValueError(
-            f"{path} has a forward set on the instance (a hook wrapper?); patch the model before wrapping it"
+            f"{path} runs the Hub kernel {hub_kernel(module)} that transformers' use_kernels set on it, which tigon "
+            "would replace on the instance only for the next model.train() to put back: load the model with "
+            "use_kernels=False (or set USE_HUB_KERNELS=0) to patch it"
         )
+    raise ValueError(
+        f"{path} has a forward set on the instance (a hook wrapper?); patch the model before wrapping it"
+    )
 
 
 def sites(root: nn.Module, cls: type):

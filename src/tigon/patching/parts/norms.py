@@ -26,12 +26,21 @@ from tigon.patching.patch_handle import SetAttr, SwapModule
 from tigon.patching.sites import (
     check_plain,
     full_shape,
+    hub_kernel,
     is_tigon,
     on_meta,
     own_forward,
     sites,
     transformers_version,
 )
+
+
+def note_hub_kernel(plan, old):
+    """Report a Hub kernel (transformers' use_kernels) that the module tigon swaps in takes over from."""
+    repo = hub_kernel(old)
+    if repo is not None:
+        plan.note(f"{type(old).__name__}: tigon's module in place of the Hub kernel {repo} that transformers' "
+                  "use_kernels set (Patch.revert() puts it back)")
 
 
 def norm_eps(module, path):
@@ -77,7 +86,7 @@ def plan_rms_norms(plan, root, family, classes):
     spec = family.norm
     line = rms_norm_line(family, classes)
     for old, places, path in sites(root, classes.norm):
-        check_plain(old, classes.norm, path)
+        check_plain(old, classes.norm, path, replaced_whole=True)
         weight = old._parameters.get("weight")
         if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
             raise ValueError(f"{path} ({type(old).__name__}) has no 1-D weight Parameter")
@@ -89,6 +98,7 @@ def plan_rms_norms(plan, root, family, classes):
             new.autocast_output = True
         new.train(old.training)
         plan.add(SwapModule(old, new, places), line)
+        note_hub_kernel(plan, old)
 
 
 def plan_layer_norms(plan, root, family, classes):
@@ -96,7 +106,7 @@ def plan_layer_norms(plan, root, family, classes):
 
     line = layer_norm_line(classes)
     for old, places, path in sites(root, classes.layer_norm):
-        check_plain(old, classes.layer_norm, path)
+        check_plain(old, classes.layer_norm, path, replaced_whole=True)
         weight, bias = old._parameters.get("weight"), old._parameters.get("bias")
         shape = getattr(old, "normalized_shape", None)
         if weight is None or weight.dim() != 1 or (shape is not None and tuple(shape) != full_shape(weight)):
@@ -108,6 +118,7 @@ def plan_layer_norms(plan, root, family, classes):
             new.bias = bias
         new.train(old.training)
         plan.add(SwapModule(old, new, places), line)
+        note_hub_kernel(plan, old)
 
 
 def joined_layer_forward(layer_cls, layout_name):
