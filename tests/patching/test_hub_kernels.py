@@ -125,8 +125,8 @@ def test_from_pretrained_with_hub_kernels_patches_and_trains(tmp_path, monkeypat
     stock.save_pretrained(tmp_path)
     with kernels.use_kernel_mapping(_mapping(), inherit_mapping=False):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
-        if hub_kernel(loaded.model.norm) is None:
-            pytest.skip(f"transformers {transformers.__version__}'s from_pretrained does not kernelize the model")
+        assert hub_kernel(loaded.model.norm) is not None, (
+            f"transformers {transformers.__version__}'s from_pretrained(use_kernels=True) did not kernelize")
         tigon.patch(loaded)
         patched = tigon.AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
         for model in (loaded, patched):
