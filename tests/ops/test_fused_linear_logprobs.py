@@ -38,10 +38,11 @@ CONFIGS = {"one_chunk": ONE_CHUNK, "chunks": CHUNKS}
 WIDE_BLOCKS = FusedLinearLogprobsConfig(class_chunk=128, block_v=128)
 ALL_OPTIONS = dict(temperature=0.7, softcap=4.0, logit_scale=1.3)
 # The tile kernel (_kernels/logprob_tiles.py), wherever the operands allow it (bf16/fp16, H·2 a multiple of 16),
-# with small tiles: several row and class tiles a chunk, several chunks (at V = 1000: 8 of 128 classes,
-# 4 class tiles each, the last chunk 104 wide)
+# with small tiles: several row and class tiles a chunk, several chunks (at V = 300: 3 of 128 classes,
+# 4 class tiles each, the last chunk 44 wide: one full tile and one of 12 classes)
 TILES = FusedLinearLogprobsConfig(tiles=True, class_chunk=128, tile_m=16, tile_n=32, tile_k=16)
-# one chunk of 63 class tiles: the combine folds its partials 16 tiles at a time, the last block short
+# one chunk of every class tile (19 at V = 300): the combine folds its partials 16 tiles at a time, the last
+# block short
 TILES_ONE_CHUNK = FusedLinearLogprobsConfig(tiles=True, tile_m=16, tile_n=16, tile_k=16)
 TILE_DTYPES = (torch.bfloat16, torch.float16)
 # the epilogue on two halves of each tile (16 classes each), merged before the partials are stored
@@ -165,11 +166,11 @@ TILE_CASES = [(name, dtype) for name in TILE_OPTIONS for dtype in TILE_DTYPES
 @pytest.mark.parametrize("config", ("chunks", "one_chunk", "split"))
 @pytest.mark.parametrize("options,dtype", TILE_CASES, ids=[f"{name}-{dtype}" for name, dtype in TILE_CASES])
 def test_tiles_every_option(options, dtype, config):
-    """37 tokens (three row tiles, the last one short), V = 1000 (odd chunks and tiles), bias."""
+    """37 tokens (three row tiles, the last one short), V = 300 (odd chunks and tiles), bias."""
     options = TILE_OPTIONS[options]
     config = {"chunks": TILES, "one_chunk": TILES_ONE_CHUNK, "split": TILES_SPLIT}[config]
-    x, w, b = make_inputs((37,), 40, 1000, dtype, bias=True, scale=4.0)
-    check(x, w, make_target((37,), 1000, ignored=3), b, config=config, **dict(options))
+    x, w, b = make_inputs((37,), 40, 300, dtype, bias=True, scale=4.0)
+    check(x, w, make_target((37,), 300, ignored=3), b, config=config, **dict(options))
 
 
 @pytest.mark.parametrize("grads", (("lp",), ("ent",)), ids=("logprob_grad_only", "entropy_grad_only"))
