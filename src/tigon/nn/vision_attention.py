@@ -41,7 +41,7 @@ the positions the padding repeated. The flash call computes the same per-segment
 
 Where. ``tigon.patching.parts.vision`` gives the vision attention a forward that calls
 :func:`segment_attention` in place of its per-segment loop, only where the attention's forward is, statement for
-statement, transformers' (5.17 to 5.24), and only under sdpa.
+statement, transformers' (5.17 to 5.25), and only under sdpa.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 transformers 5 holds a MoE layer's experts as 3-D weights (``gate_up_proj`` ``[E, 2I, H]``, or
 ``[E, H, 2I]`` transposed as GPT-OSS's) in one module whose class is decorated with
-``@use_experts_implementation`` (``transformers/integrations/moe.py``, the same in 5.17 to 5.24). The
+``@use_experts_implementation`` (``transformers/integrations/moe.py``, the same in 5.17 to 5.25). The
 decorator replaces the class's ``forward`` with a dispatch: ``config._experts_implementation`` picks
 ``grouped_mm`` (the default), ``batched_mm``, or ``"eager"``, the class's own loop over experts. The
 matmul implementations hand the packed gate/up output ``[S, 2I]`` to ``self._apply_gate`` (the

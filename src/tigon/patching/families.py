@@ -46,7 +46,7 @@ version that moved things raises ValueError instead of patching half a model.
   implementation applies the gate through ``tigon.ops.moe_glu`` (patching/parts/experts.py). ``Experts()``
   names ``<prefix>Experts``.
 
-Checked against transformers 5.17 to 5.24 (``tigon env`` prints each row's status). The MoE rows'
+Checked against transformers 5.17 to 5.25 (``tigon env`` prints each row's status). The MoE rows'
 shared experts and dense layers written as a gated MLP class (Qwen2-MoE, GLM-4-MoE, DeepSeek-V3,
 Qwen3-Next, Llama-4) get the fused GLU through ``mlp``, as dense models do.
 """

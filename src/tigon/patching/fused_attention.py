@@ -42,7 +42,7 @@ from tigon.nn.lora import LoraProjection, check_adapter, lora_projection
 from tigon.patching import band_attention, residual_joins
 from tigon.patching.residual_joins import CACHE_NAMES
 
-# transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.24. CACHE stands
+# transformers' LlamaAttention.forward (Gemma, Granite and others share it), 5.17 to 5.25. CACHE stands
 # for the cache argument's name; 5.24 also hands the cache its keyword arguments (UPDATE). The other
 # placeholders are where the families' copies of it differ (ATTENTION_LAYOUTS).
 LLAMA_ATTENTION_FORWARD = '''
@@ -102,7 +102,7 @@ ATTENTION_LAYOUTS = (
     (_ROTARY, _LLAMA_DROPOUT, "", "", _RESIDUAL),              # Seed-OSS
     (_ROTARY_IF_USED, _LLAMA_DROPOUT, _SELF_WINDOW, "", ""),   # SmolLM3 (no rotary in every fourth layer)
 )
-# (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 does.
+# (source, whether it hands the cache its keyword arguments): 5.17 to 5.23 do not, 5.24 and 5.25 do.
 SOURCES = tuple(
     (LLAMA_ATTENTION_FORWARD.replace("UPDATE", update).replace("ROTARY", rotary).replace("DROPOUT", dropout)
      .replace("SLIDING", sliding).replace("SOFTCAP", softcap).replace("RESIDUAL", residual), bool(update))

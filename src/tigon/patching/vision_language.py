@@ -13,7 +13,7 @@ Such a model is ``<vlm>.model.language_model`` (the decoder; SmolVLM's ``text_mo
   module-level ``apply_rotary_pos_emb_vision`` (only where that function is transformers' upcasting
   one, :func:`matches_source`);
 - the loss in the ``ForConditionalGeneration`` forward, through loss_forward.py's generic forward: every VLM
-  forward of 5.17 to 5.24 runs ``self.model``, takes ``outputs[0]``, projects it with ``lm_head`` and
+  forward of 5.17 to 5.25 runs ``self.model``, takes ``outputs[0]``, projects it with ``lm_head`` and
   calls ``self.loss_function`` as the CausalLMs do; the differences are the output class (the one the
   stock forward returns, :func:`returned_class`), ``labels`` handed to ``self.model`` (Gemma-3's
   builds its bidirectional image mask from them) and PaliGemma's final-logit softcapping.
