@@ -19,7 +19,11 @@ its own ``TRITON_CACHE_DIR``:
    small bf16 matmul forward and backward, which starts cuBLAS/cuBLASLt and the autograd engine's device
    thread, and a fused AdamW step on a small parameter), timed on its own;
 5. stock: the same model and step without ``tigon.patch`` (no Triton kernel at all): the first step's
-   cost that is PyTorch's, not tigon's.
+   cost that is PyTorch's, not tigon's;
+6. warm, a gap: as 3., with ``--gap`` seconds (2) between ``tigon.patch`` and the first step, where a training
+   script loads its data and builds its optimizer and trainer. ``tigon.patch`` (``prehash=True``, the default)
+   hashes Triton's compiler key on a background thread, which the first kernel lookup of a process otherwise
+   computes inside the first forward; in 3. the first step follows the patch at once, so nothing overlaps it.
 
 Reported: each process's first step and steady step split by phase, first / steady, the start-up's time,
 the cache entries each process compiled (the warm steps' must be 0: warmup compiled everything training
@@ -55,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--steps", type=int, default=5, help="steady steps after the first (default 5)")
+    p.add_argument("--gap", type=float, default=2.0,
+                   help="seconds between the patch and the first step in the last process (default 2)")
     # one training process (internal): --worker, with what it runs
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
@@ -63,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.seq < 1 or args.batch < 1 or args.steps < 1:
         p.error("--seq, --batch and --steps must be positive")
+    if args.gap < 0:
+        p.error("--gap must be 0 or more")
     return args
 
 
@@ -119,6 +127,7 @@ def train_worker(args) -> dict:
     model = build_model(config, device=device)
     if not args.stock:
         tigon.patch(model)
+    time.sleep(args.gap)  # what a script does between patching and its first step (only the last process)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(config.vocab_size, (args.batch, args.seq), device=device)
     torch.cuda.synchronize()
@@ -176,7 +185,7 @@ def _run(cmd, cache: Path) -> tuple[str, float, int]:
 
 def train_process(args, cache: Path, *flags: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--seq", str(args.seq), "--batch", str(args.batch),
-           "--steps", str(args.steps), *flags]
+           "--steps", str(args.steps), "--gap", "0", *flags]
     stdout, seconds, compiled = _run(cmd, cache)
     result = json.loads(stdout.strip().splitlines()[-1])
     return {**result, "process_s": seconds, "compiled_entries": compiled}
@@ -196,6 +205,7 @@ ROWS = (  # result key, what the process was
     ("warm", "tigon, after `tigon warmup`"),
     ("warm_started", "tigon, after `tigon warmup`, libraries started"),
     ("stock", "stock (no tigon, no Triton)"),
+    ("warm_gap", "tigon, after `tigon warmup`, a gap between the patch and the first step"),
 )
 
 
@@ -231,6 +241,12 @@ def markdown(result: dict) -> str:
         lines += ["", f"After warmup the first step takes {ratio['warm']:.1f}x a steady step (cold: "
                   f"{ratio['cold']:.1f}x{stock}); warmup saved {cold['first']['step'] - warm['first']['step']:.1f} s "
                   "of the first step."]
+    if "warm_gap" in result and warm:
+        gap = result["warm_gap"]
+        lines += ["", f"With {setup.get('gap_s', 2.0):g} s between the patch and the first step (row "
+                  f"{[key for key, _, _ in rows].index('warm_gap') + 1}), the first step takes "
+                  f"{gap['first']['step']:.3f} s against {warm['first']['step']:.3f} s right after the patch (row 2; "
+                  "during the gap tigon.patch's background thread hashes Triton's compiler key)."]
     started = result.get("warm_started", {}).get("start_libraries_s")
     if started is not None:
         lines += ["", f"Library start-up before the first step (row 3): {started:.3f} s."]
@@ -254,7 +270,7 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/warmup.py times Triton compilation on a GPU; this machine has none")
-    setup = {"model": MODEL, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+    setup = {"model": MODEL, "seq": args.seq, "batch": args.batch, "steps": args.steps, "gap_s": args.gap,
              "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
              "versions": versions()}
     result = {"setup": setup}
@@ -272,6 +288,8 @@ def main(argv=None) -> None:
         result["warm_started"] = train_process(args, warm_cache, "--start-libraries")
         print("stock: the same step without tigon ...", flush=True)
         result["stock"] = train_process(args, stock_cache, "--stock")
+        print(f"after warmup, {args.gap:g} s between the patch and the first step ...", flush=True)
+        result["warm_gap"] = train_process(args, warm_cache, "--gap", str(args.gap))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"warmup-{setup['device'].replace(' ', '-')}-{setup['date']}"

@@ -2,6 +2,7 @@
 
 import cProfile
 
+import pytest
 from benchmarks import warmup
 
 
@@ -32,13 +33,15 @@ def test_profile_rows_name_the_costliest_functions():
 
 def test_page_has_every_process_its_phases_and_the_profile():
     result = {
-        "setup": {"model": warmup.MODEL, "seq": 2048, "batch": 1, "steps": 5, "device": "GPU", "date": "2026-12-04",
+        "setup": {"model": warmup.MODEL, "seq": 2048, "batch": 1, "steps": 5, "gap_s": 2.0, "device": "GPU",
+                  "date": "2026-12-04",
                   "versions": {"torch": "2.11.0", "triton": "3.6.0"}},
         "warmup": {"process_s": 18.9, "compiled_entries": 24},
         "cold": _process(7.24, 0.069, 24),
         "warm": _process(1.30, 0.070, 0),
         "warm_started": _process(0.21, 0.070, 0, start_libraries_s=0.9),
         "stock": _process(0.45, 0.090, 0),
+        "warm_gap": _process(0.95, 0.070, 0),
         "warm_profile": {"own": [[0.5, 24, "triton/runtime/jit.py:700(run)"]],
                          "cumulative": [[1.1, 1, "torch/_tensor.py:600(backward)"]]},
     }
@@ -47,4 +50,14 @@ def test_page_has_every_process_its_phases_and_the_profile():
         assert title in page
     assert "| 1.300 (0.390 / 0.780 / 0.130) | 0.070 (0.021 / 0.042 / 0.007) | 18.6x | 0 |" in page
     assert "Library start-up before the first step (row 3): 0.900 s." in page
+    assert ("With 2 s between the patch and the first step (row 5), the first step takes 0.950 s against 1.300 s "
+            "right after the patch (row 2;") in page
     assert "`triton/runtime/jit.py:700(run)`" in page and "`torch/_tensor.py:600(backward)`" in page
+
+
+def test_options():
+    assert warmup.parse_args([]).gap == 2.0
+    assert warmup.parse_args(["--gap", "0.5"]).gap == 0.5
+    for bad in (["--gap", "-1"], ["--seq", "0"]):
+        with pytest.raises(SystemExit):
+            warmup.parse_args(bad)
