@@ -61,11 +61,14 @@ def check_plain(module, cls, path, *, replaced_whole=False):
             f"{path} is a {type(module).__name__} whose forward overrides {cls.__name__}.forward; "
             "tigon patches only transformers' own modules"
         )
-    if own_forward(module) is None or (replaced_whole and hub_kernel(module) is not None):
+    if own_forward(module) is None:
         return
-    if hub_kernel(module) is not None:
+    repo = hub_kernel(module)
+    if repo is not None and replaced_whole:
+        return
+    if repo is not None:
         raise ValueError(
-            f"{path} runs the Hub kernel {hub_kernel(module)} that transformers' use_kernels set on it, which tigon "
+            f"{path} runs the Hub kernel {repo} that transformers' use_kernels set on it, which tigon "
             "would replace on the instance only for the next model.train() to put back: load the model with "
             "use_kernels=False (or set USE_HUB_KERNELS=0) to patch it"
         )
