@@ -38,6 +38,7 @@ def apply_interpreter_fixes() -> bool:
     _numpy_compat()
     _bf16_rounding()
     _language_interpreted()
+    _helper_calls_reuse_the_launch_patch()
     return True
 
 
@@ -127,3 +128,69 @@ def _bf16_rounding() -> None:
     cast_impl._tigon = True
     builder.cast_impl = cast_impl
     # the builder's create_fp_trunc & co. are lambdas that look cast_impl up on the instance
+
+
+def _helper_calls_reuse_the_launch_patch() -> None:
+    """Let a kernel call its ``@triton.jit`` helpers without the interpreter patching the language again.
+
+    When the interpreter launches a kernel (``GridExecutor.__call__``) it replaces the builtins of the
+    ``triton.language`` modules the kernel's globals hold (``tl.load``, ``tl.sum``'s ``reduce``, ...) by their
+    NumPy versions (``_patch_lang``), and puts the originals back when the launch ends. A call of a
+    ``@triton.jit`` helper inside the kernel (``InterpretedFunction.__call__``) runs ``_patch_lang`` again, for
+    every call in every program: where the helper's modules are patched already it finds no builtin left to
+    replace, but it walks ``inspect.getmembers`` of four modules (about 150 classes and functions each) to find
+    that out, and sets the same two dozen replacements again. tigon's kernels call helpers inside their loops:
+    under Triton 3.9 that walk was a third of the interpreter's time in the norm tests.
+
+    Here each launch remembers which language modules it has patched; a helper call whose modules are all among
+    them skips ``_patch_lang``, and one that brings a module not yet patched (``triton.language.standard``'s
+    functions, whose globals hold ``triton.language.core``) runs it as before. What a skipped call would have
+    done leaves every builtin as it is (replaced already) and sets replacements that compute the same, so the
+    kernels compute exactly what they did. Only under ``TRITON_INTERPRET=1``; a Triton without these functions is
+    left alone.
+    """
+    import threading
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None or getattr(patch_lang, "_tigon", False):
+        return
+    run_launch = executor.__call__
+    languages = (tl, tl.core)
+
+    class Launch(threading.local):
+        patched: set | None = None  # ids of the modules patched by the running launch; None outside one
+
+    launch = Launch()
+
+    class Unchanged:
+        def restore(self) -> None:
+            pass
+
+    def reused_patch_lang(fn):
+        patched = launch.patched
+        if patched is None:  # not inside a launch: as Triton does it
+            return patch_lang(fn)
+        held = {id(value) for value in fn.__globals__.values() if any(value is lang for lang in languages)}
+        if patched and held <= patched:
+            return Unchanged()
+        patched |= held
+        return patch_lang(fn)
+
+    def call(self, *args, **kwargs):
+        outer, launch.patched = launch.patched, set()
+        try:
+            return run_launch(self, *args, **kwargs)
+        finally:
+            launch.patched = outer
+
+    reused_patch_lang._tigon = True
+    reused_patch_lang.__wrapped__ = patch_lang  # Triton's own, for a test that runs without the fix
+    call.__wrapped__ = run_launch
+    interpreter._patch_lang = reused_patch_lang
+    executor.__call__ = call
