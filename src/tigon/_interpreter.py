@@ -167,6 +167,17 @@ def _helper_calls_reuse_the_launch_patch() -> None:
         patched: set | None = None  # ids of the modules patched by the running launch; None outside one
 
     launch = Launch()
+    # id of a function's globals -> (their size, ids of the language modules they hold): a kernel module's
+    # globals are a few hundred names, and its helpers are called in inner loops; the size notices a name added.
+    held_by_globals: dict[int, tuple[int, frozenset]] = {}
+
+    def language_modules(fn) -> frozenset:
+        names = fn.__globals__
+        size, held = held_by_globals.get(id(names), (-1, frozenset()))
+        if size != len(names):
+            held = frozenset(id(value) for value in names.values() if any(value is lang for lang in languages))
+            held_by_globals[id(names)] = (len(names), held)
+        return held
 
     class Unchanged:
         def restore(self) -> None:
@@ -176,7 +187,7 @@ def _helper_calls_reuse_the_launch_patch() -> None:
         patched = launch.patched
         if patched is None:  # not inside a launch: as Triton does it
             return patch_lang(fn)
-        held = {id(value) for value in fn.__globals__.values() if any(value is lang for lang in languages)}
+        held = language_modules(fn)
         if patched and held <= patched:
             return Unchanged()
         patched |= held
