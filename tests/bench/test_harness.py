@@ -1,5 +1,10 @@
 """The benchmark harness and the specs, without a GPU: spec shapes and byte counts, report writers."""
 
+import importlib.util
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from tests.helpers import DEVICE
@@ -58,3 +63,26 @@ def test_providers_filter_skips_what_is_not_asked_for():
     spec = load_specs(["rms_norm"])["rms_norm"]
     assert set(harness.providers_of(spec, ["tigon", "eager"])) == {"tigon", "eager"}
     assert "compile" in harness.providers_of(spec)
+
+
+def test_peers_are_made_when_the_benchmark_runs():
+    """A peer's provider is made by the harness, where the peer imports; without it the spec still loads."""
+    spec = load_specs(["fused_linear_logprobs"])["fused_linear_logprobs"]
+    assert set(spec.peers) == {"trl"} and "trl" not in spec.providers
+    providers = harness.providers_of(spec, ["tigon", "trl"])
+    assert ("trl" in providers) == (importlib.util.find_spec("trl") is not None)
+    assert set(load_specs(["rms_norm"])["rms_norm"].peers) == {"liger"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL installed, to show it stays unimported")
+def test_loading_the_specs_imports_no_peer_library():
+    """``tigon check`` and ``tigon bench`` load every spec to check the names they are given: TRL (and with it
+    transformers, PEFT and bitsandbytes, which may reach for the network) is imported only by a benchmark that
+    runs TRL's head. In a fresh process: this one has imported them."""
+    peers = ("trl", "transformers", "peft", "bitsandbytes", "liger_kernel")
+    script = ("import sys; from tigon._interpreter import use_interpreter_without_gpu; use_interpreter_without_gpu(); "
+              "from tigon.bench.specs import load_specs; load_specs(); "
+              f"print(sorted(m for m in {peers!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -164,16 +164,17 @@ def gpu_time(step, estimate_ms: float, *, rep_ms: float = REP_MS) -> float:
 
 def providers_of(spec: Spec, only=None) -> dict:
     """The spec's providers plus ``compile`` (a fresh, static-shape torch.compile of ``eager``, so
-    that no case runs a graph specialised for another, or a dynamic-shape one) and ``liger``;
-    ``only``: keep just these names."""
+    that no case runs a graph specialised for another, or a dynamic-shape one) and the peers' that
+    import; ``only``: keep just these names."""
     providers = dict(spec.providers)
     if only is None or "compile" in only:
         torch._dynamo.reset()
         providers["compile"] = torch.compile(spec.providers["eager"], dynamic=False)
-    if spec.liger is not None:
-        liger = spec.liger()
-        if liger is not None:
-            providers["liger"] = liger
+    for name, make in spec.peers.items():
+        if only is None or name in only:
+            peer = make()
+            if peer is not None:
+                providers[name] = peer
     return providers if only is None else {k: v for k, v in providers.items() if k in only}
 
 

@@ -41,8 +41,10 @@ class Spec:
 
     ``providers`` maps a name to ``fn(**inputs) -> Tensor | tuple[Tensor, ...]``. ``eager`` (the
     PyTorch reference) is required; the harness adds ``torch.compile`` of it as ``compile``.
-    ``liger`` is a zero-argument factory returning such a function, or None when Liger-Kernel is not
-    importable (or has no equivalent).
+    ``peers`` maps another library's provider name (``liger``, ``trl``) to a zero-argument factory
+    returning such a function, or None when that library is not importable (or has no equivalent).
+    The harness calls the factories when it runs the benchmark, so that loading the specs (``tigon
+    check``, ``tigon bench``'s name check) imports no peer library.
 
     ``check_case`` is one small case (seconds under the CPU interpreter) that ``tigon check`` runs in
     float32 on whatever device is present, comparing ``tigon`` with ``eager`` output and gradients.
@@ -51,7 +53,7 @@ class Spec:
     name: str
     cases: Callable[[], list[Case]]
     providers: dict[str, Callable]
-    liger: Callable[[], Callable | None] | None = None
+    peers: dict[str, Callable[[], Callable | None]] = field(default_factory=dict)
     dtype: torch.dtype = torch.bfloat16
     modes: tuple[str, ...] = MODES
     # Forward outputs that are differentiated in bwd/full (indices into a tuple output); None: all.

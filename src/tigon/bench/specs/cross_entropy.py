@@ -99,7 +99,7 @@ CROSS_ENTROPY = Spec(
         "eager": lambda logits, target, softcap: cross_entropy_reference(logits, target, softcap=softcap),
         "tigon": lambda logits, target, softcap: cross_entropy(logits, target, softcap=softcap),
     },
-    liger=_liger_ce,
+    peers={"liger": _liger_ce},
     check_case=_ce_check_case,
 )
 
@@ -184,7 +184,7 @@ FUSED_LINEAR_CROSS_ENTROPY = Spec(
     name="fused_linear_cross_entropy",
     cases=_flce_cases,
     providers={"eager": _flce_eager, "tigon": _flce_tigon, **_cce_providers()},
-    liger=_liger_flce,
+    peers={"liger": _liger_flce},
     check_case=_flce_check_case,
 )
 

@@ -125,7 +125,7 @@ KL_DIV = Spec(
         "eager": lambda input, target: F.kl_div(input, target, reduction="batchmean"),
         "tigon": lambda input, target: kl_div(input, target, reduction="batchmean"),
     },
-    liger=lambda: _liger("liger_kl_div"),
+    peers={"liger": lambda: _liger("liger_kl_div")},
     check_case=lambda: Case("check N=13 V=300", {"N": 13, "V": 300}, _kl_inputs(13, 300),
                             _elementwise_bytes(13, 300, 4, backward_reads=1)),
 )
@@ -137,7 +137,7 @@ JSD = Spec(
         "eager": lambda student, teacher: jsd_reference(student, teacher, beta=BETA),
         "tigon": lambda student, teacher: jsd(student, teacher, beta=BETA),
     },
-    liger=lambda: _liger("liger_jsd"),
+    peers={"liger": lambda: _liger("liger_jsd")},
     check_case=lambda: Case("check N=13 V=300", {"N": 13, "V": 300}, _jsd_inputs(13, 300),
                             _elementwise_bytes(13, 300, 4, backward_reads=2)),
 )
@@ -160,7 +160,7 @@ FUSED_LINEAR_JSD = Spec(
         "eager": lambda **inputs: fused_linear_jsd_reference(**inputs, beta=BETA),
         "tigon": lambda **inputs: fused_linear_jsd(**inputs, beta=BETA),
     },
-    liger=lambda: _liger("liger_fused_linear_jsd"),
+    peers={"liger": lambda: _liger("liger_fused_linear_jsd")},
     check_case=lambda: _fljsd_case(9, 64, 500, 4),
 )
 

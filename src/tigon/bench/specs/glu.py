@@ -62,7 +62,7 @@ SWIGLU = Spec(
         "eager": lambda gate, up: glu_reference(gate, up, "silu"),
         "tigon": lambda gate, up: swiglu(gate, up),
     },
-    liger=lambda: _liger("liger_swiglu"),
+    peers={"liger": lambda: _liger("liger_swiglu")},
     check_case=_check_case,
 )
 
@@ -73,7 +73,7 @@ GEGLU = Spec(
         "eager": lambda gate, up: glu_reference(gate, up, "gelu_tanh"),
         "tigon": lambda gate, up: geglu(gate, up, approximate="tanh"),
     },
-    liger=lambda: _liger("liger_geglu"),  # tanh GELU, as Gemma uses
+    peers={"liger": lambda: _liger("liger_geglu")},  # tanh GELU, as Gemma uses
     check_case=_check_case,
 )
 

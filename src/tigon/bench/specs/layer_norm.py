@@ -63,7 +63,7 @@ LAYER_NORM = Spec(
         "eager": lambda x, weight, bias: layer_norm_reference(x, weight, bias, EPS),
         "tigon": lambda x, weight, bias: layer_norm(x, weight, bias, EPS),
     },
-    liger=_liger,
+    peers={"liger": _liger},
     check_case=_check_case,
 )
 

@@ -108,18 +108,11 @@ def _matmul_floor(input, linear_weight, target):
     return _MatmulFloor.apply(input, linear_weight)
 
 
-def _providers():
-    providers = {"eager": _eager, "tigon": _tigon, "matmul_floor": _matmul_floor}
-    trl = _trl()
-    if trl is not None:
-        providers["trl"] = trl
-    return providers
-
-
 LOGPROBS = Spec(
     name="fused_linear_logprobs",
     cases=_cases,
-    providers=_providers(),
+    providers={"eager": _eager, "tigon": _tigon, "matmul_floor": _matmul_floor},
+    peers={"trl": _trl},
     modes=("fwd", "full"),
     check_case=lambda: _case("check", 6, 16, 300),
 )

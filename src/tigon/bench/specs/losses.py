@@ -187,7 +187,7 @@ def _spec(name):
             "eager": lambda **inputs: plain(**inputs, **options)["loss"],
             "tigon": lambda **inputs: function(**inputs, **options).loss,
         },
-        liger=lambda: _liger(name),
+        peers={"liger": lambda: _liger(name)},
         modes=MODES,
         check_case=lambda: _case(name, 4, 16, 64, 500, 4),
     )

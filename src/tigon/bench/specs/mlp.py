@@ -106,7 +106,7 @@ MLP = Spec(
             x, gate_weight, up_weight, down_weight, activation="silu"
         ),
     },
-    liger=_liger,
+    peers={"liger": _liger},
     check_case=_check_case,
 )
 

@@ -106,7 +106,7 @@ MROPE = Spec(
         "eager": lambda q, k, cos, sin, mrope_section: mrope_reference(q, k, cos, sin, mrope_section),
         "tigon": lambda q, k, cos, sin, mrope_section: mrope(q, k, cos, sin, mrope_section),
     },
-    liger=_liger,
+    peers={"liger": _liger},
     check_case=_check_case,
 )
 

@@ -96,7 +96,7 @@ RMS_NORM = Spec(
         "eager": lambda x, weight: rms_norm_reference(x, weight),
         "tigon": lambda x, weight: rms_norm(x, weight),
     },
-    liger=lambda: _liger("liger_rms_norm"),
+    peers={"liger": lambda: _liger("liger_rms_norm")},
     check_case=_check_case,
 )
 
@@ -107,7 +107,7 @@ ADD_RMS_NORM = Spec(
         "eager": lambda x, residual, weight: add_rms_norm_reference(x, residual, weight),
         "tigon": lambda x, residual, weight: add_rms_norm(x, residual, weight),
     },
-    liger=lambda: _liger("liger_fused_add_rms_norm"),
+    peers={"liger": lambda: _liger("liger_fused_add_rms_norm")},
     check_case=lambda: _check_case(residual=True),
 )
 

@@ -87,7 +87,7 @@ ROPE = Spec(
         "eager": lambda q, k, cos, sin: rope_reference(q, k, cos, sin),
         "tigon": lambda q, k, cos, sin: rope(q, k, cos, sin),
     },
-    liger=_liger,
+    peers={"liger": _liger},
     check_case=_check_case,
 )
 
