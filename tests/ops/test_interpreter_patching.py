@@ -1,10 +1,19 @@
-"""tigon's fix to Triton's interpreter that lets a kernel call its ``@triton.jit`` helpers without patching the
-language again (tigon._interpreter._helper_calls_reuse_the_launch_patch): what a launch patches no longer grows
-with its programs and helper calls, the kernels compute bitwise what they compute without the fix, and the
-language is put back when the launch ends."""
+"""tigon's fixes to how Triton's interpreter launches a kernel (tigon._interpreter).
+
+- A kernel calls its ``@triton.jit`` helpers without patching the language again
+  (``_helper_calls_reuse_the_launch_patch``): what a launch patches no longer grows with its programs and helper
+  calls, the kernels compute bitwise what they compute without the fix, and the language is put back when the
+  launch ends.
+- NumPy's floating-point warnings stay quiet inside a launch (``_quiet_floating_point``), as a GPU computes inf
+  and NaN without a word, and outside it NumPy warns as before.
+"""
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
+import numpy as np
 import pytest
 import torch
 import triton
@@ -68,8 +77,8 @@ def test_a_launch_walks_the_language_once_whatever_its_programs_and_helper_calls
 
 def test_results_are_bitwise_those_without_the_fix(monkeypatch):
     fixed = _launch(5)
-    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.__wrapped__)
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", interpreter.GridExecutor.__call__.__wrapped__)
+    monkeypatch.setattr(interpreter, "_patch_lang", inspect.unwrap(interpreter._patch_lang))
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", inspect.unwrap(interpreter.GridExecutor.__call__))
     walks = _count_builtin_walks(monkeypatch)
     unfixed = _launch(5)
     assert len(walks) > 5 * 6 * 4  # the fix is off: each helper call walks the language again
@@ -84,3 +93,23 @@ def test_the_language_is_put_back_after_a_launch():
     _launch(3)
     assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.store) and tl.core.is_builtin(tl.arange)
 
+
+
+@triton.jit
+def _log_of_masked_lanes(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + cols, mask=cols < n, other=0.0)
+    # log(0) = -inf and 0 * -inf = NaN in the padding lanes; tl.where keeps the others
+    y = tl.where(cols < n, tl.log(x) * x, 0.0)
+    tl.store(out_ptr + cols, y, mask=cols < n)
+
+
+def test_a_kernel_computes_inf_and_nan_without_numpy_warnings():
+    x = torch.rand(5) + 0.5
+    out = torch.empty(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _log_of_masked_lanes[(1,)](x, out, 5, BLOCK=8)
+    torch.testing.assert_close(out, x.log() * x)
+    with pytest.warns(RuntimeWarning, match="divide by zero"):  # NumPy outside a launch: as it was
+        np.log(np.zeros(1))

@@ -21,13 +21,6 @@ from tests.helpers import (
 from tigon._kernels.elementwise_tiles import CONFIG as TILE_CONFIG
 from tigon.ops.jsd import jsd, jsd_reference
 
-pytestmark = [
-    # the interpreter evaluates both sides of a tl.where in numpy: 0·inf in padding lanes
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-]
-
 BETAS = (0.0, 0.3, 0.5, 1.0)
 
 

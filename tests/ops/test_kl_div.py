@@ -26,9 +26,6 @@ TILE_ELEMENTS = TILE_CONFIG.tile_elements
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:reduction. 'mean' divides the total loss"),
-    # the interpreter evaluates both sides of a tl.where in numpy: 0·log 0 in padding lanes
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
 ]
 
 

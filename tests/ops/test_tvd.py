@@ -23,13 +23,6 @@ from tigon.ops.tvd import tvd, tvd_reference
 
 TILE_ELEMENTS = TILE_CONFIG.tile_elements
 
-pytestmark = [
-    # the interpreter evaluates both sides of a tl.where in numpy: 0·inf in padding lanes
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-]
-
 
 def log_probs(*shape, dtype=torch.float32, requires_grad=False):
     return (randn(*shape) * 2).log_softmax(-1).to(dtype).requires_grad_(requires_grad)
