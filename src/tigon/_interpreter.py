@@ -141,7 +141,7 @@ def _helper_calls_reuse_the_launch_patch() -> None:
     every call in every program: where the helper's modules are patched already it finds no builtin left to
     replace, but it walks ``inspect.getmembers`` of four modules (about 150 classes and functions each) to find
     that out, and sets the same two dozen replacements again. tigon's kernels call helpers inside their loops:
-    under Triton 3.9 that walk was a third of the interpreter's time in the norm tests.
+    under Triton 3.9 that walk takes a third of the interpreter's time in the norm tests.
 
     Here each launch remembers which language modules it has patched; a helper call whose modules are all among
     them skips ``_patch_lang``, and one that brings a module not yet patched (``triton.language.standard``'s
@@ -151,6 +151,7 @@ def _helper_calls_reuse_the_launch_patch() -> None:
     left alone.
     """
     import threading
+    import weakref
 
     try:
         import triton.language as tl
@@ -168,16 +169,16 @@ def _helper_calls_reuse_the_launch_patch() -> None:
         patched: set | None = None  # ids of the modules patched by the running launch; None outside one
 
     launch = Launch()
-    # id of a function's globals -> (their size, ids of the language modules they hold): a kernel module's
-    # globals are a few hundred names, and its helpers are called in inner loops; the size notices a name added.
-    held_by_globals: dict[int, tuple[int, frozenset]] = {}
+    # function -> (the size of its globals, ids of the language modules they hold): a kernel module's globals are
+    # a few hundred names, and its helpers are called in inner loops; the size notices a name added.
+    held_by_function: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def language_modules(fn) -> frozenset:
         names = fn.__globals__
-        size, held = held_by_globals.get(id(names), (-1, frozenset()))
+        size, held = held_by_function.get(fn, (-1, frozenset()))
         if size != len(names):
             held = frozenset(id(value) for value in names.values() if any(value is lang for lang in languages))
-            held_by_globals[id(names)] = (len(names), held)
+            held_by_function[fn] = (len(names), held)
         return held
 
     class Unchanged:
@@ -213,10 +214,10 @@ def _quiet_floating_point() -> None:
 
     The interpreter computes every lane of a block in NumPy, padding lanes and both sides of a ``tl.where``
     included, so a kernel that is right on the GPU makes NumPy warn ("divide by zero encountered in log",
-    "invalid value encountered in multiply") about values it then masks or discards: ``tigon check`` and ``tigon
-    demo`` printed such warnings on a CPU. A GPU computes IEEE results (inf, NaN) without a word, and so do the
-    kernels here (``numpy.errstate(all="ignore")`` around each launch); what reaches a kernel's output is
-    what the tests compare. Only under ``TRITON_INTERPRET=1``.
+    "invalid value encountered in multiply") about values it then masks or discards, and ``tigon check`` on a CPU
+    would print such warnings. A GPU computes IEEE results (inf, NaN) without a word, and so do the kernels here
+    (``numpy.errstate(all="ignore")`` around each launch); what reaches a kernel's output is what the tests
+    compare. Only under ``TRITON_INTERPRET=1``.
     """
     try:
         import numpy as np
