@@ -34,6 +34,7 @@ if _WORKERS > 0:
 
 _SHARED_SCOPES = ("class", "module", "package")
 _RECORD = os.environ.get("TIGON_TEST_RECORD")
+_COLLECTED = os.environ.get("TIGON_TEST_COLLECTED")
 _MEMORY_RECORD = os.environ.get("TIGON_TEST_MEMORY")
 _CUDA = torch.cuda.is_available()  # asked once: the per-test fixture below runs for every test
 _CACHE_KEPT = 2 << 30  # bytes a worker's allocator may keep reserved between tests
@@ -79,6 +80,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "bigmem" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """With TIGON_TEST_COLLECTED set, the number of tests the run will run is written to that file, so that
+    scripts/gpu-check.sh can tell a run stopped by its budget after its last test (in pytest's shutdown) from
+    one that left tests unrun. Without pytest-xdist here; its controller collects nothing and is told by the hook
+    below."""
+    if _COLLECTED and "PYTEST_XDIST_WORKER" not in os.environ and session.items:
+        Path(_COLLECTED).write_text(f"{len(session.items)}\n")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist's controller: a worker has collected the run's tests (every worker collects them all)."""
+    if _COLLECTED:
+        Path(_COLLECTED).write_text(f"{len(ids)}\n")
 
 
 def pytest_runtest_logreport(report):
