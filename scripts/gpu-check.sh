@@ -12,8 +12,9 @@
 # Wheels in .whl/ (git-ignored: trl, datasets, peft, liger-kernel and what they need) and .whl-bnb/ (bitsandbytes,
 # for the QLoRA tests) go to $SITE (/tmp/site), after src/ on PYTHONPATH, so the image's packages stay untouched
 # (each folder is optional: the tests of a missing peer skip). PART=top installs .whl-top/ (transformers and
-# each requirement of it newer than the machine's or missing there: for 5.25 huggingface_hub, regex, accelerate and
-# kernels, which from_pretrained loads on a CUDA device) to $SITE-top, ahead of $SITE: the suite part tests the
+# each requirement of it newer than the machine's or missing there: for 5.25 huggingface_hub 2.4 and its httpx2,
+# httpcore2, truststore, idna, anyio, click and hf-xet, then regex, accelerate and kernels, which from_pretrained
+# loads on a CUDA device) to $SITE-top, ahead of $SITE: the suite part tests the
 # machine's own transformers.
 #
 # Time: kernel compilation dominates a fresh machine, so the tests not marked bigmem run on WORKERS xdist
