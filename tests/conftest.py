@@ -8,7 +8,8 @@ machine nothing is set and the same tests compile the kernels for real.
 Two hooks serve scripts/gpu-check.sh: under ``--dist loadgroup`` the tests that share a module- or
 class-scoped fixture (a torchrun launch, a trained model) go to one worker, so that the fixture runs once
 while every other test is spread on its own; and with ``TIGON_TEST_RECORD`` set each test's outcome is
-appended to that file as the test ends, so that a run stopped by its time budget still counts what ran.
+appended to that file as the test ends, so that a run stopped by its time budget still counts what ran (and
+with ``TIGON_TEST_COLLECTED`` the number of tests collected is written, to tell whether any was left unrun).
 On a GPU the tests that take longest there (tests/gpu_durations.txt) are collected first, and a fixture keeps
 the GPU's memory shared between the workers (``_gpu_memory_given_back``).
 """
