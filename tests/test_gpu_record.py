@@ -18,7 +18,9 @@ SELECTION = ["tests/test_gpu_order.py"]
 @pytest.mark.parametrize("workers", (None, 2), ids=("one process", "two xdist workers"))
 def test_the_record_and_the_collected_count_agree(tmp_path, workers):
     record, collected = tmp_path / "results.txt", tmp_path / "collected.txt"
-    env = {**os.environ, "TIGON_TEST_RECORD": str(record), "TIGON_TEST_COLLECTED": str(collected)}
+    # (not as one of this run's pytest-xdist workers: the record is the reporting process's)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}
+    env.update(TIGON_TEST_RECORD=str(record), TIGON_TEST_COLLECTED=str(collected))
     xdist = ["-p", "no:xdist"] if workers is None else ["-n", str(workers)]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, *SELECTION],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
