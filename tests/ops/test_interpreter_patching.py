@@ -1,7 +1,7 @@
 """tigon's fixes to how Triton's interpreter launches a kernel (tigon._interpreter).
 
 - A kernel calls its ``@triton.jit`` helpers without patching the language again
-  (``_helper_calls_reuse_the_launch_patch``): what a launch patches no longer grows with its programs and helper
+  (``_helper_calls_reuse_the_launch_patch``): what a launch patches does not grow with its programs and helper
   calls, the kernels compute bitwise what they compute without the fix, and the language is put back when the
   launch ends.
 - NumPy's floating-point warnings stay quiet inside a launch (``_quiet_floating_point``), as a GPU computes inf
