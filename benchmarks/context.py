@@ -56,7 +56,8 @@ A run too long for one device call is split by model or provider; ``--merge`` gi
 parts' result files, for one page with every row (a model and provider searched again replaces its earlier row).
 
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
-length, one line per provider, its longest marked.
+length, one line per provider, its longest marked. The run (its own rows, not the merged ones) appends one line
+to ``benchmarks/results/history.jsonl`` (``--history PATH``; none for a ``--tiny`` or ``--device cpu`` smoke run).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, th
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import e2e, unsloth_models  # noqa: E402  (probes, the search, OOM detection; Unsloth)
+from tigon.bench import history  # noqa: E402
 
 PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+long", "tigon+long+kept")
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+long")
@@ -158,6 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "calls)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
+    history.add_argument(parser)
     args = parser.parse_args(argv)
     if args.step < 1 or args.start < 1 or args.max_tokens < args.step:
         parser.error("--step and --start must be positive and --max-tokens at least --step")
@@ -341,6 +344,13 @@ PROBE_KEYS = ("seq", "error", "oom", "peak_bytes", "tokens_per_s", "host_bytes",
               "device", "label", "losses", "versions")
 
 
+def named_device(probes: list[dict]) -> str | None:
+    """The GPU's name as a probe that ran reports it; a probe that failed before it started (out of memory in
+    the build) reports only its job's ``"cuda"``."""
+    names = [p.get("device") for p in probes]
+    return next((d for d in names if d not in (None, "cuda", "cpu")), next((d for d in names if d), None))
+
+
 def search(args, model: str, provider: str, run=None, log=print) -> dict:
     run = run or functools.partial(probe, unsloth_site=args.unsloth_site)
     probes = []
@@ -364,7 +374,7 @@ def search(args, model: str, provider: str, run=None, log=print) -> dict:
         "peak_bytes_at_longest": at_longest.get("peak_bytes"),
         "host_bytes_at_longest": at_longest.get("host_bytes"),
         "label": next((p["label"] for p in probes if p.get("label")), MODELS[model][0]),
-        "device": next((p["device"] for p in probes if p.get("device")), None),
+        "device": named_device(probes),
         "versions": next((p["versions"] for p in probes if p.get("versions")), None),
         "probes": sorted(probes, key=lambda p: p["seq"]),
     }
@@ -523,8 +533,9 @@ def main(argv=None) -> int:
         args.unsloth_dir = folder
         rows = [search(args, model, provider) for model in args.models for provider in args.providers]
     named = [r["device"] for r in rows if r.get("device") not in (None, "cuda", "cpu")]
+    this_gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     result = {
-        "kind": "context", "rows": rows, "device": next(iter(named), args.device),
+        "kind": "context", "rows": rows, "device": next(iter(named), this_gpu),
         "date": _dt.date.today().isoformat(), "versions": versions(),
         "unsloth_versions": next((r["versions"] for r in rows if r.get("versions")), None),
         "settings": {"models": args.models, "providers": args.providers, "skipped": args.skipped,
@@ -534,10 +545,15 @@ def main(argv=None) -> int:
                                   for kind, (r, alpha) in ADAPTERS.items()}},
         "wall_s": time.perf_counter() - started,
     }
+    target = history.script_path(args)
+    if target is not None:  # this run's rows only: merged ones are in the history already
+        history.append(result, benchmark="context", path=target)
     if args.merge:
         merge(result, args.merge)
     paths = save(result, args.out)
     print(f"\nwrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)\n")
+    if target is not None:
+        print(f"appended the run to {target}\n")
     print(markdown(result))
     return 0
 

@@ -1,7 +1,7 @@
 """``benchmarks/context.py``: its options, the search over lengths, the probes' workers (Unsloth's with its own
 site), one probe's job on the CPU (full fine-tuning, LoRA, QLoRA; an Unsloth job as far as it goes without Unsloth),
-and the report (markdown, JSON, plot; Unsloth's rows, an error row, its published figures). The GPU run itself is the
-lead's."""
+and the report (markdown, JSON, plot; Unsloth's rows, an error row, its published figures; the run's line in the
+history). The GPU run itself is not tested here."""
 
 from __future__ import annotations
 
@@ -83,6 +83,42 @@ def test_the_search_finds_the_longest_length_and_reports_it():
     assert row["tokens_per_s_at_32k"] == pytest.approx(1e6 / 32768 ** 0.5)
     assert row["peak_bytes_at_longest"] == 5 * 8192 * 2**20
     assert [p["seq"] for p in row["probes"]] == sorted(p["seq"] for p in row["probes"])
+
+
+def test_a_row_names_the_gpu_when_its_first_probe_failed_before_it_started():
+    # a probe that runs out of memory while its model is built reports only its job's "cuda"
+    args = context.parse_args(["--start", "32768", "--max-tokens", "65536"])
+
+    def fake(job, timeout):
+        if job["seq"] > 3 * 8192:
+            return {**job, "error": "out of memory", "oom": True}
+        return {**job, "tokens_per_s": 5000.0, "peak_bytes": 2**30, "label": "Llama-shaped", "device": "GPU-name"}
+
+    row = context.search(args, "llama-8b-lora", "stock+ckpt", run=fake, log=lambda line: None)
+    assert row["probes"][-1]["device"] == "cuda" and row["longest_seq"] == 3 * 8192
+    assert row["device"] == "GPU-name"
+    assert context.named_device([{"device": "cuda"}]) == "cuda"
+    assert context.named_device([]) is None
+
+
+def test_a_run_appends_its_rows_to_the_history(tmp_path, monkeypatch):
+    from tigon.bench import history
+
+    def fake_search(args, model, provider):
+        return {**_result()["rows"][0], "model": model, "provider": provider, "device": "GPU-name"}
+
+    monkeypatch.setattr(context, "search", fake_search)
+    monkeypatch.setattr(context, "save", lambda result, out: [])
+    target = tmp_path / "history.jsonl"
+    argv = ["--device", "cpu", "--tiny", "--models", "llama-1b", "--providers", "stock", "tigon",
+            "--history", str(target), "--out", str(tmp_path)]
+    assert context.main(argv) == 0
+    (line,) = history.read(target)
+    assert line["benchmark"] == "context" and line["device"] == "GPU-name"
+    assert [r["provider"] for r in line["rows"]] == ["stock", "tigon"]
+    assert line["command"] and line["versions"]
+    assert context.main(argv[:-4] + ["--out", str(tmp_path)]) == 0  # a smoke run appends nowhere by default
+    assert len(history.read(target)) == 1
 
 
 def test_a_probe_job_trains_two_steps_on_the_cpu():
