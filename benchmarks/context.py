@@ -52,7 +52,7 @@ passes it); at the longest, the longest probe's ("≥" where ``--max-tokens`` it
 Published, not measured here: Unsloth's own figures for Llama 3.1 (8B) QLoRA (:data:`PUBLISHED`), printed
 under the ``llama-8b-qlora`` table.
 
-A run too long for one device call is split by model or provider; ``--merge`` gives the later part the earlier
+A run too long for one GPU job is split by model or provider; ``--merge`` gives the later part the earlier
 parts' result files, for one page with every row (a model and provider searched again replaces its earlier row).
 
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
@@ -532,10 +532,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tigon-context-unsloth-") as folder:
         args.unsloth_dir = folder
         rows = [search(args, model, provider) for model in args.models for provider in args.providers]
-    named = [r["device"] for r in rows if r.get("device") not in (None, "cuda", "cpu")]
-    this_gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    named = named_device(rows)  # the rows' GPU, else the one this process sees
+    if named in (None, "cuda", "cpu"):
+        named = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     result = {
-        "kind": "context", "rows": rows, "device": next(iter(named), this_gpu),
+        "kind": "context", "rows": rows, "device": named,
         "date": _dt.date.today().isoformat(), "versions": versions(),
         "unsloth_versions": next((r["versions"] for r in rows if r.get("versions")), None),
         "settings": {"models": args.models, "providers": args.providers, "skipped": args.skipped,

@@ -1065,7 +1065,7 @@ def write_result(result: dict, out_dir: Path, kind: str, to_markdown, to_plot=No
 
 def merge_runs(result: dict, earlier, *, key, same: tuple, fields: tuple = ("rows",)) -> None:
     """Rows of earlier runs (their result JSON files, ``earlier``) join ``result``'s, for one page made by several
-    runs (a benchmark too long for one device call, split by provider or model): the earlier rows first, a row
+    runs (a benchmark too long for one GPU job, split by provider or model): the earlier rows first, a row
     of this run replacing an earlier one with the same ``key(row)``, and of earlier rows with one key the first
     file's. Each list named in ``fields`` merges so (a file without it adds none). The runs must be of the same
     kind, on the same device, with the same settings named in ``same``: a ValueError names the first that differs.

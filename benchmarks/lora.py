@@ -75,7 +75,7 @@ Profile (``--profile``): after its timed steps, each job trains ``e2e.PROFILE_ST
 by kernel category (matmul, attention, 4-bit dequantization, norm, ...), busy / wall, the top kernels; what
 a target missed is explained from.
 
-A run too long for one device call is split by provider, each part with the stock PEFT run it is compared with
+A run too long for one GPU job is split by provider, each part with the stock PEFT run it is compared with
 (``peft`` or ``peft+4bit``, which brings its fp32 reference), and ``--merge`` gives the later part the earlier
 parts' result files: one page with every row (a provider measured again replaces its earlier row; an earlier
 row keeps the agreement it was given in its own run).
@@ -171,7 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny Llama (pipeline smoke test)")
     p.add_argument("--timeout", type=int, default=JOB_TIMEOUT_S, help="seconds per job")
     p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
-                   help="earlier runs' result files whose rows join this run's page (a run split over device calls)")
+                   help="earlier runs' result files whose rows join this run's page (a run split over GPU jobs)")
     p.add_argument("--profile", action="store_true",
                    help=f"after the timed steps, profile {e2e.PROFILE_STEPS} more: GPU time by kernel category")
     p.add_argument("--out", type=Path, default=e2e.OUT, help="folder for the JSON and markdown")
