@@ -425,7 +425,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Longest context at batch 1 — {result['device']} — {result['date']}", ""]
     versions = result.get("versions") or {}
     if versions:
-        lines += [", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+        lines += [", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
     if result.get("unsloth_versions"):
         lines += ["Unsloth's probes (their own site): "
                   + ", ".join(f"{k} {v}" for k, v in result["unsloth_versions"].items() if v), ""]
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
         print("benchmarks/context.py needs a CUDA GPU (--device cpu --tiny runs a smoke test of the pipeline).",
               file=sys.stderr)
         return 2
-    from tigon.bench.harness import versions
+    from benchmarks.lora import versions  # the harness's, with PEFT's, tigon's and bitsandbytes'
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tigon-context-unsloth-") as folder:
