@@ -27,8 +27,9 @@ its own ``TRITON_CACHE_DIR``:
 
 Reported: each process's first step and steady step split by phase, first / steady, the start-up's time,
 the cache entries each process compiled (the warm steps' must be 0: warmup compiled everything training
-launches) and the warm first step's profile. Results go to ``<out>/warmup-<device>-<date>.{json,md}``; the
-markdown is printed last.
+launches) and the warm first step's profile. Results go to ``<out>/warmup-<device>-<date>.{json,md}``, the
+markdown is printed last, and the run is appended to ``benchmarks/results/history.jsonl`` (one row per
+measurement; ``--history PATH``: another file, ``none``: nowhere).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="steady steps after the first (default 5)")
     p.add_argument("--gap", type=float, default=2.0,
                    help="seconds between the patch and the first step in the last process (default 2)")
+    p.add_argument("--history", type=Path, default=None,
+                   help="JSON-lines file the run is appended to, or 'none' (default: benchmarks/results/history.jsonl)")
     # one training process (internal): --worker, with what it runs
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
@@ -259,6 +262,32 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def history_result(result: dict) -> dict:
+    """The run as a history record's fields: one row per measurement (each process's first step with the cache
+    entries it compiled and its phases, its steady step; the warmup process as a whole), the setup and the
+    warm first step's profile beside them."""
+    rows = []
+    for key, _ in ROWS:
+        if key not in result:
+            continue
+        r = result[key]
+        rows.append({"measurement": f"{key}_first_step", "s": round(r["first"]["step"], 3),
+                     "compiled": r["compiled_entries"],
+                     "phases_s": {k: round(r["first"][k], 3) for k in PHASES}})
+        rows.append({"measurement": f"{key}_steady_step", "s": round(r["steady"]["step"], 3)})
+    rows.append({"measurement": "warmup_process", "s": round(result["warmup"]["process_s"], 1),
+                 "compiled": result["warmup"]["compiled_entries"]})
+    setup = result["setup"]
+    out = {"date": setup["date"], "device": setup["device"], "versions": setup["versions"], "rows": rows,
+           "model": setup["model"], "batch": setup["batch"], "seq": setup["seq"], "gap_s": setup.get("gap_s")}
+    started = result.get("warm_started", {}).get("start_libraries_s")
+    if started is not None:
+        out["start_libraries_s"] = round(started, 3)
+    if result.get("warm_profile"):
+        out["warm_profile"] = result["warm_profile"]
+    return out
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
@@ -294,6 +323,12 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"warmup-{setup['device'].replace(' ', '-')}-{setup['date']}"
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    from tigon.bench import history
+
+    target = history.script_path(args)
+    if target is not None:
+        history.append(history_result(result), benchmark="warmup", path=target)
+        print(f"appended the run to {target}")
     text = markdown(result)
     Path(f"{stem}.md").write_text(text)
     print()

@@ -116,7 +116,8 @@ def test_a_run_appends_its_rows_to_the_history(tmp_path, monkeypatch):
     (line,) = history.read(target)
     assert line["benchmark"] == "context" and line["device"] == "GPU-name"
     assert [r["provider"] for r in line["rows"]] == ["stock", "tigon"]
-    assert line["command"] and line["versions"]
+    assert line["command"] and line["versions"]["torch"]
+    assert {"peft", "bitsandbytes", "tigon"} <= set(line["versions"])  # the LoRA and QLoRA rows' libraries
     assert context.main(argv[:-4] + ["--out", str(tmp_path)]) == 0  # a smoke run appends nowhere by default
     assert len(history.read(target)) == 1
 
