@@ -341,7 +341,7 @@ def probe(job: dict, timeout: int, *, unsloth_site: Path) -> dict:
 
 
 PROBE_KEYS = ("seq", "error", "oom", "peak_bytes", "tokens_per_s", "host_bytes", "peak_host_bytes", "wall_s",
-              "device", "label", "losses", "versions")
+              "device", "label", "losses", "versions", "trace")
 
 
 def named_device(probes: list[dict]) -> str | None:
@@ -383,7 +383,8 @@ def search(args, model: str, provider: str, run=None, log=print) -> dict:
 def probe_line(provider: str, result: dict) -> str:
     head = f"{result['model']:>14} {provider:>12} {result['seq']:>7} tokens: "
     if "error" in result:
-        return head + result["error"]
+        trace = "".join(f"\n{'':>16}at {frame}" for frame in result.get("trace") or ())
+        return head + result["error"] + trace
     line = f"{result['tokens_per_s']:.0f} tokens/s"
     if result.get("peak_bytes") is not None:
         line += f", peak {result['peak_bytes'] / GIB:.1f} GiB"

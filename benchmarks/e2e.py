@@ -133,6 +133,7 @@ CONTEXT_START = 8192
 CONTEXT_MAX = 131072
 CONTEXT_STEPS = 2  # the second step's peak includes the AdamW moments the first one created
 RESULT_MARK = "E2E-RESULT "
+TRACE_FRAMES = 8  # innermost traceback frames a failed job reports (error_trace)
 PROFILE_STEPS = 2  # profiled steps after the timed ones (a two-step trace is small)
 TOP_KERNELS = 15
 KERNEL_NAME_CHARS = 160  # kernel names are cut here in the report (C++ template names run to thousands)
@@ -584,6 +585,15 @@ def wait_until_quiet(path: str | None) -> None:
         time.sleep(0.05)
 
 
+def error_trace(exc: BaseException, frames: int = TRACE_FRAMES) -> list[str]:
+    """Where ``exc`` was raised: its traceback's innermost ``frames`` frames as ``folder/file.py:line function``,
+    innermost last, so that a probe's error row says which library failed and where."""
+    import traceback
+
+    return [f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in traceback.extract_tb(exc.__traceback__)[-frames:]]
+
+
 def worker_main(ready_path: str | None = None, run=None, imports: tuple[str, ...] = ()) -> int:
     """Import ``imports`` (first, in order: a library that patches transformers when it is imported, such as
     Unsloth, must come before it), then everything else, say so (``ready_path``), wait for one job on stdin,
@@ -614,7 +624,7 @@ def worker_main(ready_path: str | None = None, run=None, imports: tuple[str, ...
         oom = _is_oom(exc)
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         message = "out of memory" if oom else f"{type(exc).__name__}: {first_line}"
-        result = {**job, "error": message, "oom": oom}
+        result = {**job, "error": message, "oom": oom, "trace": error_trace(exc)}
     result["wall_s"] = time.perf_counter() - started
     print(RESULT_MARK + json.dumps(result), flush=True)
     return 0
@@ -730,7 +740,7 @@ def memory_buys_speed(args, log=print) -> dict:
                    "warmup": 0, "steps": CONTEXT_STEPS, "device": args.device, "tiny": args.tiny,
                    "shape": MEMORY_SPEED_SHAPE}
             result = pool.run(job)
-            probes.append({k: result.get(k) for k in ("seq", "error", "oom", "peak_bytes", "wall_s")})
+            probes.append({k: result.get(k) for k in ("seq", "error", "oom", "peak_bytes", "wall_s", "trace")})
             log(row_line(result))
             return "error" not in result
 
@@ -788,7 +798,7 @@ def longest_context(args, log=print) -> dict:
                            "steps": CONTEXT_STEPS, "device": args.device, "tiny": args.tiny}
                     result = pool.run(job)
                     probes.append({k: result.get(k) for k in ("seq", "error", "oom", "peak_bytes", "wall_s",
-                                                               "tokens_per_s", "device", "label")})
+                                                               "tokens_per_s", "device", "label", "trace")})
                     log(row_line(result))
                     return "error" not in result
 

@@ -268,3 +268,27 @@ def test_a_search_split_over_device_calls_merges_into_one_page(tmp_path):
         ("llama-1b", "stock"), ("llama-1b", "tigon"), ("llama-8b-lora", "stock")]
     assert result["settings"]["models"] == ["llama-1b", "llama-8b-lora"]
     assert result["settings"]["providers"] == ["stock", "tigon"]
+
+
+def _fails_inside_a_library(job):
+    raise RuntimeError("A view was created in no_grad mode and its base or another view of its base has been "
+                       "modified inplace with grad mode enabled.\nsecond line")
+
+
+def test_a_failed_probe_says_where_it_failed(monkeypatch, capsys):
+    import io
+
+    job = {"model": "llama-8b-lora", "provider": "unsloth+long", "seq": 131072}
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(job) + "\n"))
+    assert context.e2e.worker_main(run=_fails_inside_a_library) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    result = json.loads(line.removeprefix(context.e2e.RESULT_MARK))
+    assert result["error"].startswith("RuntimeError: A view was created in no_grad mode") and not result["oom"]
+    assert "second line" not in result["error"]
+    assert result["trace"][-1] == "bench/test_context.py:" + str(
+        _fails_inside_a_library.__code__.co_firstlineno + 1) + " _fails_inside_a_library"
+    assert len(result["trace"]) <= context.e2e.TRACE_FRAMES
+    shown = context.probe_line("unsloth+long", result)
+    assert shown.endswith("at " + result["trace"][-1]) and "RuntimeError" in shown.splitlines()[0]
+    probes = [{k: result[k] for k in context.PROBE_KEYS if k in result}]
+    assert probes[0]["trace"] == result["trace"]  # the row's probes keep it for the JSON
