@@ -6,7 +6,8 @@
 #   bash scripts/gpu-peers.sh python3 benchmarks/lora.py --layers 8
 #
 # .whl/          trl, datasets, peft, liger-kernel and what they need   -> $SITE (/tmp/site)
-# .whl-bnb/      bitsandbytes                                            -> $SITE
+# .whl-bnb/      bitsandbytes (slimmed to the CUDA 13 libraries by scripts/slim-wheel.py, so that it fits
+#                one call's carry beside .whl-unsloth/)                  -> $SITE
 # .whl-unsloth/  unsloth, unsloth_zoo and the versions they pin (trl <= 1.15, datasets < 5, ...)
 #                                                                        -> $SITE-unsloth
 #
