@@ -32,7 +32,10 @@ run and loaded as Unsloth's users load a model, ``FastLanguageModel.from_pretrai
 or 4-bit nf4 for QLoRA, then its ``get_peft_model`` with the row's rank on the same layers; ``llama-1b``:
 ``full_finetuning=True``, bf16 loaded and every parameter upcast to fp32 by its ``float32_mixed_precision``):
 ``unsloth`` (no checkpointing), ``unsloth+ckpt`` (its offloaded checkpointing,
-``use_gradient_checkpointing="unsloth"``), ``unsloth+long`` (that and its tiled MLP, ``unsloth_tiled_mlp=True``).
+``use_gradient_checkpointing="unsloth"``), ``unsloth+long`` (that and its tiled MLP, ``unsloth_tiled_mlp=True``;
+with LoRA, Unsloth 2026.10.9 raises in the first backward: its tiled MLP's backward reruns the MLP on views of
+the saved input made with grad mode off, and its fused LoRA MLP writes the input gradient into its input in
+place; ``unsloth+ckpt`` is its long-context row for the LoRA models).
 Unsloth pins other transformers/TRL versions and patches them when imported, so its probes run with
 ``--unsloth-site`` (a folder of Unsloth and its pinned requirements) first on their path and import it
 first; its providers join the default list only where that folder holds Unsloth (it needs a CUDA GPU).
