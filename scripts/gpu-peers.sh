@@ -10,6 +10,7 @@
 #                one call's carry beside .whl-unsloth/)                  -> $SITE
 # .whl-unsloth/  unsloth, unsloth_zoo and the versions they pin (trl <= 1.15, datasets < 5, ...)
 #                                                                        -> $SITE-unsloth
+#                Unsloth imports bitsandbytes for bf16 LoRA too: carry .whl-bnb/ with it.
 #
 # A folder that is absent is skipped and what an earlier run installed from it stays, so the sets can arrive
 # one at a time. $SITE-unsloth is not on PYTHONPATH: benchmarks/lora.py
