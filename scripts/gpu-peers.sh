@@ -7,7 +7,7 @@
 #
 # .whl/          trl, datasets, peft, liger-kernel and what they need   -> $SITE (/tmp/site)
 # .whl-bnb/      bitsandbytes (slimmed to the CUDA 13 libraries by scripts/slim-wheel.py, so that it fits
-#                one call's carry beside .whl-unsloth/)                  -> $SITE
+#                one GPU job's upload beside .whl-unsloth/)              -> $SITE
 # .whl-unsloth/  unsloth, unsloth_zoo and the versions they pin (trl <= 1.15, datasets < 5, ...)
 #                                                                        -> $SITE-unsloth
 #                Unsloth imports bitsandbytes for bf16 LoRA too: carry .whl-bnb/ with it.
