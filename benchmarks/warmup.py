@@ -55,6 +55,8 @@ PROFILE_ROWS = 15  # functions listed from the warm first step's profile, by own
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from tigon.bench import history  # a light module: the workers import no kernels until they build the model
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
@@ -62,8 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="steady steps after the first (default 5)")
     p.add_argument("--gap", type=float, default=2.0,
                    help="seconds between the patch and the first step in the last process (default 2)")
-    p.add_argument("--history", type=Path, default=None,
-                   help="JSON-lines file the run is appended to, or 'none' (default: benchmarks/results/history.jsonl)")
+    history.add_argument(p)
     # one training process (internal): --worker, with what it runs
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)

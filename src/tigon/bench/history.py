@@ -10,7 +10,8 @@ from (or to the file its caller names), so that the numbers behind every page of
 
 Required keys: ``date`` (ISO day), ``device`` (the GPU's name), ``versions`` (package → version),
 ``benchmark`` (``bench``, ``e2e``, ``e2e-context``, ``e2e-memory-speed``, ``e2e-tp``, ``distributed``,
-``lora``, ``context``, ``trl-steps`` or ``trl-longest-dpo``), ``command`` (the command line that made the run) and
+``lora``, ``context``, ``warmup``, ``trl-steps`` or ``trl-longest-dpo``), ``command`` (the command line that made
+the run) and
 ``rows`` (the run's result rows, as its JSON file holds them). Anything else the run reports (settings,
 copy bandwidth, wall time) rides along under its own key.
 
