@@ -25,7 +25,8 @@ checkpointing, non-reentrant, on every decoder layer), ``liger+ckpt`` (Liger-Ker
 imports), ``tigon`` (``tigon.patch(model)``), ``tigon+long`` (``tigon.patch(model, offload_activations=True,
 tiled_mlp=True)`` with checkpointing: each layer's input waits in pinned host memory, the MLP runs over
 chunks of tokens), ``tigon+tiled`` (the same without the offload: ``tiled_mlp=True`` with checkpointing; at 32K
-tokens ``tigon+long`` against it is what the offload costs, printed under each model's table), ``tigon+long+kept``
+tokens ``tigon+long`` against it is what the offload costs, printed under each model's table), ``tigon+offload``
+(checkpointing and the offload without the tiled MLP: the switches of Unsloth's ``unsloth+ckpt``), ``tigon+long+kept``
 (``tigon+long`` with ``keep_attention=True``: the recompute takes the attention kernel's outputs of the forward
 back, which stay on the GPU). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
 run and loaded as Unsloth's users load a model, ``FastLanguageModel.from_pretrained`` (the LoRA rows: bf16,
@@ -84,7 +85,8 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, th
 from benchmarks import e2e, unsloth_models  # noqa: E402  (probes, the search, OOM detection; Unsloth)
 from tigon.bench import history  # noqa: E402
 
-PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+long", "tigon+long+kept")
+PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+offload", "tigon+long",
+             "tigon+long+kept")
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+long")
 PROVIDER_TITLES = {
     "stock": "stock",
@@ -92,6 +94,7 @@ PROVIDER_TITLES = {
     "liger+ckpt": "Liger-Kernel + checkpointing",
     "tigon": "tigon",
     "tigon+tiled": "tigon + checkpointing + tiled MLP",
+    "tigon+offload": "tigon + checkpointing + offload",
     "tigon+long": "tigon + checkpointing + offload + tiled MLP",
     "tigon+long+kept": "tigon + checkpointing + offload + tiled MLP + kept attention",
     "unsloth": "Unsloth",
@@ -99,7 +102,8 @@ PROVIDER_TITLES = {
     "unsloth+long": "Unsloth + offloaded checkpointing + tiled MLP",
 }
 COLOURS = {"stock": "tab:gray", "stock+ckpt": "tab:cyan", "liger+ckpt": "tab:green", "tigon": "tab:orange",
-           "tigon+tiled": "tab:olive", "tigon+long": "tab:red", "tigon+long+kept": "tab:blue", "unsloth": "tab:purple",
+           "tigon+tiled": "tab:olive", "tigon+offload": "gold",
+           "tigon+long": "tab:red", "tigon+long+kept": "tab:blue", "unsloth": "tab:purple",
            "unsloth+ckpt": "tab:pink", "unsloth+long": "tab:brown"}
 LLAMA_3_1_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -237,9 +241,9 @@ def build(job: dict):
             model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS))
         if "tigon" in parts:
             long = "long" in parts
-            tigon.patch(model, offload_activations=long, tiled_mlp=long or "tiled" in parts,
+            tigon.patch(model, offload_activations=long or "offload" in parts, tiled_mlp=long or "tiled" in parts,
                         keep_attention="kept" in parts)
-        if parts & {"ckpt", "long", "tiled"}:
+        if parts & {"ckpt", "long", "tiled", "offload"}:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = [p for p in model.parameters() if p.requires_grad]

@@ -26,7 +26,9 @@ Providers: ``peft`` (stock transformers + PEFT), ``tigon`` (``tigon.patch`` on t
 ``liger`` (Liger-Kernel's ``apply_liger_kernel_to_llama()`` before the model is built: its RMSNorm,
 rope, SwiGLU and fused linear cross-entropy, PEFT's LoRA forwards), each also with ``+ckpt``:
 transformers' gradient checkpointing (non-reentrant) on every decoder layer; ``tigon+ckpt+kept`` adds
-``keep_attention=True`` (the recompute takes the attention kernel's outputs of the forward back).
+``keep_attention=True`` (the recompute takes the attention kernel's outputs of the forward back),
+``tigon+ckpt+offload`` (also ``+4bit``) ``offload_activations=True`` (each layer's checkpointed input waits in
+pinned host memory, as Unsloth's offloaded checkpointing keeps it).
 QLoRA: ``peft+4bit`` and ``tigon+4bit`` (each also ``+ckpt``) train the same model with its decoder
 projections bitsandbytes 4-bit (:func:`tigon.bench.models.quantize_4bit`: nf4, double quant, bf16 compute,
 what ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -114,12 +116,13 @@ LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336
 TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=256)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "tigon+ckpt+kept", "liger+ckpt", "peft+4bit",
-             "tigon+4bit", "peft+4bit+ckpt", "tigon+4bit+ckpt")
+PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "tigon+ckpt+kept", "tigon+ckpt+offload",
+             "liger+ckpt", "peft+4bit", "tigon+4bit", "peft+4bit+ckpt", "tigon+4bit+ckpt", "tigon+4bit+ckpt+offload")
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+4bit", "unsloth+4bit+ckpt")
 PROVIDER_TITLES = {"peft": "stock PEFT", "tigon": "tigon.patch(PeftModel)", "liger": "Liger-Kernel + PEFT",
                    "unsloth": "Unsloth"}
 VARIANT_TITLES = {"4bit": " on 4-bit nf4 bases (QLoRA)", "ckpt": " + checkpointing", "kept": " + kept attention",
+                  "offload": " + offloaded activations",
                   "fp32": " in fp32"}
 REFERENCE = "peft"
 FP32 = "fp32"  # the variant of REFERENCE that is the fp32 reference (added by the run, not a --providers choice)
@@ -299,7 +302,7 @@ def build(job: dict, device):
     model = peft.get_peft_model(model, lora)
     init_by_name(model, {n for n, p in model.named_parameters() if p.requires_grad})
     if "tigon" in parts:
-        tigon.patch(model, keep_attention="kept" in parts)
+        tigon.patch(model, keep_attention="kept" in parts, offload_activations="offload" in parts)
     # The reference is checkpointed whatever the runs it is compared with do: recomputing gives the same values,
     # and it keeps the fp32 activations of many layers within the memory that the bf16 runs fit in.
     if "ckpt" in parts or reference:
@@ -436,7 +439,7 @@ def reference_names(provider: str) -> tuple:
     """The stock PEFT bf16 runs ``provider`` is compared with, in order: on the same bases (4-bit or not) with the
     same checkpointing, then with the other."""
     variants = provider.split("+")[1:]
-    bases = [REFERENCE, *(v for v in variants if v not in ("ckpt", "kept"))]
+    bases = [REFERENCE, *(v for v in variants if v not in ("ckpt", "kept", "offload"))]
     ckpt = "ckpt" in variants
     return "+".join(bases + ["ckpt"] * ckpt), "+".join(bases + ["ckpt"] * (not ckpt))
 

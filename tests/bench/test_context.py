@@ -132,19 +132,20 @@ def test_a_probe_job_trains_two_steps_on_the_cpu():
     assert 0 < lora["trained_params"] < lora["params"]
 
 
-def test_tigon_tiled_is_tigon_long_without_the_offload_and_kept_adds_keep_attention():
+def test_tigon_tiled_and_offload_are_tigon_long_without_one_switch_and_kept_adds_keep_attention():
     from tigon.nn.tiled_mlp import TiledForward
     from tigon.patching.parts.long_context import KEEP_ATTR, offloader_of
 
     built = {}
-    for provider in ("tigon+tiled", "tigon+long", "tigon+long+kept"):
+    for provider in ("tigon+tiled", "tigon+offload", "tigon+long", "tigon+long+kept"):
         _, model, _ = context.build({"model": "llama-1b", "provider": provider, "seq": 16, "device": "cpu",
                                      "tiny": True})
         mlps = [m for m in model.modules() if isinstance(getattr(m, "forward", None), TiledForward)]
         checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
         kept = any(KEEP_ATTR in vars(m) for m in model.modules())
         built[provider] = (checkpointed, bool(mlps), offloader_of(model) is not None, kept)
-    assert built == {"tigon+tiled": (True, True, False, False), "tigon+long": (True, True, True, False),
+    assert built == {"tigon+tiled": (True, True, False, False), "tigon+offload": (True, False, True, False),
+                     "tigon+long": (True, True, True, False),
                      "tigon+long+kept": (True, True, True, True)}
 
 

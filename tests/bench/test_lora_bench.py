@@ -29,6 +29,8 @@ def test_arguments():
     assert lora.reference_names("tigon+ckpt+kept") == ("peft+ckpt", "peft")
     assert lora.fp32_reference("tigon+ckpt+kept") == "peft+fp32"
     assert lora._title("tigon+ckpt+kept") == "tigon.patch(PeftModel) + checkpointing + kept attention"
+    assert lora.reference_names("tigon+4bit+ckpt+offload") == ("peft+4bit+ckpt", "peft+4bit")
+    assert lora._title("tigon+ckpt+offload") == "tigon.patch(PeftModel) + checkpointing + offloaded activations"
     assert lora.fp32_reference("tigon+4bit+ckpt") == "peft+4bit+fp32" and lora.fp32_reference("liger") == "peft+fp32"
     assert args.seq == lora.TINY_SEQ and args.matmul_size == lora.TINY_MATMUL_SIZE
     for bad in (["--layers", "0"], ["--providers", "unsloth+liger"], ["--providers", "peft", "peft"],
@@ -160,6 +162,13 @@ def test_flops_count_the_models_parameters():
     tokens = 16
     assert flops["base"] == 4 * tokens * base
     assert flops["adapters"] == 6 * tokens * adapters
+
+
+def test_offload_provider_patches_with_offload_activations():
+    from tigon.patching.parts.long_context import offloader_of
+
+    assert offloader_of(lora.build(tiny_job("tigon+ckpt+offload"), DEVICE)) is not None
+    assert offloader_of(lora.build(tiny_job("tigon+ckpt"), DEVICE)) is None
 
 
 def test_same_weights_for_every_provider():
