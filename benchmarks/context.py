@@ -58,6 +58,10 @@ under the ``llama-8b-qlora`` table.
 
 A run too long for one GPU job is split by model or provider; ``--merge`` gives the later part the earlier
 parts' result files, for one page with every row (a model and provider searched again replaces its earlier row).
+``--combine`` writes one page from earlier runs without running anything: their result files, or the runs of
+one day in a history file (``--combine benchmarks/results/history.jsonl --date 2026-12-06``). The runs may
+have probed different lengths (one length a run, where a step takes minutes): each model and provider's probes
+from all of them make its row.
 
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
 length, one line per provider, its longest marked. The run (its own rows, not the merged ones) appends one line
@@ -71,8 +75,10 @@ import copy
 import datetime as _dt
 import functools
 import importlib.util
+import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -165,6 +171,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
                         help="earlier runs' result files whose rows join this run's page (a run split over device "
                              "calls)")
+    parser.add_argument("--combine", nargs="+", type=Path, default=[], metavar="JSON",
+                        help="write one page from earlier runs (result files, or a history file's runs of --date), "
+                             "which may have probed different lengths, and run nothing")
+    parser.add_argument("--date", default=None, help="with --combine and a history file: the day whose context "
+                                                     "runs it combines (YYYY-MM-DD)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs instead of the published shapes")
     history.add_argument(parser)
@@ -371,15 +382,32 @@ def search(args, model: str, provider: str, run=None, log=print) -> dict:
         return "error" not in result
 
     longest, first_failure = e2e.search_longest(trains, step=args.step, start=args.start, maximum=args.max_tokens)
-    by_seq = {p["seq"]: p for p in probes}
-    at_longest = by_seq.get(longest, {})
+    return row_of(model, provider, probes, longest, first_failure)
+
+
+def row_of(model: str, provider: str, probes: list[dict], longest: int, first_failure: int | None) -> dict:
+    """A page's row from a provider's probes. Where a length trained more than once (runs combined), its
+    tokens/s is the median of those probes' (their range in ``tokens_per_s_range_at_longest``) and its
+    memory the most any of them used; a length that failed more than once shows its latest error."""
+    def trained(seq):
+        return [p for p in probes if p["seq"] == seq and "error" not in p]
+
+    def median(values):
+        return statistics.median(values) if values else None
+
+    at_longest = trained(longest)
+    speeds = [p["tokens_per_s"] for p in at_longest if p.get("tokens_per_s") is not None]
+    failures = [p for p in probes if p["seq"] == first_failure and "error" in p]
+    failed = failures[-1] if failures else {}  # runs combined: the latest run's error there
     return {
         "model": model, "provider": provider, "longest_seq": longest, "first_failure": first_failure,
-        "failure": by_seq.get(first_failure, {}).get("error"),
-        "tokens_per_s_at_32k": by_seq.get(THROUGHPUT_SEQ, {}).get("tokens_per_s"),
-        "tokens_per_s_at_longest": at_longest.get("tokens_per_s"),
-        "peak_bytes_at_longest": at_longest.get("peak_bytes"),
-        "host_bytes_at_longest": at_longest.get("host_bytes"),
+        "failure": failed.get("error"),
+        "tokens_per_s_at_32k": median([p["tokens_per_s"] for p in trained(THROUGHPUT_SEQ)
+                                       if p.get("tokens_per_s") is not None]),
+        "tokens_per_s_at_longest": median(speeds),
+        "tokens_per_s_range_at_longest": [min(speeds), max(speeds)] if len(speeds) > 1 else None,
+        "peak_bytes_at_longest": max((p["peak_bytes"] for p in at_longest if p.get("peak_bytes")), default=None),
+        "host_bytes_at_longest": max((p["host_bytes"] for p in at_longest if p.get("host_bytes")), default=None),
         "label": next((p["label"] for p in probes if p.get("label")), MODELS[model][0]),
         "device": named_device(probes),
         "versions": next((p["versions"] for p in probes if p.get("versions")), None),
@@ -413,6 +441,21 @@ def _longest(row: dict) -> str:
     return f"≥ {row['longest_seq']}" if row["first_failure"] is None else str(row["longest_seq"])
 
 
+def _speed_at_longest(row: dict) -> str:
+    cell = _cell(row["tokens_per_s_at_longest"], "{:.0f}")
+    spread = row.get("tokens_per_s_range_at_longest")
+    return cell if not spread else f"{cell} ({spread[0]:.0f}–{spread[1]:.0f})"
+
+
+def _probed(row: dict) -> str:
+    """The lengths a row's probes ran, each with how often where more than once and "(failed)" where none trained."""
+    seqs = {}
+    for p in row["probes"]:
+        seqs.setdefault(p["seq"], []).append("error" not in p)
+    return ", ".join(f"{seq}" + (f" ×{len(ok)}" if len(ok) > 1 else "") + ("" if any(ok) else " (failed)")
+                     for seq, ok in sorted(seqs.items()))
+
+
 def published_line() -> str:
     """Unsloth's published context lengths (``PUBLISHED``), as the page cites them."""
     figures = "; ".join(f"{gb} GB: {ours:,} tokens with Unsloth" + (f" vs {hf:,} with Hugging Face + FA2" if hf else "")
@@ -439,8 +482,16 @@ def markdown(result: dict) -> str:
                   + ", ".join(f"{k} {v}" for k, v in result["unsloth_versions"].items() if v), ""]
     settings = result.get("settings", {})
     cap = f"; GPU memory capped at {settings['gpu_memory']:g} GiB" if settings.get("gpu_memory") else ""
-    lines += [f"Lengths: multiples of {settings.get('step')} up to {settings.get('max_tokens')}; a length counts "
-              f"when {STEPS} optimizer steps train; tokens/s from the second step{cap}.", ""]
+    if settings.get("combined"):
+        lengths = (f"Probes of {settings['runs']} runs, combined (`--combine`): a row's longest is the longest length "
+                   "that trained in any of them, its first failure the shortest that failed above it (with the latest "
+                   "run's error there; each row's "
+                   "lengths are listed under its table); where a length trained more than once, its tokens/s is "
+                   "the median (the range in brackets)")
+    else:
+        lengths = f"Lengths: multiples of {settings.get('step')} up to {settings.get('max_tokens')}"
+    lines += [f"{lengths}; a length counts when {STEPS} optimizer steps train; tokens/s from the second "
+              f"step{cap}.", ""]
     for model in dict.fromkeys(r["model"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["model"] == model]
         lines += [f"## {rows[0]['label']}", "",
@@ -451,11 +502,14 @@ def markdown(result: dict) -> str:
             failure = "—" if r["first_failure"] is None else f"{r['first_failure']}: {r['failure']}"
             lines.append(
                 f"| {PROVIDER_TITLES[r['provider']]} | {_longest(r)} "
-                f"| {_cell(r['tokens_per_s_at_32k'], '{:.0f}')} | {_cell(r['tokens_per_s_at_longest'], '{:.0f}')} "
+                f"| {_cell(r['tokens_per_s_at_32k'], '{:.0f}')} | {_speed_at_longest(r)} "
                 f"| {_cell(r['peak_bytes_at_longest'] and r['peak_bytes_at_longest'] / GIB, '{:.1f}')} "
                 f"| {_cell(r['host_bytes_at_longest'] and r['host_bytes_at_longest'] / GIB, '{:.1f}')} "
                 f"| {failure.replace('|', '/')} |")  # a worker's error joins its last lines with " | "
         lines.append("")
+        if settings.get("combined"):
+            lines += ["Lengths probed: " + "; ".join(f"{PROVIDER_TITLES[r['provider']]}: {_probed(r)}" for r in rows)
+                      + ".", ""]
         cost = offload_cost(rows)
         if cost is not None:
             verdict = "within" if cost >= OFFLOAD_COST_TARGET else "outside"
@@ -478,10 +532,13 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         for row in (r for r in result["rows"] if r["model"] == model):
-            points = [(p["seq"], p["tokens_per_s"]) for p in row["probes"] if p.get("tokens_per_s")]
-            if not points:
+            speeds = {}  # a length probed by several runs: their median
+            for p in row["probes"]:
+                if p.get("tokens_per_s"):
+                    speeds.setdefault(p["seq"], []).append(p["tokens_per_s"])
+            if not speeds:
                 continue
-            xs, ys = zip(*points, strict=True)
+            xs, ys = zip(*((seq, statistics.median(v)) for seq, v in sorted(speeds.items())), strict=True)
             colour = COLOURS[row["provider"]]
             ax.plot([x / 1024 for x in xs], ys, marker="o", ms=3, color=colour, label=PROVIDER_TITLES[row["provider"]])
             if row["tokens_per_s_at_longest"]:
@@ -495,7 +552,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(next(r["label"] for r in result["rows"] if r["model"] == model), fontsize=10)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.suptitle(f"tokens/s against context length (★ longest) — {result['device']} — {result['date']}")
+    fig.suptitle(f"tokens/s against context length (★ longest)\n{result['device']}, {result['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -519,6 +576,69 @@ def merge(result: dict, earlier) -> None:
         settings[name] = list(dict.fromkeys(names))
 
 
+# What the runs combined into one page must share (--combine): the model and training step; the lengths each
+# searched may differ.
+COMBINE_SAME = ("tiny", "gpu_memory", "steps", "lr", "seed", "adapters")
+
+
+def combined_runs(path: Path, date: str | None) -> list[tuple[str, dict]]:
+    """The runs a ``--combine`` file gives, each with the name the page cites it by: a result file's one run, or
+    a history file's (``.jsonl``) context runs of ``date``."""
+    if path.suffix != ".jsonl":
+        return [(path.name, json.loads(path.read_text()))]
+    if date is None:
+        raise ValueError(f"{path}: a history file needs --date, the day whose context runs it gives")
+    runs = [(f"{path.name}, line {number}", run) for number, run in enumerate(history.read(path), 1)
+            if run.get("benchmark") == "context" and run.get("date") == date]
+    if not runs:
+        raise ValueError(f"{path}: no context runs of {date}")
+    return runs
+
+
+def combine(paths, date: str | None = None) -> dict:
+    """One page from earlier runs (``--combine``: result files, or a history file's runs of ``date``), which
+    may have probed different lengths: each model and provider's probes from every run, its longest the longest
+    length that trained and its first failure the shortest that failed above it. The runs must be on the same
+    device with the same ``COMBINE_SAME`` settings (a ValueError names the first that differs). Nothing runs
+    and nothing joins the history: each run's rows are there already."""
+    runs = [run for path in paths for run in combined_runs(Path(path), date)]
+    if not runs:
+        raise ValueError("--combine: no result files")
+    first_path, first = runs[0]
+    probes: dict[tuple, list] = {}
+    for path, run in runs:
+        if run.get("kind") != "context" or run.get("device") != first.get("device"):
+            raise ValueError(f"{path}: a {run.get('kind')} run on {run.get('device')}, not a context run on "
+                             f"{first.get('device')} as {first_path}")
+        for name in COMBINE_SAME:
+            if run["settings"].get(name) != first["settings"].get(name):
+                raise ValueError(f"{path}: its {name} is {run['settings'].get(name)!r}, {first_path}'s "
+                                 f"{first['settings'].get(name)!r}")
+        for row in run["rows"]:
+            probes.setdefault((row["model"], row["provider"]), []).extend(row["probes"])
+    rows = []
+    for (model, provider), found in probes.items():
+        longest = max((p["seq"] for p in found if "error" not in p), default=0)
+        first_failure = min((p["seq"] for p in found if "error" in p and p["seq"] > longest), default=None)
+        rows.append(row_of(model, provider, found, longest, first_failure))
+    versions: dict = {}
+    for _, run in runs:  # a library whose version differs between runs lists each
+        for name, version in (run.get("versions") or {}).items():
+            seen = versions.setdefault(name, [])
+            if version and version not in seen:
+                seen.append(version)
+    settings = {name: first["settings"].get(name) for name in COMBINE_SAME}
+    settings.update(models=list(dict.fromkeys(r["model"] for r in rows)),
+                    providers=list(dict.fromkeys(r["provider"] for r in rows)),
+                    combined=[name for name, _ in runs], runs=len(runs))
+    return {"kind": "context", "rows": rows, "device": first["device"],
+            "date": max(run["date"] for _, run in runs),
+            "versions": {name: " / ".join(seen) or None for name, seen in versions.items()},
+            "unsloth_versions": next((run["unsloth_versions"] for _, run in runs if run.get("unsloth_versions")),
+                                     None),
+            "settings": settings, "wall_s": sum(run.get("wall_s") or 0 for _, run in runs)}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # a probe (e2e.Worker): imports, then one job from stdin
@@ -526,6 +646,11 @@ def main(argv=None) -> int:
         return e2e.worker_main(rest[0] if rest else None, run=run_job,
                                imports=("unsloth",) if "--unsloth" in argv else ())
     args = parse_args(argv)
+    if args.combine:
+        result = combine(args.combine, args.date)
+        paths = save(result, args.out)
+        print(f"wrote {', '.join(str(p) for p in paths)}\n\n{markdown(result)}")
+        return 0
     import torch
 
     if args.device == "cpu":

@@ -293,3 +293,83 @@ def test_a_failed_probe_says_where_it_failed(monkeypatch, capsys):
     assert shown.endswith("at " + result["trace"][-1]) and "RuntimeError" in shown.splitlines()[0]
     probes = [{k: result[k] for k in context.PROBE_KEYS if k in result}]
     assert probes[0]["trace"] == result["trace"]  # the row's probes keep it for the JSON
+
+
+def _run(provider, probes, *, date="2026-12-06", device="GPU-name", **settings):
+    """A context run's result as a history line holds it: one row of ``provider`` with ``probes``."""
+    row = context.row_of("llama-8b-lora", provider, probes, 0, None)
+    return {"kind": "context", "benchmark": "context", "date": date, "device": device, "rows": [row],
+            "versions": {"torch": "2.11.0"}, "unsloth_versions": None, "wall_s": 10.0,
+            "settings": {**{name: 1 for name in context.COMBINE_SAME}, **settings}}
+
+
+def _probe(seq, speed=None, *, error=None, peak=2**30):
+    if error:
+        return {"seq": seq, "error": error, "oom": error == "out of memory", "device": "GPU-name"}
+    return {"seq": seq, "tokens_per_s": speed, "peak_bytes": peak, "device": "GPU-name", "label": "Llama-8B-shaped"}
+
+
+def test_runs_that_probed_different_lengths_combine_into_one_page(tmp_path):
+    """--combine: a row's probes from every run, its longest the longest that trained, its first failure the
+    shortest that failed above it; a length trained three times gives the median and range."""
+    pytest.importorskip("matplotlib")
+    runs = [_run("liger+ckpt", [_probe(32768, 5600.0), _probe(65536, 4100.0)], step=16384),
+            _run("liger+ckpt", [_probe(98304, 3156.0, peak=3 * 2**30)], step=98304),
+            _run("unsloth+ckpt", [_probe(131072, 2761.0)], step=131072),
+            _run("liger+ckpt", [_probe(98304, 3201.0, peak=4 * 2**30)], step=98304),
+            _run("unsloth+ckpt", [_probe(262144, error="out of memory")], step=262144),
+            _run("liger+ckpt", [_probe(98304, 3160.0, peak=3 * 2**30)], step=98304),
+            _run("unsloth+ckpt", [_probe(196608, 1954.0)], step=196608),
+            _run("unsloth+long", [_probe(131072, error="ImportError: no bitsandbytes")], step=131072),
+            _run("unsloth+long", [_probe(131072, error="RuntimeError: a view")], step=131072)]
+    files = []
+    for number, run in enumerate(runs):
+        files.append(tmp_path / f"run{number}.json")
+        files[-1].write_text(json.dumps(run))
+    result = context.combine(files)
+    rows = {r["provider"]: r for r in result["rows"]}
+    assert list(rows) == ["liger+ckpt", "unsloth+ckpt", "unsloth+long"]
+    liger, unsloth, tiled = rows.values()
+    assert (liger["longest_seq"], liger["first_failure"]) == (98304, None)
+    assert liger["tokens_per_s_at_longest"] == 3160.0 and liger["tokens_per_s_range_at_longest"] == [3156.0, 3201.0]
+    assert liger["peak_bytes_at_longest"] == 4 * 2**30 and liger["tokens_per_s_at_32k"] == 5600.0
+    assert (unsloth["longest_seq"], unsloth["first_failure"], unsloth["failure"]) == (196608, 262144, "out of memory")
+    assert unsloth["tokens_per_s_at_longest"] == 1954.0 and unsloth["tokens_per_s_range_at_longest"] is None
+    assert [p["seq"] for p in unsloth["probes"]] == [131072, 196608, 262144]
+    assert (tiled["longest_seq"], tiled["failure"]) == (0, "RuntimeError: a view")  # the latest run's error
+    assert result["settings"]["runs"] == 9 and result["settings"]["combined"][0] == "run0.json"
+    assert result["settings"]["providers"] == ["liger+ckpt", "unsloth+ckpt", "unsloth+long"]
+    text = context.markdown(result)
+    assert "| Liger-Kernel + checkpointing | ≥ 98304 | 5600 | 3160 (3156–3201) | 4.0 | — | — |" in text
+    assert "| Unsloth + offloaded checkpointing | 196608 | — | 1954 | 1.0 | — | 262144: out of memory |" in text
+    assert ("Lengths probed: Liger-Kernel + checkpointing: 32768, 65536, 98304 ×3; Unsloth + offloaded "
+            "checkpointing: 131072, 196608, 262144 (failed); Unsloth + offloaded checkpointing + tiled MLP: "
+            "131072 ×2 (failed).") in text
+    assert "Probes of 9 runs, combined" in text and "Lengths: multiples" not in text
+    out = tmp_path / "page"
+    assert context.main(["--combine", *map(str, files), "--out", str(out)]) == 0
+    assert sorted(p.suffix for p in out.iterdir()) == [".json", ".md", ".png"]
+
+
+def test_a_history_files_runs_of_one_day_combine_and_mismatched_runs_are_refused(tmp_path):
+    history_file = tmp_path / "history.jsonl"
+    lines = [_run("tigon+long", [_probe(32768, 5674.0)], date="2026-12-05"),
+             _run("tigon+long", [_probe(131072, 2543.0)]),
+             {"benchmark": "lora", "date": "2026-12-06"},
+             _run("tigon+long", [_probe(262144, 1457.0)])]
+    history_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = context.combine([history_file], "2026-12-06")
+    (row,) = result["rows"]
+    assert [p["seq"] for p in row["probes"]] == [131072, 262144] and row["longest_seq"] == 262144
+    assert result["settings"]["combined"] == ["history.jsonl, line 2", "history.jsonl, line 4"]
+    with pytest.raises(ValueError, match="needs --date"):
+        context.combine([history_file])
+    with pytest.raises(ValueError, match="no context runs of 2026-12-07"):
+        context.combine([history_file], "2026-12-07")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_run("stock", [_probe(8192, 1.0)], device="another GPU")))
+    with pytest.raises(ValueError, match="on another GPU"):
+        context.combine([history_file, other], "2026-12-06")
+    other.write_text(json.dumps(_run("stock", [_probe(8192, 1.0)], seed=2)))
+    with pytest.raises(ValueError, match="its seed is 2"):
+        context.combine([history_file, other], "2026-12-06")
