@@ -29,7 +29,7 @@ transformers' gradient checkpointing (non-reentrant) on every decoder layer; ``t
 ``keep_attention=True`` (the recompute takes the attention kernel's outputs of the forward back),
 ``tigon+ckpt+offload`` (also ``+4bit``) ``offload_activations=True`` (each layer's checkpointed input waits in
 pinned host memory, as Unsloth's offloaded checkpointing keeps it).
-QLoRA: ``peft+4bit`` and ``tigon+4bit`` (each also ``+ckpt``) train the same model with its decoder
+QLoRA: ``peft+4bit``, ``tigon+4bit`` and ``liger+4bit`` (each also ``+ckpt``) train the same model with its decoder
 projections bitsandbytes 4-bit (:func:`tigon.bench.models.quantize_4bit`: nf4, double quant, bf16 compute,
 what ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
 bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))`` makes, quantized from the same bf16
@@ -117,7 +117,8 @@ TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_attention_
             head_dim=8, max_position_embeddings=256)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROVIDERS = ("peft", "tigon", "liger", "peft+ckpt", "tigon+ckpt", "tigon+ckpt+kept", "tigon+ckpt+offload",
-             "liger+ckpt", "peft+4bit", "tigon+4bit", "peft+4bit+ckpt", "tigon+4bit+ckpt", "tigon+4bit+ckpt+offload")
+             "liger+ckpt", "peft+4bit", "tigon+4bit", "liger+4bit", "peft+4bit+ckpt", "tigon+4bit+ckpt",
+             "tigon+4bit+ckpt+offload", "liger+4bit+ckpt")
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+4bit", "unsloth+4bit+ckpt")
 PROVIDER_TITLES = {"peft": "stock PEFT", "tigon": "tigon.patch(PeftModel)", "liger": "Liger-Kernel + PEFT",
                    "unsloth": "Unsloth"}

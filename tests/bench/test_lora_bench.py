@@ -30,6 +30,8 @@ def test_arguments():
     assert lora.fp32_reference("tigon+ckpt+kept") == "peft+fp32"
     assert lora._title("tigon+ckpt+kept") == "tigon.patch(PeftModel) + checkpointing + kept attention"
     assert lora.reference_names("tigon+4bit+ckpt+offload") == ("peft+4bit+ckpt", "peft+4bit")
+    assert lora.reference_names("liger+4bit+ckpt") == ("peft+4bit+ckpt", "peft+4bit")
+    assert lora._title("liger+4bit") == "Liger-Kernel + PEFT on 4-bit nf4 bases (QLoRA)"
     assert lora._title("tigon+ckpt+offload") == "tigon.patch(PeftModel) + checkpointing + offloaded activations"
     assert lora.fp32_reference("tigon+4bit+ckpt") == "peft+4bit+fp32" and lora.fp32_reference("liger") == "peft+fp32"
     assert args.seq == lora.TINY_SEQ and args.matmul_size == lora.TINY_MATMUL_SIZE
