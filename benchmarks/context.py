@@ -182,6 +182,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.step < 1 or args.start < 1 or args.max_tokens < args.step:
         parser.error("--step and --start must be positive and --max-tokens at least --step")
+    if args.date is not None and not args.combine:
+        parser.error("--date goes with --combine (the day of a history file's runs)")
     if args.gpu_memory is not None and args.gpu_memory <= 0:
         parser.error("--gpu-memory must be positive")
     if args.providers is None:
@@ -485,9 +487,8 @@ def markdown(result: dict) -> str:
     if settings.get("combined"):
         lengths = (f"Probes of {settings['runs']} runs, combined (`--combine`): a row's longest is the longest length "
                    "that trained in any of them, its first failure the shortest that failed above it (with the latest "
-                   "run's error there; each row's "
-                   "lengths are listed under its table); where a length trained more than once, its tokens/s is "
-                   "the median (the range in brackets)")
+                   "run's error there; the lengths each row probed are listed under its table); where a length "
+                   "trained more than once, its tokens/s is the median (the range in brackets)")
     else:
         lengths = f"Lengths: multiples of {settings.get('step')} up to {settings.get('max_tokens')}"
     lines += [f"{lengths}; a length counts when {STEPS} optimizer steps train; tokens/s from the second "

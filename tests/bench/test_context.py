@@ -342,6 +342,7 @@ def test_runs_that_probed_different_lengths_combine_into_one_page(tmp_path):
     text = context.markdown(result)
     assert "| Liger-Kernel + checkpointing | ≥ 98304 | 5600 | 3160 (3156–3201) | 4.0 | — | — |" in text
     assert "| Unsloth + offloaded checkpointing | 196608 | — | 1954 | 1.0 | — | 262144: out of memory |" in text
+    assert "the lengths each row probed are listed under its table" in text
     assert ("Lengths probed: Liger-Kernel + checkpointing: 32768, 65536, 98304 ×3; Unsloth + offloaded "
             "checkpointing: 131072, 196608, 262144 (failed); Unsloth + offloaded checkpointing + tiled MLP: "
             "131072 ×2 (failed).") in text
@@ -364,6 +365,8 @@ def test_a_history_files_runs_of_one_day_combine_and_mismatched_runs_are_refused
     assert result["settings"]["combined"] == ["history.jsonl, line 2", "history.jsonl, line 4"]
     with pytest.raises(ValueError, match="needs --date"):
         context.combine([history_file])
+    with pytest.raises(SystemExit):
+        context.parse_args(["--date", "2026-12-06"])  # --date only with --combine
     with pytest.raises(ValueError, match="no context runs of 2026-12-07"):
         context.combine([history_file], "2026-12-07")
     other = tmp_path / "other.json"
