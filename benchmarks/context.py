@@ -606,15 +606,10 @@ def combine(paths, date: str | None = None) -> dict:
     if not runs:
         raise ValueError("--combine: no result files")
     first_path, first = runs[0]
+    reference = {**first, "kind": "context"}  # every run, the first included, must be a context run
     probes: dict[tuple, list] = {}
     for path, run in runs:
-        if run.get("kind") != "context" or run.get("device") != first.get("device"):
-            raise ValueError(f"{path}: a {run.get('kind')} run on {run.get('device')}, not a context run on "
-                             f"{first.get('device')} as {first_path}")
-        for name in COMBINE_SAME:
-            if run["settings"].get(name) != first["settings"].get(name):
-                raise ValueError(f"{path}: its {name} is {run['settings'].get(name)!r}, {first_path}'s "
-                                 f"{first['settings'].get(name)!r}")
+        e2e.check_same_kind(path, run, reference, COMBINE_SAME, whose=f"{first_path}'s")
         for row in run["rows"]:
             probes.setdefault((row["model"], row["provider"]), []).extend(row["probes"])
     rows = []

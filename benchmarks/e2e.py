@@ -1073,6 +1073,18 @@ def write_result(result: dict, out_dir: Path, kind: str, to_markdown, to_plot=No
     return paths
 
 
+def check_same_kind(path, other: dict, reference: dict, same: tuple, whose: str = "this run's") -> None:
+    """A ValueError naming ``path`` unless the run ``other`` is of ``reference``'s kind, on its device, with the
+    same settings named in ``same`` (``whose``: how the message names the reference's)."""
+    if other.get("kind") != reference.get("kind") or other.get("device") != reference.get("device"):
+        raise ValueError(f"{path}: a {other.get('kind')} run on {other.get('device')}, not a "
+                         f"{reference.get('kind')} run on {reference.get('device')}")
+    for name in same:
+        if other["settings"].get(name) != reference["settings"].get(name):
+            raise ValueError(f"{path}: its {name} is {other['settings'].get(name)!r}, {whose} "
+                             f"{reference['settings'].get(name)!r}")
+
+
 def merge_runs(result: dict, earlier, *, key, same: tuple, fields: tuple = ("rows",)) -> None:
     """Rows of earlier runs (their result JSON files, ``earlier``) join ``result``'s, for one page made by several
     runs (a benchmark too long for one GPU job, split by provider or model): the earlier rows first, a row
@@ -1083,13 +1095,7 @@ def merge_runs(result: dict, earlier, *, key, same: tuple, fields: tuple = ("row
     others = []
     for path in earlier:
         other = json.loads(Path(path).read_text())
-        if other.get("kind") != result["kind"] or other.get("device") != result["device"]:
-            raise ValueError(f"{path}: a {other.get('kind')} run on {other.get('device')}, not a "
-                             f"{result['kind']} run on {result['device']}")
-        for name in same:
-            if other["settings"].get(name) != result["settings"].get(name):
-                raise ValueError(f"{path}: its {name} is {other['settings'].get(name)!r}, this run's "
-                                 f"{result['settings'].get(name)!r}")
+        check_same_kind(path, other, result, same)
         others.append(other)
     for field in fields:
         mine = {key(row) for row in result.get(field, [])}

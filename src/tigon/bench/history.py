@@ -11,8 +11,7 @@ from (or to the file its caller names), so that the numbers behind every page of
 Required keys: ``date`` (ISO day), ``device`` (the GPU's name), ``versions`` (package → version),
 ``benchmark`` (``bench``, ``e2e``, ``e2e-context``, ``e2e-memory-speed``, ``e2e-tp``, ``distributed``,
 ``lora``, ``context``, ``warmup``, ``trl-steps`` or ``trl-longest-dpo``), ``command`` (the command line that made
-the run) and
-``rows`` (the run's result rows, as its JSON file holds them). Anything else the run reports (settings,
+the run) and ``rows`` (the run's result rows, as its JSON file holds them). Anything else the run reports (settings,
 copy bandwidth, wall time) rides along under its own key.
 
 Appending is one ``write`` of one line to a file opened in append mode, so runs that finish at the
