@@ -59,9 +59,9 @@ under the ``llama-8b-qlora`` table.
 A run too long for one GPU job is split by model or provider; ``--merge`` gives the later part the earlier
 parts' result files, for one page with every row (a model and provider searched again replaces its earlier row).
 ``--combine`` writes one page from earlier runs without running anything: their result files, or the runs of
-one day in a history file (``--combine benchmarks/results/history.jsonl --date 2026-12-06``). The runs may
-have probed different lengths (one length a run, where a step takes minutes): each model and provider's probes
-from all of them make its row.
+one day in a history file (``--combine benchmarks/results/history.jsonl --date 2026-12-06 --models
+llama-1b``; ``--models`` keeps those models' runs). The runs may have probed different lengths (one length a
+run, where a step takes minutes): each model and provider's probes from all of them make its row.
 
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
 length, one line per provider, its longest marked. The run (its own rows, not the merged ones) appends one line
@@ -596,15 +596,20 @@ def combined_runs(path: Path, date: str | None) -> list[tuple[str, dict]]:
     return runs
 
 
-def combine(paths, date: str | None = None) -> dict:
+def combine(paths, date: str | None = None, models=None) -> dict:
     """One page from earlier runs (``--combine``: result files, or a history file's runs of ``date``), which
     may have probed different lengths: each model and provider's probes from every run, its longest the longest
-    length that trained and its first failure the shortest that failed above it. The runs must be on the same
-    device with the same ``COMBINE_SAME`` settings (a ValueError names the first that differs). Nothing runs
-    and nothing joins the history: each run's rows are there already."""
+    length that trained and its first failure the shortest that failed above it. ``models`` (``--models``)
+    keeps those models' rows, and the runs that have any: a day's full fine-tunes and LoRA runs make two pages.
+    The runs must be on the same device with the same ``COMBINE_SAME`` settings (a ValueError names the first
+    that differs). Nothing runs and nothing joins the history: each run's rows are there already."""
     runs = [run for path in paths for run in combined_runs(Path(path), date)]
+    if models is not None:
+        runs = [(name, {**run, "rows": [r for r in run["rows"] if r["model"] in models]}) for name, run in runs]
+        runs = [(name, run) for name, run in runs if run["rows"]]
     if not runs:
-        raise ValueError("--combine: no result files")
+        raise ValueError("--combine: no result files" if models is None
+                         else f"--combine: no runs of {', '.join(models)}")
     first_path, first = runs[0]
     reference = {**first, "kind": "context"}  # every run, the first included, must be a context run
     probes: dict[tuple, list] = {}
@@ -643,7 +648,7 @@ def main(argv=None) -> int:
                                imports=("unsloth",) if "--unsloth" in argv else ())
     args = parse_args(argv)
     if args.combine:
-        result = combine(args.combine, args.date)
+        result = combine(args.combine, args.date, args.models)
         paths = save(result, args.out)
         print(f"wrote {', '.join(str(p) for p in paths)}\n\n{markdown(result)}")
         return 0

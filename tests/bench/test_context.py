@@ -295,9 +295,9 @@ def test_a_failed_probe_says_where_it_failed(monkeypatch, capsys):
     assert probes[0]["trace"] == result["trace"]  # the row's probes keep it for the JSON
 
 
-def _run(provider, probes, *, date="2026-12-06", device="GPU-name", **settings):
+def _run(provider, probes, *, date="2026-12-06", device="GPU-name", model="llama-8b-lora", **settings):
     """A context run's result as a history line holds it: one row of ``provider`` with ``probes``."""
-    row = context.row_of("llama-8b-lora", provider, probes, 0, None)
+    row = context.row_of(model, provider, probes, 0, None)
     return {"kind": "context", "benchmark": "context", "date": date, "device": device, "rows": [row],
             "versions": {"torch": "2.11.0"}, "unsloth_versions": None, "wall_s": 10.0,
             "settings": {**{name: 1 for name in context.COMBINE_SAME}, **settings}}
@@ -376,3 +376,23 @@ def test_a_history_files_runs_of_one_day_combine_and_mismatched_runs_are_refused
     other.write_text(json.dumps(_run("stock", [_probe(8192, 1.0)], seed=2)))
     with pytest.raises(ValueError, match="its seed is 2"):
         context.combine([history_file, other], "2026-12-06")
+
+
+def test_combining_a_day_keeps_the_models_asked_for(tmp_path):
+    """A day's 1B full fine-tunes and 8B LoRA runs differ in their adapters, so combining them all is refused;
+    --models keeps one model's runs for its own page."""
+    history_file = tmp_path / "history.jsonl"
+    lines = [_run("stock", [_probe(8192, 29475.0)], model="llama-1b", adapters=None),
+             _run("tigon+offload", [_probe(131072, 2722.0)], adapters="lora"),
+             _run("liger+ckpt", [_probe(16384, 31957.0)], model="llama-1b", adapters=None)]
+    history_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match="adapters"):
+        context.combine([history_file], "2026-12-06")
+    result = context.combine([history_file], "2026-12-06", ["llama-1b"])
+    assert [r["provider"] for r in result["rows"]] == ["stock", "liger+ckpt"]
+    assert result["settings"]["models"] == ["llama-1b"]
+    assert result["settings"]["combined"] == ["history.jsonl, line 1", "history.jsonl, line 3"]
+    (row,) = context.combine([history_file], "2026-12-06", ["llama-8b-lora"])["rows"]
+    assert row["provider"] == "tigon+offload" and row["longest_seq"] == 131072
+    with pytest.raises(ValueError, match="no runs of llama-3b"):
+        context.combine([history_file], "2026-12-06", ["llama-3b"])
