@@ -26,9 +26,10 @@ imports), ``tigon`` (``tigon.patch(model)``), ``tigon+long`` (``tigon.patch(mode
 tiled_mlp=True)`` with checkpointing: each layer's input waits in pinned host memory, the MLP runs over
 chunks of tokens), ``tigon+tiled`` (the same without the offload: ``tiled_mlp=True`` with checkpointing; at 32K
 tokens ``tigon+long`` against it is what the offload costs, printed under each model's table), ``tigon+offload``
-(checkpointing and the offload without the tiled MLP: the switches of Unsloth's ``unsloth+ckpt``), ``tigon+long+kept``
-(``tigon+long`` with ``keep_attention=True``: the recompute takes the attention kernel's outputs of the forward
-back, which stay on the GPU). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
+(checkpointing and the offload without the tiled MLP: the switches of Unsloth's ``unsloth+ckpt``),
+``tigon+offload+kept`` and ``tigon+long+kept`` (``tigon+offload`` and ``tigon+long`` with ``keep_attention=True``:
+the recompute takes the attention kernel's outputs of the forward back, which stay on the GPU, instead of running
+the kernel again). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
 run and loaded as Unsloth's users load a model, ``FastLanguageModel.from_pretrained`` (the LoRA rows: bf16,
 or 4-bit nf4 for QLoRA, then its ``get_peft_model`` with the row's rank on the same layers; ``llama-1b``:
 ``full_finetuning=True``, bf16 loaded and every parameter upcast to fp32 by its ``float32_mixed_precision``):
@@ -91,8 +92,8 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, th
 from benchmarks import e2e, unsloth_models  # noqa: E402  (probes, the search, OOM detection; Unsloth)
 from tigon.bench import history  # noqa: E402
 
-PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+offload", "tigon+long",
-             "tigon+long+kept")
+PROVIDERS = ("stock", "stock+ckpt", "liger+ckpt", "tigon", "tigon+tiled", "tigon+offload", "tigon+offload+kept",
+             "tigon+long", "tigon+long+kept")
 UNSLOTH_PROVIDERS = ("unsloth", "unsloth+ckpt", "unsloth+long")
 PROVIDER_TITLES = {
     "stock": "stock",
@@ -101,6 +102,7 @@ PROVIDER_TITLES = {
     "tigon": "tigon",
     "tigon+tiled": "tigon + checkpointing + tiled MLP",
     "tigon+offload": "tigon + checkpointing + offload",
+    "tigon+offload+kept": "tigon + checkpointing + offload + kept attention",
     "tigon+long": "tigon + checkpointing + offload + tiled MLP",
     "tigon+long+kept": "tigon + checkpointing + offload + tiled MLP + kept attention",
     "unsloth": "Unsloth",
@@ -108,7 +110,7 @@ PROVIDER_TITLES = {
     "unsloth+long": "Unsloth + offloaded checkpointing + tiled MLP",
 }
 COLOURS = {"stock": "tab:gray", "stock+ckpt": "tab:cyan", "liger+ckpt": "tab:green", "tigon": "tab:orange",
-           "tigon+tiled": "tab:olive", "tigon+offload": "gold",
+           "tigon+tiled": "tab:olive", "tigon+offload": "gold", "tigon+offload+kept": "navy",
            "tigon+long": "tab:red", "tigon+long+kept": "tab:blue", "unsloth": "tab:purple",
            "unsloth+ckpt": "tab:pink", "unsloth+long": "tab:brown"}
 LLAMA_3_1_8B = dict(

@@ -137,7 +137,7 @@ def test_tigon_tiled_and_offload_are_tigon_long_without_one_switch_and_kept_adds
     from tigon.patching.parts.long_context import KEEP_ATTR, offloader_of
 
     built = {}
-    for provider in ("tigon+tiled", "tigon+offload", "tigon+long", "tigon+long+kept"):
+    for provider in ("tigon+tiled", "tigon+offload", "tigon+offload+kept", "tigon+long", "tigon+long+kept"):
         _, model, _ = context.build({"model": "llama-1b", "provider": provider, "seq": 16, "device": "cpu",
                                      "tiny": True})
         mlps = [m for m in model.modules() if isinstance(getattr(m, "forward", None), TiledForward)]
@@ -145,7 +145,7 @@ def test_tigon_tiled_and_offload_are_tigon_long_without_one_switch_and_kept_adds
         kept = any(KEEP_ATTR in vars(m) for m in model.modules())
         built[provider] = (checkpointed, bool(mlps), offloader_of(model) is not None, kept)
     assert built == {"tigon+tiled": (True, True, False, False), "tigon+offload": (True, False, True, False),
-                     "tigon+long": (True, True, True, False),
+                     "tigon+offload+kept": (True, False, True, True), "tigon+long": (True, True, True, False),
                      "tigon+long+kept": (True, True, True, True)}
 
 
