@@ -396,18 +396,20 @@ def row_of(model: str, provider: str, probes: list[dict], longest: int, first_fa
     def trained(seq):
         return [p for p in probes if p["seq"] == seq and "error" not in p]
 
+    def speeds_at(seq):
+        return [p["tokens_per_s"] for p in trained(seq) if p.get("tokens_per_s") is not None]
+
     def median(values):
         return statistics.median(values) if values else None
 
     at_longest = trained(longest)
-    speeds = [p["tokens_per_s"] for p in at_longest if p.get("tokens_per_s") is not None]
+    speeds = speeds_at(longest)
     failures = [p for p in probes if p["seq"] == first_failure and "error" in p]
     failed = failures[-1] if failures else {}  # runs combined: the latest run's error there
     return {
         "model": model, "provider": provider, "longest_seq": longest, "first_failure": first_failure,
         "failure": failed.get("error"),
-        "tokens_per_s_at_32k": median([p["tokens_per_s"] for p in trained(THROUGHPUT_SEQ)
-                                       if p.get("tokens_per_s") is not None]),
+        "tokens_per_s_at_32k": median(speeds_at(THROUGHPUT_SEQ)),
         "tokens_per_s_at_longest": median(speeds),
         "tokens_per_s_range_at_longest": [min(speeds), max(speeds)] if len(speeds) > 1 else None,
         "peak_bytes_at_longest": max((p["peak_bytes"] for p in at_longest if p.get("peak_bytes")), default=None),
