@@ -28,10 +28,11 @@ chunks of tokens), ``tigon+tiled`` (the same without the offload: ``tiled_mlp=Tr
 tokens ``tigon+long`` against it is what the offload costs, printed under each model's table), ``tigon+offload``
 (checkpointing and the offload without the tiled MLP: the switches of Unsloth's ``unsloth+ckpt``),
 ``tigon+offload+kept`` and ``tigon+long+kept`` (``tigon+offload`` and ``tigon+long`` with ``keep_attention=True``:
-the recompute takes the attention kernel's outputs of the forward back, which stay on the GPU, instead of running
-the kernel again). Unsloth (benchmarks/unsloth_models.py), on the same weights saved to a folder once per
-run and loaded as Unsloth's users load a model, ``FastLanguageModel.from_pretrained`` (the LoRA rows: bf16,
-or 4-bit nf4 for QLoRA, then its ``get_peft_model`` with the row's rank on the same layers; ``llama-1b``:
+the recompute takes the attention kernel's outputs of the forward back instead of running the kernel again; with
+the offload they wait in pinned host memory beside each layer's input). Unsloth (benchmarks/unsloth_models.py), on
+the same weights saved to a folder once per run and loaded as Unsloth's users load a model,
+``FastLanguageModel.from_pretrained`` (the LoRA rows: bf16, or 4-bit nf4 for QLoRA, then its ``get_peft_model``
+with the row's rank on the same layers; ``llama-1b``:
 ``full_finetuning=True``, bf16 loaded and every parameter upcast to fp32 by its ``float32_mixed_precision``):
 ``unsloth`` (no checkpointing), ``unsloth+ckpt`` (its offloaded checkpointing,
 ``use_gradient_checkpointing="unsloth"``), ``unsloth+long`` (that and its tiled MLP, ``unsloth_tiled_mlp=True``;

@@ -24,7 +24,7 @@ from tests.helpers import ON_GPU
 from tests.patching.tiny import DEVICE, batch, grads, tiny_model
 from tests.patching.tiny_lora import node_in_fp32_here
 from tigon.nn import attention, kept_attention
-from tigon.nn.activation_offload import ScopedCheckpoint
+from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader, ScopedCheckpoint, _Handle
 from tigon.nn.checkpoint_chain import CHECKPOINT_ATTR
 from tigon.nn.kept_attention import KeepingCheckpoint, KeptCall
 
@@ -179,6 +179,72 @@ def test_the_switch_composes_with_offload_and_reverts(kernel_calls):
     assert not any(k.startswith("_tigon") for layer in model.model.layers for k in vars(layer))
 
 
+def _forced_offload(model) -> Offloader:
+    """The offload's scope on every decoder layer, told to take CPU tensors of any size (the hooks the switch
+    installs on a CUDA model; tests/patching/test_long_context.py runs them so too)."""
+    offloader = Offloader(OffloadConfig(device_types=("cpu",), min_bytes=0, bucket_bytes=1))
+    for layer in model.model.layers:
+        LayerOffload(layer, offloader, model.model).apply()
+    return offloader
+
+
+def _check_stowed(kept, padded):
+    """Each of the 3 layers' KeptCalls holds one entry, stowed: the output and log-sum-exp as handles in the
+    group of that layer's offloaded storages, beside its input; the bias of a padded batch as the tensor the
+    layers share."""
+    assert len(kept) == 3 and all(len(entries) == 1 and entries[0][2] for entries in kept)
+    groups = []
+    for (_, (out, saved, _), _), in kept:
+        lse, bias = saved[0], saved[-1]
+        assert isinstance(out, _Handle) and isinstance(lse, _Handle) and out.stored.group is lse.stored.group
+        group = out.stored.group
+        live = {id(ref()) for ref in group.stored if ref() is not None}
+        assert {id(out.stored), id(lse.stored)} < live  # and the layer's input
+        groups.append(group)
+        assert bias is None if not padded else (type(bias) is torch.Tensor and bias is kept[0][0][1][1][-1])
+    assert len({id(group) for group in groups}) == 3
+
+
+@pytest.mark.parametrize("padded, backwards", [(False, 1), (True, 1), (False, 2)],
+                         ids=["causal", "padded", "retained-graph"])
+def test_with_the_offload_the_kept_outputs_wait_on_the_host(kernel_calls, monkeypatch, padded, backwards):
+    """With the offload's scope around each layer's forward, what a layer keeps (the kernel's output and
+    log-sum-exp) becomes handles in that layer's group of offloaded storages, beside its checkpointed input; the
+    recompute takes them back, and the step is bitwise the one without either switch. A padded batch's bias,
+    made once for all the layers, stays as it is. After the backward nothing is left on the host."""
+    made = []
+    init = KeptCall.__init__
+    monkeypatch.setattr(KeptCall, "__init__", lambda self, *a, **k: init(self, *a, **k) or made.append(self))
+
+    def run(keep, offload):
+        model = _model(keep_attention=keep)
+        offloader = _forced_offload(model) if offload else None
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+        ids, labels = batch(0, seq=16)
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[0, :5] = 0  # left padding in the first sequence
+        made.clear()
+        kernel_calls.clear()
+        loss = model(input_ids=ids, labels=labels, attention_mask=mask).loss
+        if keep and offload:
+            _check_stowed([call.entries for call in made], padded)
+        peak = offloader.peak_host_bytes if offload else 0
+        for i in range(backwards):
+            loss.backward(retain_graph=i + 1 < backwards)
+        return (loss.detach(), grads(model)), len(kernel_calls), peak, offloader
+
+    want, _, _, _ = run(False, False)
+    _, _, inputs_only, _ = run(False, True)
+    got, calls, peak, offloader = run(True, True)
+    _assert_equal(got, want)
+    assert calls == 3  # the forward's kernels only, for every backward
+    assert peak > inputs_only
+    made.clear()  # this test's references to the checkpoints' functions
+    gc.collect()
+    assert offloader.pool.in_use_bytes == 0
+
+
 def test_lora_adapters_in_the_node_train_the_same(kernel_calls):
     """A PEFT LoRA model (adapters on q/k/v/o inside the node), checkpointed: the same step, half the kernels."""
     pytest.importorskip("peft")
@@ -321,5 +387,47 @@ def test_on_the_gpu_the_recompute_launches_no_attention_kernel(model_type):
     (loss, want, forwards), (again_loss, again, _) = step(False), step(False)
     got_loss, got, kept_forwards = step(True)
     assert forwards == 6 and kept_forwards == 3
+    assert torch.equal(got_loss, loss) and torch.equal(again_loss, loss)
+    assert got.keys() == want.keys() and distance(got, want) <= 2 * distance(again, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device: runs in scripts/gpu-check.sh on a GPU")
+def test_on_the_gpu_with_the_offload_the_kept_outputs_leave_the_gpu():
+    """The offload on a CUDA model (pinned host memory, its side stream), bf16 autocast, 4,096 tokens: after the
+    forward the kept outputs (4 MiB a layer) are not held on the GPU, where keep_attention alone holds them; the loss
+    is bitwise keep_attention's alone, the gradients within twice the distance between two of its runs (cuDNN's and
+    flash's backward sum dq with atomics: the GPU test above)."""
+    def step(keep, offload):
+        torch.manual_seed(0)
+        model = tiny_model("llama", num_hidden_layers=3, hidden_size=256, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                           max_position_embeddings=4096).cuda()
+        model.config._attn_implementation = "sdpa"
+        tigon.patch(model, keep_attention=keep, offload_activations=offload)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+        ids, labels = batch(0, seq=4096, device="cuda")
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # frees the blocks the side stream's copies read (their events are done)
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), grads(model), held
+
+    def distance(a, b):
+        return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
+
+    loss, want, kept_held = step(True, False)
+    again_loss, again, _ = step(True, False)
+    got_loss, got, kept_offloaded_held = step(True, True)
+    _, _, offloaded_held = step(False, True)
+    _, _, plain_held = step(False, False)
+    kept_bytes = 3 * 2 * 4096 * 4 * 64 * 2  # 3 layers' outputs (B, T, Hq, D) in bf16
+    assert kept_held - plain_held >= kept_bytes
+    assert kept_offloaded_held - offloaded_held < kept_bytes / 2
     assert torch.equal(got_loss, loss) and torch.equal(again_loss, loss)
     assert got.keys() == want.keys() and distance(got, want) <= 2 * distance(again, want)

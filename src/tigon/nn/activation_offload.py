@@ -29,6 +29,12 @@ keeps its tensors on the GPU for the few kernels that read them. Where the check
 the layer's hooks (transformers 5.17–5.22 checkpoint ``Module.__call__`` itself), :class:`ScopedCheckpoint`
 enters the scope around that call instead.
 
+What a layer keeps for its backward outside autograd's saved tensors goes the same way where its keeper asks:
+:meth:`LayerScope.stow` during the forward (the scope entered around it is :func:`active_scope`) gives a handle
+for the same bytes in the same group, and :func:`take_back` returns the tensor in the backward. With
+``keep_attention`` the attention kernel's kept outputs (tigon.nn.kept_attention) wait on the host so, beside the
+layer's checkpointed input, and come back with it, a layer ahead.
+
 Exact: the bytes that come back are the bytes that went; a handle's view is rebuilt with the saved
 geometry (``Tensor.set_`` on the restored storage), so every backward kernel reads what it would have.
 
@@ -101,6 +107,31 @@ def piece_sizes(nbytes: int, config: OffloadConfig) -> list[int]:
     granule_bits = max(max(nbytes, 1).bit_length() - 1 - config.piece_bits, (config.bucket_bytes - 1).bit_length())
     total = -(-max(nbytes, 1) >> granule_bits) << granule_bits  # ceil(nbytes / granule) · granule
     return [1 << bit for bit in range(total.bit_length() - 1, granule_bits - 1, -1) if total >> bit & 1]
+
+
+_active = threading.local()  # .scopes: this thread's entered LayerScopes, innermost last
+
+
+def active_scope() -> LayerScope | None:
+    """The innermost :class:`LayerScope` entered on this thread and not exited (a layer's forward that
+    offloads), or None."""
+    scopes = getattr(_active, "scopes", None)
+    return scopes[-1] if scopes else None
+
+
+def take_back(packed):
+    """A tensor :meth:`LayerScope.pack` (or :meth:`LayerScope.stow`) gave a handle for, on its device again
+    (the copy back started here unless the layer's group was reached already); anything else as it is."""
+    if not isinstance(packed, _Handle):
+        return packed
+    stored = packed.stored
+    if not stored.group.reached:
+        stored.group.reached = True
+        stored.offloader.restore_group(stored.group)
+    first, packed.unpacked = not packed.unpacked, True
+    device_bytes = stored.take(first)
+    view = torch.empty(0, dtype=packed.dtype, device=device_bytes.device)
+    return view.set_(device_bytes.untyped_storage(), packed.offset, packed.shape, packed.stride)
 
 
 def _hooks_active() -> bool:
@@ -360,18 +391,28 @@ class LayerScope(torch.autograd.graph.saved_tensors_hooks):
         return _Handle(stored, t, t.storage_offset() - lo // size)
 
     def unpack(self, packed):
-        if not isinstance(packed, _Handle):
-            return packed
-        stored = packed.stored
-        if not stored.group.reached:
-            stored.group.reached = True
-            stored.offloader.restore_group(stored.group)
-        first, packed.unpacked = not packed.unpacked, True
-        device_bytes = stored.take(first)
-        view = torch.empty(0, dtype=packed.dtype, device=device_bytes.device)
-        return view.set_(device_bytes.untyped_storage(), packed.offset, packed.shape, packed.stride)
+        return take_back(packed)
+
+    def stow(self, t):
+        """What the layer keeps for its backward outside autograd's saved tensors (kept attention outputs,
+        tigon.nn.kept_attention): a handle whose bytes wait on the host with the layer's saved tensors and come
+        back with them, a layer ahead in the backward (:func:`take_back`), or ``t`` itself where it stays."""
+        return self.pack(t)
+
+    def __enter__(self):
+        super().__enter__()
+        scopes = getattr(_active, "scopes", None)
+        if scopes is None:
+            scopes = _active.scopes = []
+        scopes.append(self)
+        return self
 
     def __exit__(self, *exc):
+        scopes = getattr(_active, "scopes", [])
+        for i in range(len(scopes) - 1, -1, -1):  # the innermost entry of this scope
+            if scopes[i] is self:
+                del scopes[i]
+                break
         super().__exit__(*exc)
         with self.offloader.lock:  # forget storages whose tensors are gone
             live = self.offloader.live

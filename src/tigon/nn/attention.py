@@ -169,6 +169,10 @@ class MaskBiases:
     def __setstate__(self, state):
         self.entries = {}
 
+    def holds(self, tensor) -> bool:
+        """Whether ``tensor`` is a bias made here (one that the layers share)."""
+        return any(entry[2] is tensor for entry in self.entries.values())
+
     def get(self, mask, signature, make):
         """``make()``, or what it made for this mask and ``signature`` before."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -300,7 +304,7 @@ class AttentionNode(torch.autograd.Function):
         # under gradient checkpointing with keep_attention, the recompute takes the forward's kernel outputs back
         compute = functools.partial(attend, q, k_attended, v_attended, scale, gqa=mask is None and kv_heads != heads,
                                     mask=mask, biases=biases)
-        attended = kept_attention.attend(compute, q, k_attended, v_attended, mask)
+        attended = kept_attention.attend(compute, q, k_attended, v_attended, mask, biases)
         if attended is None:
             raise NotCalledHere  # before any side effect: the caller runs the attention's own forward
         out, saved, sizes = attended                                            # (B, Hq, T, D)

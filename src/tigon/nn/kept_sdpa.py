@@ -55,7 +55,7 @@ class KeptSdpa(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, gqa, biases):
         compute = functools.partial(attention.attend, q, k, v, scale, gqa=gqa, mask=mask, biases=biases)
-        attended = kept_attention.attend(compute, q, k, v, mask)
+        attended = kept_attention.attend(compute, q, k, v, mask, biases)
         if attended is None:
             raise _NotCalled
         out, saved, sizes = attended

@@ -383,7 +383,8 @@ def patch(target, **switches) -> Patch:
       activations never exist whole (parts/long_context.py).
     - ``keep_attention``: under non-reentrant gradient checkpointing, the attention node's kernel output and
       log-sum-exp are kept from the forward, and the recompute in the backward takes them back instead of running
-      the T² kernel again (tigon.nn.kept_attention: in tigon's attention node, or transformers' sdpa function).
+      the T² kernel again (tigon.nn.kept_attention: in tigon's attention node, or transformers' sdpa function);
+      with ``offload_activations`` the kept outputs wait in pinned host memory beside each layer's input.
     - ``prehash``: replaces nothing; on a CUDA model, Triton's compiler key (a hash of its own installation,
       which the first kernel lookup of a process computes) is hashed on a background thread from here, so
       that the first forward finds it done (_kernels/triton_key.py).
