@@ -81,14 +81,14 @@ def _taken_back(kept):
 
 class KeptCall:
     """``function`` as a checkpoint calls it, holding the attention kernels' outputs of its first call for the
-    later ones (module docs). ``runs``: how many times it ran; ``entries``: (signature, outputs) in call order;
+    later ones (module docs). ``runs``: how many times it ran; ``entries``: (signature, outputs, stowed) in call order;
     ``biases``: where a masked call's bias is made, shared by the model's layers so that what they keep holds
     one bias per mask, not one a layer."""
 
     def __init__(self, function, biases=None):
         self.function = function
         self.biases = biases  # a tigon.nn.attention.MaskBiases the layers of a model share, or None
-        self.entries: list[tuple] = []  # (signature, outputs or what _stow made of them, stowed)
+        self.entries: list[tuple] = []  # stowed: outputs is what _stow made of them (the offload is on)
         self.runs = 0
         self.position = 0  # the next entry a replaying run takes
         self.replaying = False
