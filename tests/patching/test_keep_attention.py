@@ -205,19 +205,21 @@ def _check_stowed(kept, padded):
     assert len({id(group) for group in groups}) == 3
 
 
-@pytest.mark.parametrize("padded, backwards", [(False, 1), (True, 1), (False, 2)],
-                         ids=["causal", "padded", "retained-graph"])
-def test_with_the_offload_the_kept_outputs_wait_on_the_host(kernel_calls, monkeypatch, padded, backwards):
+@pytest.mark.parametrize("padded, backwards, switches", [(False, 1, {}), (True, 1, {}), (False, 2, {}),
+                                                      (False, 1, {"tiled_mlp": True})],
+                         ids=["causal", "padded", "retained-graph", "tiled-mlp"])
+def test_with_the_offload_the_kept_outputs_wait_on_the_host(kernel_calls, monkeypatch, padded, backwards, switches):
     """With the offload's scope around each layer's forward, what a layer keeps (the kernel's output and
     log-sum-exp) becomes handles in that layer's group of offloaded storages, beside its checkpointed input; the
-    recompute takes them back, and the step is bitwise the one without either switch. A padded batch's bias,
-    made once for all the layers, stays as it is. After the backward nothing is left on the host."""
+    recompute takes them back, and the step is bitwise the one without either switch (``switches`` on in both).
+    A padded batch's bias, made once for all the layers, stays as it is. After the backward nothing is left on the
+    host."""
     made = []
     init = KeptCall.__init__
     monkeypatch.setattr(KeptCall, "__init__", lambda self, *a, **k: init(self, *a, **k) or made.append(self))
 
     def run(keep, offload):
-        model = _model(keep_attention=keep)
+        model = _model(keep_attention=keep, **switches)
         offloader = _forced_offload(model) if offload else None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
         ids, labels = batch(0, seq=16)
