@@ -280,3 +280,24 @@ def test_copies_run_on_their_own_stream_overlapping_the_compute():
     for kind in ("DtoH", "HtoD"):
         overlapped = [c for c in copies[kind] if any(overlaps(c, k) for k in compute)]
         assert len(overlapped) >= len(copies[kind]) // 2, kind
+
+
+def test_host_memory_that_runs_out_is_a_clear_error_and_the_pool_stays_as_it_was(monkeypatch):
+    """A new host buffer the host cannot give (cudaHostAlloc failing, here the allocation raising): a
+    RuntimeError that names the switch, what is held and what to change; the buffers taken from the pool go
+    back and its figures are unchanged."""
+    from tigon.nn.activation_offload import HostPool
+
+    pool = HostPool(ON_CPU)
+    pool.give(pool.take(1024))  # one pooled 1 KiB buffer
+    before = (pool.host_bytes, pool.in_use_bytes, {size: len(b) for size, b in pool.free.items() if b})
+
+    def refusing(nbytes, pin):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(HostPool, "allocate", staticmethod(refusing))
+    with pytest.raises(RuntimeError, match=r"offload_activations: the host could not give .* GiB .*keep_attention"):
+        pool.take(1024 + 512)  # the pooled 1 KiB and a new 512 B
+    assert (pool.host_bytes, pool.in_use_bytes, {size: len(b) for size, b in pool.free.items() if b}) == before
+    monkeypatch.undo()
+    assert [b.numel() for b in pool.take(1024)] == [1024]

@@ -160,15 +160,37 @@ class HostPool:
         self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> list[torch.Tensor]:
-        """Buffers for a copy of ``nbytes`` (:func:`piece_sizes`), from the pool where it has them."""
+        """Buffers for a copy of ``nbytes`` (:func:`piece_sizes`), from the pool where it has them. Where the
+        host cannot give a new one, raises a RuntimeError saying how much is held and what to change; the
+        pool is as it was."""
         sizes = piece_sizes(nbytes, self.config)
         with self.lock:
             buffers = [self.free[size].pop() if self.free[size] else size for size in sizes]
-            self.host_bytes += sum(b for b in buffers if isinstance(b, int))
+            new = sum(b for b in buffers if isinstance(b, int))
+            self.host_bytes += new
             self.in_use_bytes += sum(sizes)
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         pin = self.config.pin_memory and torch.cuda.is_available()
-        return [torch.empty(b, dtype=torch.uint8, pin_memory=pin) if isinstance(b, int) else b for b in buffers]
+        try:
+            return [self.allocate(b, pin) if isinstance(b, int) else b for b in buffers]
+        except (RuntimeError, MemoryError) as error:
+            with self.lock:
+                self.host_bytes -= new
+                self.in_use_bytes -= sum(sizes)
+                for buffer in buffers:
+                    if not isinstance(buffer, int):
+                        self.free[buffer.numel()].append(buffer)
+            kind = "pinned " if pin else ""
+            raise RuntimeError(
+                f"offload_activations: the host could not give {new / 2**30:.2f} GiB more of {kind}memory "
+                f"({self.host_bytes / 2**30:.2f} GiB held for offloaded activations): shorten the sequence, turn "
+                f"keep_attention off (its kept outputs wait on the host too), or give the job more host memory "
+                f"({error})") from error
+
+    @staticmethod
+    def allocate(nbytes: int, pin: bool) -> torch.Tensor:
+        """A new host buffer of ``nbytes``, page-locked where ``pin``."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def give(self, buffers: list[torch.Tensor]) -> None:
         with self.lock:
