@@ -174,12 +174,10 @@ class HostPool:
         try:
             return [self.allocate(b, pin) if isinstance(b, int) else b for b in buffers]
         except (RuntimeError, MemoryError) as error:
-            with self.lock:
+            with self.lock:  # the new sizes were never held; the pooled buffers go back as give() returns them
                 self.host_bytes -= new
-                self.in_use_bytes -= sum(sizes)
-                for buffer in buffers:
-                    if not isinstance(buffer, int):
-                        self.free[buffer.numel()].append(buffer)
+                self.in_use_bytes -= new
+            self.give([buffer for buffer in buffers if not isinstance(buffer, int)])
             kind = "pinned " if pin else ""
             raise RuntimeError(
                 f"offload_activations: the host could not give {new / 2**30:.2f} GiB more of {kind}memory "
