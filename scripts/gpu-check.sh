@@ -20,10 +20,12 @@
 # Time: kernel compilation dominates a fresh machine, so the tests not marked bigmem run on WORKERS xdist
 # workers (3/4 of the cores), spread a test at a time (--dist loadgroup; a file whose tests share a module
 # fixture stays on one worker, see tests/conftest.py). Tests marked bigmem (>2**31-element tensors, 1B-parameter
-# models) run one at a time in one process: alongside the parallel part where the card has >= 120 GiB (the
-# parallel tests hold a few GiB; the bigmem tests were sized for an 80 GiB card), after it otherwise
-# (BIGMEM=along|after|none|only overrides; on an 80 GiB card a whole part is two calls, BIGMEM=none then
-# BIGMEM=only, each with its verdict). Each worker compiles torch.compile's kernels in its own process
+# models) run one at a time in one process, alongside the parallel part. The card's memory is shared through a
+# ledger (tests/gpu_share.py, $OUT/gpu-ledger.json): each bigmem test, and each test of the parallel part that
+# tests/gpu_memory.txt lists (3 GiB or more), holds its share from before it starts until its memory is given
+# back, within the card's memory less 3 GiB a process (a CUDA context and the cache a worker keeps), so that the
+# large tests wait for each other instead of running out of memory (BIGMEM=after|none|only: the bigmem tests
+# after the parallel part, left out, or alone). Each worker compiles torch.compile's kernels in its own process
 # (TORCHINDUCTOR_COMPILE_THREADS=1: the workers already fill the cores, a compile pool each would oversubscribe
 # them). pytest-timeout stops any one test after TEST_TIMEOUT s (240: the torchrun launches of the distributed
 # tests, under the interpreter, take a minute or two), and every pytest stops BUDGET_S s (540) after the script
@@ -96,7 +98,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
 if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
   gpu_gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
   WORKERS=${WORKERS:-$(( $(nproc) * 3 / 4 ))}
-  [ "$gpu_gib" -ge 120 ] && BIGMEM=${BIGMEM:-along}
+  BIGMEM=${BIGMEM:-along}
+  export TIGON_GPU_LEDGER="$OUT/gpu-ledger.json"
+  export TIGON_GPU_SHARE_GIB=$(( gpu_gib - 3 * (WORKERS + 1) ))
+  [ "$TIGON_GPU_SHARE_GIB" -ge 8 ] || TIGON_GPU_SHARE_GIB=8
+  rm -f "$TIGON_GPU_LEDGER"
 fi
 WORKERS=${WORKERS:-0}  # no GPU: one process (the interpreter's CPU run, as CI's but without its -n 2)
 BIGMEM=${BIGMEM:-after}

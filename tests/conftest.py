@@ -11,16 +11,19 @@ while every other test is spread on its own; and with ``TIGON_TEST_RECORD`` set 
 appended to that file as the test ends, so that a run stopped by its time budget still counts what ran (and
 with ``TIGON_TEST_COLLECTED`` the number of tests collected is written, to tell whether any was left unrun).
 On a GPU the tests that take longest there (tests/gpu_durations.txt) are collected first, and a fixture keeps
-the GPU's memory shared between the workers (``_gpu_memory_given_back``).
+the GPU's memory shared between the workers and the bigmem process (``_gpu_memory_given_back``, with the
+ledger of tests/gpu_share.py).
 """
 
 import gc
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu_share import BIGMEM_GIB, from_environment, gib_needed
 from tigon._interpreter import use_interpreter_without_gpu
 
 use_interpreter_without_gpu()
@@ -40,6 +43,8 @@ _MEMORY_RECORD = os.environ.get("TIGON_TEST_MEMORY")
 _CUDA = torch.cuda.is_available()  # asked once: the per-test fixture below runs for every test
 _CACHE_KEPT = 2 << 30  # bytes a worker's allocator may keep reserved between tests
 _RECORDED_PEAK = 1 << 30  # the peaks TIGON_TEST_MEMORY lists
+_LEDGER = from_environment() if _CUDA else None  # GPU memory shared with the run's other processes
+_GIB_NEEDED = gib_needed() if _LEDGER is not None else {}
 
 
 def _shares_a_fixture(item) -> bool:
@@ -148,17 +153,21 @@ def _gpu_memory_given_back(request):
     would hold the high-water mark of the largest test it ran (20-25 GiB for some), and on an 80 GiB card the
     tests running beside them then fail to allocate a few hundred MiB. With ``TIGON_TEST_MEMORY`` set, each test's
     peak reserved memory above 1 GiB is appended to that file ("GiB nodeid"): where the suite's memory goes.
+    Under scripts/gpu-check.sh's ledger (tests/gpu_share.py) a test that tests/gpu_memory.txt lists, and every
+    bigmem test, holds its share of the card from before it starts until its memory is given back.
     Nothing is done in a process where CUDA is not initialised (every CPU run, and the tests that fork or launch
     workers before touching the GPU)."""
-    if _CUDA and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-    yield
-    if not (_CUDA and torch.cuda.is_initialized()):
-        return
-    peak = torch.cuda.max_memory_reserved()
-    if _MEMORY_RECORD and peak > _RECORDED_PEAK:
-        with open(_MEMORY_RECORD, "a") as record:
-            record.write(f"{peak / 2**30:.1f} {request.node.nodeid}\n")
-    if torch.cuda.memory_reserved() > _CACHE_KEPT:
-        gc.collect()
-        torch.cuda.empty_cache()
+    gib = _GIB_NEEDED.get(request.node.nodeid, BIGMEM_GIB if "bigmem" in request.node.keywords else 0.0)
+    with _LEDGER.share(gib) if _LEDGER is not None and gib > 0 else nullcontext():
+        if _CUDA and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+        yield
+        if not (_CUDA and torch.cuda.is_initialized()):
+            return
+        peak = torch.cuda.max_memory_reserved()
+        if _MEMORY_RECORD and peak > _RECORDED_PEAK:
+            with open(_MEMORY_RECORD, "a") as record:
+                record.write(f"{peak / 2**30:.1f} {request.node.nodeid}\n")
+        if torch.cuda.memory_reserved() > _CACHE_KEPT:
+            gc.collect()
+            torch.cuda.empty_cache()
