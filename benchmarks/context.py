@@ -63,7 +63,9 @@ parts' result files, for one page with every row (a model and provider searched 
 ``--combine`` writes one page from earlier runs without running anything: their result files, or the runs of
 one day in a history file (``--combine benchmarks/results/history.jsonl --date 2026-12-06 --models
 llama-1b``; ``--models`` keeps those models' runs). The runs may have probed different lengths (one length a
-run, where a step takes minutes): each model and provider's probes from all of them make its row.
+run, where a step takes minutes): each model and provider's probes from all of them make its row. A run's row
+that carries ``"superseded"`` (a note: the code it measured has changed since, and how) joins no row; the page
+lists it under its table with the note.
 
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
 length, one line per provider, its longest marked. The run (its own rows, not the merged ones) appends one line
@@ -516,6 +518,10 @@ def markdown(result: dict) -> str:
         if settings.get("combined"):
             lines += ["Lengths probed: " + "; ".join(f"{PROVIDER_TITLES[r['provider']]}: {_probed(r)}" for r in rows)
                       + ".", ""]
+        left_out = [s for s in settings.get("superseded") or () if s["model"] == model]
+        if left_out:
+            lines += ["Left out, of code that has changed since: " + "; ".join(
+                f"{PROVIDER_TITLES[s['provider']]} in {s['run']} ({s['note']})" for s in left_out) + ".", ""]
         cost = offload_cost(rows)
         if cost is not None:
             verdict = "within" if cost >= OFFLOAD_COST_TARGET else "outside"
@@ -618,9 +624,14 @@ def combine(paths, date: str | None = None, models=None) -> dict:
     first_path, first = runs[0]
     reference = {**first, "kind": "context"}  # every run, the first included, must be a context run
     probes: dict[tuple, list] = {}
+    superseded = []  # rows of code that has changed since: named on the page, in no row
     for path, run in runs:
         e2e.check_same_kind(path, run, reference, COMBINE_SAME, whose=f"{first_path}'s")
         for row in run["rows"]:
+            if row.get("superseded"):
+                superseded.append({"model": row["model"], "provider": row["provider"], "run": path,
+                                   "note": row["superseded"]})
+                continue
             probes.setdefault((row["model"], row["provider"]), []).extend(row["probes"])
     rows = []
     for (model, provider), found in probes.items():
@@ -636,7 +647,7 @@ def combine(paths, date: str | None = None, models=None) -> dict:
     settings = {name: first["settings"].get(name) for name in COMBINE_SAME}
     settings.update(models=list(dict.fromkeys(r["model"] for r in rows)),
                     providers=list(dict.fromkeys(r["provider"] for r in rows)),
-                    combined=[name for name, _ in runs], runs=len(runs))
+                    combined=[name for name, _ in runs], runs=len(runs), superseded=superseded)
     return {"kind": "context", "rows": rows, "device": first["device"],
             "date": max(run["date"] for _, run in runs),
             "versions": {name: " / ".join(seen) or None for name, seen in versions.items()},

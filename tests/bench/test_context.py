@@ -396,3 +396,29 @@ def test_combining_a_day_keeps_the_models_asked_for(tmp_path):
     assert row["provider"] == "tigon+offload" and row["longest_seq"] == 131072
     with pytest.raises(ValueError, match="no runs of llama-3b"):
         context.combine([history_file], "2026-12-06", ["llama-3b"])
+
+
+def test_a_superseded_row_joins_no_row_and_the_page_names_it(tmp_path):
+    """A run's row marked ``superseded`` (the code it measured has changed since) is left out of its provider's
+    row, which the other runs' probes make; the page names it, with its note, under the model's table."""
+    history_file = tmp_path / "history.jsonl"
+    old = _run("tigon+offload+kept", [_probe(131072, 3227.0, peak=68 * 2**30)])
+    old["rows"][0]["superseded"] = "the kept outputs stayed on the GPU"
+    lines = [old, _run("unsloth+ckpt", [_probe(131072, 2713.0)]),
+             _run("tigon+offload+kept", [_probe(131072, 3219.0, peak=38 * 2**30)])]
+    history_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = context.combine([history_file], "2026-12-06")
+    rows = {r["provider"]: r for r in result["rows"]}
+    assert list(rows) == ["unsloth+ckpt", "tigon+offload+kept"]
+    kept = rows["tigon+offload+kept"]
+    assert kept["tokens_per_s_at_longest"] == 3219.0 and kept["peak_bytes_at_longest"] == 38 * 2**30
+    assert [p["tokens_per_s"] for p in kept["probes"]] == [3219.0]
+    assert result["settings"]["superseded"] == [{"model": "llama-8b-lora", "provider": "tigon+offload+kept",
+                                                 "run": "history.jsonl, line 1",
+                                                 "note": "the kept outputs stayed on the GPU"}]
+    text = context.markdown(result)
+    assert ("Left out, of code that has changed since: tigon + checkpointing + offload + kept attention in "
+            "history.jsonl, line 1 (the kept outputs stayed on the GPU).") in text
+    without = tmp_path / "without.jsonl"
+    without.write_text(json.dumps(lines[1]) + "\n")
+    assert "Left out" not in context.markdown(context.combine([without], "2026-12-06"))

@@ -180,9 +180,9 @@ def test_the_switch_composes_with_offload_and_reverts(kernel_calls):
 
 
 def _forced_offload(model) -> Offloader:
-    """The offload's scope on every decoder layer, told to take CPU tensors of any size (the hooks the switch
-    installs on a CUDA model; tests/patching/test_long_context.py runs them so too)."""
-    offloader = Offloader(OffloadConfig(device_types=("cpu",), min_bytes=0, bucket_bytes=1))
+    """The offload's scope on every decoder layer, told to take tensors of any size, on the CPU as on the GPU (the
+    hooks the switch installs on a CUDA model; tests/patching/test_long_context.py runs them so too)."""
+    offloader = Offloader(OffloadConfig(device_types=("cpu", "cuda"), min_bytes=0, bucket_bytes=1))
     for layer in model.model.layers:
         LayerOffload(layer, offloader, model.model).apply()
     return offloader
