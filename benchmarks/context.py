@@ -64,8 +64,8 @@ parts' result files, for one page with every row (a model and provider searched 
 one day in a history file (``--combine benchmarks/results/history.jsonl --date 2026-12-06 --models
 llama-1b``; ``--models`` keeps those models' runs). The runs may have probed different lengths (one length a
 run, where a step takes minutes): each model and provider's probes from all of them make its row. A run's row
-that carries ``"superseded"`` (a note: the code it measured has changed since, and how) joins no row; the page
-lists it under its table with the note.
+that carries ``"superseded"`` (a note: how the code it measured differs from the code tigon runs) joins no row; the
+page lists it under its table with the note.
 
 Results: ``<out>/context-<device>-<date>.{json,md,png}``; the plot draws tokens/s against the sequence
 length, one line per provider, its longest marked. The run (its own rows, not the merged ones) appends one line
@@ -520,7 +520,7 @@ def markdown(result: dict) -> str:
                       + ".", ""]
         left_out = [s for s in settings.get("superseded") or () if s["model"] == model]
         if left_out:
-            lines += ["Left out, of code that has changed since: " + "; ".join(
+            lines += ["Left out, measured on code that tigon no longer runs: " + "; ".join(
                 f"{PROVIDER_TITLES[s['provider']]} in {s['run']} ({s['note']})" for s in left_out) + ".", ""]
         cost = offload_cost(rows)
         if cost is not None:
@@ -624,7 +624,7 @@ def combine(paths, date: str | None = None, models=None) -> dict:
     first_path, first = runs[0]
     reference = {**first, "kind": "context"}  # every run, the first included, must be a context run
     probes: dict[tuple, list] = {}
-    superseded = []  # rows of code that has changed since: named on the page, in no row
+    superseded = []  # rows of code that tigon no longer runs: named on the page, in no row
     for path, run in runs:
         e2e.check_same_kind(path, run, reference, COMBINE_SAME, whose=f"{first_path}'s")
         for row in run["rows"]:

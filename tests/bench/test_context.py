@@ -399,7 +399,7 @@ def test_combining_a_day_keeps_the_models_asked_for(tmp_path):
 
 
 def test_a_superseded_row_joins_no_row_and_the_page_names_it(tmp_path):
-    """A run's row marked ``superseded`` (the code it measured has changed since) is left out of its provider's
+    """A run's row marked ``superseded`` (the code it measured is not the code tigon runs) is left out of its provider's
     row, which the other runs' probes make; the page names it, with its note, under the model's table."""
     history_file = tmp_path / "history.jsonl"
     old = _run("tigon+offload+kept", [_probe(131072, 3227.0, peak=68 * 2**30)])
@@ -417,7 +417,7 @@ def test_a_superseded_row_joins_no_row_and_the_page_names_it(tmp_path):
                                                  "run": "history.jsonl, line 1",
                                                  "note": "the kept outputs stayed on the GPU"}]
     text = context.markdown(result)
-    assert ("Left out, of code that has changed since: tigon + checkpointing + offload + kept attention in "
+    assert ("Left out, measured on code that tigon no longer runs: tigon + checkpointing + offload + kept attention in "
             "history.jsonl, line 1 (the kept outputs stayed on the GPU).") in text
     without = tmp_path / "without.jsonl"
     without.write_text(json.dumps(lines[1]) + "\n")
