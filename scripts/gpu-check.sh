@@ -35,7 +35,8 @@
 # results-{parallel,bigmem}.txt (one "outcome nodeid" line per test, written as each ends, so a run stopped by
 # the budget still counts), collected-{parallel,bigmem}.txt (how many tests each pytest collected: a part the
 # budget stops after its last test, in pytest's shutdown, still passes), memory-{parallel,bigmem}.txt (each
-# test's peak reserved GPU memory above 1 GiB), gpu-durations.txt (the tests that took 8 s or more:
+# test's peak reserved GPU memory above 1 GiB: tests/gpu_memory.txt's form), gpu-ledger.json (the memory ledger's
+# shares), gpu-durations.txt (the tests that took 8 s or more:
 # tests/gpu_durations.txt's form, which orders a GPU run) and, with BENCH, bench.log and
 # bench/<device>-<date>.{json,md,png}.
 set -uo pipefail
