@@ -33,13 +33,19 @@ def gib_needed(path: Path = GPU_MEMORY) -> dict:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and, where /proc tells, is not a zombie (a worker that ended and
+    that pytest-xdist has not reaped yet holds no GPU memory)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process of that pid: alive
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # the process ended in between; or no /proc to tell (not Linux): take it as running
+        return not Path("/proc").is_dir()
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"  # the state follows "(command) "
 
 
 class Ledger:

@@ -4,6 +4,7 @@ capacity granted alone, the shares of processes that ended dropped, and several 
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,22 @@ def test_the_share_of_a_process_that_ended_is_dropped(tmp_path, sleepers):
     assert ledger.try_take(9.0, pid=ended.pid)
     assert ledger.try_take(9.0, pid=sleepers[0])  # the ended process's 9 GiB no longer count
     assert ledger.held() == {sleepers[0]: 9.0}
+
+
+def test_the_share_of_a_zombie_process_is_dropped(tmp_path, sleepers):
+    """A worker that ended but is not reaped yet (a zombie) holds no GPU memory: its share does not count."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(200):  # until it has exited (not reaped: no wait() yet)
+        if Path(f"/proc/{ended.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.01)
+    ledger = Ledger(tmp_path / "ledger.json", capacity_gib=10)
+    try:
+        assert ledger.try_take(9.0, pid=ended.pid)
+        assert ledger.try_take(9.0, pid=sleepers[0])
+        assert ledger.held() == {sleepers[0]: 9.0}
+    finally:
+        ended.wait()
 
 
 def test_a_bad_capacity_is_refused(tmp_path):
