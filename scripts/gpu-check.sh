@@ -36,7 +36,7 @@
 # the budget still counts), collected-{parallel,bigmem}.txt (how many tests each pytest collected: a part the
 # budget stops after its last test, in pytest's shutdown, still passes), memory-{parallel,bigmem}.txt (each
 # test's peak reserved GPU memory above 1 GiB: tests/gpu_memory.txt's form), gpu-ledger.json (the memory ledger's
-# shares), gpu-durations.txt (the tests that took 8 s or more:
+# shares) and ledger-waits.txt (each wait for a share over 1 s), gpu-durations.txt (the tests that took 8 s or more:
 # tests/gpu_durations.txt's form, which orders a GPU run) and, with BENCH, bench.log and
 # bench/<device>-<date>.{json,md,png}.
 set -uo pipefail
@@ -54,7 +54,8 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 OUT=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT/bench"
-rm -f "$OUT"/results-*.txt "$OUT"/memory-*.txt "$OUT"/junit-*.xml "$OUT"/tests-*.log "$OUT"/collected-*.txt
+rm -f "$OUT"/results-*.txt "$OUT"/memory-*.txt "$OUT"/junit-*.xml "$OUT"/tests-*.log "$OUT"/collected-*.txt \
+  "$OUT"/ledger-waits.txt
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 # transformers 5.25's from_pretrained on a CUDA device swaps layers for kernels it downloads from the Hugging Face
 # Hub (its `use_kernels` defaults to on); the GPU machine has no network, so the tests run with the Hub kernels off,
@@ -100,7 +101,7 @@ if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/de
   gpu_gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
   WORKERS=${WORKERS:-$(( $(nproc) * 3 / 4 ))}
   BIGMEM=${BIGMEM:-along}
-  export TIGON_GPU_LEDGER="$OUT/gpu-ledger.json"
+  export TIGON_GPU_LEDGER="$OUT/gpu-ledger.json" TIGON_TEST_WAITS="$OUT/ledger-waits.txt"
   export TIGON_GPU_SHARE_GIB=$(( gpu_gib - 3 * (WORKERS + 1) ))
   [ "$TIGON_GPU_SHARE_GIB" -ge 8 ] || TIGON_GPU_SHARE_GIB=8
   rm -f "$TIGON_GPU_LEDGER"
@@ -213,6 +214,10 @@ for path in sys.argv[1:]:
 for seconds, nodeid in sorted(rows, reverse=True):
     print(f"{seconds:.1f} {nodeid}")
 PY
+  if [ -s "$OUT/ledger-waits.txt" ]; then
+    echo "waits for a share of the GPU's memory: $(wc -l <"$OUT/ledger-waits.txt"), $(awk '{ s += $1 } END { printf "%.0f", s }' "$OUT/ledger-waits.txt") s in all; the longest (s, GiB):"
+    sort -rn "$OUT/ledger-waits.txt" | head -5
+  fi
   if ls "$OUT"/memory-*.txt >/dev/null 2>&1; then
     echo "the most GPU memory a test reserved (GiB):"
     sort -rn "$OUT"/memory-*.txt | head -8

@@ -45,6 +45,7 @@ _CACHE_KEPT = 2 << 30  # bytes a worker's allocator may keep reserved between te
 _RECORDED_PEAK = 1 << 30  # the peaks TIGON_TEST_MEMORY lists
 _LEDGER = from_environment() if _CUDA else None  # GPU memory shared with the run's other processes
 _GIB_NEEDED = gib_needed() if _LEDGER is not None else {}
+_WAIT_RECORD = os.environ.get("TIGON_TEST_WAITS")  # "seconds GiB nodeid" of each wait for a share over 1 s
 
 
 def _shares_a_fixture(item) -> bool:
@@ -154,11 +155,15 @@ def _gpu_memory_given_back(request):
     tests running beside them then fail to allocate a few hundred MiB. With ``TIGON_TEST_MEMORY`` set, each test's
     peak reserved memory above 1 GiB is appended to that file ("GiB nodeid"): where the suite's memory goes.
     Under scripts/gpu-check.sh's ledger (tests/gpu_share.py) a test that tests/gpu_memory.txt lists, and every
-    bigmem test, holds its share of the card from before it starts until its memory is given back.
-    Nothing is done in a process where CUDA is not initialised (every CPU run, and the tests that fork or launch
-    workers before touching the GPU)."""
+    bigmem test, holds its share of the card from before it starts until its memory is given back; with
+    ``TIGON_TEST_WAITS`` set, a wait of more than 1 s for a share is appended to that file ("seconds GiB nodeid").
+    The cache and the record are left alone in a process where CUDA is not initialised (every CPU run, and the
+    tests that fork or launch workers before touching the GPU)."""
     gib = _GIB_NEEDED.get(request.node.nodeid, BIGMEM_GIB if "bigmem" in request.node.keywords else 0.0)
-    with _LEDGER.share(gib) if _LEDGER is not None and gib > 0 else nullcontext():
+    with _LEDGER.share(gib) if _LEDGER is not None and gib > 0 else nullcontext(0.0) as waited:
+        if _WAIT_RECORD and waited > 1:
+            with open(_WAIT_RECORD, "a") as record:
+                record.write(f"{waited:.1f} {gib:g} {request.node.nodeid}\n")
         if _CUDA and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
         yield

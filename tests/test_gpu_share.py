@@ -1,6 +1,7 @@
 """The GPU run's memory ledger (tests/gpu_share.py): shares granted within the capacity, a share larger than the
 capacity granted alone, the shares of processes that ended dropped, and several processes kept within it."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,38 @@ def test_the_committed_memory_list_names_test_files_that_exist():
     assert len(needed) > 20 and all(gib >= 3 for gib in needed.values())
     assert all((ROOT / nodeid.split("::")[0]).is_file() for nodeid in needed)
     assert gib_needed(GPU_MEMORY.with_name("missing.txt")) == {}
+
+
+def test_the_conftest_fixture_holds_a_listed_tests_share_while_it_runs(tmp_path, monkeypatch, sleepers):
+    """tests/conftest.py's per-test fixture under a ledger: a listed test (and a bigmem one) holds its share while
+    it runs and gives it back after; one that waited over 1 s for it is recorded; an unlisted test takes none."""
+    import threading
+    from types import SimpleNamespace
+
+    import tests.conftest as conftest
+
+    ledger = Ledger(tmp_path / "ledger.json", capacity_gib=10, poll_s=0.01)
+    waits = tmp_path / "waits.txt"
+    monkeypatch.setattr(conftest, "_LEDGER", ledger)
+    monkeypatch.setattr(conftest, "_GIB_NEEDED", {"tests/a.py::test_large": 8.0})
+    monkeypatch.setattr(conftest, "_WAIT_RECORD", str(waits))
+    fixture = conftest._gpu_memory_given_back.__wrapped__
+
+    def run(nodeid, keywords=()):
+        request = SimpleNamespace(node=SimpleNamespace(nodeid=nodeid, keywords=set(keywords)))
+        steps = fixture(request)
+        next(steps)
+        held = ledger.held()
+        with pytest.raises(StopIteration):
+            next(steps)
+        return held
+
+    me = os.getpid()
+    assert run("tests/a.py::test_large") == {me: 8.0} and ledger.held() == {}
+    assert run("tests/b.py::test_big", ["bigmem"]) == {me: conftest.BIGMEM_GIB}
+    assert run("tests/c.py::test_small") == {} and not waits.exists()
+    assert ledger.try_take(5.0, pid=sleepers[0])  # another worker's test: 5 + 8 > 10, so the next one waits
+    threading.Timer(1.3, ledger.give_back, kwargs={"pid": sleepers[0]}).start()
+    assert run("tests/a.py::test_large") == {me: 8.0}
+    seconds, gib, nodeid = waits.read_text().split()
+    assert float(seconds) >= 1.2 and (gib, nodeid) == ("8", "tests/a.py::test_large")
