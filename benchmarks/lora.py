@@ -56,6 +56,9 @@ op's bound, and two exact implementations that round differently are about as fa
 from fp32; so a row is judged by its distance from fp32 next to stock PEFT's own. It agrees when its first loss
 is within BF16_TOLERANCE (3e-2, the ops' bf16 bound in docs/api/README.md) of fp32's and its gradients within
 max(BF16_TOLERANCE, PEFT_SLACK (1.25) × stock PEFT's bf16 gradients' distance from fp32's) (:func:`agrees`).
+Where stock PEFT's bf16 run gives no distance (it ran out of memory, or was not asked for) while the fp32
+reference ran, its distance comes from the newest record in the checkout's history file with the same model,
+data and reference (:func:`peft_distances_from`), marked † on the page with the record named.
 
 Model flops a step (:func:`step_flops`), N = batch·seq tokens, L layers, H hidden, T = seq::
 
@@ -486,6 +489,49 @@ def add_agreement(rows: list[dict], references: list[dict]) -> None:
         row["agrees"] = agrees(row["loss_rel"], row.get("grad_rel", math.inf), row.get("peft_grad_rel"))
 
 
+# What an earlier run must share for its stock PEFT distance to stand in for this run's: the model and the first
+# step's data (its fp32 reference's first loss must match too).
+AGREEMENT_SAME = ("layers", "batch", "seq", "rank", "alpha", "weights", "kbit_rest", "tiny")
+
+
+def peft_distances_from(runs: list[dict], result: dict) -> None:
+    """Rows compared with fp32 whose own run has no stock PEFT bf16 distance (stock PEFT ran out of memory, or was
+    not among the providers) take it from the newest of ``runs`` (history records, oldest first) with the same
+    ``AGREEMENT_SAME`` settings whose fp32 reference on the same bases had the same first loss: the same model,
+    data and reference, so the same distance. Stock PEFT's run with the same checkpointing is preferred, in any
+    record, to one with the other, as :func:`add_agreement` prefers it; ``peft_from`` names the record (its
+    1-based line, date and device), and the verdict is taken again."""
+    losses = {r["provider"]: r["losses"][0] for r in result.get("references", []) if r.get("losses")}
+    settings = result["settings"]
+    for row in result["rows"]:
+        if "loss_rel" not in row or row.get("peft_grad_rel") is not None:
+            continue
+        reference = fp32_reference(row["provider"])
+        if reference not in losses:
+            continue
+        found = None
+        for name in reference_names(row["provider"]):  # the same checkpointing first, in any run, then the other
+            for line, run in reversed(list(enumerate(runs, 1))):
+                theirs = run.get("settings") or {}
+                if run.get("benchmark") != "lora" or any(theirs.get(k) != settings.get(k) for k in AGREEMENT_SAME):
+                    continue
+                their_loss = next((r["losses"][0] for r in run.get("references", [])
+                                   if r.get("provider") == reference and r.get("losses")), None)
+                if their_loss is None or not math.isclose(their_loss, losses[reference], rel_tol=1e-6):
+                    continue
+                found = next(((line, run, r) for r in run.get("rows", []) if r.get("provider") == name
+                              and r.get("against") == reference and r.get("grad_rel") is not None), None)
+                if found:
+                    break
+            if found:
+                break
+        if found:
+            line, run, peft = found
+            row["peft"], row["peft_grad_rel"] = peft["provider"], peft["grad_rel"]
+            row["peft_from"] = {"line": line, "date": run.get("date"), "device": run.get("device")}
+            row["agrees"] = agrees(row["loss_rel"], row.get("grad_rel", math.inf), row["peft_grad_rel"])
+
+
 def run(args, log=print) -> dict:
     with tempfile.TemporaryDirectory() as grads_dir:
         jobs = jobs_for(args, Path(grads_dir))
@@ -579,7 +625,13 @@ def markdown(result: dict) -> str:
             f"| {_title(row['provider'])} | {row['tokens_per_s']:.0f} | {speed} | {row['tflops']:.0f} | "
             f"{row['matmul_share']:.0%} | {row['median_step_s'] * 1e3:.0f} | {e2e._gib(row.get('peak_bytes'))} | "
             f"{_fmt(agreement.get('loss_rel'), '.1e')} | {_fmt(agreement.get('grad_rel'), '.1e')} | "
-            f"{_fmt(agreement.get('peft_grad_rel'), '.1e')} | {note} |")
+            f"{_fmt(agreement.get('peft_grad_rel'), '.1e')}{' †' if agreement.get('peft_from') else ''} | {note} |")
+    borrowed = sorted({(f["line"], f["date"], f["device"], r["peft"]) for r in rows if (f := r.get("peft_from"))})
+    if borrowed:
+        runs = "; ".join(f"{history.FILE_NAME} line {line} ({date}, {device}, {_title(name)})"
+                         for line, date, device, name in borrowed)
+        lines += ["", "† Stock PEFT's distance from an earlier run with the same model, data and fp32 reference, as "
+                  f"this run's stock PEFT gave none: {runs}."]
     references = [f"{_title(r['provider'])}: " + (r["error"] if "error" in r else f"first loss {r['losses'][0]:.6g}")
                   for r in result.get("references", [])]
     lines += ["", "fp32 references: " + ("; ".join(references) if references else
@@ -636,6 +688,9 @@ def main(argv=None) -> int:
                   date=_dt.date.today().isoformat(), versions=versions(args.providers, args.unsloth_site),
                   settings=settings,
                   wall_s=time.perf_counter() - started)
+    known = history.default_path()  # stock PEFT's distance, where this run's did not give it
+    if known is not None and known.is_file():
+        peft_distances_from(history.read(known), result)
     target = history.script_path(args)
     if target is not None:  # this run's rows only: the merged ones are in the history already
         history.append(result, benchmark="lora", path=target)

@@ -312,6 +312,48 @@ def test_markdown_and_files(tmp_path):
     assert paths[1].read_text() == text
 
 
+def test_a_run_without_stock_peft_takes_its_distance_from_an_earlier_record(tmp_path):
+    """Stock PEFT out of memory: the rows compared with fp32 take stock PEFT's bf16 distance from the newest history
+    record with the same model, data and fp32 reference, the same checkpointing first (in any record); a record with
+    other settings or another reference loss gives none. The page marks the borrowed value and names the record."""
+    rows, references = synthetic_rows(tmp_path)
+    settings = {k: str(v) if not isinstance(v, (int, float, str, list, type(None))) else v
+                for k, v in vars(lora.parse_args([])).items()}
+    peft_fp32 = next(r for r in references if r["provider"] == "peft+fp32")
+    assert peft_fp32["losses"][0] == 2.001
+
+    def record(peft_name, grad_rel, loss=2.001, **changed):
+        return {"benchmark": "lora", "date": "2026-12-05", "device": "NVIDIA H100 80GB HBM3",
+                "settings": {**settings, **changed}, "references": [{"provider": "peft+fp32", "losses": [loss]}],
+                "rows": [{"provider": peft_name, "against": "peft+fp32", "grad_rel": grad_rel}]}
+
+    history = [record("peft", 0.038),                    # line 1: no checkpointing, as this run's tigon row
+               record("peft+ckpt", 0.039),               # line 2: the other checkpointing, newer
+               record("peft", 0.5, layers=32),           # line 3: another model
+               record("peft", 0.5, loss=2.5),            # line 4: another reference loss
+               {"benchmark": "context", "rows": []}]     # line 5: another benchmark
+    live = [r for r in rows if r["provider"] in ("tigon", "tigon+ckpt")]
+    lora.add_agreement(live, [peft_fp32])  # no stock PEFT row: the fallback bound of BF16_TOLERANCE
+    assert not any(r["agrees"] for r in live) and all("peft_grad_rel" not in r for r in live)
+    result = {"kind": "lora", "rows": live, "references": [peft_fp32], "settings": settings,
+              "device": "NVIDIA H100 80GB HBM3", "date": "2026-12-06", "versions": {}}
+    lora.peft_distances_from(history, result)
+    tigon, ckpt = live
+    assert (tigon["peft"], tigon["peft_grad_rel"], tigon["peft_from"]["line"]) == ("peft", 0.038, 1)
+    assert tigon["agrees"]  # 4.5e-2 within 1.25 x 3.8e-2
+    assert (ckpt["peft"], ckpt["peft_grad_rel"], ckpt["peft_from"]["line"]) == ("peft+ckpt", 0.039, 2)
+    assert not ckpt["agrees"]  # 1e-1 past 1.25 x 3.9e-2
+    text = lora.markdown(result)
+    assert "| 3.8e-02 † |" in text and "| 3.9e-02 † |" in text
+    assert ("history.jsonl line 1 (2026-12-05, NVIDIA H100 80GB HBM3, stock PEFT); history.jsonl line 2 "
+            "(2026-12-05, NVIDIA H100 80GB HBM3, stock PEFT + checkpointing).") in text
+    untouched = copy.deepcopy(live)
+    for row in untouched:
+        row.pop("peft_grad_rel"), row.pop("peft"), row.pop("peft_from")
+    lora.peft_distances_from(history[2:], {**result, "rows": untouched})
+    assert all("peft_from" not in r for r in untouched)
+
+
 def test_runs_split_over_device_calls_merge_into_one_page(tmp_path):
     """--merge: an earlier run's rows join this run's page (earlier first; a provider measured again replaces its
     row); a run with other settings or on another device is refused, naming what differs."""
