@@ -489,7 +489,7 @@ def add_agreement(rows: list[dict], references: list[dict]) -> None:
         row["agrees"] = agrees(row["loss_rel"], row.get("grad_rel", math.inf), row.get("peft_grad_rel"))
 
 
-# What an earlier run must share for its stock PEFT distance to stand in for this run's: the model and the first
+# What another run must share for its stock PEFT distance to stand in for this run's: the model and the first
 # step's data (its fp32 reference's first loss must match too).
 AGREEMENT_SAME = ("layers", "batch", "seq", "rank", "alpha", "weights", "kbit_rest", "tiny")
 
@@ -630,7 +630,7 @@ def markdown(result: dict) -> str:
     if borrowed:
         runs = "; ".join(f"{history.FILE_NAME} line {line} ({date}, {device}, {_title(name)})"
                          for line, date, device, name in borrowed)
-        lines += ["", "† Stock PEFT's distance from an earlier run with the same model, data and fp32 reference, as "
+        lines += ["", "† Stock PEFT's distance from another run with the same model, data and fp32 reference, as "
                   f"this run's stock PEFT gave none: {runs}."]
     references = [f"{_title(r['provider'])}: " + (r["error"] if "error" in r else f"first loss {r['losses'][0]:.6g}")
                   for r in result.get("references", [])]

@@ -312,7 +312,7 @@ def test_markdown_and_files(tmp_path):
     assert paths[1].read_text() == text
 
 
-def test_a_run_without_stock_peft_takes_its_distance_from_an_earlier_record(tmp_path):
+def test_a_run_without_stock_peft_takes_its_distance_from_another_record(tmp_path):
     """Stock PEFT out of memory: the rows compared with fp32 take stock PEFT's bf16 distance from the newest history
     record with the same model, data and fp32 reference, the same checkpointing first (in any record); a record with
     other settings or another reference loss gives none. The page marks the borrowed value and names the record."""
