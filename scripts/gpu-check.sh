@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite on a GPU, kernels compiled for real, in two parts; each part fits one 10-minute call and
+# The test suite on a GPU, kernels compiled for real, in two parts; each part is sized for one 10-minute call and
 # ends in one line: VERDICT <part> transformers <version>: PASS|FAIL (N passed, N failed, N skipped).
 #
 #   bash scripts/gpu-check.sh               # PART=suite: every test, on the machine's transformers
