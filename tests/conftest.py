@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu_share import BIGMEM_GIB, from_environment, gib_needed
+from tests.gpu_share import BIGMEM_GIB, by_test, from_environment, gib_needed
 from tigon._interpreter import use_interpreter_without_gpu
 
 use_interpreter_without_gpu()
@@ -61,10 +61,7 @@ GPU_DURATIONS = Path(__file__).with_name("gpu_durations.txt")
 
 def gpu_seconds(path: Path = GPU_DURATIONS) -> dict:
     """``{nodeid: seconds}`` from a file of "seconds nodeid" lines ('#' starts a comment line)."""
-    if not path.is_file():
-        return {}
-    lines = (line.split(maxsplit=1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
-    return {nodeid: float(seconds) for seconds, nodeid in lines}
+    return by_test(path)
 
 
 def longest_first(items, seconds: dict) -> None:

@@ -24,12 +24,18 @@ GPU_MEMORY = Path(__file__).with_name("gpu_memory.txt")
 BIGMEM_GIB = 28.0  # a bigmem test that tests/gpu_memory.txt does not list: the largest listed, 27 GiB, and some
 
 
-def gib_needed(path: Path = GPU_MEMORY) -> dict:
-    """``{nodeid: GiB}`` from a file of "GiB nodeid" lines ('#' starts a comment line)."""
+def by_test(path: Path) -> dict:
+    """``{nodeid: value}`` from a file of "value nodeid" lines ('#' starts a comment line; none where the file
+    is missing): tests/gpu_memory.txt's and tests/gpu_durations.txt's form."""
     if not path.is_file():
         return {}
     lines = (line.split(maxsplit=1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
-    return {nodeid: float(gib) for gib, nodeid in lines}
+    return {nodeid: float(value) for value, nodeid in lines}
+
+
+def gib_needed(path: Path = GPU_MEMORY) -> dict:
+    """``{nodeid: GiB}``: each listed test's share of the card."""
+    return by_test(path)
 
 
 def _alive(pid: int) -> bool:

@@ -21,10 +21,10 @@ import torch
 
 import tigon
 from tests.helpers import ON_GPU
-from tests.patching.tiny import DEVICE, batch, grads, tiny_model
+from tests.patching.tiny import DEVICE, batch, forced_offload, grads, tiny_model
 from tests.patching.tiny_lora import node_in_fp32_here
 from tigon.nn import attention, kept_attention
-from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader, ScopedCheckpoint, _Handle
+from tigon.nn.activation_offload import ScopedCheckpoint, _Handle
 from tigon.nn.checkpoint_chain import CHECKPOINT_ATTR
 from tigon.nn.kept_attention import KeepingCheckpoint, KeptCall
 
@@ -179,15 +179,6 @@ def test_the_switch_composes_with_offload_and_reverts(kernel_calls):
     assert not any(k.startswith("_tigon") for layer in model.model.layers for k in vars(layer))
 
 
-def _forced_offload(model) -> Offloader:
-    """The offload's scope on every decoder layer, told to take tensors of any size, on the CPU as on the GPU (the
-    hooks the switch installs on a CUDA model; tests/patching/test_long_context.py runs them so too)."""
-    offloader = Offloader(OffloadConfig(device_types=("cpu", "cuda"), min_bytes=0, bucket_bytes=1))
-    for layer in model.model.layers:
-        LayerOffload(layer, offloader, model.model).apply()
-    return offloader
-
-
 def _check_stowed(kept, padded):
     """Each of the 3 layers' KeptCalls holds one entry, stowed: the output and log-sum-exp as handles in the
     group of that layer's offloaded storages, beside its input; the bias of a padded batch as the tensor the
@@ -220,7 +211,7 @@ def test_with_the_offload_the_kept_outputs_wait_on_the_host(kernel_calls, monkey
 
     def run(keep, offload):
         model = _model(keep_attention=keep, **switches)
-        offloader = _forced_offload(model) if offload else None
+        offloader = forced_offload(model) if offload else None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
         ids, labels = batch(0, seq=16)
         mask = torch.ones_like(ids)

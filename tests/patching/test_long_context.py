@@ -11,8 +11,8 @@ import torch
 
 import tigon
 from tests.helpers import LOSS_TOLERANCE, TOLERANCE
-from tests.patching.tiny import DEVICE, assert_grads_close, batch, grads, rel, tiny_model
-from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader, ScopedCheckpoint, piece_sizes
+from tests.patching.tiny import DEVICE, assert_grads_close, batch, forced_offload, grads, rel, tiny_model
+from tigon.nn.activation_offload import OffloadConfig, ScopedCheckpoint, piece_sizes
 from tigon.nn.checkpoint_chain import CHECKPOINT_ATTR
 from tigon.nn.tiled_mlp import TiledForward
 from tigon.patching.parts import long_context
@@ -58,18 +58,6 @@ def _assert_matches(got, want, dtype=torch.float32):
     assert_grads_close(g, want_g, TOLERANCE[dtype])
 
 
-EVERYTHING = OffloadConfig(device_types=("cpu", "cuda"), min_bytes=0, bucket_bytes=1)
-
-
-def _forced_offload(model, config=EVERYTHING):
-    """Offload every saved tensor of every decoder layer, CPU tensors included (the hooks the switch
-    installs on CUDA models, told to treat CPU tensors as offloadable; ``model.model`` calls the layers)."""
-    offloader = Offloader(config)
-    for layer in model.model.layers:
-        LayerOffload(layer, offloader, model.model).apply()
-    return offloader
-
-
 def test_both_switches_are_off_by_default():
     from tigon.patching.engine import SWITCHES
 
@@ -100,7 +88,7 @@ def test_both_switches_compose_with_tigons_mlp_recompute_norms_and_checkpointing
     stock = _model()
     patched = copy.deepcopy(stock)
     tigon.patch(patched, recompute_norms=True, tiled_mlp=True, offload_activations=True)
-    offloader = _forced_offload(_small_chunks(patched))
+    offloader = forced_offload(_small_chunks(patched))
     got = _step(patched, checkpointing=checkpointing)
     want = _step(stock, checkpointing=checkpointing)
     _assert_matches(got, want)
@@ -110,7 +98,7 @@ def test_both_switches_compose_with_tigons_mlp_recompute_norms_and_checkpointing
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_with_checkpointing_each_layers_input_is_what_goes(reentrant):
     model = _model()
-    offloader = _forced_offload(model)
+    offloader = forced_offload(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ids, labels = batch(0)
     loss = model(input_ids=ids, labels=labels).loss
@@ -135,7 +123,7 @@ def test_lora_on_the_mlp_projections_trains_as_stock_peft():
     stock = lora(_model())
     patched = lora(_model())
     tigon.patch(patched, tiled_mlp=True, **PLAIN)
-    offloader = _forced_offload(_small_chunks(patched.get_base_model()))
+    offloader = forced_offload(_small_chunks(patched.get_base_model()))
     got, want = _step(patched), _step(stock)
     _assert_matches(got, want)
     assert any("lora_A" in name and "mlp" in name for name in got[1])
@@ -275,7 +263,7 @@ def test_both_switches_match_tigon_without_them_in_bf16_on_the_gpu(checkpointing
     switched = copy.deepcopy(unswitched)
     tigon.patch(unswitched)
     tigon.patch(switched, tiled_mlp=True)
-    offloader = _forced_offload(switched, OffloadConfig(min_bytes=0))
+    offloader = forced_offload(switched, OffloadConfig(min_bytes=0))
     got = _step(switched, seq=600, checkpointing=checkpointing)
     assert offloader.host_bytes > 0 and offloader.pool.in_use_bytes == 0
     want = _step(unswitched, seq=600, checkpointing=checkpointing)

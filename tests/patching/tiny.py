@@ -15,6 +15,7 @@ import transformers
 
 import tigon
 from tests.helpers import DEVICE
+from tigon.nn.activation_offload import LayerOffload, OffloadConfig, Offloader
 
 VOCAB = 160
 SEQ = 12
@@ -222,3 +223,17 @@ class PromptMaskedSamples(torch.utils.data.Dataset):
         labels = self.ids[i].clone()
         labels[: self.prompt[i]] = -100
         return {"input_ids": self.ids[i], "labels": labels}
+
+
+# The offload's hooks told to take every saved tensor, of any size, on the CPU as on the GPU.
+EVERYTHING = OffloadConfig(device_types=("cpu", "cuda"), min_bytes=0, bucket_bytes=1)
+
+
+def forced_offload(model, config=EVERYTHING) -> Offloader:
+    """The offload's scope on every decoder layer of ``model`` (the hooks the switch installs on CUDA models; with
+    the default config CPU tensors count as offloadable too; ``model.model`` calls the layers)."""
+    offloader = Offloader(config)
+    for layer in model.model.layers:
+        LayerOffload(layer, offloader, model.model).apply()
+    return offloader
+
