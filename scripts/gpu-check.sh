@@ -131,7 +131,8 @@ pytest_part() {  # name, then pytest's arguments: stops at the budget's end; the
 ran_every_test() {  # name: its pytest collected a count of tests, and its record holds an outcome for each
   local collected outcomes
   collected=$(cat "$OUT/collected-$1.txt" 2>/dev/null) || return 1
-  outcomes=$(awk 'NF { print $2 }' "$OUT/results-$1.txt" 2>/dev/null | sort -u | wc -l)
+  # the id is the rest of the line: a parametrized id may hold spaces ("[one chunk-mean]", "[one chunk-none]")
+  outcomes=$(grep -v '^$' "$OUT/results-$1.txt" 2>/dev/null | cut -d ' ' -f 2- | sort -u | wc -l)
   [ -n "$collected" ] && [ "$collected" -gt 0 ] && [ "$outcomes" -ge "$collected" ]
 }
 

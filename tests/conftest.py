@@ -145,6 +145,24 @@ def _no_saved_tensor_hooks_left_on():
 
 
 @pytest.fixture(autouse=True)
+def _triton_interpreter_switch_kept():
+    """A test leaves ``TRITON_INTERPRET`` as it found it. The benchmarks' ``main`` with ``--device cpu`` sets it
+    for the worker processes they start; called in a test's own process on a GPU it would stay set there, and
+    every later torch.compile in that process would build Inductor's kernels for the interpreter (Inductor reads
+    the variable when it makes a kernel) and fail. It is put back here and the test that changed it fails."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    after = os.environ.get("TRITON_INTERPRET")
+    if after != before:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+        pytest.fail(f"the test changed TRITON_INTERPRET from {before!r} to {after!r}; put back here",
+                    pytrace=False)
+
+
+@pytest.fixture(autouse=True)
 def _gpu_memory_given_back(request):
     """On a GPU, the memory a test leaves in its worker's cache goes back to the driver when it exceeds 2 GiB.
     PyTorch's caching allocator keeps what a process once reserved: on scripts/gpu-check.sh's 12-14 workers each

@@ -6,6 +6,7 @@ history). The GPU run itself is not tested here."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from benchmarks import context
@@ -103,6 +104,9 @@ def test_a_row_names_the_gpu_when_its_first_probe_failed_before_it_started():
 
 def test_a_run_appends_its_rows_to_the_history(tmp_path, monkeypatch):
     from tigon.bench import history
+
+    # main turns the interpreter on for its probes (--device cpu); monkeypatch puts the switch back after the test
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
 
     def fake_search(args, model, provider):
         return {**_result()["rows"][0], "model": model, "provider": provider, "device": "GPU-name"}
