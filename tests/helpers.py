@@ -91,8 +91,29 @@ def repeatable_grads(fn, inputs, grad_outputs):
     without atomics give the same result run to run); returns the first."""
     first = torch.autograd.grad(fn(), inputs, grad_outputs)
     second = torch.autograd.grad(fn(), inputs, grad_outputs)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    for i, (a, b) in enumerate(zip(first, second, strict=True)):
+        assert_bitwise_equal(a, b, f"gradient {i}")
     return first
+
+
+def assert_bitwise_equal(first: torch.Tensor, again: torch.Tensor, what: str) -> None:
+    """``first`` and ``again`` (two runs of the same computation) equal bit for bit, NaN where both are NaN; a
+    failure says where they differ (rows and columns of the last dimension) and by how much, so that a rare
+    difference on a GPU run can be told apart: a whole slice of a row (one program's part), single elements, or
+    values far outside the data's range (memory written by something else)."""
+    assert first.shape == again.shape and first.dtype == again.dtype, f"{what}: {first.shape} {first.dtype} " \
+        f"against {again.shape} {again.dtype}"
+    differ = (first != again) & ~(first.isnan() & again.isnan())
+    if not differ.any():
+        return
+    grid = differ.reshape(-1, differ.shape[-1]) if differ.dim() else differ.reshape(1, 1)
+    rows, cols = grid.any(dim=1).nonzero().flatten().tolist(), grid.any(dim=0).nonzero().flatten().tolist()
+    a, b = first[differ].double(), again[differ].double()
+    raise AssertionError(
+        f"{what} differs between two runs in {int(differ.sum())} of {differ.numel()} elements: rows {rows[:10]}"
+        f"{' ...' if len(rows) > 10 else ''} ({len(rows)} of {grid.shape[0]}), columns {cols[0]}-{cols[-1]} "
+        f"({len(cols)} of {grid.shape[1]}); largest |value| there {a.abs().max():.4g} in the first run, "
+        f"{b.abs().max():.4g} in the second, largest |difference| {(a - b).abs().max():.4g}")
 
 
 def node_names(t: torch.Tensor) -> set:
